@@ -1,0 +1,54 @@
+"""inturn: run work that shares a key one at a time, in arrival order.
+
+Work with different keys runs concurrently. Think of a FIFO line per key that
+exists only while someone is in it::
+
+    from inturn import queue_by_key, keyed
+
+    @queue_by_key(key="stock-{product_id}")
+    async def take_stock(product_id: str, n: int) -> None: ...
+
+    async with keyed("system-log"):
+        ...
+
+The module-level :func:`queue_by_key`, :func:`keyed` and :func:`run` act on
+:data:`default_queue`; make a :class:`KeyedQueue` of your own for separate
+settings (timeout, max_pending) or a separate set of lines.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from ._decorator import QueuedFunction as QueuedFunction
+from ._errors import InturnError as InturnError
+from ._errors import QueueClosed as QueueClosed
+from ._errors import QueueFull as QueueFull
+from ._queue import UNSET as UNSET
+from ._queue import KeyedQueue as KeyedQueue
+
+try:
+    __version__ = version("inturn")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0+unknown"
+
+#: The queue behind the module-level :func:`queue_by_key`, :func:`keyed` and :func:`run`.
+default_queue = KeyedQueue()
+
+queue_by_key = default_queue.queue_by_key
+keyed = default_queue.keyed
+run = default_queue.run
+
+__all__ = (
+    "UNSET",
+    "InturnError",
+    "KeyedQueue",
+    "QueueClosed",
+    "QueueFull",
+    "QueuedFunction",
+    "__version__",
+    "default_queue",
+    "keyed",
+    "queue_by_key",
+    "run",
+)

@@ -1,0 +1,221 @@
+"""queue_by_key: the decorator, built on wrapt so functions and methods keep their identity."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Callable, Coroutine, Hashable
+from typing import TYPE_CHECKING, Any, Concatenate, Final, Protocol, TypeVar, final, overload
+
+import wrapt
+from typing_extensions import ParamSpec
+
+from ._keys import KeySpec, KeysSpec, compile_key
+from ._queue import _check_timeout, _current_task, _Unset
+
+if TYPE_CHECKING:
+    from ._queue import KeyedQueue
+
+__all__ = ("QueuedFunction", "decorate", "is_decoratable")
+
+P = ParamSpec("P")
+P2 = ParamSpec("P2")
+R_co = TypeVar("R_co", covariant=True)
+T = TypeVar("T")
+
+_Run = Callable[
+    [Any, Callable[..., Any], tuple[Any, ...], dict[str, Any], "float | None"],
+    Coroutine[Any, Any, Any],
+]
+
+
+class QueuedFunction(Protocol[P, R_co]):
+    """An ``async def`` function whose calls queue by key: what ``queue_by_key`` returns.
+
+    Calling it returns a coroutine; the call is submitted to its key's line
+    when that coroutine starts running.
+    """
+
+    @property
+    def queue(self) -> KeyedQueue:
+        """The queue the calls wait in."""
+        ...
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Coroutine[Any, Any, R_co]: ...
+
+    def key_of(self, *args: P.args, **kwargs: P.kwargs) -> Any:
+        """The key (a tuple of keys for ``keys=``) a call with these arguments would use."""
+        ...
+
+    @overload
+    def __get__(
+        self, instance: None, owner: type[Any] | None = None, /
+    ) -> QueuedFunction[P, R_co]: ...
+
+    @overload
+    def __get__(
+        self: QueuedFunction[Concatenate[T, P2], R_co],
+        instance: T,
+        owner: type[Any] | None = None,
+        /,
+    ) -> QueuedFunction[P2, R_co]: ...
+
+
+class _BoundQueued(wrapt.BoundFunctionWrapper):  # type: ignore[type-arg]
+    """A decorated method, bound to its instance or class."""
+
+    @property
+    def queue(self) -> KeyedQueue:
+        return self._self_parent._self_queue  # type: ignore[no-any-return]
+
+    def key_of(self, *args: Any, **kwargs: Any) -> Any:
+        # As wrapt passes it to the wrapper: the instance, the class for a
+        # classmethod, nothing for a staticmethod or a call through the class.
+        instance = getattr(self.__wrapped__, "__self__", None)
+        full = args if instance is None else (instance, *args)
+        return self._self_parent._self_key_of(full, kwargs)
+
+
+@final
+class _Queued(wrapt.FunctionWrapper):  # type: ignore[type-arg]
+    """A decorated function or method, before binding."""
+
+    __bound_function_wrapper__ = _BoundQueued
+
+    def __init__(
+        self,
+        wrapped: Any,
+        wrapper: Callable[..., Any],
+        queue: KeyedQueue,
+        key_of: Callable[[tuple[Any, ...], dict[str, Any]], Any],
+    ) -> None:
+        super().__init__(wrapped, wrapper)
+        self._self_queue = queue
+        self._self_key_of = key_of
+
+    @property
+    def queue(self) -> KeyedQueue:
+        return self._self_queue
+
+    def key_of(self, *args: Any, **kwargs: Any) -> Any:
+        return self._self_key_of(args, kwargs)
+
+
+@final
+class _Flight:
+    """A call of a coalescing function that is in flight, and who joined it."""
+
+    __slots__ = ("joiners", "task")
+
+    def __init__(self, task: object) -> None:
+        self.task = task
+        self.joiners: list[asyncio.Future[Any]] = []
+
+    async def join(self) -> Any:
+        joiner: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.joiners.append(joiner)
+        return await joiner
+
+    def finish(self, error: BaseException | None, result: Any) -> None:
+        for joiner in self.joiners:
+            if joiner.done():  # that joiner was cancelled
+                continue
+            if error is None:
+                joiner.set_result(result)
+            elif isinstance(error, asyncio.CancelledError | KeyboardInterrupt | SystemExit):
+                joiner.set_result(_RERUN)
+            else:
+                joiner.set_exception(error)
+
+
+#: What a joiner gets when the call it joined did not finish (was cancelled).
+_RERUN: Final = object()
+
+
+def _coalescing(run: _Run) -> _Run:
+    """Wrap a queue's run so that a call joins an in-flight call with the same key."""
+    flights: dict[Hashable, _Flight] = {}
+
+    async def coalesced(
+        key: Hashable,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float | None,
+    ) -> Any:
+        task = _current_task()
+        while (flight := flights.get(key)) is not None:
+            if flight.task is task:  # a reentrant call: run it inside the turn
+                return await run(key, fn, args, kwargs, timeout)
+            outcome = await flight.join()
+            if outcome is not _RERUN:
+                return outcome
+        flight = flights[key] = _Flight(task)
+        try:
+            result = await run(key, fn, args, kwargs, timeout)
+        except BaseException as error:
+            del flights[key]
+            flight.finish(error, None)
+            raise
+        del flights[key]
+        flight.finish(None, result)
+        return result
+
+    return coalesced
+
+
+def is_decoratable(obj: object) -> bool:
+    """Whether obj is what queue_by_key decorates (rather than a key spec)."""
+    if isinstance(obj, classmethod | staticmethod):
+        obj = obj.__func__
+    return inspect.iscoroutinefunction(obj)
+
+
+def _describe(obj: object) -> str:
+    name = getattr(obj, "__qualname__", None)
+    return f"{name}()" if name else repr(obj)
+
+
+def decorate(
+    queue: KeyedQueue,
+    fn: Any,
+    key: KeySpec,
+    keys: KeysSpec | None,
+    timeout: float | _Unset | None,
+    coalesce: bool,
+) -> Any:
+    """Apply queue_by_key to fn, or return the decorator when fn is None."""
+    limit = queue.timeout if isinstance(timeout, _Unset) else _check_timeout(timeout)
+    if not isinstance(coalesce, bool):
+        raise TypeError(f"inturn: coalesce must be True or False, got {coalesce!r}")
+    if fn is None:
+
+        def decorator(fn: Any) -> Any:
+            if not is_decoratable(fn):
+                raise TypeError(
+                    f"inturn: queue_by_key() decorates async def functions; got {fn!r}. "
+                    "(A plain def used as a bare @queue_by_key is taken for a key callable.)"
+                )
+            return decorate(queue, fn, key, keys, limit, coalesce)
+
+        return decorator
+
+    target = fn.__func__ if isinstance(fn, classmethod | staticmethod) else fn
+    if not inspect.iscoroutinefunction(target):
+        raise TypeError(
+            f"inturn: queue_by_key() decorates async def functions; {_describe(target)} is not one"
+        )
+    extract, several = compile_key(target, key, keys)
+    run: _Run = queue._run_many if several else queue._run
+    if coalesce:
+        run = _coalescing(run)
+
+    def wrapper(
+        wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Coroutine[Any, Any, Any]:
+        # instance: None for a function or staticmethod, else the instance or
+        # class that the templates know as `self` or `cls`.
+        key = extract(args if instance is None else (instance, *args), kwargs)
+        return run(key, wrapped, args, kwargs, limit)
+
+    return _Queued(fn, wrapper, queue, extract)

@@ -1,0 +1,242 @@
+"""Keys: checking them, ordering several, and compiling a decorator's key spec.
+
+Everything that can be decided from a decorated function's signature is
+decided here once, at decoration time; what runs per call is a small closure.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from string import Formatter
+from types import MappingProxyType
+from typing import Any, Final, TypeAlias
+
+__all__ = (
+    "KeyFunction",
+    "KeySpec",
+    "KeysSpec",
+    "compile_key",
+    "order_keys",
+    "unhashable",
+)
+
+#: What ``key=`` accepts: ``None`` (the function's qualified name), a constant
+#: or template ``str``, another hashable constant, or a callable given the
+#: call's arguments by parameter name.
+KeySpec: TypeAlias = "str | Callable[[Mapping[str, Any]], Hashable] | Hashable | None"
+#: What ``keys=`` accepts: constants and templates, or a callable returning keys.
+KeysSpec: TypeAlias = "Iterable[str | Hashable] | Callable[[Mapping[str, Any]], Iterable[Hashable]]"
+#: A compiled key spec: ``(args, kwargs) -> key``, where ``args`` includes the
+#: bound instance or class for methods.
+KeyFunction: TypeAlias = Callable[[tuple[Any, ...], dict[str, Any]], Any]
+
+_MISSING: Final = inspect.Parameter.empty
+_POSITIONAL: Final = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+_FIELD_ROOT: Final = re.compile(r"[^.\[]*")
+
+
+def unhashable(key: object) -> TypeError:
+    """Build the error for a key that cannot name a line."""
+    return TypeError(
+        f"inturn: key {key!r} is unhashable ({type(key).__name__}); a key must be hashable, "
+        "for example a str, int, bytes, or a tuple of those"
+    )
+
+
+def _order(key: Hashable) -> tuple[int, str, str, str]:
+    kind = type(key)
+    return (hash(key), kind.__module__, kind.__qualname__, repr(key))
+
+
+def order_keys(keys: Iterable[Hashable]) -> tuple[Hashable, ...]:
+    """Drop duplicate keys and sort the rest into the queue's global order.
+
+    Every holder of several keys takes them in this order, so two holders of
+    overlapping key sets can never wait for each other in a cycle. The order
+    is by ``hash()`` first, which equal keys share whatever their type
+    (``1 == 1.0 == True``), so the order is consistent with which line a key
+    names. It is fixed for the life of a process, not across processes.
+    """
+    unique = dict.fromkeys(keys)  # raises TypeError for an unhashable key
+    if len(unique) < 2:
+        return tuple(unique)
+    return tuple(sorted(unique, key=_order))
+
+
+class _Signature:
+    """A function's parameters, compiled for fast lookup of call arguments by name."""
+
+    __slots__ = ("defaults", "function", "kinds", "positions", "signature")
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.function = function
+        self.signature = inspect.signature(function)
+        params = list(self.signature.parameters.values())
+        self.positions = {p.name: i for i, p in enumerate(params) if p.kind in _POSITIONAL}
+        self.kinds = {p.name: p.kind for p in params}
+        self.defaults = {p.name: p.default for p in params}
+
+    @property
+    def simple(self) -> bool:
+        """Whether no parameter is ``*args`` or ``**kwargs``."""
+        return all(
+            kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+            for kind in self.kinds.values()
+        )
+
+    def check(self, names: Iterable[str], what: str) -> None:
+        """Raise ValueError if ``what`` names a parameter the function lacks."""
+        for name in names:
+            if name not in self.kinds:
+                have = ", ".join(self.kinds) or "none"
+                raise ValueError(
+                    f"inturn: {what} names {name!r}, but {_describe(self.function)} has no "
+                    f"parameter of that name (its parameters: {have})"
+                )
+
+    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Map every parameter to its value in this call, defaults applied.
+
+        Raises the ``TypeError`` Python itself would raise for a call that does
+        not fit the signature.
+        """
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return bound.arguments
+
+    def getter(self, name: str) -> KeyFunction:
+        """Compile ``(args, kwargs) -> value of parameter name`` in this call."""
+        index = self.positions.get(name)
+        default = self.defaults[name]
+        kind = self.kinds[name]
+        keyword = kind is not inspect.Parameter.POSITIONAL_ONLY
+        bind = self.bind
+        if kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            # the *args tuple or **kwargs dict itself: rare, bind the whole call
+            return lambda args, kwargs: bind(args, kwargs)[name]
+
+        def get(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if index is not None and len(args) > index:
+                return args[index]
+            if keyword and name in kwargs:
+                return kwargs[name]
+            if default is not _MISSING:
+                return default
+            return bind(args, kwargs)[name]  # raises the TypeError of the missing argument
+
+        return get
+
+    def mapping(self) -> Callable[[tuple[Any, ...], dict[str, Any]], Mapping[str, Any]]:
+        """Compile ``(args, kwargs) -> read-only mapping of every argument by name``."""
+        if not self.simple:
+            bind = self.bind
+            return lambda args, kwargs: MappingProxyType(bind(args, kwargs))
+        getters = [(name, self.getter(name)) for name in self.kinds]
+        return lambda args, kwargs: MappingProxyType(
+            {name: get(args, kwargs) for name, get in getters}
+        )
+
+
+def _describe(function: Callable[..., Any]) -> str:
+    return f"{getattr(function, '__qualname__', function)!s}()"
+
+
+def _template(sig: _Signature, template: str) -> KeyFunction | str:
+    """Compile a key template; return the key itself when it has no fields."""
+    texts: list[list[str]] = [[]]  # the literal text before, between and after the fields
+    roots: list[str] = []  # the parameter each field starts from
+    simple = True  # every field is a bare {param}: no attribute, index, conversion or spec
+    for text, field, spec, conversion in Formatter().parse(template):
+        texts[-1].append(text)
+        if field is None:
+            continue
+        root = _FIELD_ROOT.match(field).group()  # type: ignore[union-attr]  # always matches
+        if not root or root.isdigit():
+            raise ValueError(
+                f"inturn: key template {template!r} has a positional field {{{field}}}; "
+                "name the parameter instead, as in 'user-{user_id}'"
+            )
+        roots.append(root)
+        texts.append([])
+        simple = simple and field == root and not spec and conversion is None
+    if not roots:
+        return template.format()  # a constant, with any {{ }} escapes undone
+    sig.check(roots, f"key template {template!r}")
+    if simple and len(roots) == 1:
+        # The common 'prefix-{param}suffix' shape: no str.format machinery per call.
+        get = sig.getter(roots[0])
+        prefix, suffix = ("".join(part) for part in texts)
+        return lambda args, kwargs: f"{prefix}{get(args, kwargs)}{suffix}"
+    getters = [(name, sig.getter(name)) for name in dict.fromkeys(roots)]
+    return lambda args, kwargs: template.format_map(
+        {name: get(args, kwargs) for name, get in getters}
+    )
+
+
+def _one(sig: _Signature, spec: KeySpec) -> KeyFunction | Hashable:
+    """Compile one key spec; return the key itself when it is a constant."""
+    if isinstance(spec, str):
+        return _template(sig, spec) if "{" in spec or "}" in spec else spec
+    if callable(spec):
+        mapping = sig.mapping()
+        call = spec
+        return lambda args, kwargs: call(mapping(args, kwargs))
+    try:
+        hash(spec)
+    except TypeError:
+        raise TypeError(
+            f"inturn: key= takes None, a str, a hashable constant or a callable; got {spec!r}"
+        ) from None
+    return spec
+
+
+def compile_key(
+    function: Callable[..., Any], key: KeySpec, keys: KeysSpec | None
+) -> tuple[KeyFunction, bool]:
+    """Compile a decorator's key spec into ``(extract, several)``.
+
+    ``extract(args, kwargs)`` returns the call's key, or a tuple of its keys
+    when ``several`` is true (``keys=``). Bad specs raise here, at decoration
+    time: a template naming a missing parameter or a positional field, both
+    ``key=`` and ``keys=``, or a ``keys=`` that is neither a callable nor an
+    iterable of keys.
+    """
+    sig = _Signature(function)
+    if keys is not None:
+        if key is not None:
+            raise TypeError("inturn: pass key= or keys=, not both")
+        if isinstance(keys, str | bytes):
+            raise TypeError(
+                f"inturn: keys= takes a list of keys or templates, not a single "
+                f"{type(keys).__name__} ({keys!r}); use key= for one key"
+            )
+        if callable(keys):
+            mapping = sig.mapping()
+            several = keys
+            return (lambda args, kwargs: tuple(several(mapping(args, kwargs)))), True
+        if not isinstance(keys, Iterable):
+            raise TypeError(
+                f"inturn: keys= takes a list of keys or templates, or a callable; got {keys!r}"
+            )
+        parts = [_one(sig, spec) for spec in keys]
+        if not parts:
+            raise ValueError("inturn: keys= needs at least one key")
+        compiled = [(part, callable(part)) for part in parts]
+        if not any(dynamic for _, dynamic in compiled):
+            constant = tuple(parts)
+            return (lambda args, kwargs: constant), True
+        return (
+            lambda args, kwargs: tuple(
+                part(args, kwargs) if dynamic else part  # type: ignore[operator]
+                for part, dynamic in compiled
+            )
+        ), True
+    if key is None:
+        name = f"{function.__module__}.{function.__qualname__}"
+        return (lambda args, kwargs: name), False
+    part = _one(sig, key)
+    if callable(part):
+        return part, False
+    return (lambda args, kwargs: part), False

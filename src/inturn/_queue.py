@@ -1,0 +1,624 @@
+"""KeyedQueue: a line per key, FIFO within a key, concurrent across keys."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import sys
+from collections import deque
+from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable
+from contextlib import AbstractAsyncContextManager
+from inspect import isawaitable
+from types import CoroutineType, TracebackType
+from typing import TYPE_CHECKING, Any, Final, TypeVar, final, overload
+
+from ._errors import QueueClosed, QueueFull
+from ._keys import KeySpec, KeysSpec, order_keys, unhashable
+from ._turn import Turn
+
+if TYPE_CHECKING:
+    from typing_extensions import ParamSpec
+
+    from ._decorator import QueuedFunction
+
+    P = ParamSpec("P")
+
+__all__ = ("UNSET", "KeyedQueue")
+
+R = TypeVar("R")
+
+if sys.version_info >= (3, 12):
+    from asyncio import current_task as _current_task  # implemented in C
+else:  # pragma: no cover - depends on the interpreter
+    # asyncio.current_task() is pure Python before 3.12; this is the same
+    # lookup without its argument handling, as it sits on the hot path.
+    from asyncio.tasks import _current_tasks  # type: ignore[attr-defined]
+
+    def _current_task(
+        _get: Callable[[asyncio.AbstractEventLoop], asyncio.Task[Any] | None] = _current_tasks.get,
+        _loop: Callable[[], asyncio.AbstractEventLoop] = asyncio.get_running_loop,
+    ) -> asyncio.Task[Any] | None:
+        return _get(_loop())
+
+
+@final
+class _Unset:
+    """The type of :data:`UNSET`."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+#: The default of per-call ``timeout=`` arguments: use the queue's timeout.
+#: (``None`` means no time limit.)
+UNSET: Final = _Unset()
+
+
+def _check_timeout(timeout: float | None) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise TypeError(f"inturn: timeout must be a number of seconds or None, got {timeout!r}")
+    if math.isnan(timeout) or timeout < 0:
+        raise ValueError(f"inturn: timeout must be >= 0 seconds or None, got {timeout!r}")
+    return None if math.isinf(timeout) else float(timeout)
+
+
+def _check_max_pending(max_pending: int | None) -> int | None:
+    if max_pending is None:
+        return None
+    if isinstance(max_pending, bool) or not isinstance(max_pending, int):
+        raise TypeError(f"inturn: max_pending must be an int or None, got {max_pending!r}")
+    if max_pending < 0:
+        raise ValueError(f"inturn: max_pending must be >= 0 or None, got {max_pending!r}")
+    return max_pending
+
+
+def _expire(waiter: asyncio.Future[None], key: Hashable, timeout: float) -> None:
+    if not waiter.done():
+        waiter.set_exception(
+            TimeoutError(f"inturn: the turn for key {key!r} was not reached within {timeout:g} s")
+        )
+
+
+def _publish(watchers: list[asyncio.Future[Any]], error: BaseException | None, result: Any) -> None:
+    """Hand a holder's outcome to the futures that current() gave out."""
+    for watcher in watchers:
+        if watcher.done():  # its awaiter was cancelled
+            continue
+        if error is None:
+            watcher.set_result(result)
+        elif isinstance(error, Exception):
+            watcher.set_exception(error)
+            watcher.exception()  # the holder's own caller gets the error; don't log it again
+        else:  # cancelled, or interrupted
+            watcher.cancel()
+
+
+@final
+class _Drain:
+    """One drain() call: a mark at the tail of every line that was active."""
+
+    __slots__ = ("future", "remaining")
+
+    def __init__(self, remaining: int, future: asyncio.Future[None]) -> None:
+        self.remaining = remaining  # marks not yet reached
+        self.future = future
+
+    def reached(self) -> None:
+        """Count one mark as reached: everything ahead of it in its line has left."""
+        self.remaining -= 1
+        if not self.remaining and not self.future.done():
+            self.future.set_result(None)
+
+
+@final
+class _Line:
+    """A key's line once anyone but its holder has looked at it.
+
+    While one task holds a key and nobody else asked about it, the queue maps
+    the key straight to that task: no object is made on the uncontended path.
+    """
+
+    __slots__ = ("holder", "waiters", "waiting", "watchers")
+
+    def __init__(self, holder: object) -> None:
+        # The holding task; between a hand-off and the new holder waking up,
+        # the waiter future that was handed the turn. Never None.
+        self.holder = holder
+        # FIFO of waiter futures and drain marks. A done future is a waiter
+        # that left (cancelled or timed out) and is skipped at hand-off.
+        self.waiters: deque[asyncio.Future[None] | _Drain] = deque()
+        # How many futures in `waiters` are not done: the live waiters.
+        self.waiting = 0
+        # Futures from current(), resolved with the holder's outcome.
+        self.watchers: list[asyncio.Future[Any]] | None = None
+
+    def compact(self) -> None:
+        """Drop waiters that left, once they outnumber the live ones."""
+        if len(self.waiters) > 2 * self.waiting + 16:
+            self.waiters = deque(w for w in self.waiters if type(w) is _Drain or not w.done())
+
+
+@final
+class KeyedQueue:
+    """A registry of per-key FIFO lines: one task at a time per key.
+
+    Work submitted under a key waits in that key's line and runs when it
+    reaches the front; work under different keys runs concurrently. A line
+    exists only while someone holds or waits for its key.
+
+    Guarantees, for every way of taking a turn (:meth:`run`, :meth:`keyed`,
+    :meth:`queue_by_key`):
+
+    - Mutual exclusion: two tasks never hold the same key at once.
+    - FIFO: turns are granted in submission order. A submission happens when
+      the call's coroutine starts running, so the order of ``gather()`` or
+      ``create_task()`` is the queue order.
+    - Direct hand-off: a release hands the key to exactly the next waiter; a
+      newcomer can never take it in between, and no other waiter is woken.
+    - Errors stay with their caller: an exception in one holder reaches its
+      own caller only, and the next in line still runs.
+    - Cancellation: a cancelled waiter leaves the line without disturbing
+      anyone behind it; a cancelled holder releases the key; a waiter
+      cancelled just as it is handed the key passes the turn on.
+    - Reentrancy: the task that holds a key may take it again (a decorated
+      method calling another with the same key) and runs at once. Any other
+      task, including one the holder spawned, waits its turn.
+    - No leaks: once a key has no holder and no waiter, the queue keeps no
+      reference to it.
+
+    :param timeout: the default limit, in seconds, for reaching a turn;
+        ``None`` waits as long as it takes. A turn not reached in time raises
+        :exc:`TimeoutError` and the work never runs.
+    :param max_pending: the most waiters a key may have (not counting its
+        holder); one more raises :exc:`~inturn.QueueFull` at once.
+        ``None`` is unbounded.
+    :raises ValueError: ``timeout`` or ``max_pending`` is negative.
+    :raises TypeError: ``timeout`` or ``max_pending`` is not a number.
+    """
+
+    __slots__ = ("__weakref__", "_lines", "_max_pending", "_open", "_timeout", "_tokens")
+
+    def __init__(self, *, timeout: float | None = None, max_pending: int | None = None) -> None:
+        # key -> the holding task, while nobody else asked about the key;
+        # key -> _Line otherwise. A key is here exactly while it is active.
+        self._lines: dict[Hashable, Any] = {}
+        self._timeout = _check_timeout(timeout)
+        self._max_pending = _check_max_pending(max_pending)
+        self._open = True
+        self._tokens = itertools.count(1)
+
+    # -- taking turns ---------------------------------------------------------
+
+    def run(
+        self, key: Hashable, fn: Callable[..., Awaitable[R] | R], /, *args: Any, **kwargs: Any
+    ) -> Coroutine[Any, Any, R]:
+        """Wait for ``key``'s turn, then return ``fn(*args, **kwargs)``.
+
+        The result is awaited when it is awaitable. The turn ends when ``fn``
+        returns or raises; its exception propagates to this caller only.
+
+        :raises TimeoutError: the turn was not reached within the queue's
+            ``timeout``; ``fn`` was not called.
+        :raises QueueFull: ``key`` already has ``max_pending`` waiters.
+        :raises QueueClosed: the queue is closed.
+        :raises TypeError: ``key`` is unhashable or ``fn`` is not callable.
+        """
+        if not callable(fn):
+            raise TypeError(f"inturn: run() needs a callable, got {fn!r}")
+        return self._run(key, fn, args, kwargs, self._timeout)
+
+    async def _run(
+        self,
+        key: Hashable,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float | None,
+    ) -> Any:
+        """Take key's turn, call fn, release: the path of run() and the decorator."""
+        task = _current_task()
+        lines = self._lines
+        try:
+            line = lines.get(key)
+        except TypeError:
+            raise unhashable(key) from None
+        if line is None and self._open and task is not None:
+            lines[key] = task  # uncontended: a dict insert, nothing allocated
+        elif await self._wait_turn(key, task, line, timeout):
+            result = fn(*args, **kwargs)  # this task holds the key already
+            return (await result) if isawaitable(result) else result
+        try:
+            result = fn(*args, **kwargs)
+            if type(result) is CoroutineType or isawaitable(result):
+                result = await result
+        except BaseException as error:
+            if lines[key] is task:
+                del lines[key]
+            else:
+                self._leave(key, error, None)
+            raise
+        if lines[key] is task:
+            del lines[key]
+        else:
+            self._leave(key, None, result)
+        return result
+
+    async def _run_many(
+        self,
+        keys: Iterable[Hashable],
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float | None,
+    ) -> Any:
+        """Take the turns of several keys, call fn, release: the decorator's keys= path."""
+        block = _Keyed(self, self._ordered(tuple(keys)), timeout)
+        await block.__aenter__()
+        try:
+            result = await fn(*args, **kwargs)
+        except BaseException as error:
+            block.release(error, None)
+            raise
+        block.release(None, result)
+        return result
+
+    def keyed(
+        self, *keys: Hashable, timeout: float | _Unset | None = UNSET
+    ) -> AbstractAsyncContextManager[Turn]:
+        """Hold one or more keys for the duration of an ``async with`` block.
+
+        ``async with queue.keyed("acct-1", "acct-2") as turn:`` waits for the
+        turn of every key, then runs the block holding all of them. Several
+        keys are taken one at a time in one global order, so two holders of
+        overlapping key sets can never deadlock; if the turn of a later key is
+        not reached (timeout, cancellation), the keys already taken are
+        released and the block never runs.
+
+        :param keys: one or more hashable keys; duplicates count once.
+        :param timeout: the limit, in seconds, for reaching the turn of every
+            key; the queue's ``timeout`` when not given, ``None`` for none.
+        :returns: an async context manager binding a :class:`~inturn.backends.Turn`.
+        :raises TypeError: no key was given, or a key is unhashable (at once).
+        :raises TimeoutError: on entry, the turn was not reached in time.
+        :raises QueueFull: on entry, a key already has ``max_pending`` waiters.
+        :raises QueueClosed: on entry, the queue is closed.
+        """
+        if not keys:
+            raise TypeError("inturn: keyed() needs at least one key")
+        limit = self._timeout if isinstance(timeout, _Unset) else _check_timeout(timeout)
+        return _Keyed(self, self._ordered(keys), limit)
+
+    @overload
+    def queue_by_key(  # type: ignore[overload-overlap]  # a coroutine function is decorated
+        self, key: Callable[P, Coroutine[Any, Any, R]], /
+    ) -> QueuedFunction[P, R]: ...
+
+    @overload
+    def queue_by_key(
+        self,
+        key: KeySpec = None,
+        *,
+        keys: KeysSpec | None = None,
+        timeout: float | _Unset | None = UNSET,
+        coalesce: bool = False,
+    ) -> Callable[[Callable[P, Coroutine[Any, Any, R]]], QueuedFunction[P, R]]: ...
+
+    def queue_by_key(
+        self,
+        key: Any = None,
+        *,
+        keys: KeysSpec | None = None,
+        timeout: float | _Unset | None = UNSET,
+        coalesce: bool = False,
+    ) -> Any:
+        """Decorate an ``async def`` so that its calls queue by key on this queue.
+
+        Usable bare (``@queue.queue_by_key``) or called. Works on functions
+        and methods (plain, ``classmethod``, ``staticmethod``); the decorated
+        function keeps its name, docstring, signature and
+        ``inspect.iscoroutinefunction()``. Each call waits for its key's
+        turn, runs, and releases the key, with the guarantees of the queue.
+
+        :param key: what a call's key is:
+
+            - ``None``: every call shares one key, the function's
+              module-qualified name;
+            - a ``str`` without ``{``: that constant key;
+            - a ``str`` template, formatted with the call's arguments by
+              parameter name, defaults applied: ``"stock-{product_id}"``,
+              ``"conv-{self.conversation_id}"``;
+            - a callable, called with one argument: a read-only mapping of the
+              call's arguments by parameter name, defaults applied.
+        :param keys: instead of ``key``, several keys taken together (see
+            :meth:`keyed`): a list of constants and templates, or a callable
+            given the same mapping and returning an iterable of keys.
+        :param timeout: the limit for reaching a turn; the queue's when not
+            given, ``None`` for none.
+        :param coalesce: when true, a call made while a call of this function
+            with the same key is in flight (running, or waiting for its turn)
+            returns that call's result, or raises its exception, instead of
+            queueing another run. If that call is cancelled, the waiting call
+            queues a run of its own.
+        :returns: the decorated function, with ``.queue`` (this queue) and
+            ``.key_of(*args, **kwargs)`` (the key, or tuple of keys, a call
+            with those arguments would use).
+        :raises TypeError: at decoration, the function is not ``async def``
+            or a spec has the wrong type.
+        :raises ValueError: at decoration, a template names a parameter the
+            function does not have.
+        """
+        from ._decorator import decorate, is_decoratable
+
+        if is_decoratable(key) and keys is None:
+            return decorate(self, key, None, None, timeout, coalesce)
+        return decorate(self, None, key, keys, timeout, coalesce)
+
+    # -- the lines --------------------------------------------------------------
+
+    def _ordered(self, keys: tuple[Hashable, ...]) -> tuple[Hashable, ...]:
+        if len(keys) == 1:
+            try:
+                hash(keys[0])
+            except TypeError:
+                raise unhashable(keys[0]) from None
+            return keys
+        try:
+            return order_keys(keys)
+        except TypeError:
+            for key in keys:
+                try:
+                    hash(key)
+                except TypeError:
+                    raise unhashable(key) from None
+            raise
+
+    async def _wait_turn(
+        self, key: Hashable, task: asyncio.Task[Any] | None, line: Any, timeout: float | None
+    ) -> bool:
+        """Take key's turn for task, waiting in line if need be.
+
+        Return True if task already held the key (a reentrant call, which
+        must not release it); False once task holds the key.
+        """
+        if task is None:
+            raise RuntimeError("inturn: a turn can only be taken inside an asyncio task")
+        if line is not None and (line is task or (type(line) is _Line and line.holder is task)):
+            return True
+        if not self._open:
+            raise QueueClosed(
+                f"inturn: the queue is closed; the work for key {key!r} was not queued"
+            )
+        lines = self._lines
+        if line is None:
+            lines[key] = task
+            return False
+        if type(line) is not _Line:
+            line = lines[key] = _Line(line)
+        if self._max_pending is not None and line.waiting >= self._max_pending:
+            raise QueueFull(
+                f"inturn: key {key!r} already has {line.waiting} waiting "
+                f"(max_pending={self._max_pending}); the work was not queued"
+            )
+        if timeout is not None and timeout <= 0:
+            raise TimeoutError(
+                f"inturn: the turn for key {key!r} was not free (timeout={timeout:g} s)"
+            )
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+        line.waiters.append(waiter)
+        line.waiting += 1
+        timer = None if timeout is None else loop.call_later(timeout, _expire, waiter, key, timeout)
+        try:
+            await waiter
+        except BaseException:
+            if not waiter.cancelled() and waiter.done() and waiter.exception() is None:
+                # The turn was handed to this task just as it was interrupted:
+                # pass it on, or the line would stall behind a task that left.
+                self._leave(key, None, None)
+            else:
+                waiter.cancel()  # so that the hand-off skips it
+                line.waiting -= 1
+                line.compact()
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+        line.holder = task
+        return False
+
+    def _release(
+        self, key: Hashable, task: object, error: BaseException | None, result: Any
+    ) -> None:
+        """End task's turn on key."""
+        if self._lines[key] is task:
+            del self._lines[key]
+        else:
+            self._leave(key, error, result)
+
+    def _leave(self, key: Hashable, error: BaseException | None, result: Any) -> None:
+        """End the turn of key's holder: tell its watchers, hand the key to the next waiter."""
+        line: _Line = self._lines[key]
+        if line.watchers is not None:
+            watchers, line.watchers = line.watchers, None
+            _publish(watchers, error, result)
+        waiters = line.waiters
+        while waiters:
+            waiter = waiters.popleft()
+            if type(waiter) is _Drain:
+                waiter.reached()
+            elif not waiter.done():
+                line.holder = waiter
+                line.waiting -= 1
+                waiter.set_result(None)
+                return
+        del self._lines[key]
+
+    # -- looking at the lines -----------------------------------------------------
+
+    def is_active(self, key: Hashable) -> bool:
+        """Whether a task holds or waits for ``key``."""
+        return key in self._lines
+
+    @property
+    def active_keys(self) -> frozenset[Hashable]:
+        """The keys that a task holds or waits for, at this moment."""
+        return frozenset(self._lines)
+
+    @property
+    def active_count(self) -> int:
+        """How many keys a task holds or waits for."""
+        return len(self._lines)
+
+    def pending(self, key: Hashable) -> int:
+        """How many tasks wait for ``key``, not counting its holder."""
+        line = self._lines.get(key)
+        return line.waiting if type(line) is _Line else 0
+
+    def current(self, key: Hashable) -> asyncio.Future[Any] | None:
+        """An awaitable of the outcome of ``key``'s current holder, or ``None``.
+
+        For a :meth:`run` or decorated call it resolves to that call's result,
+        or raises its exception; for a :meth:`keyed` block, to ``None`` when
+        the block ends. ``None`` is returned when nothing holds the key (or
+        the key was just handed over and its next holder has not started).
+        Awaiting it, or cancelling the awaiter, never affects the holder; if
+        the holder is cancelled, awaiting it raises ``CancelledError``.
+        """
+        line = self._lines.get(key)
+        if line is None:
+            return None
+        if type(line) is not _Line:
+            line = self._lines[key] = _Line(line)
+        elif not isinstance(line.holder, asyncio.Task):
+            return None
+        watcher: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        if line.watchers is None:
+            line.watchers = []
+        line.watchers.append(watcher)
+        return watcher
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return not self._open
+
+    @property
+    def timeout(self) -> float | None:
+        """The default limit, in seconds, for reaching a turn."""
+        return self._timeout
+
+    @property
+    def max_pending(self) -> int | None:
+        """The most waiters a key may have, or ``None``."""
+        return self._max_pending
+
+    async def drain(self) -> None:
+        """Wait until every task pending or running at this call has finished.
+
+        Work submitted after the call is not waited for. Errors of the
+        drained work reach their own callers, not this one. Cancelling a
+        drain only stops the waiting.
+        """
+        lines = self._lines
+        if not lines:
+            return
+        drain = _Drain(len(lines), asyncio.get_running_loop().create_future())
+        for key, line in list(lines.items()):
+            if type(line) is not _Line:
+                line = lines[key] = _Line(line)
+            line.waiters.append(drain)
+        await drain.future
+
+    def close(self) -> None:
+        """Refuse new work: every later submission raises :exc:`~inturn.QueueClosed`.
+
+        Work already holding or waiting for a turn goes on, and a task that
+        holds a key may still take it again. Closing twice is harmless.
+        """
+        self._open = False
+
+    async def aclose(self) -> None:
+        """Close the queue, then wait for the work already in it (:meth:`drain`)."""
+        self.close()
+        await self.drain()
+
+    def __repr__(self) -> str:
+        shown = []
+        for key, line in itertools.islice(self._lines.items(), 5):
+            waiting = line.waiting if type(line) is _Line else 0
+            shown.append(f"{key!r}: held, {waiting} waiting")
+        if len(self._lines) > 5:
+            shown.append("...")
+        state = "closed" if not self._open else "open"
+        return f"<KeyedQueue {state}, {len(self._lines)} active {{{', '.join(shown)}}}>"
+
+
+@final
+class _Keyed:
+    """The context manager of :meth:`KeyedQueue.keyed`."""
+
+    __slots__ = ("_keys", "_queue", "_taken", "_task", "_timeout")
+
+    def __init__(
+        self, queue: KeyedQueue, keys: tuple[Hashable, ...], timeout: float | None
+    ) -> None:
+        self._queue = queue
+        self._keys = keys  # in the global order
+        self._timeout = timeout
+        self._task: object = None  # the task inside the block, None outside it
+        self._taken: list[Hashable] = []  # keys this block took (not held already)
+
+    async def __aenter__(self) -> Turn:
+        if self._task is not None:
+            raise RuntimeError("inturn: this keyed() block is already entered; make one per use")
+        queue = self._queue
+        lines = queue._lines
+        task = _current_task()
+        taken: list[Hashable] = []
+        timeout = self._timeout
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        try:
+            for key in self._keys:
+                line = lines.get(key)
+                if line is None and queue._open and task is not None:
+                    lines[key] = task
+                    taken.append(key)
+                    continue
+                if deadline is not None:
+                    timeout = deadline - asyncio.get_running_loop().time()
+                if not await queue._wait_turn(key, task, line, timeout):
+                    taken.append(key)
+        except BaseException as error:
+            for key in reversed(taken):
+                queue._release(key, task, error, None)
+            raise
+        self._task = task
+        self._taken = taken
+        return Turn(self._keys, next(queue._tokens))
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release(exc, None)
+
+    def release(self, error: BaseException | None, result: Any) -> None:
+        """Release every key this block took, newest first."""
+        queue, task, taken = self._queue, self._task, self._taken
+        self._task = None
+        self._taken = []
+        for key in reversed(taken):
+            queue._release(key, task, error, result)
+
+    def __repr__(self) -> str:
+        state = "held" if self._task is not None else "not held"
+        return f"<keyed {', '.join(map(repr, self._keys))}: {state}>"

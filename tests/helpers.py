@@ -1,0 +1,66 @@
+"""Shared helpers: deterministic ways to drive concurrency (no real sleeps)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable, Hashable
+from typing import Any
+
+
+async def checkpoints(n: int = 1) -> None:
+    """Let every other ready task run n steps."""
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+async def settle(predicate: Callable[[], bool], limit: int = 200) -> None:
+    """Yield to the loop until predicate() holds; fail after `limit` rounds.
+
+    Bounded by loop rounds, not by time: either the state is reached through
+    the tasks' own progress, or the test fails at once.
+    """
+    for _ in range(limit):
+        if predicate():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"state not reached within {limit} loop rounds")
+
+
+class Recorder:
+    """Bodies that record when they run, and check that one key never runs twice at once."""
+
+    def __init__(self) -> None:
+        self.started: list[Any] = []  # names, in start order
+        self.finished: list[Any] = []  # names, in finish order
+        self.inside: Counter[Hashable] = Counter()  # key -> bodies running now
+        self.overlaps: list[tuple[Hashable, Any]] = []  # (key, name) that found another inside
+
+    def body(
+        self,
+        key: Hashable,
+        name: Any,
+        *,
+        gate: asyncio.Event | None = None,
+        steps: int = 1,
+        error: BaseException | None = None,
+    ) -> Callable[[], Any]:
+        """A coroutine function that holds for `steps` loop rounds (and the gate)."""
+
+        async def run() -> Any:
+            if self.inside[key]:
+                self.overlaps.append((key, name))
+            self.inside[key] += 1
+            self.started.append(name)
+            try:
+                if gate is not None:
+                    await gate.wait()
+                await checkpoints(steps)
+                if error is not None:
+                    raise error
+                return name
+            finally:
+                self.inside[key] -= 1
+                self.finished.append(name)
+
+        return run
