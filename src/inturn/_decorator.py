@@ -189,21 +189,17 @@ def decorate(
     if not isinstance(coalesce, bool):
         raise TypeError(f"inturn: coalesce must be True or False, got {coalesce!r}")
     if fn is None:
-
-        def decorator(fn: Any) -> Any:
-            if not is_decoratable(fn):
-                raise TypeError(
-                    f"inturn: queue_by_key() decorates async def functions; got {fn!r}. "
-                    "(A plain def used as a bare @queue_by_key is taken for a key callable.)"
-                )
-            return decorate(queue, fn, key, keys, limit, coalesce)
-
-        return decorator
-
+        return lambda fn: decorate(queue, fn, key, keys, limit, coalesce)
     target = fn.__func__ if isinstance(fn, classmethod | staticmethod) else fn
     if not inspect.iscoroutinefunction(target):
+        hint = (
+            " (a plain def under a bare @queue_by_key is taken for a key function)"
+            if callable(key)
+            else ""
+        )
         raise TypeError(
-            f"inturn: queue_by_key() decorates async def functions; {_describe(target)} is not one"
+            f"inturn: queue_by_key() decorates async def functions; "
+            f"{_describe(target)} is not one{hint}"
         )
     extract, several = compile_key(target, key, keys)
     run: _Run = queue._run_many if several else queue._run

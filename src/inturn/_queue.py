@@ -194,9 +194,24 @@ class KeyedQueue:
 
     # -- taking turns ---------------------------------------------------------
 
+    @overload
     def run(
-        self, key: Hashable, fn: Callable[..., Awaitable[R] | R], /, *args: Any, **kwargs: Any
-    ) -> Coroutine[Any, Any, R]:
+        self,
+        key: Hashable,
+        fn: Callable[P, Awaitable[R]],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> Coroutine[Any, Any, R]: ...
+
+    @overload
+    def run(
+        self, key: Hashable, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs
+    ) -> Coroutine[Any, Any, R]: ...
+
+    def run(
+        self, key: Hashable, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
+    ) -> Coroutine[Any, Any, Any]:
         """Wait for ``key``'s turn, then return ``fn(*args, **kwargs)``.
 
         The result is awaited when it is awaitable. The turn ends when ``fn``

@@ -1,0 +1,577 @@
+"""queue_by_key: key forms, methods, identity, errors at decoration, coalescing."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+
+import inturn
+from inturn import KeyedQueue
+
+from helpers import Recorder, checkpoints, settle
+
+# -- key forms -------------------------------------------------------------------------
+
+
+async def test_no_key_means_one_line_for_the_function(queue: KeyedQueue) -> None:
+    gate = asyncio.Event()
+    order: list[int] = []
+
+    @queue.queue_by_key
+    async def work(i: int) -> int:
+        order.append(i)
+        if i == 0:
+            await gate.wait()
+        return i
+
+    first = asyncio.create_task(work(0))
+    await settle(lambda: order == [0])
+    second = asyncio.create_task(work(1))
+    await settle(lambda: queue.pending(work.key_of(1)) == 1)
+    assert work.key_of(1) == f"{__name__}.{work.__qualname__}"
+    gate.set()
+    assert await asyncio.gather(first, second) == [0, 1]
+
+
+async def test_called_without_arguments_is_the_same_as_bare(queue: KeyedQueue) -> None:
+    @queue.queue_by_key()
+    async def work() -> str:
+        return "ok"
+
+    assert work.key_of() == f"{__name__}.{work.__qualname__}"
+    assert await work() == "ok"
+
+
+async def test_constant_key_is_shared_by_functions(queue: KeyedQueue, recorder: Recorder) -> None:
+    gate = asyncio.Event()
+
+    @queue.queue_by_key(key="system-log")
+    async def append(line: str) -> None:
+        await recorder.body("system-log", line, gate=gate if line == "first" else None)()
+
+    @queue.queue_by_key(key="system-log")
+    async def rotate() -> None:
+        await recorder.body("system-log", "rotate")()
+
+    first = asyncio.create_task(append("first"))
+    await settle(lambda: recorder.started == ["first"])
+    rotating = asyncio.create_task(rotate())
+    second = asyncio.create_task(append("second"))
+    await settle(lambda: queue.pending("system-log") == 2)
+    gate.set()
+    await asyncio.gather(first, rotating, second)
+    assert recorder.started == ["first", "rotate", "second"]
+    assert recorder.overlaps == []
+
+
+async def test_template_key_uses_arguments_by_name_with_defaults(queue: KeyedQueue) -> None:
+    @queue.queue_by_key(key="stock-{product_id}-{warehouse}")
+    async def take(product_id: str, n: int = 1, warehouse: str = "main") -> int:
+        return n
+
+    assert take.key_of("sku-1") == "stock-sku-1-main"
+    assert take.key_of("sku-1", 2, "east") == "stock-sku-1-east"
+    assert take.key_of(product_id="sku-2", warehouse="west") == "stock-sku-2-west"
+    assert take.key_of("sku-3", warehouse="north", n=5) == "stock-sku-3-north"
+    assert await take("sku-1", 3) == 3
+
+
+async def test_template_key_with_one_field(queue: KeyedQueue) -> None:
+    @queue.queue_by_key(key="stock-{product_id}")
+    async def take(product_id: str | int, n: int = 1) -> int:
+        return n
+
+    assert take.key_of("sku-1") == "stock-sku-1"
+    assert take.key_of(product_id=7) == "stock-7"
+    assert take.key_of(8, n=2) == "stock-8"
+
+
+async def test_template_fields_may_use_attributes_items_specs_and_conversions(
+    queue: KeyedQueue,
+) -> None:
+    class User:
+        id = 42
+
+    @queue.queue_by_key(key="u-{user.id}-{meta[region]}-{n:03d}-{tag!r}")
+    async def work(user: User, meta: dict[str, str], n: int, tag: str = "x") -> None:
+        pass
+
+    assert work.key_of(User(), {"region": "eu"}, 7) == "u-42-eu-007-'x'"
+
+
+async def test_escaped_braces_make_a_constant(queue: KeyedQueue) -> None:
+    @queue.queue_by_key(key="{{literal}}")
+    async def work() -> None:
+        pass
+
+    assert work.key_of() == "{literal}"
+
+
+async def test_template_over_args_and_kwargs_parameters(queue: KeyedQueue) -> None:
+    @queue.queue_by_key(key="{first}/{rest}/{options}")
+    async def work(first: str, *rest: str, **options: int) -> None:
+        pass
+
+    assert work.key_of("a", "b", "c", x=1) == "a/('b', 'c')/{'x': 1}"
+
+
+async def test_template_over_keyword_only_and_positional_only(queue: KeyedQueue) -> None:
+    @queue.queue_by_key(key="{a}-{b}-{c}")
+    async def work(a: int, /, b: int = 2, *, c: int = 3) -> None:
+        pass
+
+    assert work.key_of(1) == "1-2-3"
+    assert work.key_of(1, c=30) == "1-2-30"
+    assert work.key_of(1, b=20) == "1-20-3"
+
+
+async def test_key_callable_gets_a_read_only_mapping_with_defaults(queue: KeyedQueue) -> None:
+    seen: list[Mapping[str, Any]] = []
+
+    def key(args: Mapping[str, Any]) -> str:
+        seen.append(args)
+        return f"user-{args['user_id']}"
+
+    @queue.queue_by_key(key=key)
+    async def charge(user_id: int, cents: int = 100) -> int:
+        return cents
+
+    assert await charge(5) == 100
+    assert dict(seen[0]) == {"user_id": 5, "cents": 100}
+    with pytest.raises(TypeError):
+        seen[0]["user_id"] = 6  # type: ignore[index]
+    assert charge.key_of(user_id=9, cents=1) == "user-9"
+
+
+async def test_key_callable_over_a_signature_with_var_args(queue: KeyedQueue) -> None:
+    @queue.queue_by_key(key=lambda args: (args["a"], args["rest"], args["kw"]))
+    async def work(a: int, *rest: int, **kw: int) -> None:
+        pass
+
+    assert work.key_of(1, 2, 3, x=4) == (1, (2, 3), {"x": 4})
+    assert work.key_of(1) == (1, (), {})
+
+
+async def test_a_non_str_constant_key(queue: KeyedQueue) -> None:
+    @queue.queue_by_key(key=("tenant", 7))
+    async def work() -> None:
+        assert queue.is_active(("tenant", 7))
+
+    await work()
+    assert work.key_of() == ("tenant", 7)
+
+
+async def test_several_keys_from_templates(queue: KeyedQueue, recorder: Recorder) -> None:
+    gate = asyncio.Event()
+
+    @queue.queue_by_key(keys=["acct-{src}", "acct-{dst}", "ledger"])
+    async def transfer(src: str, dst: str) -> tuple[str, str]:
+        await recorder.body("pair", (src, dst), gate=gate if src == "a" else None)()
+        return src, dst
+
+    assert transfer.key_of("a", "b") == ("acct-a", "acct-b", "ledger")
+    first = asyncio.create_task(transfer("a", "b"))
+    await settle(lambda: recorder.started == [("a", "b")])
+    assert queue.active_keys == {"acct-a", "acct-b", "ledger"}
+    second = asyncio.create_task(transfer("b", "a"))  # opposite order: no deadlock
+    await settle(lambda: sum(map(queue.pending, ("acct-a", "acct-b", "ledger"))) == 1)
+    gate.set()
+    assert await asyncio.gather(first, second) == [("a", "b"), ("b", "a")]
+    assert queue.active_count == 0
+
+
+async def test_several_keys_from_a_callable(queue: KeyedQueue) -> None:
+    @queue.queue_by_key(keys=lambda args: (f"acct-{a}" for a in args["accounts"]))
+    async def settle_all(accounts: list[str]) -> int:
+        assert queue.active_keys == {f"acct-{a}" for a in accounts}
+        return len(accounts)
+
+    assert settle_all.key_of(["x", "y"]) == ("acct-x", "acct-y")
+    assert await settle_all(["x", "y", "x"]) == 3
+
+
+async def test_several_constant_keys(queue: KeyedQueue) -> None:
+    @queue.queue_by_key(keys=["a", "b"])
+    async def work() -> None:
+        assert queue.active_keys == {"a", "b"}
+
+    await work()
+    assert work.key_of() == ("a", "b")
+
+
+# -- methods -----------------------------------------------------------------------------
+
+
+class Conversation:
+    queue = KeyedQueue()
+
+    def __init__(self, conversation_id: str) -> None:
+        self.conversation_id = conversation_id
+        self.messages: list[str] = []
+
+    @queue.queue_by_key(key="conv-{self.conversation_id}")
+    async def post(self, text: str) -> str:
+        """Post a message."""
+        await checkpoints()
+        self.messages.append(text)
+        return await self.echo(text)  # same key, same task: runs at once
+
+    @queue.queue_by_key(key="conv-{self.conversation_id}")
+    async def echo(self, text: str) -> str:
+        return text
+
+    @queue.queue_by_key(key="cls-{cls.__name__}-{n}")
+    @classmethod
+    async def make(cls, n: int) -> str:
+        return f"{cls.__name__}:{n}"
+
+    @classmethod
+    @queue.queue_by_key(key="cls2-{cls.__name__}-{n}")
+    async def make2(cls, n: int) -> str:
+        return f"{cls.__name__}:{n}"
+
+    @queue.queue_by_key(key="static-{n}")
+    @staticmethod
+    async def static(n: int) -> int:
+        return n
+
+    @staticmethod
+    @queue.queue_by_key(key="static2-{n}")
+    async def static2(n: int) -> int:
+        return n
+
+
+async def test_bound_method_template_over_self() -> None:
+    a, b = Conversation("a"), Conversation("b")
+    results = await asyncio.gather(a.post("1"), b.post("x"), a.post("2"), a.post("3"))
+    assert results == ["1", "x", "2", "3"]
+    assert a.messages == ["1", "2", "3"]
+    assert a.post.key_of("hi") == "conv-a"
+    assert Conversation.post.key_of(b, "hi") == "conv-b"
+    assert await Conversation.post(a, "4") == "4"  # called through the class
+    assert Conversation.queue.active_count == 0
+
+
+async def test_classmethods_in_either_decorator_order() -> None:
+    conv = Conversation("c")
+    assert await Conversation.make(1) == "Conversation:1"
+    assert await conv.make(2) == "Conversation:2"
+    assert Conversation.make.key_of(3) == "cls-Conversation-3"
+    assert conv.make.key_of(3) == "cls-Conversation-3"
+    assert await Conversation.make2(1) == "Conversation:1"
+    assert await conv.make2(2) == "Conversation:2"
+
+
+async def test_staticmethods_in_either_decorator_order() -> None:
+    conv = Conversation("c")
+    assert await Conversation.static(1) == 1
+    assert await conv.static(2) == 2
+    assert Conversation.static.key_of(3) == "static-3"
+    assert conv.static.key_of(3) == "static-3"
+    assert await Conversation.static2(4) == 4
+    assert await conv.static2(5) == 5
+
+
+async def test_method_calling_another_with_the_same_key_does_not_deadlock() -> None:
+    conv = Conversation("reentrant")
+    assert await asyncio.wait_for(conv.post("hello"), timeout=5) == "hello"
+
+
+# -- identity ------------------------------------------------------------------------------
+
+
+async def test_decorated_function_keeps_its_identity(queue: KeyedQueue) -> None:
+    async def original(product_id: str, n: int = 1) -> int:
+        """Take n from stock."""
+        return n
+
+    decorated = queue.queue_by_key(key="stock-{product_id}")(original)
+    assert decorated.__name__ == "original"
+    assert decorated.__qualname__ == original.__qualname__
+    assert decorated.__doc__ == "Take n from stock."
+    assert decorated.__wrapped__ is original  # type: ignore[attr-defined]
+    assert inspect.signature(decorated) == inspect.signature(original)
+    assert inspect.iscoroutinefunction(decorated)
+    assert decorated.queue is queue
+
+
+def test_methods_keep_their_identity() -> None:
+    conv = Conversation("x")
+    assert Conversation.post.__doc__ == "Post a message."
+    assert str(inspect.signature(conv.post)) == "(text: 'str') -> 'str'"
+    assert inspect.iscoroutinefunction(conv.post)
+    assert inspect.iscoroutinefunction(Conversation.make)
+    assert inspect.iscoroutinefunction(Conversation.static)
+    assert conv.post.queue is Conversation.queue
+    assert Conversation.make.queue is Conversation.queue
+
+
+async def test_submission_happens_when_the_coroutine_starts(
+    queue: KeyedQueue, recorder: Recorder
+) -> None:
+    @queue.queue_by_key(key="k")
+    async def work(name: str) -> None:
+        await recorder.body("k", name)()
+
+    later = work("made first, started second")
+    sooner = work("made second, started first")
+    await asyncio.gather(sooner, later)
+    assert recorder.started == ["made second, started first", "made first, started second"]
+
+
+async def test_module_level_decorator_uses_the_default_queue() -> None:
+    @inturn.queue_by_key(key="default-{n}")
+    async def work(n: int) -> bool:
+        return inturn.default_queue.is_active(f"default-{n}")
+
+    assert work.queue is inturn.default_queue
+    assert await work(1) is True
+    assert inturn.default_queue.active_count == 0
+
+
+async def test_decorator_timeout(queue: KeyedQueue) -> None:
+    gate = asyncio.Event()
+    ran: list[str] = []
+
+    @queue.queue_by_key(key="k", timeout=0.01)
+    async def impatient() -> None:
+        ran.append("impatient")
+
+    holder = asyncio.create_task(queue.run("k", gate.wait))
+    await settle(lambda: queue.is_active("k"))
+    with pytest.raises(TimeoutError):
+        await impatient()
+    gate.set()
+    await holder
+    assert ran == []
+
+
+# -- bad input --------------------------------------------------------------------------------
+
+
+def test_a_sync_function_is_refused_at_decoration(queue: KeyedQueue) -> None:
+    def sync(x: int) -> int:
+        return x
+
+    with pytest.raises(TypeError, match=r"async def.*sync\(\) is not one"):
+        queue.queue_by_key(key="k")(sync)  # type: ignore[arg-type]
+
+
+def test_a_bare_sync_function_is_refused_when_the_result_is_used(queue: KeyedQueue) -> None:
+    @queue.queue_by_key  # taken for a key callable: nothing to tell it apart
+    def sync(args: Any) -> int:
+        return 1
+
+    with pytest.raises(TypeError, match="taken for a key function"):
+        sync(1)
+
+
+def test_a_template_naming_a_missing_parameter_is_refused_at_decoration(
+    queue: KeyedQueue,
+) -> None:
+    with pytest.raises(ValueError, match=r"names 'product'.*take\(\).*product_id, n"):
+
+        @queue.queue_by_key(key="stock-{product}")
+        async def take(product_id: str, n: int) -> None:
+            pass
+
+
+def test_a_positional_template_field_is_refused(queue: KeyedQueue) -> None:
+    for template in ("k-{}", "k-{0}"):
+        with pytest.raises(ValueError, match="positional field"):
+
+            @queue.queue_by_key(key=template)
+            async def work(x: int) -> None:
+                pass
+
+
+def test_key_and_keys_together_are_refused(queue: KeyedQueue) -> None:
+    with pytest.raises(TypeError, match="not both"):
+
+        @queue.queue_by_key(key="a", keys=["b"])
+        async def work() -> None:
+            pass
+
+
+@pytest.mark.parametrize("keys", ["acct-{a}", b"raw", 42])
+def test_keys_of_the_wrong_type_are_refused(queue: KeyedQueue, keys: Any) -> None:
+    with pytest.raises(TypeError, match="keys="):
+
+        @queue.queue_by_key(keys=keys)
+        async def work(a: int) -> None:
+            pass
+
+
+def test_empty_keys_are_refused(queue: KeyedQueue) -> None:
+    with pytest.raises(ValueError, match="at least one key"):
+
+        @queue.queue_by_key(keys=[])
+        async def work() -> None:
+            pass
+
+
+def test_an_unhashable_key_spec_is_refused(queue: KeyedQueue) -> None:
+    with pytest.raises(TypeError, match="key= takes"):
+
+        @queue.queue_by_key(key=["not", "hashable"])
+        async def work() -> None:
+            pass
+
+
+def test_bad_settings_are_refused_at_decoration(queue: KeyedQueue) -> None:
+    with pytest.raises(ValueError, match="timeout"):
+        queue.queue_by_key(key="k", timeout=-1)
+    with pytest.raises(TypeError, match="coalesce"):
+        queue.queue_by_key(key="k", coalesce="yes")  # type: ignore[arg-type]
+
+
+async def test_a_raising_key_callable_propagates_and_queues_nothing(queue: KeyedQueue) -> None:
+    called: list[int] = []
+
+    def key(args: Mapping[str, Any]) -> str:
+        raise LookupError("no such user")
+
+    @queue.queue_by_key(key=key)
+    async def work(n: int) -> None:
+        called.append(n)
+
+    with pytest.raises(LookupError, match="no such user"):
+        await work(1)
+    assert called == []
+    assert queue.active_count == 0
+
+
+async def test_a_call_missing_an_argument_fails_like_python_and_queues_nothing(
+    queue: KeyedQueue,
+) -> None:
+    @queue.queue_by_key(key="stock-{product_id}")
+    async def take(product_id: str) -> None:
+        pass
+
+    with pytest.raises(TypeError, match="product_id"):
+        await take()  # type: ignore[call-arg]
+    assert queue.active_count == 0
+
+
+async def test_an_unhashable_computed_key_is_a_clear_type_error(queue: KeyedQueue) -> None:
+    @queue.queue_by_key(key=lambda args: args["tags"])
+    async def work(tags: list[str]) -> None:
+        pass
+
+    with pytest.raises(TypeError, match="unhashable"):
+        await work(["a"])
+    assert queue.active_count == 0
+
+
+# -- coalescing ---------------------------------------------------------------------------------
+
+
+async def test_coalesced_calls_share_the_in_flight_result(queue: KeyedQueue) -> None:
+    gate = asyncio.Event()
+    runs: list[str] = []
+
+    @queue.queue_by_key(key="cache-{name}", coalesce=True)
+    async def refresh(name: str) -> str:
+        runs.append(name)
+        await gate.wait()
+        return f"{name}@{len(runs)}"
+
+    first = asyncio.create_task(refresh("a"))
+    await settle(lambda: runs == ["a"])
+    joiners = [asyncio.create_task(refresh("a")) for _ in range(5)]
+    other = asyncio.create_task(refresh("b"))  # a different key is not coalesced
+    await settle(lambda: runs == ["a", "b"])
+    gate.set()
+    assert await first == "a@2"
+    assert [await j for j in joiners] == ["a@2"] * 5
+    assert await other == "b@2"
+    assert await refresh("a") == "a@3"  # after it finished, a new call runs again
+    assert runs == ["a", "b", "a"]
+
+
+async def test_coalesced_calls_join_a_call_still_waiting_for_its_turn(queue: KeyedQueue) -> None:
+    gate = asyncio.Event()
+    runs: list[int] = []
+
+    @queue.queue_by_key(key="k", coalesce=True)
+    async def refresh(n: int) -> int:
+        runs.append(n)
+        return n
+
+    holder = asyncio.create_task(queue.run("k", gate.wait))
+    await settle(lambda: queue.is_active("k"))
+    calls = [asyncio.create_task(refresh(n)) for n in range(3)]
+    await settle(lambda: queue.pending("k") == 1)
+    gate.set()
+    await holder
+    assert await asyncio.gather(*calls) == [0, 0, 0]
+    assert runs == [0]
+
+
+async def test_coalesced_calls_raise_the_in_flight_error(queue: KeyedQueue) -> None:
+    gate = asyncio.Event()
+
+    @queue.queue_by_key(key="k", coalesce=True)
+    async def fail() -> None:
+        await gate.wait()
+        raise ValueError("shared")
+
+    calls = [asyncio.create_task(fail()) for _ in range(3)]
+    await checkpoints(3)
+    gate.set()
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    assert all(isinstance(r, ValueError) for r in results)
+
+
+async def test_cancelling_a_joiner_affects_nobody_else(queue: KeyedQueue) -> None:
+    gate = asyncio.Event()
+
+    @queue.queue_by_key(key="k", coalesce=True)
+    async def work() -> str:
+        await gate.wait()
+        return "done"
+
+    leader = asyncio.create_task(work())
+    await checkpoints()
+    quitter, stayer = asyncio.create_task(work()), asyncio.create_task(work())
+    await checkpoints()
+    quitter.cancel()
+    await checkpoints()
+    gate.set()
+    assert await leader == "done"
+    assert await stayer == "done"
+    assert quitter.cancelled()
+
+
+async def test_joiners_of_a_cancelled_call_run_it_themselves(queue: KeyedQueue) -> None:
+    gate = asyncio.Event()
+    runs: list[str] = []
+
+    @queue.queue_by_key(key="k", coalesce=True)
+    async def work(who: str) -> str:
+        runs.append(who)
+        await gate.wait()
+        return who
+
+    leader = asyncio.create_task(work("leader"))
+    await settle(lambda: runs == ["leader"])
+    joiners = [asyncio.create_task(work(f"joiner{i}")) for i in range(3)]
+    await checkpoints(3)
+    leader.cancel()
+    await settle(lambda: len(runs) == 2)
+    gate.set()
+    # The first joiner to resume leads a new run; the others join it.
+    assert await asyncio.gather(*joiners) == ["joiner0"] * 3
+    assert runs == ["leader", "joiner0"]
+
+
+async def test_a_coalescing_function_calling_itself_does_not_deadlock(queue: KeyedQueue) -> None:
+    @queue.queue_by_key(key="k", coalesce=True)
+    async def countdown(n: int) -> int:
+        return n if n == 0 else await countdown(n - 1)
+
+    assert await asyncio.wait_for(countdown(3), timeout=5) == 0

@@ -1,0 +1,109 @@
+"""What type checkers see of inturn's public API: checked by mypy --strict, never run."""
+
+from __future__ import annotations
+
+from collections.abc import Coroutine, Hashable, Mapping
+from typing import Any
+
+from typing_extensions import assert_type
+
+import inturn
+from inturn import KeyedQueue, QueuedFunction
+from inturn.backends import Turn
+
+queue = KeyedQueue(timeout=1.5, max_pending=10)
+
+
+@inturn.queue_by_key
+async def bare(n: int) -> str:
+    return str(n)
+
+
+@inturn.queue_by_key(key="stock-{product_id}")
+async def take(product_id: str, n: int = 1) -> int:
+    return n
+
+
+@queue.queue_by_key(key=lambda args: args["user_id"], timeout=None, coalesce=True)
+async def charge(user_id: int, cents: int) -> bool:
+    return True
+
+
+def key_of_args(args: Mapping[str, Any]) -> Hashable:
+    return str(args["src"])
+
+
+@queue.queue_by_key(key=key_of_args)
+async def by_function(src: str) -> None: ...
+
+
+@queue.queue_by_key(keys=["acct-{src}", "acct-{dst}"])
+async def transfer(src: str, dst: str) -> None: ...
+
+
+class Repository:
+    @queue.queue_by_key(key="row-{self.table}-{row_id}")
+    async def update(self, row_id: int, value: str) -> bytes:
+        return value.encode()
+
+    table = "t"
+
+
+async def usage() -> None:
+    decorated: QueuedFunction[[int], str] = bare
+    del decorated
+    assert_type(await bare(1), str)
+    assert_type(await take("sku"), int)
+    assert_type(await take("sku", n=2), int)
+    coroutine: Coroutine[Any, Any, int] = take("sku")
+    coroutine.close()
+    assert_type(await charge(1, 2), bool)
+    assert_type(take.queue, KeyedQueue)
+    take.key_of("sku", 3)
+    await transfer("a", "b")
+
+    repo = Repository()
+    assert_type(await repo.update(1, "v"), bytes)
+    repo.update.key_of(1, "v")
+    assert_type(await Repository.update(repo, 1, "v"), bytes)
+
+    async with queue.keyed("a", "b", timeout=2) as turn:
+        assert_type(turn, Turn)
+        assert_type(turn.keys, tuple[Hashable, ...])
+        assert_type(turn.token, int)
+    async with inturn.keyed("system-log"):
+        pass
+
+    def add(a: int, b: int) -> int:
+        return a + b
+
+    async def add_later(a: int, b: int) -> int:
+        return a + b
+
+    assert_type(await queue.run("k", add, 1, 2), int)
+    assert_type(await queue.run("k", add_later, 1, 2), int)
+    assert_type(await inturn.run("k", add, 1, 2), int)
+
+    assert_type(queue.is_active("k"), bool)
+    assert_type(queue.pending("k"), int)
+    assert_type(queue.active_keys, frozenset[Hashable])
+    assert_type(queue.active_count, int)
+    current = queue.current("k")
+    if current is not None:
+        await current
+    await queue.drain()
+    queue.close()
+    await queue.aclose()
+
+
+def errors_are_exceptions() -> None:
+    error: inturn.InturnError = inturn.QueueFull("full")
+    error = inturn.QueueClosed("closed")
+    del error
+
+
+async def mistakes_type_checkers_catch() -> None:
+    await take(42)  # type: ignore[arg-type]
+    await take("sku", "many")  # type: ignore[arg-type]
+    await Repository().update("not an int", "v")  # type: ignore[arg-type]
+    await queue.run("k", lambda a: a, 1, 2)  # type: ignore[call-overload]
