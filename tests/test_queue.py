@@ -755,6 +755,19 @@ async def test_drain_waits_for_pending_and_running_work(
     await asyncio.gather(*tasks)
 
 
+async def test_drain_counts_tasks_created_just_before_it(queue: KeyedQueue) -> None:
+    finished: list[int] = []
+
+    async def work(i: int) -> None:
+        await checkpoints(3)
+        finished.append(i)
+
+    tasks = [asyncio.create_task(queue.run(i % 3, work, i)) for i in range(9)]
+    await queue.drain()  # the tasks have not started yet when drain is called
+    assert sorted(finished) == list(range(9))
+    await asyncio.gather(*tasks)
+
+
 async def test_drain_does_not_wait_for_later_work(queue: KeyedQueue) -> None:
     first_gate, later_gate = asyncio.Event(), asyncio.Event()
     first = asyncio.create_task(queue.run("k", first_gate.wait))

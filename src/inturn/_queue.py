@@ -537,10 +537,14 @@ class KeyedQueue:
     async def drain(self) -> None:
         """Wait until every task pending or running at this call has finished.
 
-        Work submitted after the call is not waited for. Errors of the
-        drained work reach their own callers, not this one. Cancelling a
-        drain only stops the waiting.
+        A task created just before (``create_task(decorated(...))`` then
+        ``await queue.drain()``) counts: drain first lets tasks that are
+        scheduled to start take their first step, which submits their work.
+        Work submitted later is not waited for. Errors of the drained work
+        reach their own callers, not this one. Cancelling a drain only stops
+        the waiting.
         """
+        await asyncio.sleep(0)  # let tasks created before this call submit their work
         lines = self._lines
         if not lines:
             return

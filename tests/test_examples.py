@@ -1,0 +1,25 @@
+"""Every example runs as its users would run it, and checks its own claims."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.py"))
+
+
+def test_there_are_examples() -> None:
+    assert {p.stem for p in EXAMPLES} >= {"inventory", "log_append", "chat", "batch"}
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_example_runs(example: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(example)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    assert "Traceback" not in result.stderr
