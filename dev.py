@@ -71,19 +71,18 @@ def main() -> None:
         help="the interpreter to build the environment from (default: the one running dev.py); "
         "each interpreter version gets its own .venv-X.Y",
     )
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="passed on to the command")
-    options = parser.parse_args()
+    options, rest = parser.parse_known_args()  # the rest goes to the command (pytest, ...)
     python = options.python or sys.executable
     venv_python = ensure_venv(python, EXTRAS[options.command], dedicated=bool(options.python))
     if options.command == "demo":
-        run(venv_python, "-m", "inturn", "demo", *options.args)
+        run(venv_python, "-m", "inturn", "demo", *rest)
     elif options.command == "bench":
-        run(venv_python, "-m", "bench", *options.args)
+        run(venv_python, "-m", "bench", *rest)
     else:
         run(venv_python, "-m", "ruff", "check", ".")
         run(venv_python, "-m", "ruff", "format", "--check", ".")
         run(venv_python, "-m", "mypy")
-        run(venv_python, "-m", "pytest", *options.args)
+        run(venv_python, "-m", "pytest", *rest)
 
 
 if __name__ == "__main__":
