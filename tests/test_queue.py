@@ -220,6 +220,37 @@ async def test_run_waiter_cancelled_at_hand_off_from_run_holder(queue: KeyedQueu
     assert queue.active_count == 0
 
 
+async def test_waiter_cancelled_just_before_the_release_that_empties_the_line(
+    queue: KeyedQueue,
+) -> None:
+    gate = asyncio.Event()
+    victim: list[asyncio.Task[Any]] = []
+    again = asyncio.Event()
+
+    async def holder() -> None:
+        async with queue.keyed("k"):
+            await gate.wait()
+            # In one step: cancel the only waiter, release (the line empties,
+            # as the cancelled waiter no longer counts), and take the key anew.
+            victim[0].cancel()
+        async with queue.keyed("k"):
+            assert queue.pending("k") == 0
+            await again.wait()
+            # The cancelled waiter left the old line, not this new one.
+            assert queue.pending("k") == 0
+
+    first = asyncio.create_task(holder())
+    await settle(lambda: queue.is_active("k"))
+    victim.append(asyncio.create_task(queue.run("k", lambda: "never")))
+    await settle(lambda: queue.pending("k") == 1)
+    gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await victim[0]
+    again.set()
+    await first
+    assert queue.active_count == 0
+
+
 async def test_cancelling_every_waiter_leaves_the_key_to_the_holder_then_frees_it(
     queue: KeyedQueue,
 ) -> None:
@@ -487,7 +518,17 @@ async def test_keyed_needs_a_key(queue: KeyedQueue) -> None:
 
 async def test_run_needs_a_callable(queue: KeyedQueue) -> None:
     with pytest.raises(TypeError, match="callable"):
-        queue.run("k", 42)  # type: ignore[arg-type]
+        await queue.run("free", 42)  # type: ignore[call-overload]
+    assert queue.active_count == 0
+    gate = asyncio.Event()
+    holder = asyncio.create_task(queue.run("busy", gate.wait))
+    await settle(lambda: queue.is_active("busy"))
+    # refused before waiting for the turn, not after
+    with pytest.raises(TypeError, match="needs a callable, got 42"):
+        await queue.run("busy", 42)  # type: ignore[call-overload]
+    assert queue.pending("busy") == 0
+    gate.set()
+    await holder
 
 
 @pytest.mark.parametrize("timeout", [-1, -0.001, math.nan])
@@ -599,9 +640,7 @@ async def test_a_multi_key_waiter_cancelled_midway_releases_what_it_took(
     queue: KeyedQueue,
 ) -> None:
     gate = asyncio.Event()
-    keys = queue.keyed("a", "b")
-    order = [str(k) for k in keys._keys]  # type: ignore[attr-defined]
-    first, second = order
+    first, second = map(str, queue.keyed("a", "b").keys)  # the global order
     holder = asyncio.create_task(queue.run(second, gate.wait))
     await settle(lambda: queue.is_active(second))
 

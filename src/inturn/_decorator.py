@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Callable, Coroutine, Hashable
+from types import FunctionType
 from typing import TYPE_CHECKING, Any, Concatenate, Final, Protocol, TypeVar, final, overload
 
 import wrapt
 from typing_extensions import ParamSpec
 
 from ._keys import KeySpec, KeysSpec, compile_key
-from ._queue import _check_timeout, _current_task, _Unset
+from ._queue import _check_timeout, _Unset
+from ._tasks import current_task as _current_task
 
 if TYPE_CHECKING:
     from ._queue import KeyedQueue
@@ -23,10 +25,8 @@ P2 = ParamSpec("P2")
 R_co = TypeVar("R_co", covariant=True)
 T = TypeVar("T")
 
-_Run = Callable[
-    [Any, Callable[..., Any], tuple[Any, ...], dict[str, Any], "float | None"],
-    Coroutine[Any, Any, Any],
-]
+# (key, args, kwargs) -> the coroutine that runs the decorated function in key's turn
+_Start = Callable[[Any, tuple[Any, ...], dict[str, Any]], Coroutine[Any, Any, Any]]
 
 
 class QueuedFunction(Protocol[P, R_co]):
@@ -61,35 +61,56 @@ class QueuedFunction(Protocol[P, R_co]):
     ) -> QueuedFunction[P2, R_co]: ...
 
 
+_Call = Callable[[tuple[Any, ...], dict[str, Any]], Any]
+
+
 class _BoundQueued(wrapt.BoundFunctionWrapper):  # type: ignore[type-arg]
     """A decorated method, bound to its instance or class."""
+
+    def _full(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The call's arguments as the function receives them: self or cls first."""
+        kind = self._self_parent._self_kind
+        if kind is staticmethod:
+            return args
+        if kind is classmethod:
+            return (self.__wrapped__.__self__, *args)  # type: ignore[attr-defined]
+        instance = self._self_instance  # None when called through the class
+        return args if instance is None else (instance, *args)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._self_parent(*self._full(args), **kwargs)
 
     @property
     def queue(self) -> KeyedQueue:
         return self._self_parent._self_queue  # type: ignore[no-any-return]
 
     def key_of(self, *args: Any, **kwargs: Any) -> Any:
-        # As wrapt passes it to the wrapper: the instance, the class for a
-        # classmethod, nothing for a staticmethod or a call through the class.
-        instance = getattr(self.__wrapped__, "__self__", None)
-        full = args if instance is None else (instance, *args)
-        return self._self_parent._self_key_of(full, kwargs)
+        return self._self_parent._self_key_of(self._full(args), kwargs)
 
 
-@final
 class _Queued(wrapt.FunctionWrapper):  # type: ignore[type-arg]
-    """A decorated function or method, before binding."""
+    """A decorated function or method, before binding.
+
+    wrapt provides identity (name, docstring, signature, ``__wrapped__``,
+    ``iscoroutinefunction``) and method binding. Calls do not take wrapt's
+    generic path: each decorated function gets a subclass (see
+    :func:`_queued_type`) whose ``__call__`` goes straight to the queue,
+    because attribute lookups on wrapt proxies, and wrapt's own call path,
+    each cost several times a plain function call.
+    """
 
     __bound_function_wrapper__ = _BoundQueued
 
-    def __init__(
-        self,
-        wrapped: Any,
-        wrapper: Callable[..., Any],
-        queue: KeyedQueue,
-        key_of: Callable[[tuple[Any, ...], dict[str, Any]], Any],
-    ) -> None:
-        super().__init__(wrapped, wrapper)
+    def __init__(self, wrapped: Any, kind: type[Any], queue: KeyedQueue, key_of: _Call) -> None:
+        def through(
+            wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> Any:
+            # wrapt's own call path, for any binding the overrides do not take
+            full = args if instance is None else (instance, *args)
+            return self(*full, **kwargs)
+
+        super().__init__(wrapped, through)
+        self._self_kind = kind  # FunctionType, classmethod or staticmethod
         self._self_queue = queue
         self._self_key_of = key_of
 
@@ -99,6 +120,11 @@ class _Queued(wrapt.FunctionWrapper):  # type: ignore[type-arg]
 
     def key_of(self, *args: Any, **kwargs: Any) -> Any:
         return self._self_key_of(args, kwargs)
+
+
+def _queued_type(call: Callable[..., Any]) -> type[_Queued]:
+    """A subclass of _Queued whose __call__ is call: (self, *args, **kwargs) -> coroutine."""
+    return type("_Queued", (_Queued,), {"__call__": call, "__module__": __name__})
 
 
 @final
@@ -132,27 +158,21 @@ class _Flight:
 _RERUN: Final = object()
 
 
-def _coalescing(run: _Run) -> _Run:
-    """Wrap a queue's run so that a call joins an in-flight call with the same key."""
+def _coalescing(start: _Start) -> _Start:
+    """Wrap start so that a call joins an in-flight call with the same key."""
     flights: dict[Hashable, _Flight] = {}
 
-    async def coalesced(
-        key: Hashable,
-        fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        timeout: float | None,
-    ) -> Any:
+    async def coalesced(key: Hashable, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         task = _current_task()
         while (flight := flights.get(key)) is not None:
             if flight.task is task:  # a reentrant call: run it inside the turn
-                return await run(key, fn, args, kwargs, timeout)
+                return await start(key, args, kwargs)
             outcome = await flight.join()
             if outcome is not _RERUN:
                 return outcome
         flight = flights[key] = _Flight(task)
         try:
-            result = await run(key, fn, args, kwargs, timeout)
+            result = await start(key, args, kwargs)
         except BaseException as error:
             del flights[key]
             flight.finish(error, None)
@@ -190,7 +210,8 @@ def decorate(
         raise TypeError(f"inturn: coalesce must be True or False, got {coalesce!r}")
     if fn is None:
         return lambda fn: decorate(queue, fn, key, keys, limit, coalesce)
-    target = fn.__func__ if isinstance(fn, classmethod | staticmethod) else fn
+    kind = type(fn) if isinstance(fn, classmethod | staticmethod) else FunctionType
+    target = fn.__func__ if kind is not FunctionType else fn
     if not inspect.iscoroutinefunction(target):
         hint = (
             " (a plain def under a bare @queue_by_key is taken for a key function)"
@@ -202,16 +223,35 @@ def decorate(
             f"{_describe(target)} is not one{hint}"
         )
     extract, several = compile_key(target, key, keys)
-    run: _Run = queue._run_many if several else queue._run
-    if coalesce:
-        run = _coalescing(run)
+    # Calls arrive with args as target receives them: the instance or class
+    # first for methods (see _BoundQueued).
+    if several or limit != queue.timeout:
+        # keys= or a timeout of its own: turns are taken as keyed() takes them
+        run_keyed = queue._run_keyed
 
-    def wrapper(
-        wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Coroutine[Any, Any, Any]:
-        # instance: None for a function or staticmethod, else the instance or
-        # class that the templates know as `self` or `cls`.
-        key = extract(args if instance is None else (instance, *args), kwargs)
-        return run(key, wrapped, args, kwargs, limit)
+        def start(
+            key: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> Coroutine[Any, Any, Any]:
+            return run_keyed(key if several else (key,), target, args, kwargs, limit)
 
-    return _Queued(fn, wrapper, queue, extract)
+    else:
+        run = queue.run
+
+        def start(
+            key: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> Coroutine[Any, Any, Any]:
+            return run(key, target, *args, **kwargs)
+
+        if not coalesce:
+            # The hot path: straight into what queue.run() does.
+            def hot(self: Any, *args: Any, **kwargs: Any) -> Any:
+                return run(extract(args, kwargs), target, *args, **kwargs)
+
+            return _queued_type(hot)(fn, kind, queue, extract)
+
+    begin: _Start = _coalescing(start) if coalesce else start
+
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return begin(extract(args, kwargs), args, kwargs)
+
+    return _queued_type(call)(fn, kind, queue, extract)

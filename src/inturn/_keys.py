@@ -168,7 +168,13 @@ def _template(sig: _Signature, template: str) -> KeyFunction | str:
         # The common 'prefix-{param}suffix' shape: no str.format machinery per call.
         get = sig.getter(roots[0])
         prefix, suffix = ("".join(part) for part in texts)
-        return lambda args, kwargs: f"{prefix}{get(args, kwargs)}{suffix}"
+        index = sig.positions.get(roots[0])
+        if index is None:
+            return lambda args, kwargs: f"{prefix}{get(args, kwargs)}{suffix}"
+        # passed by position, as most calls pass it: no second call
+        return lambda args, kwargs: (
+            f"{prefix}{args[index] if len(args) > index else get(args, kwargs)}{suffix}"
+        )
     getters = [(name, sig.getter(name)) for name in dict.fromkeys(roots)]
     return lambda args, kwargs: template.format_map(
         {name: get(args, kwargs) for name, get in getters}

@@ -5,17 +5,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
-import sys
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Awaitable, Callable, Coroutine, Hashable
 from inspect import isawaitable
 from types import CoroutineType, TracebackType
 from typing import TYPE_CHECKING, Any, Final, TypeVar, final, overload
 
 from ._errors import QueueClosed, QueueFull
 from ._keys import KeySpec, KeysSpec, order_keys, unhashable
-from ._turn import Turn
+from ._tasks import current_task as _current_task
 
 if TYPE_CHECKING:
     from typing_extensions import ParamSpec
@@ -24,22 +22,9 @@ if TYPE_CHECKING:
 
     P = ParamSpec("P")
 
-__all__ = ("UNSET", "KeyedQueue")
+__all__ = ("UNSET", "KeyedQueue", "Turn")
 
 R = TypeVar("R")
-
-if sys.version_info >= (3, 12):
-    from asyncio import current_task as _current_task  # implemented in C
-else:  # pragma: no cover - depends on the interpreter
-    # asyncio.current_task() is pure Python before 3.12; this is the same
-    # lookup without its argument handling, as it sits on the hot path.
-    from asyncio.tasks import _current_tasks  # type: ignore[attr-defined]
-
-    def _current_task(
-        _get: Callable[[asyncio.AbstractEventLoop], asyncio.Task[Any] | None] = _current_tasks.get,
-        _loop: Callable[[], asyncio.AbstractEventLoop] = asyncio.get_running_loop,
-    ) -> asyncio.Task[Any] | None:
-        return _get(_loop())
 
 
 @final
@@ -195,23 +180,21 @@ class KeyedQueue:
     # -- taking turns ---------------------------------------------------------
 
     @overload
-    def run(
+    async def run(
         self,
         key: Hashable,
         fn: Callable[P, Awaitable[R]],
         /,
         *args: P.args,
         **kwargs: P.kwargs,
-    ) -> Coroutine[Any, Any, R]: ...
+    ) -> R: ...
 
     @overload
-    def run(
+    async def run(
         self, key: Hashable, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs
-    ) -> Coroutine[Any, Any, R]: ...
+    ) -> R: ...
 
-    def run(
-        self, key: Hashable, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
-    ) -> Coroutine[Any, Any, Any]:
+    async def run(self, key: Hashable, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """Wait for ``key``'s turn, then return ``fn(*args, **kwargs)``.
 
         The result is awaited when it is awaitable. The turn ends when ``fn``
@@ -223,19 +206,7 @@ class KeyedQueue:
         :raises QueueClosed: the queue is closed.
         :raises TypeError: ``key`` is unhashable or ``fn`` is not callable.
         """
-        if not callable(fn):
-            raise TypeError(f"inturn: run() needs a callable, got {fn!r}")
-        return self._run(key, fn, args, kwargs, self._timeout)
-
-    async def _run(
-        self,
-        key: Hashable,
-        fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        timeout: float | None,
-    ) -> Any:
-        """Take key's turn, call fn, release: the path of run() and the decorator."""
+        # The hot path of the library: every line of it is measured.
         task = _current_task()
         lines = self._lines
         try:
@@ -244,47 +215,58 @@ class KeyedQueue:
             raise unhashable(key) from None
         if line is None and self._open and task is not None:
             lines[key] = task  # uncontended: a dict insert, nothing allocated
-        elif await self._wait_turn(key, task, line, timeout):
-            result = fn(*args, **kwargs)  # this task holds the key already
-            return (await result) if isawaitable(result) else result
+        else:
+            if not callable(fn):
+                raise TypeError(f"inturn: run() needs a callable, got {fn!r}")
+            # What _take() does, inlined: a coroutine less per contended call.
+            waiter = self._join(key, task, line, self._timeout)
+            if waiter is True:
+                result = fn(*args, **kwargs)  # this task holds the key already
+                return (await result) if isawaitable(result) else result
+            if waiter is not False:
+                line = lines[key]
+                try:
+                    await waiter
+                except BaseException:
+                    self._abandon(key, line, waiter)
+                    raise
+                line.holder = task
         try:
-            result = fn(*args, **kwargs)
+            # fn() and fn(*args) are cheaper than fn(*args, **kwargs) when they fit
+            result = fn(*args, **kwargs) if kwargs else fn(*args) if args else fn()
             if type(result) is CoroutineType or isawaitable(result):
                 result = await result
         except BaseException as error:
-            if lines[key] is task:
-                del lines[key]
-            else:
-                self._leave(key, error, None)
+            if (line := lines.pop(key)) is not task:
+                self._leave(key, line, error, None)
             raise
-        if lines[key] is task:
-            del lines[key]
-        else:
-            self._leave(key, None, result)
+        if (line := lines.pop(key)) is not task:
+            self._leave(key, line, None, result)
         return result
 
-    async def _run_many(
+    async def _run_keyed(
         self,
-        keys: Iterable[Hashable],
+        keys: tuple[Hashable, ...],
         fn: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         timeout: float | None,
     ) -> Any:
-        """Take the turns of several keys, call fn, release: the decorator's keys= path."""
-        block = _Keyed(self, self._ordered(tuple(keys)), timeout)
-        await block.__aenter__()
+        """Take the turns of keys as keyed() does, await fn, release.
+
+        The decorator's path for keys= and for a timeout of its own.
+        """
+        turn = Turn(self, self._ordered(keys), timeout)
+        await turn.__aenter__()
         try:
             result = await fn(*args, **kwargs)
         except BaseException as error:
-            block.release(error, None)
+            turn.release(error, None)
             raise
-        block.release(None, result)
+        turn.release(None, result)
         return result
 
-    def keyed(
-        self, *keys: Hashable, timeout: float | _Unset | None = UNSET
-    ) -> AbstractAsyncContextManager[Turn]:
+    def keyed(self, *keys: Hashable, timeout: float | _Unset | None = UNSET) -> Turn:
         """Hold one or more keys for the duration of an ``async with`` block.
 
         ``async with queue.keyed("acct-1", "acct-2") as turn:`` waits for the
@@ -297,7 +279,8 @@ class KeyedQueue:
         :param keys: one or more hashable keys; duplicates count once.
         :param timeout: the limit, in seconds, for reaching the turn of every
             key; the queue's ``timeout`` when not given, ``None`` for none.
-        :returns: an async context manager binding a :class:`~inturn.backends.Turn`.
+        :returns: a :class:`Turn`, the async context manager that takes the
+            turns on entry, binds itself, and releases them on exit.
         :raises TypeError: no key was given, or a key is unhashable (at once).
         :raises TimeoutError: on entry, the turn was not reached in time.
         :raises QueueFull: on entry, a key already has ``max_pending`` waiters.
@@ -306,7 +289,7 @@ class KeyedQueue:
         if not keys:
             raise TypeError("inturn: keyed() needs at least one key")
         limit = self._timeout if isinstance(timeout, _Unset) else _check_timeout(timeout)
-        return _Keyed(self, self._ordered(keys), limit)
+        return Turn(self, self._ordered(keys), limit)
 
     @overload
     def queue_by_key(  # type: ignore[overload-overlap]  # a coroutine function is decorated
@@ -392,13 +375,17 @@ class KeyedQueue:
                     raise unhashable(key) from None
             raise
 
-    async def _wait_turn(
+    def _join(
         self, key: Hashable, task: asyncio.Task[Any] | None, line: Any, timeout: float | None
-    ) -> bool:
-        """Take key's turn for task, waiting in line if need be.
+    ) -> asyncio.Future[None] | bool:
+        """Take key's turn for task at once, or join its line.
 
-        Return True if task already held the key (a reentrant call, which
-        must not release it); False once task holds the key.
+        Return True if task holds the key already (a reentrant call, which
+        must not release it); False if task just took the free key; else the
+        future to await: it completes when the key is handed to task (or
+        fails with TimeoutError); the line it joined is then ``lines[key]``.
+        Whoever awaits it calls :meth:`_abandon` if interrupted, and makes
+        task the line's holder once it completes.
         """
         if task is None:
             raise RuntimeError("inturn: a turn can only be taken inside an asyncio task")
@@ -423,41 +410,87 @@ class KeyedQueue:
             raise TimeoutError(
                 f"inturn: the turn for key {key!r} was not free (timeout={timeout:g} s)"
             )
-        loop = asyncio.get_running_loop()
+        loop = task.get_loop()  # not get_running_loop(): no getpid() before 3.12
         waiter: asyncio.Future[None] = loop.create_future()
         line.waiters.append(waiter)
         line.waiting += 1
-        timer = None if timeout is None else loop.call_later(timeout, _expire, waiter, key, timeout)
+        if timeout is not None:
+            timer = loop.call_later(timeout, _expire, waiter, key, timeout)
+            waiter.add_done_callback(lambda _: timer.cancel())
+        return waiter
+
+    def _abandon(self, key: Hashable, line: _Line, waiter: asyncio.Future[None]) -> None:
+        """Take an interrupted waiter out of the line it joined (cancelled or timed out).
+
+        ``line`` is the object the waiter joined: by now it may have left the
+        lines (its holder left and no live waiter remained), and a new line
+        may even stand for the same key.
+        """
+        if not waiter.cancelled() and waiter.done() and waiter.exception() is None:
+            # The turn was handed over just as the waiter was interrupted:
+            # pass it on, or the line would stall behind a task that left.
+            self._leave(key, self._lines.pop(key), None, None)
+        else:
+            waiter.cancel()  # so that the hand-off skips it
+            line.waiting -= 1
+            line.compact()
+
+    async def _take(
+        self, key: Hashable, task: asyncio.Task[Any] | None, line: Any, timeout: float | None
+    ) -> bool:
+        """Take key's turn for task, waiting in line if need be.
+
+        Return False if task held the key already (a reentrant call, which
+        must not release it), True once task holds it.
+        """
+        waiter = self._join(key, task, line, timeout)
+        if waiter is True:
+            return False
+        if waiter is not False:
+            line = self._lines[key]
+            try:
+                await waiter
+            except BaseException:
+                self._abandon(key, line, waiter)
+                raise
+            line.holder = task
+        return True
+
+    async def _take_all(
+        self, keys: tuple[Hashable, ...], task: asyncio.Task[Any] | None, timeout: float | None
+    ) -> tuple[Hashable, ...]:
+        """Take the turns of keys (in the global order) within timeout; return those taken.
+
+        If any turn is not reached, the ones already taken are released.
+        """
+        taken: list[Hashable] = []
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
         try:
-            await waiter
-        except BaseException:
-            if not waiter.cancelled() and waiter.done() and waiter.exception() is None:
-                # The turn was handed to this task just as it was interrupted:
-                # pass it on, or the line would stall behind a task that left.
-                self._leave(key, None, None)
-            else:
-                waiter.cancel()  # so that the hand-off skips it
-                line.waiting -= 1
-                line.compact()
+            for key in keys:
+                if deadline is not None:
+                    timeout = deadline - loop.time()
+                if await self._take(key, task, self._lines.get(key), timeout):
+                    taken.append(key)
+        except BaseException as error:
+            for key in reversed(taken):
+                self._release(key, task, error, None)
             raise
-        finally:
-            if timer is not None:
-                timer.cancel()
-        line.holder = task
-        return False
+        return tuple(taken)
 
     def _release(
         self, key: Hashable, task: object, error: BaseException | None, result: Any
     ) -> None:
         """End task's turn on key."""
-        if self._lines[key] is task:
-            del self._lines[key]
-        else:
-            self._leave(key, error, result)
+        if (line := self._lines.pop(key)) is not task:
+            self._leave(key, line, error, result)
 
-    def _leave(self, key: Hashable, error: BaseException | None, result: Any) -> None:
-        """End the turn of key's holder: tell its watchers, hand the key to the next waiter."""
-        line: _Line = self._lines[key]
+    def _leave(self, key: Hashable, line: _Line, error: BaseException | None, result: Any) -> None:
+        """End the turn of line's holder, just popped from the lines.
+
+        Tell its watchers, then hand the key to the next waiter and put the
+        line back, or leave the key out if nobody waits.
+        """
         if line.watchers is not None:
             watchers, line.watchers = line.watchers, None
             _publish(watchers, error, result)
@@ -470,8 +503,8 @@ class KeyedQueue:
                 line.holder = waiter
                 line.waiting -= 1
                 waiter.set_result(None)
+                self._lines[key] = line
                 return
-        del self._lines[key]
 
     # -- looking at the lines -----------------------------------------------------
 
@@ -580,47 +613,64 @@ class KeyedQueue:
 
 
 @final
-class _Keyed:
-    """The context manager of :meth:`KeyedQueue.keyed`."""
+class Turn:
+    """A turn on one or more keys: what :meth:`KeyedQueue.keyed` returns and binds.
 
-    __slots__ = ("_keys", "_queue", "_taken", "_task", "_timeout")
+    ``async with queue.keyed("acct-1", "acct-2") as turn:`` waits for the
+    turn of every key, runs the block holding them all, and releases them
+    when the block ends, however it ends. A turn object may be entered again
+    after its block ended, but not while it is entered.
+
+    :ivar keys: the keys, in the order they are taken: the queue's global key
+        order, so that two holders of overlapping keys never deadlock.
+    :ivar token: a fencing token, set on entry: larger than the token of
+        every turn granted earlier on any of these keys, so a downstream store
+        can refuse a write that carries an older token.
+    """
+
+    __slots__ = ("_queue", "_taken", "_task", "_timeout", "keys", "token")
+
+    keys: tuple[Hashable, ...]
+    token: int
 
     def __init__(
         self, queue: KeyedQueue, keys: tuple[Hashable, ...], timeout: float | None
     ) -> None:
         self._queue = queue
-        self._keys = keys  # in the global order
+        self.keys = keys
         self._timeout = timeout
+        self.token = 0
         self._task: object = None  # the task inside the block, None outside it
-        self._taken: list[Hashable] = []  # keys this block took (not held already)
+        self._taken: tuple[Hashable, ...] = ()  # the keys this turn took (not held already)
+
+    @property
+    def lease_lost(self) -> bool:
+        """Whether the backend could no longer vouch for this turn.
+
+        Always ``False`` in process: an in-process turn cannot be lost.
+        """
+        return False
 
     async def __aenter__(self) -> Turn:
         if self._task is not None:
-            raise RuntimeError("inturn: this keyed() block is already entered; make one per use")
+            raise RuntimeError("inturn: this keyed() turn is already entered; make one per block")
         queue = self._queue
-        lines = queue._lines
         task = _current_task()
-        taken: list[Hashable] = []
-        timeout = self._timeout
-        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
-        try:
-            for key in self._keys:
-                line = lines.get(key)
-                if line is None and queue._open and task is not None:
-                    lines[key] = task
-                    taken.append(key)
-                    continue
-                if deadline is not None:
-                    timeout = deadline - asyncio.get_running_loop().time()
-                if not await queue._wait_turn(key, task, line, timeout):
-                    taken.append(key)
-        except BaseException as error:
-            for key in reversed(taken):
-                queue._release(key, task, error, None)
-            raise
+        keys = self.keys
+        if len(keys) == 1:
+            key = keys[0]
+            lines = queue._lines
+            line = lines.get(key)
+            if line is None and queue._open and task is not None:
+                lines[key] = task  # uncontended: as in run()
+                self._taken = keys
+            elif await queue._take(key, task, line, self._timeout):
+                self._taken = keys
+        else:
+            self._taken = await queue._take_all(keys, task, self._timeout)
         self._task = task
-        self._taken = taken
-        return Turn(self._keys, next(queue._tokens))
+        self.token = next(queue._tokens)
+        return self
 
     async def __aexit__(
         self,
@@ -631,13 +681,13 @@ class _Keyed:
         self.release(exc, None)
 
     def release(self, error: BaseException | None, result: Any) -> None:
-        """Release every key this block took, newest first."""
+        """Release every key this turn took, newest first, telling watchers the outcome."""
         queue, task, taken = self._queue, self._task, self._taken
         self._task = None
-        self._taken = []
+        self._taken = ()
         for key in reversed(taken):
             queue._release(key, task, error, result)
 
     def __repr__(self) -> str:
-        state = "held" if self._task is not None else "not held"
-        return f"<keyed {', '.join(map(repr, self._keys))}: {state}>"
+        state = f"held, token {self.token}" if self._task is not None else "not held"
+        return f"<Turn keys={self.keys!r} {state}>"

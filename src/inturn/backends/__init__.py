@@ -8,6 +8,6 @@ into; it holds what every backend has in common, starting with the
 
 from __future__ import annotations
 
-from .._turn import Turn as Turn
+from .._queue import Turn as Turn
 
 __all__ = ("Turn",)
