@@ -1,0 +1,1 @@
+"""inturn's benchmark: ``python -m bench``. See bench/run.py."""

@@ -1,0 +1,231 @@
+"""Run every scenario for every contender in one process, and report ratios.
+
+    python -m bench [--repeats 3] [--json bench/results.json] [--plot out.png] [--quick]
+
+Contenders are interleaved (each repeat runs all of them, in a rotated
+order) and every number is the median of the repeats, so that a noisy
+neighbour on a shared machine hits all contenders alike. Ratios are to the
+hand-written dict of asyncio.Lock, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: python bench/run.py
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    __package__ = "bench"
+
+from . import scenarios
+from .contenders import ALL, Contender
+
+BASELINE = "handwritten"
+FLOOR = "bare"
+
+
+class Sizes:
+    def __init__(self, quick: bool) -> None:
+        scale = 20 if quick else 1
+        self.sequential = 200_000 // scale
+        self.one_key = 100_000 // scale
+        self.many_keys = (1_000 // (scale if quick else 1), 100 // (5 if quick else 1))
+        self.memory_keys = 10_000 // scale
+        self.scaling = [1_000, 10_000, 100_000] if not quick else [500, 1_000, 5_000]
+
+
+def _rotated(items: Sequence[Contender], by: int) -> list[Contender]:
+    by %= len(items)
+    return [*items[by:], *items[:by]]
+
+
+async def measure(sizes: Sizes, repeats: int, log: Callable[[str], None]) -> dict[str, Any]:
+    contenders = [cls() for cls in ALL]
+    samples: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for repeat in range(repeats):
+        log(f"repeat {repeat + 1}/{repeats}")
+        for contender in _rotated(contenders, repeat):
+            name = contender.name
+            samples["a"][name].append(await scenarios.sequential(contender, sizes.sequential))
+            samples["b"][name].append(
+                await scenarios.gathered(contender, 1, sizes.one_key, verify=True)
+            )
+            keys, per_key = sizes.many_keys
+            samples["c"][name].append(
+                await scenarios.gathered(contender, keys, per_key, verify=True)
+            )
+            for n in sizes.scaling:
+                samples[f"e{n}"][name].append(
+                    await scenarios.gathered(contender, 1, n, verify=False)
+                )
+            for field, value in (await scenarios.memory(contender, sizes.memory_keys)).items():
+                samples[f"d_{field}"][name].append(value)
+            floor = await scenarios.memory(contender, sizes.memory_keys, through=True)
+            samples["d_through_bytes"][name].append(floor["in_flight_bytes"])
+    return {
+        scenario: {name: statistics.median(values) for name, values in by_name.items()}
+        for scenario, by_name in samples.items()
+    }
+
+
+def _above_floor(medians: dict[str, Any], scenario: str) -> dict[str, float]:
+    floor = medians[scenario][FLOOR]
+    return {name: value - floor for name, value in medians[scenario].items()}
+
+
+def derive(medians: dict[str, Any], sizes: Sizes) -> dict[str, dict[str, float]]:
+    """The reported rows: costs above the bare floor, per call, task or key."""
+    rows: dict[str, dict[str, float]] = {}
+    rows["(a) ns/call above bare, uncontended"] = _above_floor(medians, "a")
+    rows["(b) ns/task above bare, one key"] = _above_floor(medians, "b")
+    rows["(c) ns/task above bare, 1,000 keys"] = _above_floor(medians, "c")
+    in_flight = medians["d_in_flight_bytes"]
+    rows["(d) bookkeeping bytes per in-flight key"] = {
+        name: (value - medians["d_through_bytes"][name]) / sizes.memory_keys
+        for name, value in in_flight.items()
+    }
+    rows["(d) bytes per in-flight key, whole call"] = {
+        name: value / sizes.memory_keys
+        for name, value in _above_floor(medians, "d_in_flight_bytes").items()
+    }
+    rows["(d) bytes retained when idle"] = _above_floor(medians, "d_retained_bytes")
+    rows["(d) bytes grown by a 2nd wave"] = _above_floor(medians, "d_growth_bytes")
+    rows["(d) keys kept when idle"] = dict(medians["d_keys_kept"])
+    for n in sizes.scaling:
+        rows[f"(e) ns/task above bare, {n:,} queued"] = _above_floor(medians, f"e{n}")
+    return rows
+
+
+def targets(rows: dict[str, dict[str, float]], sizes: Sizes) -> list[tuple[str, bool, str]]:
+    """The Benchmark issue's targets, checked on this run's numbers."""
+    a = rows["(a) ns/call above bare, uncontended"]
+    b = rows["(b) ns/task above bare, one key"]
+    c = rows["(c) ns/task above bare, 1,000 keys"]
+    first, last = sizes.scaling[0], sizes.scaling[-1]
+    e_first = rows[f"(e) ns/task above bare, {first:,} queued"]["inturn.run"]
+    e_last = rows[f"(e) ns/task above bare, {last:,} queued"]["inturn.run"]
+    per_key = rows["(d) bookkeeping bytes per in-flight key"]["inturn.run"]
+    growth = rows["(d) bytes grown by a 2nd wave"]["inturn.run"]
+    kept = rows["(d) keys kept when idle"]["inturn.run"]
+    hw = a[BASELINE]
+    checks = [
+        ("(a) inturn.run <= 0.5x handwritten", a["inturn.run"] / hw, 0.5),
+        ("(a) @queue_by_key <= 1.5x handwritten", a["@queue_by_key"] / hw, 1.5),
+        ("(b) inturn.run <= 0.95x handwritten", b["inturn.run"] / b[BASELINE], 0.95),
+        ("(c) inturn.run <= 0.95x handwritten", c["inturn.run"] / c[BASELINE], 0.95),
+        ("(d) inturn <= 150 B per in-flight key", per_key, 150.0),
+        ("(d) inturn: no growth after a 2nd wave", max(growth, 0.0), 0.0),
+        ("(d) inturn: no keys kept", kept, 0.0),
+        (f"(e) inturn.run at {last:,} <= 1.2x at {first:,}", e_last / e_first, 1.2),
+    ]
+    return [(label, value <= limit, f"{value:.2f}") for label, value, limit in checks]
+
+
+def _cell(value: float, baseline: float, ratio: bool) -> str:
+    text = f"{value:,.0f}"
+    if ratio and baseline:
+        text += f" ({value / baseline:.2f}x)"
+    return text
+
+
+def table(rows: dict[str, dict[str, float]], names: list[str]) -> str:
+    lines = [
+        "| scenario | " + " | ".join(names) + " |",
+        "|---|" + "---:|" * len(names),
+    ]
+    for label, values in rows.items():
+        ratio = "keys kept" not in label and "grown" not in label
+        cells = [_cell(values[name], values[BASELINE], ratio) for name in names]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: dict[str, dict[str, float]], names: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [label for label in rows if "kept" not in label and "grown" not in label]
+    contenders = [n for n in names if n not in (FLOOR, "wrapt (empty)")]
+    fig, ax = plt.subplots(figsize=(12, 6))
+    width = 0.8 / len(contenders)
+    for i, name in enumerate(contenders):
+        ratios = [
+            rows[label][name] / rows[label][BASELINE] if rows[label][BASELINE] else 0
+            for label in shown
+        ]
+        ax.bar([x + i * width for x in range(len(shown))], ratios, width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(shown))])
+    ax.set_xticklabels([label.split(" ", 1)[1] for label in shown], rotation=30, ha="right")
+    ax.set_ylabel("x handwritten (lower is better)")
+    ax.set_yscale("log")
+    ax.set_title("inturn and alternatives, as ratios to a hand-written dict of asyncio.Lock")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def machine() -> str:
+    import os
+
+    return (
+        f"CPython {platform.python_version()} on {platform.machine()} "
+        f"({os.cpu_count()} cores), {platform.system()} {platform.release()}"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=3, help="runs per contender (median)")
+    parser.add_argument("--quick", action="store_true", help="1/20 of the sizes: a smoke test")
+    parser.add_argument("--json", type=Path, default=None, help="write raw medians and rows here")
+    parser.add_argument("--plot", type=Path, default=None, help="draw the ratios to this PNG")
+    options = parser.parse_args(argv)
+    sizes = Sizes(options.quick)
+    names = [cls.name for cls in ALL]
+
+    def log(message: str) -> None:
+        print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+    started = time.perf_counter()
+    medians = asyncio.run(measure(sizes, options.repeats, log))
+    rows = derive(medians, sizes)
+    print(f"## In process: {machine()}, median of {options.repeats}\n")
+    print(table(rows, names))
+    print("\nTargets (from the Benchmark issue):\n")
+    results = targets(rows, sizes)
+    for label, ok, value in results:
+        print(f"- {'PASS' if ok else 'MISS'} {label}: {value}")
+    log(f"done in {time.perf_counter() - started:.0f} s")
+    if options.json:
+        options.json.write_text(
+            json.dumps(
+                {
+                    "machine": machine(),
+                    "repeats": options.repeats,
+                    "quick": options.quick,
+                    "medians": medians,
+                    "rows": rows,
+                    "targets": [{"target": t, "pass": ok, "value": v} for t, ok, v in results],
+                },
+                indent=2,
+            )
+        )
+    if options.plot:
+        plot(rows, names, options.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
