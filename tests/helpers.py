@@ -7,6 +7,11 @@ from collections import Counter
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from inturn import KeyedQueue
+
+#: Makes a KeyedQueue on the backend under test: ``make_queue(timeout=..., max_pending=...)``.
+QueueFactory = Callable[..., KeyedQueue]
+
 
 async def checkpoints(n: int = 1) -> None:
     """Let every other ready task run n steps."""

@@ -21,11 +21,15 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from ._decorator import QueuedFunction as QueuedFunction
+from ._errors import BackendUnavailable as BackendUnavailable
 from ._errors import InturnError as InturnError
+from ._errors import LeaseLost as LeaseLost
 from ._errors import QueueClosed as QueueClosed
 from ._errors import QueueFull as QueueFull
 from ._queue import UNSET as UNSET
 from ._queue import KeyedQueue as KeyedQueue
+from ._turn import Turn as Turn
+from ._turn import current_turn as current_turn
 
 try:
     __version__ = version("inturn")
@@ -41,12 +45,16 @@ run = default_queue.run
 
 __all__ = (
     "UNSET",
+    "BackendUnavailable",
     "InturnError",
     "KeyedQueue",
+    "LeaseLost",
     "QueueClosed",
     "QueueFull",
     "QueuedFunction",
+    "Turn",
     "__version__",
+    "current_turn",
     "default_queue",
     "keyed",
     "queue_by_key",

@@ -7,7 +7,7 @@ argument of the wrong type, ``ValueError`` for a setting out of range and
 
 from __future__ import annotations
 
-__all__ = ("InturnError", "QueueClosed", "QueueFull")
+__all__ = ("BackendUnavailable", "InturnError", "LeaseLost", "QueueClosed", "QueueFull")
 
 
 class InturnError(Exception):
@@ -24,3 +24,25 @@ class QueueFull(InturnError):
 
 class QueueClosed(InturnError):
     """The queue was closed; the new work was not queued and never runs."""
+
+
+class BackendUnavailable(InturnError):
+    """The backend that shares the lines could not be reached; the work did not run.
+
+    Raised at submission, or while waiting for a turn: the work never runs
+    without its turn. The underlying error (a connection error, say) is the
+    ``__cause__``.
+    """
+
+
+class LeaseLost(InturnError):
+    """A holder's lease on its turn ran out before the work finished.
+
+    Backends that share lines between processes cover each holder with a
+    lease that a heartbeat renews. When it could not be renewed in time (the
+    backend was unreachable, or the process was frozen past the lease), other
+    processes may have been given the key while this work still ran. The
+    work's own result is then withheld and this error raised instead, after
+    the work finished; ``turn.lease_lost`` turns true as soon as the loss is
+    known, so long work can check it and stop early.
+    """

@@ -19,6 +19,8 @@ __all__ = (
     "KeysSpec",
     "compile_key",
     "order_keys",
+    "order_portable",
+    "portable_name",
     "unhashable",
 )
 
@@ -63,6 +65,36 @@ def order_keys(keys: Iterable[Hashable]) -> tuple[Hashable, ...]:
     if len(unique) < 2:
         return tuple(unique)
     return tuple(sorted(unique, key=_order))
+
+
+def portable_name(key: Hashable) -> bytes:
+    """The bytes that name key's line outside this process, the same in every process.
+
+    Only ``str``, ``bytes`` and ``int`` keys (``bool`` counts as ``int``, as
+    in process ``True == 1``) have one; the type is part of the name, so
+    ``1`` and ``"1"`` stay different lines, as they are in process.
+    """
+    if isinstance(key, str):
+        return b"s:" + key.encode("utf-8", "surrogatepass")
+    if isinstance(key, bytes):
+        return b"b:" + key
+    if isinstance(key, int):
+        return b"i:%d" % key
+    raise TypeError(
+        f"inturn: key {key!r} ({type(key).__name__}) cannot name a line shared between "
+        "processes; use a str, bytes or int key (for example f'order-{order_id}')"
+    )
+
+
+def order_portable(keys: Iterable[Hashable]) -> tuple[Hashable, ...]:
+    """Drop duplicate keys and sort the rest into an order every process computes alike.
+
+    The order of :func:`portable_name`, never ``hash()``, which is salted per
+    process: two processes taking overlapping key sets take them in the same
+    order, so they can never wait for each other in a cycle.
+    """
+    named = {portable_name(key): key for key in keys}
+    return tuple(named[name] for name in sorted(named))
 
 
 class _Signature:

@@ -8,12 +8,15 @@ import math
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Hashable
 from inspect import isawaitable
-from types import CoroutineType, TracebackType
+from types import CoroutineType
 from typing import TYPE_CHECKING, Any, Final, TypeVar, final, overload
 
 from ._errors import QueueClosed, QueueFull
 from ._keys import KeySpec, KeysSpec, order_keys, unhashable
 from ._tasks import current_task as _current_task
+from ._turn import Turn
+from .backends._base import Backend
+from .backends._local import LocalBackend
 
 if TYPE_CHECKING:
     from typing_extensions import ParamSpec
@@ -22,7 +25,7 @@ if TYPE_CHECKING:
 
     P = ParamSpec("P")
 
-__all__ = ("UNSET", "KeyedQueue", "Turn")
+__all__ = ("UNSET", "KeyedQueue")
 
 R = TypeVar("R")
 
@@ -159,16 +162,39 @@ class KeyedQueue:
     :param timeout: the default limit, in seconds, for reaching a turn;
         ``None`` waits as long as it takes. A turn not reached in time raises
         :exc:`TimeoutError` and the work never runs.
-    :param max_pending: the most waiters a key may have (not counting its
-        holder); one more raises :exc:`~inturn.QueueFull` at once.
-        ``None`` is unbounded.
+    :param max_pending: the most waiters a key may have in this process
+        (not counting its holder); one more raises :exc:`~inturn.QueueFull`
+        at once. ``None`` is unbounded.
+    :param backend: where the lines are shared with other processes; see
+        :mod:`inturn.backends`. ``None`` (or a
+        :class:`~inturn.backends.LocalBackend`) keeps them in this process.
+        With a backend, this process's line for a key still orders its own
+        tasks, and the task at its head takes the key's turn from the
+        backend, which orders the processes; keys must then be ``str``,
+        ``bytes`` or ``int``.
     :raises ValueError: ``timeout`` or ``max_pending`` is negative.
-    :raises TypeError: ``timeout`` or ``max_pending`` is not a number.
+    :raises TypeError: ``timeout`` or ``max_pending`` is not a number, or
+        ``backend`` is not a backend.
     """
 
-    __slots__ = ("__weakref__", "_lines", "_max_pending", "_open", "_timeout", "_tokens")
+    __slots__ = (
+        "__weakref__",
+        "_backend",
+        "_fast",
+        "_lines",
+        "_max_pending",
+        "_open",
+        "_timeout",
+        "_tokens",
+    )
 
-    def __init__(self, *, timeout: float | None = None, max_pending: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        timeout: float | None = None,
+        max_pending: int | None = None,
+        backend: Backend | LocalBackend | None = None,
+    ) -> None:
         # key -> the holding task, while nobody else asked about the key;
         # key -> _Line otherwise. A key is here exactly while it is active.
         self._lines: dict[Hashable, Any] = {}
@@ -176,6 +202,17 @@ class KeyedQueue:
         self._max_pending = _check_max_pending(max_pending)
         self._open = True
         self._tokens = itertools.count(1)
+        if backend is None or isinstance(backend, LocalBackend):
+            self._backend: Backend | None = None
+        elif isinstance(backend, Backend):
+            self._backend = backend
+        else:
+            raise TypeError(
+                f"inturn: backend= takes a backend from inturn.backends (LocalBackend, "
+                f"FileBackend, RedisBackend) or None, got {backend!r}"
+            )
+        # Whether a free key is taken with a dict insert: open, and in process.
+        self._fast = self._backend is None
 
     # -- taking turns ---------------------------------------------------------
 
@@ -213,11 +250,13 @@ class KeyedQueue:
             line = lines.get(key)
         except TypeError:
             raise unhashable(key) from None
-        if line is None and self._open and task is not None:
+        if line is None and self._fast and task is not None:
             lines[key] = task  # uncontended: a dict insert, nothing allocated
         else:
             if not callable(fn):
                 raise TypeError(f"inturn: run() needs a callable, got {fn!r}")
+            if self._backend is not None:
+                return await self._run_keyed((key,), fn, args, kwargs, self._timeout)
             # What _take() does, inlined: a coroutine less per contended call.
             waiter = self._join(key, task, line, self._timeout)
             if waiter is True:
@@ -252,18 +291,27 @@ class KeyedQueue:
         kwargs: dict[str, Any],
         timeout: float | None,
     ) -> Any:
-        """Take the turns of keys as keyed() does, await fn, release.
+        """Take the turns of keys as keyed() does, call fn, release.
 
-        The decorator's path for keys= and for a timeout of its own.
+        The path of every call on a shared backend, and of the decorator for
+        keys= and for a timeout of its own.
         """
         turn = Turn(self, self._ordered(keys), timeout)
         await turn.__aenter__()
         try:
-            result = await fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+            if isawaitable(result):
+                result = await result
         except BaseException as error:
-            turn.release(error, None)
+            if self._backend is None:
+                turn.release(error, None)
+            else:
+                await turn._end_shared(error, None)
             raise
-        turn.release(None, result)
+        if self._backend is None:
+            turn.release(None, result)
+        else:
+            await turn._end_shared(None, result)
         return result
 
     def keyed(self, *keys: Hashable, timeout: float | _Unset | None = UNSET) -> Turn:
@@ -359,6 +407,8 @@ class KeyedQueue:
     # -- the lines --------------------------------------------------------------
 
     def _ordered(self, keys: tuple[Hashable, ...]) -> tuple[Hashable, ...]:
+        if self._backend is not None:
+            return self._backend.order(keys)
         if len(keys) == 1:
             try:
                 hash(keys[0])
@@ -595,11 +645,19 @@ class KeyedQueue:
         holds a key may still take it again. Closing twice is harmless.
         """
         self._open = False
+        self._fast = False
 
     async def aclose(self) -> None:
-        """Close the queue, then wait for the work already in it (:meth:`drain`)."""
+        """Close the queue, wait for the work already in it (:meth:`drain`), close the backend."""
         self.close()
         await self.drain()
+        if self._backend is not None:
+            await self._backend.aclose()
+
+    @property
+    def backend(self) -> Backend | LocalBackend:
+        """Where the lines live: a shared backend, or the in-process :class:`LocalBackend`."""
+        return LocalBackend() if self._backend is None else self._backend
 
     def __repr__(self) -> str:
         shown = []
@@ -609,85 +667,5 @@ class KeyedQueue:
         if len(self._lines) > 5:
             shown.append("...")
         state = "closed" if not self._open else "open"
-        return f"<KeyedQueue {state}, {len(self._lines)} active {{{', '.join(shown)}}}>"
-
-
-@final
-class Turn:
-    """A turn on one or more keys: what :meth:`KeyedQueue.keyed` returns and binds.
-
-    ``async with queue.keyed("acct-1", "acct-2") as turn:`` waits for the
-    turn of every key, runs the block holding them all, and releases them
-    when the block ends, however it ends. A turn object may be entered again
-    after its block ended, but not while it is entered.
-
-    :ivar keys: the keys, in the order they are taken: the queue's global key
-        order, so that two holders of overlapping keys never deadlock.
-    :ivar token: a fencing token, set on entry: larger than the token of
-        every turn granted earlier on any of these keys, so a downstream store
-        can refuse a write that carries an older token.
-    """
-
-    __slots__ = ("_queue", "_taken", "_task", "_timeout", "keys", "token")
-
-    keys: tuple[Hashable, ...]
-    token: int
-
-    def __init__(
-        self, queue: KeyedQueue, keys: tuple[Hashable, ...], timeout: float | None
-    ) -> None:
-        self._queue = queue
-        self.keys = keys
-        self._timeout = timeout
-        self.token = 0
-        self._task: object = None  # the task inside the block, None outside it
-        self._taken: tuple[Hashable, ...] = ()  # the keys this turn took (not held already)
-
-    @property
-    def lease_lost(self) -> bool:
-        """Whether the backend could no longer vouch for this turn.
-
-        Always ``False`` in process: an in-process turn cannot be lost.
-        """
-        return False
-
-    async def __aenter__(self) -> Turn:
-        if self._task is not None:
-            raise RuntimeError("inturn: this keyed() turn is already entered; make one per block")
-        queue = self._queue
-        task = _current_task()
-        keys = self.keys
-        if len(keys) == 1:
-            key = keys[0]
-            lines = queue._lines
-            line = lines.get(key)
-            if line is None and queue._open and task is not None:
-                lines[key] = task  # uncontended: as in run()
-                self._taken = keys
-            elif await queue._take(key, task, line, self._timeout):
-                self._taken = keys
-        else:
-            self._taken = await queue._take_all(keys, task, self._timeout)
-        self._task = task
-        self.token = next(queue._tokens)
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.release(exc, None)
-
-    def release(self, error: BaseException | None, result: Any) -> None:
-        """Release every key this turn took, newest first, telling watchers the outcome."""
-        queue, task, taken = self._queue, self._task, self._taken
-        self._task = None
-        self._taken = ()
-        for key in reversed(taken):
-            queue._release(key, task, error, result)
-
-    def __repr__(self) -> str:
-        state = f"held, token {self.token}" if self._task is not None else "not held"
-        return f"<Turn keys={self.keys!r} {state}>"
+        where = "" if self._backend is None else f" on {self._backend!r}"
+        return f"<KeyedQueue {state}{where}, {len(self._lines)} active {{{', '.join(shown)}}}>"

@@ -1,13 +1,25 @@
 """Where the lines live.
 
-Today every line lives in process, inside its :class:`~inturn.KeyedQueue`.
-This package is the seam that backends sharing lines across processes plug
-into; it holds what every backend has in common, starting with the
-:class:`Turn` a holder is given.
+A :class:`~inturn.KeyedQueue` keeps its lines in its own process unless it is
+given a backend that shares them with other processes::
+
+    KeyedQueue()                                    # in process: LocalBackend
+    KeyedQueue(backend=FileBackend("/run/myapp"))   # processes of one host
+    KeyedQueue(backend=RedisBackend.from_url(url))  # processes of many hosts
+
+This package holds what every backend has in common: the :class:`Backend`
+protocol and the :class:`Grant` it hands out for one key, the :class:`Turn`
+a holder is given, and the in-process :class:`LocalBackend`. Each backend
+that shares lines lives in a public module of its own
+(``inturn.backends.file``, ``inturn.backends.redis``), imported only by
+those who use it.
 """
 
 from __future__ import annotations
 
-from .._queue import Turn as Turn
+from .._turn import Turn as Turn
+from ._base import Backend as Backend
+from ._base import Grant as Grant
+from ._local import LocalBackend as LocalBackend
 
-__all__ = ("Turn",)
+__all__ = ("Backend", "Grant", "LocalBackend", "Turn")

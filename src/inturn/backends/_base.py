@@ -1,0 +1,78 @@
+"""The seam between the queue and the place its lines are shared: Backend and Grant."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Protocol, runtime_checkable
+
+__all__ = ("Backend", "Grant")
+
+
+@runtime_checkable
+class Grant(Protocol):
+    """A backend's answer to :meth:`Backend.acquire`: the turn on one key, while it lasts."""
+
+    @property
+    def key(self) -> Hashable:
+        """The key this grant holds."""
+        ...
+
+    @property
+    def token(self) -> int:
+        """A fencing token: larger than that of every earlier grant of the same key."""
+        ...
+
+    @property
+    def lost(self) -> bool:
+        """Whether the backend can no longer vouch for this grant (its lease ran out)."""
+        ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Where a queue's lines are shared with other processes.
+
+    A :class:`~inturn.KeyedQueue` keeps a line per key in its own process
+    whatever its backend: that line gives same-process FIFO, reentrancy,
+    ``max_pending``, drain and introspection. With a backend, the task at
+    the head of its process's line then takes the key's turn from the
+    backend, which orders the heads of every process using the same lines.
+    So a backend sees at most one waiter per key per queue.
+
+    A backend's contract:
+
+    - :meth:`acquire` returns only once the caller holds the key against
+      every other process, in the order the backend received the calls. If
+      it raises (timeout, cancellation, backend unreachable), the key is not
+      held and no trace of the call blocks anyone else.
+    - :meth:`release` ends a grant; the next in line gets the key. It is
+      called once per grant, and must complete even if the caller's task is
+      cancelled again meanwhile (the queue shields it).
+    - Keys cross process boundaries, so :meth:`order` accepts only keys that
+      every process names alike and sorts them in one order every process
+      computes identically (never by ``hash()``, which is salted per process).
+    """
+
+    def order(self, keys: tuple[Hashable, ...]) -> tuple[Hashable, ...]:
+        """Check keys, drop duplicates, and sort them into the global order.
+
+        :raises TypeError: a key this backend cannot share, naming it.
+        """
+        ...
+
+    async def acquire(self, key: Hashable, timeout: float | None) -> Grant:
+        """Wait for key's turn among every process; return the grant.
+
+        :param timeout: seconds to wait at most; ``None`` waits as long as it takes.
+        :raises TimeoutError: the turn was not reached in time; the key is not held.
+        :raises ~inturn.BackendUnavailable: the backend could not be reached.
+        """
+        ...
+
+    async def release(self, grant: Grant) -> None:
+        """End grant's turn and let the next in line have the key."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release what the backend holds open (connections, files)."""
+        ...

@@ -1,0 +1,88 @@
+"""Drive real worker processes (tests/worker.py) step by step from a test."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+WORKER = Path(__file__).with_name("worker.py")
+
+#: How long a test waits for a worker's next report before failing. A safety
+#: net against a hang, far above what any step takes: not a timing assertion.
+PATIENCE = 30.0
+
+
+class Worker:
+    """One worker process; its reports are read line by line."""
+
+    def __init__(self, process: asyncio.subprocess.Process, name: str) -> None:
+        self.process = process
+        self.name = name
+
+    @classmethod
+    async def start(cls, backend: str, *command: str, name: str = "") -> Worker:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(WORKER),
+            backend,
+            *command,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        return cls(process, name or " ".join(command))
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    async def report(self) -> list[str]:
+        """The worker's next report, split into words."""
+        assert self.process.stdout is not None
+        line = await asyncio.wait_for(self.process.stdout.readline(), PATIENCE)
+        if not line:
+            code = await self.process.wait()
+            raise AssertionError(f"worker {self.name} ended (exit {code}) instead of reporting")
+        return line.decode().split()
+
+    async def expect(self, word: str) -> list[str]:
+        """Wait for the next report and check it is ``word ...``; return its other words."""
+        words = await self.report()
+        assert words[0] == word, f"worker {self.name} said {words}, expected {word!r}"
+        return words[1:]
+
+    async def go(self) -> None:
+        """Let the worker past its wait for a stdin line."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(b"go\n")
+        await self.process.stdin.drain()
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+
+    async def finish(self) -> int:
+        """Wait for the worker to exit; return its exit code."""
+        return await asyncio.wait_for(self.process.wait(), PATIENCE)
+
+    async def close(self) -> None:
+        if self.process.returncode is None:
+            self.kill()
+            await self.process.wait()
+
+
+async def until(predicate: Callable[[], bool], what: str) -> None:
+    """Wait until another process has made predicate true (checked every millisecond).
+
+    For states that only another process can bring about and that give no
+    signal: the wait ends on the state, not on a time; PATIENCE only bounds
+    a hang.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + PATIENCE
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"never reached: {what}")
+        await asyncio.sleep(0.001)

@@ -1,0 +1,100 @@
+"""A worker process for the multi-process tests: ``python tests/worker.py BACKEND COMMAND ...``.
+
+BACKEND is ``file:DIRECTORY`` or ``redis:URL#NAMESPACE``. It reports on stdout, one
+line per event, and waits for a line on stdin where a command says so, so
+the test drives it step by step:
+
+- ``hold KEY``: take KEY; print ``holding TOKEN``; wait for a stdin line;
+  release; print ``released``.
+- ``increment KEY COUNTER N``: N read-modify-write increments of the
+  integer in the file COUNTER, each under KEY; print ``done``.
+- ``fork-hold KEY``: take KEY, fork a child that keeps every inherited file
+  open and waits; print ``forked PID``; wait for a stdin line; release;
+  print ``released``; wait for a stdin line; end the child.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from typing import Any
+
+from inturn import KeyedQueue
+
+
+def make_backend(spec: str) -> Any:
+    kind, _, where = spec.partition(":")
+    if kind == "file":
+        from inturn.backends.file import FileBackend
+
+        return FileBackend(where)
+    if kind == "redis":
+        from inturn.backends.redis import RedisBackend
+
+        url, _, namespace = where.partition("#")
+        return RedisBackend.from_url(url, namespace=namespace)
+    raise SystemExit(f"unknown backend {spec!r}")
+
+
+def read_counter(path: str) -> int:
+    with open(path) as file:
+        return int(file.read() or 0)
+
+
+def write_counter(path: str, value: int) -> None:
+    with open(path, "w") as file:
+        file.write(str(value))
+
+
+def say(*words: object) -> None:
+    print(*words, flush=True)
+
+
+async def read_line() -> str:
+    return await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+
+
+async def main(spec: str, command: str, *args: str) -> None:
+    queue = KeyedQueue(backend=make_backend(spec))
+    if command == "hold":
+        (key,) = args
+        async with queue.keyed(key) as turn:
+            say("holding", turn.token)
+            await read_line()
+        say("released")
+    elif command == "increment":
+        key, counter, n = args
+
+        async def increment() -> None:
+            value = read_counter(counter)
+            await asyncio.sleep(0)  # others run here: a lost update, were it not for the key
+            write_counter(counter, value + 1)
+
+        for _ in range(int(n)):
+            await queue.run(key, increment)
+        say("done")
+    elif command == "fork-hold":
+        (key,) = args
+        async with queue.keyed(key):
+            reader, writer = os.pipe()
+            child = os.fork()
+            if child == 0:  # pragma: no cover - the child
+                os.close(writer)
+                os.read(reader, 1)  # until the parent goes
+                os._exit(0)
+            os.close(reader)
+            say("forked", child)
+            await read_line()
+        say("released")
+        await read_line()
+        os.kill(child, signal.SIGTERM)
+        await asyncio.get_running_loop().run_in_executor(None, os.waitpid, child, 0)
+    else:
+        raise SystemExit(f"unknown command {command!r}")
+    await queue.aclose()
+
+
+if __name__ == "__main__":
+    asyncio.run(main(*sys.argv[1:]))
