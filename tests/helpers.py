@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections import Counter
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, NoReturn
+
+import pytest
 
 from inturn import KeyedQueue
+
+#: How long a test waits for a state that real I/O brings about, before failing.
+#: A safety net against a hang, far above what any step takes.
+PATIENCE = 30.0
 
 #: Makes a KeyedQueue on the backend under test: ``make_queue(timeout=..., max_pending=...)``.
 QueueFactory = Callable[..., KeyedQueue]
@@ -20,16 +27,24 @@ async def checkpoints(n: int = 1) -> None:
 
 
 async def settle(predicate: Callable[[], bool], limit: int = 200) -> None:
-    """Yield to the loop until predicate() holds; fail after `limit` rounds.
+    """Yield to the loop until predicate() holds.
 
-    Bounded by loop rounds, not by time: either the state is reached through
-    the tasks' own progress, or the test fails at once.
+    In process, the state is reached through the tasks' own progress within
+    `limit` loop rounds, or the test fails at once. Where a backend waits
+    for real I/O (a Redis reply), rounds go by without progress; after
+    `limit` rounds it keeps waiting a millisecond at a time, up to PATIENCE
+    seconds: the wait ends on the state, never on a time.
     """
     for _ in range(limit):
         if predicate():
             return
         await asyncio.sleep(0)
-    raise AssertionError(f"state not reached within {limit} loop rounds")
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + PATIENCE
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"state not reached within {limit} loop rounds and {PATIENCE} s")
+        await asyncio.sleep(0.001)
 
 
 class Recorder:
@@ -69,3 +84,10 @@ class Recorder:
                 self.finished.append(name)
 
         return run
+
+
+def unavailable(what: str) -> NoReturn:
+    """Skip a test whose server is missing; in CI, where every server is installed, fail."""
+    if os.environ.get("CI"):
+        pytest.fail(f"{what} is not available, and CI must test it")
+    pytest.skip(f"{what} is not available on this machine")

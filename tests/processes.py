@@ -9,11 +9,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-WORKER = Path(__file__).with_name("worker.py")
+from helpers import PATIENCE
 
-#: How long a test waits for a worker's next report before failing. A safety
-#: net against a hang, far above what any step takes: not a timing assertion.
-PATIENCE = 30.0
+WORKER = Path(__file__).with_name("worker.py")
 
 
 class Worker:

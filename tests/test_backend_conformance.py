@@ -10,29 +10,53 @@ in that backend's own module.
 from __future__ import annotations
 
 import asyncio
+import functools
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from inturn import KeyedQueue, QueueClosed, QueueFull
+from inturn.backends import Backend
 from inturn.backends.file import FileBackend
 
-from helpers import QueueFactory, Recorder, checkpoints, settle
+from helpers import QueueFactory, Recorder, checkpoints, settle, unavailable
 
-BACKENDS = ("local", "file")
+BACKENDS = ("local", "file", "redis", "valkey")
 
 
 @pytest.fixture(params=BACKENDS)
-def make_queue(request: pytest.FixtureRequest, tmp_path: Any) -> QueueFactory:
-    """KeyedQueue(**settings) on each backend in turn; a fresh place for its lines."""
-    if request.param == "local":
-        return KeyedQueue
-    backend = FileBackend(tmp_path / "lines")
+async def backend(
+    request: pytest.FixtureRequest, tmp_path: Path, redis_urls: dict[str, str]
+) -> AsyncIterator[Backend | None]:
+    """Each backend in turn, with a fresh place for its lines; None is the in-process default.
 
-    def make(**settings: Any) -> KeyedQueue:
-        return KeyedQueue(backend=backend, **settings)
+    On a Redis server, the test's namespace must hold no key once the test is over.
+    """
+    kind = request.param
+    if kind == "local":
+        yield None
+    elif kind == "file":
+        yield FileBackend(tmp_path / "lines")
+    else:
+        from inturn.backends.redis import RedisBackend
+        from redis_checks import keys_left
 
-    return make
+        if kind not in redis_urls:
+            unavailable(f"a {kind} server")
+        namespace = f"t-{uuid.uuid4().hex[:12]}"
+        backend = RedisBackend.from_url(redis_urls[kind], namespace=namespace)
+        yield backend
+        await backend.aclose()
+        assert await keys_left(redis_urls[kind], namespace) == []
+
+
+@pytest.fixture
+def make_queue(backend: Backend | None) -> QueueFactory:
+    """KeyedQueue(**settings) on the backend under test."""
+    return functools.partial(KeyedQueue, backend=backend)
 
 
 @pytest.fixture
@@ -99,8 +123,7 @@ async def test_the_key_is_held_until_an_awaitable_result_finishes(
     gate = asyncio.Event()
     first = asyncio.create_task(queue.run("k", lambda: recorder.body("k", 1, gate=gate)()))
     second = asyncio.create_task(queue.run("k", recorder.body("k", 2)))
-    await settle(lambda: queue.pending("k") == 1)
-    assert recorder.started == [1]
+    await settle(lambda: queue.pending("k") == 1 and recorder.started == [1])
     gate.set()
     await asyncio.gather(first, second)
     assert recorder.started == [1, 2]

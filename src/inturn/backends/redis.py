@@ -1,0 +1,737 @@
+"""The Redis backend: one FIFO line per key across processes and hosts.
+
+::
+
+    from inturn import KeyedQueue
+    from inturn.backends.redis import RedisBackend
+
+    orders = KeyedQueue(backend=RedisBackend.from_url("redis://localhost:6379/0", namespace="shop"))
+
+Installed with ``pip install "inturn[redis]"`` (redis-py's asyncio client).
+Works with Redis 6.2+, Valkey, and Redis Cluster.
+
+How a line is kept. Each key's line is four Redis keys that share one hash
+slot (the hash tag ``{namespace:digest}``, the digest a SHA-256 of the key),
+so every script touches one slot and runs on a cluster:
+
+- ``inturn:{ns:d}:line``, a hash: the holder, the last fencing token, when
+  the holder got the key, the key as it was given;
+- ``inturn:{ns:d}:q``, a sorted set of the waiters by arrival;
+- ``inturn:{ns:d}:lease``, a sorted set of every member's lease expiry
+  (holder and waiters), by Redis's own clock;
+- ``inturn:{ns:d}:info``, a hash: each member's host, pid and arrival time.
+
+Every change is one Lua script, loaded once and called by SHA: *enqueue*
+(join the line, take the key if free), *leave* (release, or give up
+waiting) and *renew* (extend a lease). Each first drops members whose lease
+expired, and each grants a free key to the head of the line, with a token
+one above the last (or Redis's clock in microseconds when a line starts
+anew), then publishes the grant on the new holder's process channel. When
+a line empties, its keys are deleted; all four carry a TTL besides.
+
+Each process has one subscription (on its channel) that wakes its waiters:
+the release itself pushes the turn, nothing polls. A heartbeat renews every
+lease the process has every ``lease / 3`` seconds; its reply also hands a
+waiter a grant whose message was lost (a dropped connection), and tells a
+holder that its lease is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import itertools
+import logging
+import os
+import re
+import secrets
+import socket
+import time
+from collections.abc import Awaitable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, final
+
+from .._errors import BackendUnavailable
+from .._keys import order_portable, portable_name
+from ._base import Grant
+
+try:
+    import redis.asyncio as aioredis
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+except ImportError as error:  # pragma: no cover - depends on the install
+    raise ImportError(
+        "inturn's Redis backend needs redis-py: pip install 'inturn[redis]'"
+    ) from error
+
+__all__ = ("HolderInfo", "LineInfo", "RedisBackend", "RedisGrant", "WaiterInfo")
+
+logger = logging.getLogger("inturn.redis")
+
+#: Errors that mean the server could not be reached (as opposed to a bug).
+_UNREACHABLE: Final = (RedisConnectionError, RedisTimeoutError, OSError)
+
+_NAMESPACE = re.compile(r"[A-Za-z0-9_.:\-]{1,100}")
+
+# -- the scripts ------------------------------------------------------------------------
+
+# KEYS: line, q, lease, info. Shared by every script: the clock, dropping
+# expired members, granting a free key to the head, and deleting or
+# refreshing the line's keys.
+_PRELUDE = """
+local line, q, lease, info = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+
+local function purge()
+  local expired = redis.call('ZRANGEBYSCORE', lease, '-inf', now)
+  for _, m in ipairs(expired) do
+    redis.call('ZREM', q, m)
+    redis.call('ZREM', lease, m)
+    redis.call('HDEL', info, m)
+    if redis.call('HGET', line, 'holder') == m then
+      redis.call('HDEL', line, 'holder')
+    end
+  end
+end
+
+local function grant(channels, me)
+  if redis.call('HEXISTS', line, 'holder') == 1 then return end
+  local head = redis.call('ZRANGE', q, 0, 0)[1]
+  if not head then return end
+  redis.call('ZREM', q, head)
+  local token = math.max(tonumber(redis.call('HGET', line, 'token') or '0') + 1, now_us)
+  token = string.format('%.0f', token)
+  redis.call('HSET', line, 'holder', head, 'token', token, 'since', now)
+  if head ~= me then
+    redis.call('PUBLISH', channels .. string.match(head, '^[^/]+'), head .. ' ' .. token)
+  end
+end
+
+local function finish(ttl)
+  if redis.call('HEXISTS', line, 'holder') == 0 and redis.call('ZCARD', q) == 0 then
+    redis.call('DEL', line, q, lease, info)
+  else
+    for _, k in ipairs(KEYS) do redis.call('PEXPIRE', k, ttl) end
+  end
+end
+"""
+
+# ARGV: member, lease ms, ttl ms, channel prefix, info, the key as given.
+# Returns {1, token} when the key was free, else {0, place in line}.
+_ENQUEUE = (
+    _PRELUDE
+    + """
+local member, lease_ms, ttl, channels = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+purge()
+if redis.call('HGET', line, 'holder') ~= member then
+  local seq = redis.call('HINCRBY', line, 'seq', 1)
+  redis.call('ZADD', q, 'NX', seq, member)
+  redis.call('ZADD', lease, now + lease_ms, member)
+  redis.call('HSET', info, member, ARGV[5])
+  redis.call('HSETNX', line, 'key', ARGV[6])
+  grant(channels, member)
+end
+finish(ttl)
+if redis.call('HGET', line, 'holder') == member then
+  return {1, redis.call('HGET', line, 'token')}
+end
+return {0, redis.call('ZRANK', q, member) + 1}
+"""
+)
+
+# ARGV: member, ttl ms, channel prefix. Releases the key, or leaves the line.
+# Returns 1: was the holder; 2: was waiting; 3: had released already (a
+# retried call); 0: was in neither place (its lease ran out).
+_LEAVE = (
+    _PRELUDE
+    + """
+local member, ttl, channels = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+purge()
+local status = 0
+if redis.call('HGET', line, 'holder') == member then
+  redis.call('HDEL', line, 'holder')
+  redis.call('HSET', line, 'last', member)
+  status = 1
+elseif redis.call('ZREM', q, member) == 1 then
+  status = 2
+elseif redis.call('HGET', line, 'last') == member then
+  status = 3
+end
+redis.call('ZREM', lease, member)
+redis.call('HDEL', info, member)
+grant(channels, '')
+finish(ttl)
+return status
+"""
+)
+
+# ARGV: member, lease ms, ttl ms, channel prefix. Returns {1, token}: holds
+# the key; {2, 0}: waits; {0, 0}: in the line no more (its lease ran out).
+_RENEW = (
+    _PRELUDE
+    + """
+local member, lease_ms, ttl, channels = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+purge()
+if redis.call('HGET', line, 'holder') ~= member and not redis.call('ZSCORE', q, member) then
+  grant(channels, '')
+  finish(ttl)
+  return {0, 0}
+end
+redis.call('ZADD', lease, 'XX', now + lease_ms, member)
+grant(channels, member)
+finish(ttl)
+if redis.call('HGET', line, 'holder') == member then
+  return {1, redis.call('HGET', line, 'token')}
+end
+return {2, 0}
+"""
+)
+
+
+# -- what the backend hands out and shows ------------------------------------------------
+
+
+@final
+class RedisGrant:
+    """The turn on one key granted by a :class:`RedisBackend`, while its lease holds."""
+
+    __slots__ = ("_confirmed", "_lost", "_member", "_names", "key", "token")
+
+    def __init__(
+        self, key: Hashable, token: int, member: str, names: Sequence[str], confirmed: float
+    ) -> None:
+        #: The key held.
+        self.key = key
+        #: The fencing token: larger than every earlier grant's on this key
+        #: (Redis's clock in microseconds when the key's line starts anew).
+        self.token = token
+        self._member = member
+        self._names = names
+        self._confirmed = confirmed  # loop time Redis last confirmed the lease
+        self._lost = False
+
+    @property
+    def lost(self) -> bool:
+        """Whether the lease ran out: renewal failed or came too late, or Redis had dropped it."""
+        return self._lost
+
+    def __repr__(self) -> str:
+        lost = " lost" if self._lost else ""
+        return f"<RedisGrant key={self.key!r} token={self.token}{lost}>"
+
+
+@dataclass(frozen=True)
+class HolderInfo:
+    """Who holds a line's key: see :meth:`RedisBackend.lines`."""
+
+    host: str
+    pid: int
+    held_for: float  #: seconds since the key was granted
+    token: int
+    lease_left: float  #: seconds until the lease runs out unless renewed
+
+
+@dataclass(frozen=True)
+class WaiterInfo:
+    """One waiter of a line, in turn order: see :meth:`RedisBackend.lines`."""
+
+    host: str
+    pid: int
+    waiting_for: float  #: seconds since it joined the line
+    lease_left: float
+
+
+@dataclass(frozen=True)
+class LineInfo:
+    """A snapshot of one key's line: see :meth:`RedisBackend.lines`."""
+
+    key: str  #: the key, as the portable name that identifies it (``s:order-17``)
+    holder: HolderInfo | None
+    waiters: tuple[WaiterInfo, ...]
+
+
+@dataclass
+class _Member:
+    """One of this process's members of a line: a waiter, then a holder."""
+
+    names: Sequence[str]
+    confirmed: float  # loop time Redis last confirmed its lease
+    waiting: asyncio.Future[int] | None  # resolved with the token when granted
+    grant: RedisGrant | None = None
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+# -- the backend ---------------------------------------------------------------------------
+
+
+@final
+class RedisBackend:
+    """Lines shared by every process and host that uses the same Redis and namespace.
+
+    Guarantees, each tested against a real server:
+
+    - Mutual exclusion per key across every process and host.
+    - Strict FIFO: turns are granted in the order submissions reached Redis
+      (each queue submits, per key, its own next task in line, so a
+      process's own submissions keep their local order).
+    - Push, not poll: a release hands the key over in one script and wakes
+      the next holder through its process's subscription.
+    - Crash safety: each holder and waiter has a lease, renewed by a
+      heartbeat. A process that dies holding a key loses it within the
+      lease (plus one heartbeat of the waiter that notices); one that dies
+      waiting is skipped. A holder whose lease could not be renewed learns
+      it (``turn.lease_lost``), and its call raises
+      :exc:`~inturn.LeaseLost` afterwards.
+    - Fencing tokens from Redis that only grow per key.
+    - No stale state: a line's keys are deleted when it empties, and all of
+      them carry a TTL.
+    - Redis unreachable at submission: :exc:`~inturn.BackendUnavailable`,
+      and the work does not run.
+
+    Not guaranteed: exclusion across a Redis failover or restart that loses
+    the line's data (the holder learns its lease is lost at its next
+    heartbeat, but another process may have been granted the key by then);
+    use persistence or fencing tokens where that matters.
+
+    :param client: a ``redis.asyncio.Redis`` or ``RedisCluster`` client,
+        configured as you need (TLS, AUTH, timeouts, retries).
+    :param namespace: keeps the lines of different apps apart (letters,
+        digits and ``_.:-``).
+    :param lease: seconds a holder or waiter stays in line without a
+        heartbeat; a crashed process's place is freed after this long.
+    :param owns_client: close ``client`` in :meth:`aclose`.
+    :raises ValueError: a bad namespace or lease.
+    """
+
+    __slots__ = (
+        "_beat",
+        "_channel",
+        "_channels",
+        "_cleanups",
+        "_client",
+        "_counter",
+        "_id",
+        "_info",
+        "_kick",
+        "_lease",
+        "_listener",
+        "_loop",
+        "_members",
+        "_namespace",
+        "_owns_client",
+        "_pubsub",
+        "_scripts",
+        "_starting",
+    )
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        namespace: str = "inturn",
+        lease: float = 10.0,
+        owns_client: bool = False,
+    ) -> None:
+        if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
+            raise ValueError(
+                f"inturn: namespace must be 1 to 100 letters, digits or '_.:-', got {namespace!r}"
+            )
+        if isinstance(lease, bool) or not isinstance(lease, int | float) or not lease >= 0.1:
+            raise ValueError(f"inturn: lease must be at least 0.1 seconds, got {lease!r}")
+        self._client = client
+        self._namespace = namespace
+        self._lease = float(lease)
+        self._owns_client = owns_client
+        self._id = secrets.token_hex(8)
+        self._channels = f"inturn:{namespace}:wake:"
+        self._channel = self._channels + self._id
+        self._info = f"{socket.gethostname()} {os.getpid()}"
+        self._counter = itertools.count(1)
+        self._members: dict[str, _Member] = {}
+        self._scripts = tuple(client.register_script(s) for s in (_ENQUEUE, _LEAVE, _RENEW))
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._starting: asyncio.Task[None] | None = None
+        self._pubsub: Any = None
+        self._listener: asyncio.Task[None] | None = None
+        self._beat: asyncio.Task[None] | None = None
+        self._kick: asyncio.Event | None = None
+        self._cleanups: set[asyncio.Task[Any]] = set()
+
+    @classmethod
+    def from_url(
+        cls, url: str, *, namespace: str = "inturn", lease: float = 10.0, **options: Any
+    ) -> RedisBackend:
+        """A backend on a new client for ``url`` (``redis://``, ``rediss://``, ``unix://``).
+
+        ``options`` go to ``redis.asyncio.Redis.from_url`` (``password``,
+        ``ssl_ca_certs``, ``socket_timeout``, ...). The backend owns the
+        client and closes it in :meth:`aclose`.
+        """
+        return cls(
+            aioredis.Redis.from_url(url, **options),
+            namespace=namespace,
+            lease=lease,
+            owns_client=True,
+        )
+
+    @property
+    def namespace(self) -> str:
+        """The namespace of this backend's lines."""
+        return self._namespace
+
+    @property
+    def lease(self) -> float:
+        """Seconds a member stays in line without a heartbeat."""
+        return self._lease
+
+    def order(self, keys: tuple[Hashable, ...]) -> tuple[Hashable, ...]:
+        """Sort keys into the order every process computes (by their portable names).
+
+        :raises TypeError: a key is not a ``str``, ``bytes`` or ``int``.
+        """
+        return order_portable(keys)
+
+    def _names(self, key: Hashable) -> tuple[str, str, str, str]:
+        digest = hashlib.sha256(portable_name(key)).hexdigest()[:40]
+        prefix = f"inturn:{{{self._namespace}:{digest}}}:"
+        return prefix + "line", prefix + "q", prefix + "lease", prefix + "info"
+
+    @property
+    def _lease_ms(self) -> int:
+        return int(self._lease * 1000)
+
+    @property
+    def _ttl_ms(self) -> int:
+        return int(self._lease * 3000)
+
+    # -- start and stop --------------------------------------------------------------
+
+    async def _start(self) -> None:
+        """Subscribe to this process's channel and start the listener and heartbeat, once."""
+        loop = asyncio.get_running_loop()
+        if self._loop is loop and self._listener is not None:
+            return
+        if self._loop is not loop:
+            if self._loop is not None and not self._loop.is_closed():
+                raise RuntimeError(
+                    "inturn: this RedisBackend is in use by another event loop; "
+                    "make one backend per event loop"
+                )
+            self._loop, self._starting, self._listener, self._beat = loop, None, None, None
+        if self._starting is None:
+            self._starting = loop.create_task(self._begin())
+        starting = self._starting
+        try:
+            await asyncio.shield(starting)
+        except _UNREACHABLE as error:
+            if self._starting is starting:
+                self._starting = None  # the next submission tries again
+            raise BackendUnavailable(
+                f"inturn: Redis could not be reached ({error}); the work did not run"
+            ) from error
+
+    async def _begin(self) -> None:
+        await self._subscribe()
+        loop = asyncio.get_running_loop()
+        self._kick = asyncio.Event()
+        self._listener = loop.create_task(self._listen(), name="inturn-redis-listener")
+        self._beat = loop.create_task(self._heartbeat(), name="inturn-redis-heartbeat")
+
+    async def _subscribe(self) -> None:
+        pubsub = self._client.pubsub()
+        try:
+            await pubsub.subscribe(self._channel)
+            # Wait for Redis to confirm: a grant published before that is lost.
+            while True:
+                message = await pubsub.get_message(timeout=None)
+                if message is not None and message["type"] == "subscribe":
+                    break
+        except BaseException:
+            await pubsub.aclose()
+            raise
+        self._pubsub = pubsub
+
+    async def aclose(self) -> None:
+        """Stop the heartbeat and subscription; close the client if this backend owns it.
+
+        Members still in line (work that was not drained) lose their places
+        when their leases run out.
+        """
+        if self._cleanups:  # places given up just now: let them leave their lines
+            await asyncio.wait(self._cleanups, timeout=self._lease)
+        for task in (self._listener, self._beat, *self._cleanups):
+            if task is not None:
+                task.cancel()
+        for task in (self._listener, self._beat, *self._cleanups):
+            if task is not None:
+                with contextlib.suppress(BaseException):
+                    await task
+        self._listener = self._beat = None
+        self._starting = None
+        if self._pubsub is not None:
+            with contextlib.suppress(*_UNREACHABLE):
+                await self._pubsub.aclose()
+            self._pubsub = None
+        for member in self._members.values():
+            if member.waiting is not None and not member.waiting.done():
+                member.waiting.set_exception(BackendUnavailable("inturn: the backend was closed"))
+        self._members.clear()
+        if self._owns_client:
+            await self._client.aclose()
+
+    # -- taking and giving back turns ------------------------------------------------
+
+    async def acquire(self, key: Hashable, timeout: float | None) -> RedisGrant:
+        """Join key's line in Redis; return once this process holds the key.
+
+        :raises TimeoutError: the turn was not reached within ``timeout``;
+            this process's place was given up.
+        :raises ~inturn.BackendUnavailable: Redis could not be reached; the
+            turn was not taken.
+        """
+        await self._start()
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        names = self._names(key)
+        member_id = f"{self._id}/{next(self._counter)}"
+        member = self._members[member_id] = _Member(names, loop.time(), loop.create_future())
+        enqueue = loop.create_task(
+            self._call(
+                self._scripts[0],
+                names,
+                member_id,
+                self._lease_ms,
+                self._ttl_ms,
+                self._channels,
+                f"{self._info} {int(time.time() * 1000)}",
+                portable_name(key).decode("utf-8", "backslashreplace"),
+            )
+        )
+        try:
+            state, value = await asyncio.shield(enqueue)
+            member.confirmed = loop.time()
+            if state == 1:
+                token = int(value)
+            else:
+                assert member.waiting is not None
+                token = await _wait(member.waiting, deadline, key)
+        except BaseException:
+            # Cancelled, timed out, or Redis failed: give the place up. The
+            # call to leave goes after the enqueue (even one still in flight);
+            # if the key was just granted, leaving passes it on.
+            del self._members[member_id]
+            self._detach(self._leave_after(enqueue, names, member_id))
+            raise
+        grant = member.grant = RedisGrant(key, token, member_id, names, loop.time())
+        member.waiting = None
+        return grant
+
+    async def release(self, grant: Grant) -> None:
+        """End grant's turn: Redis hands the key to the next in line and wakes it."""
+        if not isinstance(grant, RedisGrant):
+            raise TypeError(f"inturn: {self!r} cannot release {grant!r}, which it did not grant")
+        if self._members.pop(grant._member, None) is None:
+            return  # released already
+        try:
+            status = await self._call(
+                self._scripts[1], grant._names, grant._member, self._ttl_ms, self._channels
+            )
+        except BackendUnavailable:
+            # The key frees itself when the lease runs out. The work is done,
+            # so it is not failed for this; a lease that could not be vouched
+            # for is reported as lost.
+            logger.warning(
+                "inturn: could not release %r in Redis; it frees itself within %g s",
+                grant.key,
+                self._lease,
+            )
+            loop = asyncio.get_running_loop()
+            if loop.time() - grant._confirmed >= self._lease:
+                grant._lost = True
+            return
+        if status == 0:
+            grant._lost = True
+
+    async def _leave_after(
+        self, enqueue: asyncio.Task[Any], names: Sequence[str], member: str
+    ) -> None:
+        """Leave the line once the enqueue call has finished (whatever its outcome)."""
+        with contextlib.suppress(BaseException):
+            await enqueue
+        with contextlib.suppress(BackendUnavailable):
+            await self._call(self._scripts[1], names, member, self._ttl_ms, self._channels)
+
+    def _detach(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+
+    async def _call(self, script: Any, names: Sequence[str], *args: Any) -> Any:
+        """Run a script; a server that cannot be reached raises BackendUnavailable."""
+        try:
+            return await script(keys=names, args=args)
+        except _UNREACHABLE as error:
+            raise BackendUnavailable(
+                f"inturn: Redis could not be reached ({error}); the turn was not taken"
+            ) from error
+
+    # -- push and heartbeat ---------------------------------------------------------------
+
+    def _granted(self, member_id: str, token: int) -> None:
+        member = self._members.get(member_id)
+        if member is not None and member.waiting is not None and not member.waiting.done():
+            member.waiting.set_result(token)
+
+    async def _listen(self) -> None:
+        """Wake this process's waiters as grants are published to its channel."""
+        pubsub = self._pubsub
+        kick = self._kick
+        assert kick is not None
+        while True:
+            try:
+                message = await pubsub.get_message(timeout=None)
+            except _UNREACHABLE as error:
+                logger.warning("inturn: Redis subscription interrupted (%s); reconnecting", error)
+                kick.set()  # the heartbeat catches up on grants missed meanwhile
+                await asyncio.sleep(min(1.0, self._lease / 10))
+                continue
+            if message is None:
+                continue
+            if message["type"] == "message":
+                member_id, _, token = _text(message["data"]).partition(" ")
+                self._granted(member_id, int(token))
+            elif message["type"] == "subscribe":
+                kick.set()  # subscribed anew after a reconnect: catch up
+
+    async def _heartbeat(self) -> None:
+        """Renew every lease of this process every lease / 3 seconds (sooner when kicked)."""
+        kick = self._kick
+        assert kick is not None
+        interval = self._lease / 3
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(kick.wait(), interval)
+            kick.clear()
+            if self._members:
+                await self._renew_all(interval)
+
+    async def _renew_all(self, limit: float) -> None:
+        """Renew every member's lease; hand out grants, and mark what Redis no longer has."""
+        loop = asyncio.get_running_loop()
+        members = list(self._members.items())
+        try:
+            replies = await asyncio.wait_for(self._renew(members), limit)
+        except (*_UNREACHABLE, asyncio.TimeoutError) as error:
+            logger.warning("inturn: could not renew leases in Redis (%s)", error)
+            now = loop.time()
+            for member_id, member in members:
+                if now - member.confirmed >= self._lease:
+                    self._lose(member_id, member)
+            return
+        now = loop.time()
+        for (member_id, member), (state, value) in zip(members, replies, strict=True):
+            if state == 0:
+                self._lose(member_id, member)
+                continue
+            member.confirmed = now
+            if member.grant is not None:
+                member.grant._confirmed = now
+            if state == 1:
+                self._granted(member_id, int(value))
+
+    async def _renew(self, members: list[tuple[str, _Member]]) -> list[Any]:
+        """Call the renew script for each member: pipelined on one server, else together."""
+        renew = self._scripts[2]
+        args = (self._lease_ms, self._ttl_ms, self._channels)
+        if isinstance(self._client, aioredis.Redis):
+            pipe = self._client.pipeline(transaction=False)
+            for member_id, member in members:
+                await renew(keys=member.names, args=(member_id, *args), client=pipe)
+            return list(await pipe.execute())
+        return list(
+            await asyncio.gather(
+                *(
+                    renew(keys=member.names, args=(member_id, *args))
+                    for member_id, member in members
+                )
+            )
+        )
+
+    def _lose(self, member_id: str, member: _Member) -> None:
+        """Redis no longer has this member, or could not vouch for it in time."""
+        if member.grant is not None:
+            member.grant._lost = True
+        elif member.waiting is not None and not member.waiting.done():
+            member.waiting.set_exception(
+                BackendUnavailable(
+                    "inturn: this waiter's place in Redis ran out (Redis was unreachable for "
+                    "longer than the lease); the work did not run"
+                )
+            )
+        self._members.pop(member_id, None)
+
+    # -- looking at the lines --------------------------------------------------------------
+
+    async def lines(self) -> list[LineInfo]:
+        """A snapshot of every line of this namespace in Redis: holder and waiters in order.
+
+        For operators (``python -m inturn inspect``) and tests; the answer
+        may be stale by the time it returns.
+        """
+        client = self._client
+        seconds, micros = await client.time()
+        now = int(seconds) * 1000 + int(micros) // 1000
+        found = []
+        async for name in client.scan_iter(match=f"inturn:{{{self._namespace}:*}}:line"):
+            prefix = _text(name)[: -len("line")]
+            line = {_text(k): _text(v) for k, v in (await client.hgetall(prefix + "line")).items()}
+            if not line:
+                continue  # emptied meanwhile
+            waiting = [_text(m) for m in await client.zrange(prefix + "q", 0, -1)]
+            scores = await client.zrange(prefix + "lease", 0, -1, withscores=True)
+            leases = {_text(m): score for m, score in scores}
+            info = {_text(m): _text(v) for m, v in (await client.hgetall(prefix + "info")).items()}
+
+            def about(
+                member: str, info: dict[str, str] = info, leases: dict[str, float] = leases
+            ) -> tuple[str, int, float, float]:
+                host, pid, since = info.get(member, "? 0 0").rsplit(" ", 2)
+                left = (leases.get(member, now) - now) / 1000
+                return host, int(pid), (now - int(since)) / 1000, left
+
+            holder = None
+            if "holder" in line:
+                host, pid, _, left = about(line["holder"])
+                held_for = (now - int(line["since"])) / 1000
+                holder = HolderInfo(host, pid, held_for, int(line["token"]), left)
+            waiters = tuple(WaiterInfo(*about(member)) for member in waiting)
+            found.append(LineInfo(line.get("key", "?"), holder, waiters))
+        return sorted(found, key=lambda line: line.key)
+
+    def __repr__(self) -> str:
+        return f"RedisBackend({self._client!r}, namespace={self._namespace!r})"
+
+
+async def _wait(waiting: asyncio.Future[int], deadline: float | None, key: Hashable) -> int:
+    """Await the grant's token, or fail with TimeoutError at deadline."""
+    if deadline is None:
+        return await waiting
+    loop = asyncio.get_running_loop()
+
+    def expire() -> None:
+        if not waiting.done():
+            waiting.set_exception(
+                TimeoutError(f"inturn: the turn for key {key!r} was not reached in time")
+            )
+
+    timer = loop.call_at(deadline, expire)
+    try:
+        return await waiting
+    finally:
+        timer.cancel()
