@@ -59,7 +59,10 @@ class Worker:
         await self.process.stdin.drain()
 
     def kill(self) -> None:
-        os.kill(self.pid, signal.SIGKILL)
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # dead already, and reaped
 
     async def finish(self) -> int:
         """Wait for the worker to exit; return its exit code."""

@@ -9,30 +9,34 @@
 
 How a line is kept (every step is a plain file operation; nothing polls):
 
+- A *ticket* is a FIFO (named pipe), ``<digest>.<pid>.<random>.t``, that
+  its owner keeps open for writing from the moment it queues until it
+  leaves. While the owner waits or holds, the FIFO has a writer; once it
+  releases, gives up, or dies (even by SIGKILL: the kernel closes a dead
+  process's files), the FIFO has none, and never gets one back. A reader
+  of the FIFO sees end of file at that moment.
 - Each key has a *line file*, ``<digest>.line``, named by the SHA-256 of
   the key (never the key itself, so no key can name a file outside the
-  directory). It lists the *tickets* of the key's line in arrival order,
-  after the last fencing token handed out. It is only read or written under
-  an exclusive ``flock`` on itself, held for a few system calls.
-- A ticket is a FIFO (named pipe), ``<digest>.<pid>.<random>.t``, that its
-  owner keeps open for writing from the moment it queues until it leaves.
-  While the owner lives and holds or waits, the FIFO has a writer. When the
-  owner releases, gives up, or dies (even by SIGKILL, as the kernel closes
-  the dead process's files), the FIFO has none, and a reader sees end of
-  file at once.
-- To queue, a process creates and opens its ticket, then appends it to the
-  line file. It holds the key once every ticket before its own has no
-  writer: it waits for end of file on the nearest one that still has one,
-  in its event loop (no thread, no sleep), then looks further back.
-- To release, the holder, under the line file's lock, drops its own ticket
-  and every ticket that has no writer any more (deleting those FIFOs), and
-  deletes the line file if that leaves it empty; then it closes its ticket.
+  directory): the names of the key's tickets, in arrival order, one per
+  line. A process queues by appending its ticket's name to it (one
+  ``O_APPEND`` write, under a shared ``flock``, so arrivals never wait for
+  each other) and reading the names before its own.
+- A process holds the key once every ticket before its own has no writer.
+  It waits, in its event loop, for end of file on the nearest one that
+  still has one. A holder that releases writes ``H<token>`` into its ticket
+  before closing it: whoever waits on it then knows every earlier ticket
+  is done too, and takes the key at once, with the next fencing token. If
+  the ticket closed without that (its owner gave up or died), the waiter
+  looks further back.
+- After releasing, a holder tidies up: if no ticket behind it is still in
+  line, it deletes the line file and the FIFOs it lists, under an
+  exclusive ``flock``; a long line file is compacted the same way.
 
 Why two processes never hold a key at once: a process holds only when
 every earlier ticket in the line has no writer, and a holder keeps its
-ticket's writer open until it has finished; the order of tickets in a line
-only changes by dropping tickets that have no writer. Deleting a line file
-is done under its lock, and a process that locked a line file checks it is
+ticket's writer open until its work is done. The line file only ever
+changes by appending, or, under the exclusive lock, by dropping tickets
+that have no writer. A process that locked a line file checks that it is
 still the file at that path before it trusts it, so two processes never
 work on two different line files for one key.
 """
@@ -40,7 +44,6 @@ work on two different line files for one key.
 from __future__ import annotations
 
 import asyncio
-import errno
 import hashlib
 import os
 import secrets
@@ -64,6 +67,10 @@ else:
 
 _TICKET = ".t"
 _LINE = ".line"
+#: What a releasing holder writes into its ticket: H, then its token.
+_HANDED = b"H"
+#: Compact a line file whose names outnumber this (dead tickets pile up in a busy line).
+_COMPACT_AT = 64
 
 # The writer ends of the tickets this process holds open. A child forked
 # while a ticket is open closes its copies at once: otherwise the ticket
@@ -122,40 +129,43 @@ def _prepare(directory: Path) -> Path:
     return directory
 
 
-def _has_writer(path: Path) -> int | None:
-    """Open ticket FIFO path for reading; return the fd if its owner is still in line.
+def _probe(path: str) -> tuple[int | None, bytes]:
+    """Open ticket FIFO path for reading: (fd, data) if its owner is still in line.
 
-    Return None if the ticket is gone or has no writer (its owner left or
-    died). The returned fd reports end of file when the owner leaves.
+    The fd is None if the ticket is gone or has no writer (its owner left or
+    died); data is what the owner wrote into it (``H<token>`` on release).
+    An fd that is returned reports end of file when the owner leaves.
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        return None
+        return None, b""
+    data = b""
     try:
-        # Read once at once: with no writer this is end of file (and Linux
-        # would not report a hang-up for a writer that left before the open).
-        while os.read(fd, 512):
-            pass  # nobody writes into tickets; drain anything that was
+        # Read at once: with no writer this is end of file (and Linux would
+        # not report a hang-up for a writer that left before the open).
+        while chunk := os.read(fd, 64):
+            data += chunk
     except BlockingIOError:
-        return fd  # a writer holds it open: its owner is in line
+        return fd, data  # a writer holds it open: its owner is in line
     os.close(fd)
-    return None
+    return None, data
 
 
-async def _until_closed(fd: int, deadline: float | None, key: Hashable) -> None:
-    """Wait in the event loop until ticket fd reports end of file (its owner left)."""
+async def _until_closed(fd: int, deadline: float | None, key: Hashable) -> bytes:
+    """Wait in the event loop until ticket fd reports end of file; return what it carried."""
     loop = asyncio.get_running_loop()
-    done: asyncio.Future[None] = loop.create_future()
+    done: asyncio.Future[bytes] = loop.create_future()
+    data = bytearray()
 
     def readable() -> None:
         try:
-            while os.read(fd, 512):
-                pass  # drained; the owner is still there
+            while chunk := os.read(fd, 64):
+                data.extend(chunk)
         except BlockingIOError:
-            return
+            return  # data, and the owner is still there
         if not done.done():
-            done.set_result(None)
+            done.set_result(bytes(data))
 
     def expire() -> None:
         if not done.done():
@@ -166,14 +176,14 @@ async def _until_closed(fd: int, deadline: float | None, key: Hashable) -> None:
     loop.add_reader(fd, readable)
     timer = None if deadline is None else loop.call_at(deadline, expire)
     try:
-        await done
+        return await done
     finally:
         loop.remove_reader(fd)
         if timer is not None:
             timer.cancel()
 
 
-def _same_file(fd: int, path: Path) -> bool:
+def _same_file(fd: int, path: str) -> bool:
     try:
         there = os.stat(path)
     except FileNotFoundError:
@@ -182,22 +192,24 @@ def _same_file(fd: int, path: Path) -> bool:
     return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
-async def _lock_line(path: Path) -> int:
-    """Open and exclusively lock the line file at path (creating it); return its fd.
+async def _lock_line(path: str, mode: int, *, wait: bool = True) -> int | None:
+    """Open the line file at path (creating it) and flock it in mode; return its fd.
 
-    The lock is held by other processes for a few system calls at most, so
-    it is first tried without blocking; only if that fails is the blocking
-    call made, in a thread, so the event loop never waits on it.
+    Others hold the lock for a few system calls, so it is first tried
+    without blocking; then, if ``wait``, the blocking call is made in a
+    thread, so the event loop never waits on it. Without ``wait``, None if
+    the lock was taken.
     """
     assert fcntl is not None
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
         except BlockingIOError:
-            locking = asyncio.get_running_loop().run_in_executor(
-                None, fcntl.flock, fd, fcntl.LOCK_EX
-            )
+            if not wait:
+                os.close(fd)
+                return None
+            locking = asyncio.get_running_loop().run_in_executor(None, fcntl.flock, fd, mode)
             try:
                 await asyncio.shield(locking)
             except BaseException:
@@ -213,37 +225,43 @@ async def _lock_line(path: Path) -> int:
         os.close(fd)  # deleted (or replaced) by its last user meanwhile: start again
 
 
-def _unlock_line(fd: int) -> None:
-    os.close(fd)  # closing drops the flock
-
-
-def _read_line(fd: int) -> tuple[int, list[str]]:
-    """The line file's last token and its tickets, in order."""
+def _names(fd: int) -> list[str]:
+    """The ticket names in the line file, in order (a last line still being written is left out)."""
     chunks = []
     offset = 0
     while chunk := os.pread(fd, 65536, offset):
         chunks.append(chunk)
         offset += len(chunk)
     text = b"".join(chunks).decode("ascii")
-    if not text:
-        return 0, []
-    first, *tickets = text.split("\n")
-    return int(first), [ticket for ticket in tickets if ticket]
+    return text.split("\n")[:-1]
 
 
-def _write_line(fd: int, token: int, tickets: list[str]) -> None:
-    data = "\n".join((str(token), *tickets, "")).encode("ascii")
-    # Write, then cut to length: never truncate to zero, which makes ext4
-    # flush the file to disk on close (its rewrite-in-place heuristic).
-    os.pwrite(fd, data, 0)
-    os.ftruncate(fd, len(data))
+def _rewrite(path: str, names: list[str]) -> None:
+    """Replace the line file's names; the caller holds its exclusive lock."""
+    data = "".join(f"{name}\n" for name in names).encode("ascii")
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)  # not O_APPEND: written from the start
+    try:
+        # Write, then cut to length: never truncate to zero, which makes ext4
+        # flush the file to disk on close (its rewrite-in-place heuristic).
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
+    finally:
+        os.close(fd)
 
 
-def _unlink(path: Path) -> None:
+def _unlink(path: str) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def _alive(path: str) -> bool:
+    fd, _ = _probe(path)
+    if fd is None:
+        return False
+    os.close(fd)
+    return True
 
 
 @final
@@ -252,12 +270,11 @@ class FileGrant:
 
     __slots__ = ("_fd", "_line", "_ticket", "key", "token")
 
-    def __init__(self, key: Hashable, token: int, fd: int, ticket: Path, line: Path) -> None:
+    def __init__(self, key: Hashable, token: int, fd: int, ticket: str, line: str) -> None:
         #: The key held.
         self.key = key
-        #: The fencing token: larger than every earlier grant's on this key
-        #: while the key's line lives, and taken from the wall clock in
-        #: nanoseconds when a line starts anew.
+        #: The fencing token: one above the previous holder's while the key's
+        #: line is busy, and the wall clock in nanoseconds when it starts anew.
         self.token = token
         self._fd = fd  # the writer end of this grant's ticket: open while it holds
         self._ticket = ticket
@@ -309,12 +326,13 @@ class FileBackend:
     :raises NotADirectoryError: the path exists and is not a directory.
     """
 
-    __slots__ = ("_directory",)
+    __slots__ = ("_directory", "_root")
 
     def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
         _check_platform()
         path = _default_directory() if directory is None else Path(directory)
         self._directory = _prepare(path.absolute())
+        self._root = str(self._directory)
 
     @property
     def directory(self) -> Path:
@@ -328,9 +346,9 @@ class FileBackend:
         """
         return order_portable(keys)
 
-    def _paths(self, key: Hashable) -> tuple[str, Path]:
+    def _line_of(self, key: Hashable) -> tuple[str, str]:
         digest = hashlib.sha256(portable_name(key)).hexdigest()
-        return digest, self._directory / f"{digest}{_LINE}"
+        return digest, os.path.join(self._root, digest + _LINE)
 
     async def acquire(self, key: Hashable, timeout: float | None) -> FileGrant:
         """Queue in key's line file and wait until every ticket before ours has left.
@@ -340,9 +358,9 @@ class FileBackend:
         """
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
-        digest, line = self._paths(key)
+        digest, line = self._line_of(key)
         name = f"{digest}.{os.getpid()}.{secrets.token_hex(6)}{_TICKET}"
-        ticket = self._directory / name
+        ticket = os.path.join(self._root, name)
         os.mkfifo(ticket, 0o600)
         try:
             fd = os.open(ticket, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -351,28 +369,14 @@ class FileBackend:
             raise
         _OPEN_TICKETS.add(fd)
         try:
-            line_fd = await _lock_line(line)
+            line_fd = await _lock_line(line, fcntl.LOCK_SH)
+            assert line_fd is not None
             try:
-                last, before = _read_line(line_fd)
-                token = max(last + 1, time.time_ns())
-                _write_line(line_fd, token, [*before, name])
+                os.write(line_fd, f"{name}\n".encode("ascii"))  # one append: atomic
+                names = _names(line_fd)
             finally:
-                _unlock_line(line_fd)
-            # Hold once every earlier ticket has no writer: wait on the
-            # nearest one that has, then look further back. A ticket that
-            # lost its writer never gets one again.
-            for earlier in reversed(before):
-                waiting = _has_writer(self._directory / earlier)
-                if waiting is None:
-                    continue
-                try:
-                    if deadline is not None and loop.time() >= deadline:
-                        raise TimeoutError(
-                            f"inturn: the turn for key {key!r} was not reached in time"
-                        )
-                    await _until_closed(waiting, deadline, key)
-                finally:
-                    os.close(waiting)
+                os.close(line_fd)
+            token = await self._wait_behind(names[: names.index(name)], deadline, key)
         except BaseException:
             # Leave the line: with no writer, the tickets behind skip this one.
             _OPEN_TICKETS.discard(fd)
@@ -381,49 +385,74 @@ class FileBackend:
             raise
         return FileGrant(key, token, fd, ticket, line)
 
+    async def _wait_behind(self, before: list[str], deadline: float | None, key: Hashable) -> int:
+        """Wait until no ticket of before has a writer; return the fencing token to hold with."""
+        loop = asyncio.get_running_loop()
+        for earlier in reversed(before):
+            fd, data = _probe(os.path.join(self._root, earlier))
+            if fd is not None:
+                try:
+                    if deadline is not None and loop.time() >= deadline:
+                        raise TimeoutError(
+                            f"inturn: the turn for key {key!r} was not reached in time"
+                        )
+                    data += await _until_closed(fd, deadline, key)
+                finally:
+                    os.close(fd)
+            if data.startswith(_HANDED):
+                # It held the key, so every ticket before it has left too.
+                return max(int(data[1:]) + 1, time.time_ns())
+        return time.time_ns()
+
     async def release(self, grant: Grant) -> None:
-        """Drop grant's ticket (and any left by processes that died) and end its turn."""
+        """Hand the key on (close grant's ticket), then tidy the line file up."""
         if not isinstance(grant, FileGrant):
             raise TypeError(f"inturn: {self!r} cannot release {grant!r}, which it did not grant")
-        if grant._fd < 0:
+        fd, grant._fd = grant._fd, -1
+        if fd < 0:
             return
-        line = grant._line
-        own = grant._ticket.name
+        _OPEN_TICKETS.discard(fd)
         try:
-            line_fd = await _lock_line(line)
-        except BaseException:
-            self._close(grant)  # ends the turn all the same: the next in line goes on
-            raise
+            os.write(fd, _HANDED + str(grant.token).encode("ascii"))
+        finally:
+            os.close(fd)  # no writer now: whoever waits on this ticket goes on
+            _unlink(grant._ticket)
+        await self._tidy(grant._line, os.path.basename(grant._ticket))
+
+    async def _tidy(self, line: str, own: str) -> None:
+        """Delete the line file if nobody is in line any more; compact it if it grew long.
+
+        Best effort: if another process holds the line file's lock, it is
+        left for a later release (whoever holds that lock is in line).
+        """
+        assert fcntl is not None
+        fd = await _lock_line(line, fcntl.LOCK_SH, wait=False)
+        if fd is None:
+            return
         try:
-            token, tickets = _read_line(line_fd)
-            keep = []
-            for name in tickets:
-                if name == own:
-                    continue
-                fd = _has_writer(self._directory / name)
-                if fd is None:
-                    _unlink(self._directory / name)  # its owner died or left
-                else:
-                    os.close(fd)
-                    keep.append(name)
-            if keep:
-                _write_line(line_fd, token, keep)
+            names = _names(fd)
+            behind = names[names.index(own) + 1 :] if own in names else names
+            # The newest first: in a busy line, the first one looked at is alive.
+            someone = any(_alive(os.path.join(self._root, n)) for n in reversed(behind))
+        finally:
+            os.close(fd)
+        if someone and len(names) <= _COMPACT_AT:
+            return
+        fd = await _lock_line(line, fcntl.LOCK_EX, wait=False)
+        if fd is None:
+            return
+        try:
+            names = _names(fd)
+            alive = [n for n in names if _alive(os.path.join(self._root, n))]
+            for name in names:
+                if name not in alive:
+                    _unlink(os.path.join(self._root, name))  # left by one that died
+            if alive:
+                _rewrite(line, alive)
             else:
                 os.unlink(line)  # under its lock: see _lock_line's check
         finally:
-            _unlock_line(line_fd)
-            self._close(grant)
-
-    @staticmethod
-    def _close(grant: FileGrant) -> None:
-        fd, grant._fd = grant._fd, -1
-        _OPEN_TICKETS.discard(fd)
-        _unlink(grant._ticket)
-        try:
-            os.close(fd)  # the writer goes: whoever waits on this ticket goes on
-        except OSError as error:  # pragma: no cover - closed twice would be a bug
-            if error.errno != errno.EBADF:
-                raise
+            os.close(fd)
 
     def line(self, key: Hashable) -> tuple[int, ...]:
         """The process ids in key's line, in turn order, as the line file has them now.
@@ -433,26 +462,22 @@ class FileBackend:
         operators and tests: the answer may be stale by the time it returns.
         """
         assert fcntl is not None
-        _, line = self._paths(key)
+        _, line = self._line_of(key)
         try:
             fd = os.open(line, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             return ()
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH)  # writers hold it for a few system calls
-            _, tickets = _read_line(fd)
+            fcntl.flock(fd, fcntl.LOCK_SH)  # others hold it for a few system calls
+            names = _names(fd)
         finally:
             os.close(fd)
-        pids = []
-        for name in tickets:
-            reader = _has_writer(self._directory / name)
-            if reader is not None:
-                os.close(reader)
-                pids.append(int(name.split(".")[1]))
-        return tuple(pids)
+        return tuple(
+            int(name.split(".")[1]) for name in names if _alive(os.path.join(self._root, name))
+        )
 
     async def aclose(self) -> None:
         """Nothing to close: every grant's files are closed by its release."""
 
     def __repr__(self) -> str:
-        return f"FileBackend({str(self._directory)!r})"
+        return f"FileBackend({self._root!r})"
