@@ -1,11 +1,15 @@
 """Run every scenario for every contender in one process, and report ratios.
 
     python -m bench [--repeats 3] [--json bench/results.json] [--plot out.png] [--quick]
+                    [--no-multiproc]
 
 Contenders are interleaved (each repeat runs all of them, in a rotated
 order) and every number is the median of the repeats, so that a noisy
 neighbour on a shared machine hits all contenders alike. Ratios are to the
 hand-written dict of asyncio.Lock, measured in the same run.
+
+Then, unless ``--no-multiproc``, the multi-process part (bench/multiproc.py):
+locks shared between worker processes on one contended key.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ if __package__ in (None, ""):  # run as a script: python bench/run.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     __package__ = "bench"
 
-from . import scenarios
+from . import multiproc, scenarios
 from .contenders import ALL, Contender
 
 BASELINE = "handwritten"
@@ -188,9 +192,19 @@ def machine() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="runs per contender (median)")
-    parser.add_argument("--quick", action="store_true", help="1/20 of the sizes: a smoke test")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="1/20 of the sizes, 0.5 s multi-process runs: a smoke test",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write raw medians and rows here")
     parser.add_argument("--plot", type=Path, default=None, help="draw the ratios to this PNG")
+    parser.add_argument(
+        "--multiproc",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also measure locks shared between processes (bench/multiproc.py)",
+    )
     options = parser.parse_args(argv)
     sizes = Sizes(options.quick)
     names = [cls.name for cls in ALL]
@@ -207,6 +221,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = targets(rows, sizes)
     for label, ok, value in results:
         print(f"- {'PASS' if ok else 'MISS'} {label}: {value}")
+    across = None
+    if options.multiproc:
+        settings = multiproc.Settings.make(options.quick, options.repeats)
+        across = multiproc.measure(settings, log)
+        print("\n" + multiproc.report(across))
     log(f"done in {time.perf_counter() - started:.0f} s")
     if options.json:
         options.json.write_text(
@@ -218,6 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "medians": medians,
                     "rows": rows,
                     "targets": [{"target": t, "pass": ok, "value": v} for t, ok, v in results],
+                    "multiproc": across,
                 },
                 indent=2,
             )

@@ -1,0 +1,146 @@
+"""One worker process of the multi-process benchmark: ``python -m bench.mp_worker CONFIG``.
+
+CONFIG is a JSON object: ``contender`` (a name in bench/mp_contenders.py),
+``workdir`` (the run's shared directory), ``key`` and ``outside`` (seconds
+of work between two turns, 0 for none).
+
+The conversation with the parent (bench/multiproc.py), over stdin/stdout:
+
+1. the worker sets its contender up, takes and releases the lock once on a
+   key of its own (so that imports and first-use costs fall outside the
+   measurement), and prints ``ready``;
+2. it waits for one line on stdin: the deadline, in ``time.monotonic_ns()``
+   (CLOCK_MONOTONIC is one clock for every process of a Linux host);
+3. until the deadline it loops: note the arrival time, take the lock, note
+   the grant time, run the critical section, note the release time,
+   release; then the work outside the lock, if any;
+4. it prints one JSON line of its records: ``arrivals``, ``grants`` and
+   ``releases``, one entry per turn, in nanoseconds.
+
+The critical section is a read-modify-write of a decimal counter in the
+file ``counter`` of the workdir (read it, write it back plus one), with
+nothing in between that would make the update atomic: if two workers ever
+overlap, an update is lost, and the counter ends below the number of turns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .mp_contenders import CONTENDERS, AsyncContender, SyncContender
+
+#: Digits of the counter: fixed, so that every write covers the previous one.
+WIDTH = 20
+
+Records = dict[str, list[int]]
+
+
+def open_counter(workdir: Path) -> int:
+    """The run's shared counter file, opened for reading and writing."""
+    return os.open(workdir / "counter", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+
+def read_counter(workdir: Path) -> int:
+    """The counter's value: the number of turns that were not lost."""
+    text = (workdir / "counter").read_bytes()
+    return int(text) if text else 0
+
+
+def critical_section(fd: int) -> None:
+    """Read the counter, write it back plus one: a lost update if two workers overlap."""
+    value = int(os.pread(fd, WIDTH, 0) or b"0")
+    os.pwrite(fd, b"%0*d" % (WIDTH, value + 1), 0)
+
+
+def wait_for_go() -> int:
+    """Tell the parent this worker is ready; return the deadline it answers with."""
+    print("ready", flush=True)
+    return int(sys.stdin.readline())
+
+
+def run_sync(contender: SyncContender, config: dict[str, Any], go: Callable[[], int]) -> Records:
+    """The worker's whole life with a sync contender; its records."""
+    workdir = Path(config["workdir"])
+    key: str = config["key"]
+    outside: float = config["outside"]
+    contender.setup(workdir)
+    try:
+        with contender.hold(f"warm-up-{os.getpid()}"):
+            pass
+        fd = open_counter(workdir)
+        arrivals: list[int] = []
+        grants: list[int] = []
+        releases: list[int] = []
+        now, hold, sleep = time.monotonic_ns, contender.hold, time.sleep
+        deadline = go()
+        while (arrival := now()) < deadline:
+            with hold(key):
+                grant = now()
+                critical_section(fd)
+                release = now()
+            arrivals.append(arrival)
+            grants.append(grant)
+            releases.append(release)
+            if outside:
+                sleep(outside)
+        os.close(fd)
+    finally:
+        contender.teardown()
+    return {"arrivals": arrivals, "grants": grants, "releases": releases}
+
+
+async def run_async(
+    contender: AsyncContender, config: dict[str, Any], go: Callable[[], int]
+) -> Records:
+    """The worker's whole life with an async contender, in its event loop; its records."""
+    workdir = Path(config["workdir"])
+    key: str = config["key"]
+    outside: float = config["outside"]
+    await contender.setup(workdir)
+    try:
+        async with contender.hold(f"warm-up-{os.getpid()}"):
+            pass
+        fd = open_counter(workdir)
+        arrivals: list[int] = []
+        grants: list[int] = []
+        releases: list[int] = []
+        now, hold, sleep = time.monotonic_ns, contender.hold, asyncio.sleep
+        deadline = go()  # blocks the loop, which has nothing else to do yet
+        while (arrival := now()) < deadline:
+            async with hold(key):
+                grant = now()
+                critical_section(fd)
+                release = now()
+            arrivals.append(arrival)
+            grants.append(grant)
+            releases.append(release)
+            if outside:
+                await sleep(outside)
+        os.close(fd)
+    finally:
+        await contender.teardown()
+    return {"arrivals": arrivals, "grants": grants, "releases": releases}
+
+
+def main(argv: list[str]) -> int:
+    config = json.loads(argv[0])
+    contender = CONTENDERS[config["contender"]]()
+    if isinstance(contender, AsyncContender):
+        records = asyncio.run(run_async(contender, config, wait_for_go))
+    elif isinstance(contender, SyncContender):
+        records = run_sync(contender, config, wait_for_go)
+    else:
+        raise TypeError(f"{contender!r} is neither a SyncContender nor an AsyncContender")
+    print(json.dumps(records), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
