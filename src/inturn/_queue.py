@@ -334,9 +334,15 @@ class KeyedQueue:
         :raises QueueFull: on entry, a key already has ``max_pending`` waiters.
         :raises QueueClosed: on entry, the queue is closed.
         """
+        limit = self._timeout if timeout is UNSET else _check_timeout(timeout)  # type: ignore[arg-type]
+        if len(keys) == 1 and self._backend is None:
+            try:
+                hash(keys[0])
+            except TypeError:
+                raise unhashable(keys[0]) from None
+            return Turn(self, keys, limit)
         if not keys:
             raise TypeError("inturn: keyed() needs at least one key")
-        limit = self._timeout if isinstance(timeout, _Unset) else _check_timeout(timeout)
         return Turn(self, self._ordered(keys), limit)
 
     @overload
