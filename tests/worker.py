@@ -1,13 +1,16 @@
 """A worker process for the multi-process tests: ``python tests/worker.py BACKEND COMMAND ...``.
 
-BACKEND is ``file:DIRECTORY`` or ``redis:URL#NAMESPACE``. It reports on stdout, one
+BACKEND is ``file:DIRECTORY`` or ``redis:URL#NAMESPACE#LEASE``. It reports on stdout, one
 line per event, and waits for a line on stdin where a command says so, so
 the test drives it step by step:
 
 - ``hold KEY``: take KEY; print ``holding TOKEN``; wait for a stdin line;
-  release; print ``released``.
+  print ``lease-lost`` if the turn lost its lease meanwhile; release;
+  print ``released``, or ``raised LeaseLost`` if the release raised it.
 - ``increment KEY COUNTER N``: N read-modify-write increments of the
   integer in the file COUNTER, each under KEY; print ``done``.
+- ``increment-redis KEY COUNTER N``: the same on the Redis key COUNTER, read
+  and written with GET and SET by a client of its own.
 - ``fork-hold KEY``: take KEY, fork a child that keeps every inherited file
   open and waits; print ``forked PID``; wait for a stdin line; release;
   print ``released``; wait for a stdin line; end the child.
@@ -21,7 +24,7 @@ import signal
 import sys
 from typing import Any
 
-from inturn import KeyedQueue
+from inturn import KeyedQueue, LeaseLost
 
 
 def make_backend(spec: str) -> Any:
@@ -33,8 +36,8 @@ def make_backend(spec: str) -> Any:
     if kind == "redis":
         from inturn.backends.redis import RedisBackend
 
-        url, _, namespace = where.partition("#")
-        return RedisBackend.from_url(url, namespace=namespace)
+        url, namespace, lease = where.split("#")
+        return RedisBackend.from_url(url, namespace=namespace, lease=float(lease))
     raise SystemExit(f"unknown backend {spec!r}")
 
 
@@ -60,10 +63,16 @@ async def main(spec: str, command: str, *args: str) -> None:
     queue = KeyedQueue(backend=make_backend(spec))
     if command == "hold":
         (key,) = args
-        async with queue.keyed(key) as turn:
-            say("holding", turn.token)
-            await read_line()
-        say("released")
+        try:
+            async with queue.keyed(key) as turn:
+                say("holding", turn.token)
+                await read_line()
+                if turn.lease_lost:
+                    say("lease-lost")
+        except LeaseLost:
+            say("raised", "LeaseLost")
+        else:
+            say("released")
     elif command == "increment":
         key, counter, n = args
 
@@ -74,6 +83,22 @@ async def main(spec: str, command: str, *args: str) -> None:
 
         for _ in range(int(n)):
             await queue.run(key, increment)
+        say("done")
+    elif command == "increment-redis":
+        import redis.asyncio as aioredis
+
+        key, counter, n = args
+        url = spec.split(":", 1)[1].split("#")[0]
+        client = aioredis.Redis.from_url(url)
+
+        async def increment_redis() -> None:
+            value = int(await client.get(counter) or 0)
+            await asyncio.sleep(0)  # others run here: a lost update, were it not for the key
+            await client.set(counter, value + 1)
+
+        for _ in range(int(n)):
+            await queue.run(key, increment_redis)
+        await client.aclose()
         say("done")
     elif command == "fork-hold":
         (key,) = args

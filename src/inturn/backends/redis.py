@@ -198,10 +198,10 @@ return {2, 0}
 class RedisGrant:
     """The turn on one key granted by a :class:`RedisBackend`, while its lease holds."""
 
-    __slots__ = ("_confirmed", "_lost", "_member", "_names", "key", "token")
+    __slots__ = ("_member", "_names", "_state", "key", "token")
 
     def __init__(
-        self, key: Hashable, token: int, member: str, names: Sequence[str], confirmed: float
+        self, key: Hashable, token: int, member: str, names: Sequence[str], state: _Member
     ) -> None:
         #: The key held.
         self.key = key
@@ -210,16 +210,22 @@ class RedisGrant:
         self.token = token
         self._member = member
         self._names = names
-        self._confirmed = confirmed  # loop time Redis last confirmed the lease
-        self._lost = False
+        self._state = state  # the lease as this process knows it
 
     @property
     def lost(self) -> bool:
-        """Whether the lease ran out: renewal failed or came too late, or Redis had dropped it."""
-        return self._lost
+        """Whether the lease ran out, or may have: Redis dropped it, or no renewal came in time.
+
+        Known at once after the process was frozen past its lease, or its
+        event loop blocked that long: the lease is counted on this host's
+        monotonic clock from the moment the last renewal was sent, which is
+        no later than Redis's own count.
+        """
+        state = self._state
+        return state.lost or time.monotonic() - state.confirmed >= state.lease
 
     def __repr__(self) -> str:
-        lost = " lost" if self._lost else ""
+        lost = " lost" if self.lost else ""
         return f"<RedisGrant key={self.key!r} token={self.token}{lost}>"
 
 
@@ -258,9 +264,13 @@ class _Member:
     """One of this process's members of a line: a waiter, then a holder."""
 
     names: Sequence[str]
-    confirmed: float  # loop time Redis last confirmed its lease
+    lease: float
+    # time.monotonic() when the call that last set its lease in Redis was
+    # sent: Redis's expiry is at least `lease` after it
+    confirmed: float
     waiting: asyncio.Future[int] | None  # resolved with the token when granted
     grant: RedisGrant | None = None
+    lost: bool = False  # Redis no longer has it
 
 
 def _text(value: bytes | str) -> str:
@@ -444,6 +454,9 @@ class RedisBackend:
         self._beat = loop.create_task(self._heartbeat(), name="inturn-redis-heartbeat")
 
     async def _subscribe(self) -> None:
+        initialize = getattr(self._client, "initialize", None)
+        if initialize is not None:  # a RedisCluster learns its slots before its pubsub may
+            await initialize()
         pubsub = self._client.pubsub()
         try:
             await pubsub.subscribe(self._channel)
@@ -463,6 +476,13 @@ class RedisBackend:
         Members still in line (work that was not drained) lose their places
         when their leases run out.
         """
+        starting = self._starting
+        if starting is not None and not starting.done():
+            # Closed while still connecting (its submitter was cancelled, say):
+            # stop connecting, so that nothing is opened after the client closes.
+            starting.cancel()
+            with contextlib.suppress(BaseException):
+                await starting
         if self._cleanups:  # places given up just now: let them leave their lines
             await asyncio.wait(self._cleanups, timeout=self._lease)
         for task in (self._listener, self._beat, *self._cleanups):
@@ -500,7 +520,9 @@ class RedisBackend:
         deadline = None if timeout is None else loop.time() + timeout
         names = self._names(key)
         member_id = f"{self._id}/{next(self._counter)}"
-        member = self._members[member_id] = _Member(names, loop.time(), loop.create_future())
+        sent = time.monotonic()
+        member = _Member(names, self._lease, sent, loop.create_future())
+        self._members[member_id] = member
         enqueue = loop.create_task(
             self._call(
                 self._scripts[0],
@@ -515,7 +537,6 @@ class RedisBackend:
         )
         try:
             state, value = await asyncio.shield(enqueue)
-            member.confirmed = loop.time()
             if state == 1:
                 token = int(value)
             else:
@@ -528,7 +549,7 @@ class RedisBackend:
             del self._members[member_id]
             self._detach(self._leave_after(enqueue, names, member_id))
             raise
-        grant = member.grant = RedisGrant(key, token, member_id, names, loop.time())
+        grant = member.grant = RedisGrant(key, token, member_id, names, member)
         member.waiting = None
         return grant
 
@@ -537,7 +558,7 @@ class RedisBackend:
         if not isinstance(grant, RedisGrant):
             raise TypeError(f"inturn: {self!r} cannot release {grant!r}, which it did not grant")
         if self._members.pop(grant._member, None) is None:
-            return  # released already
+            return  # released already, or Redis no longer had it (lost)
         try:
             status = await self._call(
                 self._scripts[1], grant._names, grant._member, self._ttl_ms, self._channels
@@ -551,12 +572,9 @@ class RedisBackend:
                 grant.key,
                 self._lease,
             )
-            loop = asyncio.get_running_loop()
-            if loop.time() - grant._confirmed >= self._lease:
-                grant._lost = True
             return
         if status == 0:
-            grant._lost = True
+            grant._state.lost = True
 
     async def _leave_after(
         self, enqueue: asyncio.Task[Any], names: Sequence[str], member: str
@@ -623,25 +641,21 @@ class RedisBackend:
 
     async def _renew_all(self, limit: float) -> None:
         """Renew every member's lease; hand out grants, and mark what Redis no longer has."""
-        loop = asyncio.get_running_loop()
         members = list(self._members.items())
+        sent = time.monotonic()
         try:
             replies = await asyncio.wait_for(self._renew(members), limit)
         except (*_UNREACHABLE, asyncio.TimeoutError) as error:
             logger.warning("inturn: could not renew leases in Redis (%s)", error)
-            now = loop.time()
             for member_id, member in members:
-                if now - member.confirmed >= self._lease:
-                    self._lose(member_id, member)
+                if member.grant is None and time.monotonic() - member.confirmed >= member.lease:
+                    self._lose(member_id, member)  # its place may be gone: tell the waiter
             return
-        now = loop.time()
         for (member_id, member), (state, value) in zip(members, replies, strict=True):
             if state == 0:
                 self._lose(member_id, member)
                 continue
-            member.confirmed = now
-            if member.grant is not None:
-                member.grant._confirmed = now
+            member.confirmed = sent
             if state == 1:
                 self._granted(member_id, int(value))
 
@@ -650,10 +664,10 @@ class RedisBackend:
         renew = self._scripts[2]
         args = (self._lease_ms, self._ttl_ms, self._channels)
         if isinstance(self._client, aioredis.Redis):
-            pipe = self._client.pipeline(transaction=False)
-            for member_id, member in members:
-                await renew(keys=member.names, args=(member_id, *args), client=pipe)
-            return list(await pipe.execute())
+            async with self._client.pipeline(transaction=False) as pipe:
+                for member_id, member in members:
+                    await renew(keys=member.names, args=(member_id, *args), client=pipe)
+                return list(await pipe.execute())
         return list(
             await asyncio.gather(
                 *(
@@ -665,13 +679,12 @@ class RedisBackend:
 
     def _lose(self, member_id: str, member: _Member) -> None:
         """Redis no longer has this member, or could not vouch for it in time."""
-        if member.grant is not None:
-            member.grant._lost = True
-        elif member.waiting is not None and not member.waiting.done():
+        member.lost = True
+        if member.grant is None and member.waiting is not None and not member.waiting.done():
             member.waiting.set_exception(
                 BackendUnavailable(
-                    "inturn: this waiter's place in Redis ran out (Redis was unreachable for "
-                    "longer than the lease); the work did not run"
+                    "inturn: this waiter's place in Redis is gone (Redis lost it, or could not "
+                    "be reached for longer than the lease); the work did not run"
                 )
             )
         self._members.pop(member_id, None)
@@ -684,6 +697,12 @@ class RedisBackend:
         For operators (``python -m inturn inspect``) and tests; the answer
         may be stale by the time it returns.
         """
+        try:
+            return await self._lines()
+        except _UNREACHABLE as error:
+            raise BackendUnavailable(f"inturn: Redis could not be reached ({error})") from error
+
+    async def _lines(self) -> list[LineInfo]:
         client = self._client
         seconds, micros = await client.time()
         now = int(seconds) * 1000 + int(micros) // 1000

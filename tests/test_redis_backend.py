@@ -1,0 +1,573 @@
+"""The Redis backend against a real server: processes, crashes, leases, fencing, clean-up.
+
+Several backends in one process (each with its own client, subscription and
+heartbeat, as a process has) stand for several processes where a test
+needs exact control of the interleaving; real processes (tests/worker.py),
+really killed or frozen, where the guarantee is about processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from inturn import BackendUnavailable, KeyedQueue, LeaseLost, current_turn
+from inturn.__main__ import format_lines, main
+from inturn.backends import Backend
+from inturn.backends.redis import LineInfo, RedisBackend
+from processes import Worker
+from redis_checks import keys_left
+from servers import Server
+
+from helpers import PATIENCE, checkpoints, settle
+
+#: A short lease, so that crash recovery shows within a test.
+LEASE = 1.0
+
+BackendFactory = Callable[..., RedisBackend]
+
+
+@pytest.fixture
+def namespace() -> str:
+    return f"t-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+async def make_backend(redis_url: str, namespace: str) -> AsyncIterator[BackendFactory]:
+    """RedisBackend(url, namespace, lease=...) for this test; all closed at its end.
+
+    Once they are closed, the namespace must hold no key.
+    """
+    made: list[RedisBackend] = []
+
+    def make(*, lease: float = LEASE, url: str = redis_url) -> RedisBackend:
+        made.append(RedisBackend.from_url(url, namespace=namespace, lease=lease))
+        return made[-1]
+
+    yield make
+    for backend in made:
+        await backend.aclose()
+    assert await keys_left(redis_url, namespace) == []
+
+
+@pytest.fixture
+async def client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    """A plain client, to look at the server from the side."""
+    client = aioredis.Redis.from_url(redis_url)
+    yield client
+    await client.aclose()
+
+
+def spec(url: str, namespace: str, lease: float = LEASE) -> str:
+    return f"redis:{url}#{namespace}#{lease}"
+
+
+async def waiting(backend: RedisBackend, n: int) -> LineInfo:
+    """Wait until Redis shows the only line held, with n waiters; return it.
+
+    The state is brought about by other backends or processes, which give no
+    signal: it is looked at every millisecond, up to PATIENCE seconds.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + PATIENCE
+    while True:
+        lines = await backend.lines()
+        if len(lines) == 1 and lines[0].holder is not None and len(lines[0].waiters) == n:
+            return lines[0]
+        assert loop.time() < deadline, f"Redis never showed a holder and {n} waiters: {lines}"
+        await asyncio.sleep(0.001)
+
+
+# -- several backends: the line in Redis -------------------------------------------------
+
+
+async def test_the_line_in_redis_shows_the_holder_and_the_waiters_in_order(
+    make_backend: BackendFactory,
+) -> None:
+    a, b, c = make_backend(), make_backend(), make_backend()
+    gate = asyncio.Event()
+    holder = asyncio.create_task(KeyedQueue(backend=a).run("k", gate.wait))
+    await waiting(a, 0)
+    second = asyncio.create_task(KeyedQueue(backend=b).run("k", lambda: "b"))
+    await waiting(a, 1)
+    third = asyncio.create_task(KeyedQueue(backend=c).run("k", lambda: "c"))
+    line = await waiting(a, 2)
+    assert line.key == "s:k"
+    assert line.holder is not None
+    assert line.holder.pid == os.getpid()
+    assert 0 < line.holder.lease_left <= LEASE
+    assert [w.pid for w in line.waiters] == [os.getpid()] * 2
+    assert "held by" in format_lines([line], "ns")
+    gate.set()
+    assert await asyncio.gather(holder, second, third) == [True, "b", "c"]
+    assert await a.lines() == []
+
+
+async def test_turns_go_in_the_order_submissions_reached_redis(
+    make_backend: BackendFactory,
+) -> None:
+    backends = [make_backend() for _ in range(5)]
+    gate = asyncio.Event()
+    order: list[int] = []
+
+    async def work(i: int) -> None:
+        order.append(i)
+        if i == 0:
+            await gate.wait()
+
+    tasks = [asyncio.create_task(KeyedQueue(backend=backends[0]).run("k", work, 0))]
+    await settle(lambda: order == [0])
+    for n, i in enumerate((3, 1, 4, 2), 1):
+        tasks.append(asyncio.create_task(KeyedQueue(backend=backends[i]).run("k", work, i)))
+        await waiting(backends[0], n)
+    gate.set()
+    await asyncio.gather(*tasks)
+    assert order == [0, 3, 1, 4, 2]
+
+
+async def test_a_release_wakes_the_next_holder_without_waiting_for_a_heartbeat(
+    make_backend: BackendFactory,
+) -> None:
+    # With an hour-long lease the heartbeat never runs within the test: only
+    # the release's own push can hand the key over.
+    a, b = make_backend(lease=3600), make_backend(lease=3600)
+    gate = asyncio.Event()
+    holder = asyncio.create_task(KeyedQueue(backend=a).run("k", gate.wait))
+    await waiting(a, 0)
+    follower = asyncio.create_task(KeyedQueue(backend=b).run("k", lambda: "next"))
+    await waiting(a, 1)
+    gate.set()
+    assert await asyncio.wait_for(follower, 10) == "next"
+    await holder
+
+
+async def test_a_grant_whose_message_is_lost_still_arrives(
+    make_backend: BackendFactory, client: aioredis.Redis
+) -> None:
+    a, b = make_backend(), make_backend()
+    gate = asyncio.Event()
+    holder = asyncio.create_task(KeyedQueue(backend=a).run("k", gate.wait))
+    await waiting(a, 0)
+    follower = asyncio.create_task(KeyedQueue(backend=b).run("k", lambda: "next"))
+    await waiting(a, 1)
+    # Cut every subscription: the push of the release goes nowhere.
+    await client.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
+    gate.set()
+    assert await asyncio.wait_for(follower, 10) == "next"
+    await holder
+
+
+async def test_timeout_while_another_process_holds_leaves_no_trace(
+    make_backend: BackendFactory,
+) -> None:
+    a, b = make_backend(), make_backend()
+    gate = asyncio.Event()
+    holder = asyncio.create_task(KeyedQueue(backend=a).run("k", gate.wait))
+    await waiting(a, 0)
+    queue = KeyedQueue(backend=b)
+    ran: list[str] = []
+    with pytest.raises(TimeoutError, match="'k'"):
+        async with queue.keyed("k", timeout=0.05):
+            ran.append("ran")
+    await waiting(a, 0)  # its place was given up
+    gate.set()
+    await holder
+    assert ran == []
+
+
+async def test_a_cancelled_waiter_leaves_and_the_one_behind_goes_next(
+    make_backend: BackendFactory,
+) -> None:
+    a, b, c = make_backend(), make_backend(), make_backend()
+    gate = asyncio.Event()
+    order: list[str] = []
+    holder = asyncio.create_task(KeyedQueue(backend=a).run("k", gate.wait))
+    await waiting(a, 0)
+    leaving = asyncio.create_task(KeyedQueue(backend=b).run("k", order.append, "leaving"))
+    await waiting(a, 1)
+    following = asyncio.create_task(KeyedQueue(backend=c).run("k", order.append, "next"))
+    await waiting(a, 2)
+    leaving.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await leaving
+    await waiting(a, 1)
+    gate.set()
+    await asyncio.gather(holder, following)
+    assert order == ["next"]
+
+
+async def test_a_waiter_cancelled_as_it_is_granted_passes_the_turn_on(
+    make_backend: BackendFactory,
+) -> None:
+    a, b, c = make_backend(), make_backend(lease=3600), make_backend()
+    order: list[str] = []
+    gate = asyncio.Event()
+    victim: list[asyncio.Task[Any]] = []
+
+    async def holder() -> None:
+        await KeyedQueue(backend=a).run("k", gate.wait)
+        # The release's script has granted the victim in Redis; its process
+        # has not heard yet. Cancel it now: it must pass the key on.
+        victim[0].cancel()
+
+    first = asyncio.create_task(holder())
+    await waiting(a, 0)
+    victim.append(asyncio.create_task(KeyedQueue(backend=b).run("k", order.append, "victim")))
+    await waiting(a, 1)
+    following = asyncio.create_task(KeyedQueue(backend=c).run("k", order.append, "next"))
+    await waiting(a, 2)
+    # The victim's process stops hearing grants (its heartbeat, with an hour's
+    # lease, does not run within the test either).
+    assert b._listener is not None
+    b._listener.cancel()
+    gate.set()
+    await first
+    await asyncio.gather(victim[0], following, return_exceptions=True)
+    assert victim[0].cancelled()
+    assert order == ["next"]
+
+
+async def test_tokens_only_grow_and_reach_current_turn(make_backend: BackendFactory) -> None:
+    a, b = make_backend(), make_backend()
+    seen: list[int] = []
+    first = KeyedQueue(backend=a)
+
+    @first.queue_by_key(key="order-{n}")
+    async def settle_order(n: int) -> None:
+        turn = current_turn()
+        assert turn is not None
+        assert turn.keys == (f"order-{n}",)
+        seen.append(turn.token)
+
+    for _ in range(3):
+        await settle_order(1)
+        async with KeyedQueue(backend=b).keyed("order-1") as turn:
+            seen.append(turn.token)
+    assert seen == sorted(set(seen))
+
+
+async def test_several_keys_in_opposite_orders_do_not_deadlock(
+    make_backend: BackendFactory,
+) -> None:
+    a, b = make_backend(), make_backend()
+    held: list[tuple[Any, ...]] = []
+
+    async def both(backend: RedisBackend, *keys: Any) -> None:
+        queue = KeyedQueue(backend=backend)
+        for _ in range(10):
+            async with queue.keyed(*keys) as turn:
+                held.append(turn.keys)
+                assert set(turn.tokens) == set(keys)
+                await checkpoints()
+
+    await asyncio.wait_for(asyncio.gather(both(a, "x", b"y", 7), both(b, 7, b"y", "x")), 20)
+    assert len(held) == 20
+    assert len(set(held)) == 1
+
+
+async def test_namespaces_keep_apps_apart(redis_url: str, make_backend: BackendFactory) -> None:
+    other = RedisBackend.from_url(redis_url, namespace=f"other-{uuid.uuid4().hex[:8]}")
+    try:
+        async with (
+            KeyedQueue(backend=make_backend()).keyed("k"),
+            KeyedQueue(backend=other).keyed("k", timeout=0),
+        ):
+            pass  # the same key in another namespace was free
+    finally:
+        await other.aclose()
+
+
+async def test_every_key_of_a_line_carries_a_ttl(
+    make_backend: BackendFactory, client: aioredis.Redis, namespace: str
+) -> None:
+    a, b = make_backend(), make_backend()
+    gate = asyncio.Event()
+    holder = asyncio.create_task(KeyedQueue(backend=a).run("k", gate.wait))
+    await waiting(a, 0)
+    follower = asyncio.create_task(KeyedQueue(backend=b).run("k", lambda: None))
+    await waiting(a, 1)
+    names = [key async for key in client.scan_iter(match=f"inturn:{{{namespace}:*")]
+    assert len(names) == 4  # line, q, lease, info: one hash slot, one line
+    assert len({name.split(b"}")[0] for name in names}) == 1
+    for name in names:
+        assert 0 < await client.pttl(name) <= 3 * LEASE * 1000
+    gate.set()
+    await asyncio.gather(holder, follower)
+
+
+async def test_keys_other_than_str_bytes_int_are_refused(make_backend: BackendFactory) -> None:
+    queue = KeyedQueue(backend=make_backend())
+    with pytest.raises(TypeError, match=r"\(tuple\) cannot name a line shared between processes"):
+        await queue.run(("a", 1), lambda: None)
+    with pytest.raises(TypeError, match="float"):
+        queue.keyed("a", 2.5)
+    async with queue.keyed(1), KeyedQueue(backend=make_backend()).keyed("1", timeout=0):
+        pass  # 1 and "1" are different lines
+
+
+async def test_scripts_are_loaded_once_and_called_by_sha(own_redis: Server) -> None:
+    backend = RedisBackend.from_url(own_redis.url, namespace="sha", lease=LEASE)
+    client = aioredis.Redis.from_url(own_redis.url)
+    try:
+        queue = KeyedQueue(backend=backend)
+        for i in range(5):
+            await queue.run(f"k{i}", lambda: None)
+        stats = await client.info("commandstats")
+        assert stats["cmdstat_evalsha"]["calls"] >= 10
+        assert "cmdstat_eval" not in stats
+    finally:
+        await backend.aclose()
+        await client.aclose()
+
+
+async def test_a_caller_supplied_client_is_left_open(redis_url: str, namespace: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    backend = RedisBackend(client, namespace=namespace)
+    assert isinstance(backend, Backend)
+    await KeyedQueue(backend=backend).run("k", lambda: None)
+    await backend.aclose()
+    assert await client.ping()
+    await client.aclose()
+
+
+def test_bad_settings_are_refused_at_construction(redis_url: str) -> None:
+    with pytest.raises(ValueError, match="namespace"):
+        RedisBackend.from_url(redis_url, namespace="a{b}")
+    with pytest.raises(ValueError, match="lease"):
+        RedisBackend.from_url(redis_url, lease=0)
+
+
+async def test_one_backend_serves_one_event_loop(make_backend: BackendFactory) -> None:
+    backend = make_backend()
+    await KeyedQueue(backend=backend).run("k", lambda: None)
+
+    def elsewhere() -> None:
+        asyncio.run(KeyedQueue(backend=backend).run("k", lambda: None))
+
+    with pytest.raises(RuntimeError, match="another event loop"):
+        await asyncio.get_running_loop().run_in_executor(None, elsewhere)
+
+
+# -- Redis away ---------------------------------------------------------------------------
+
+
+async def test_redis_down_at_submission_is_backend_unavailable_and_nothing_runs(
+    own_redis: Server,
+) -> None:
+    own_redis.stop()
+    backend = RedisBackend.from_url(own_redis.url, namespace="down", socket_connect_timeout=1)
+    queue = KeyedQueue(backend=backend)
+    ran: list[str] = []
+    try:
+        with pytest.raises(BackendUnavailable, match="could not be reached") as caught:
+            await queue.run("k", ran.append, "ran")
+        assert caught.value.__cause__ is not None
+        assert ran == []
+        assert queue.active_count == 0
+        own_redis.start()
+        await queue.run("k", ran.append, "ran")  # up again: the next submission works
+        assert ran == ["ran"]
+    finally:
+        await backend.aclose()
+
+
+async def test_redis_down_after_start_is_backend_unavailable_too(own_redis: Server) -> None:
+    backend = RedisBackend.from_url(own_redis.url, namespace="down", socket_connect_timeout=1)
+    queue = KeyedQueue(backend=backend)
+    try:
+        await queue.run("k", lambda: None)
+        own_redis.stop(kill=True)
+        ran: list[str] = []
+        with pytest.raises(BackendUnavailable):
+            await queue.run("k", ran.append, "ran")
+        assert ran == []
+    finally:
+        await backend.aclose()
+
+
+async def test_a_restart_that_loses_the_line_is_a_lost_lease(own_redis: Server) -> None:
+    backend = RedisBackend.from_url(own_redis.url, namespace="restart", lease=LEASE)
+    queue = KeyedQueue(backend=backend)
+    seen: list[bool] = []
+
+    async def hold() -> None:
+        async with queue.keyed("k") as turn:
+            own_redis.stop(kill=True)
+            own_redis.start()  # empty: the line, and this lease, are gone
+            await settle(lambda: turn.lease_lost)
+            seen.append(turn.lease_lost)
+
+    try:
+        with pytest.raises(LeaseLost, match="'k'"):
+            await hold()
+        assert seen == [True]
+    finally:
+        await backend.aclose()
+
+
+async def test_a_dropped_connection_while_holding_keeps_the_turn(
+    make_backend: BackendFactory, client: aioredis.Redis
+) -> None:
+    lease = 0.3
+    a, b = make_backend(lease=lease), make_backend(lease=lease)
+    order: list[str] = []
+    gate = asyncio.Event()
+
+    async def hold() -> None:
+        order.append("a in")
+        await gate.wait()
+        order.append("a out")
+
+    holder = asyncio.create_task(KeyedQueue(backend=a).run("k", hold))
+    await settle(lambda: order == ["a in"])
+    follower = asyncio.create_task(KeyedQueue(backend=b).run("k", order.append, "b"))
+    await waiting(a, 1)
+    await client.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+    await client.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
+    # Leases run out several times over while the holder holds: its
+    # heartbeat reconnects and renews, so the key never moves.
+    await asyncio.sleep(5 * lease)  # the span of time is the point here, not an ordering
+    assert order == ["a in"]
+    gate.set()
+    await asyncio.gather(holder, follower)  # and no LeaseLost
+    assert order == ["a in", "a out", "b"]
+
+
+# -- real processes ---------------------------------------------------------------------
+
+
+async def test_no_lost_update_across_four_processes(
+    redis_url: str,
+    namespace: str,
+    make_backend: BackendFactory,
+    client: aioredis.Redis,
+    workers: list[Worker],
+) -> None:
+    counter = f"counter-{namespace}"
+    workers += [
+        await Worker.start(
+            spec(redis_url, namespace), "increment-redis", "k", counter, "100", name=str(i)
+        )
+        for i in range(4)
+    ]
+    for worker in workers:
+        await worker.expect("done")
+        assert await worker.finish() == 0
+    assert int(await client.get(counter)) == 400
+    await client.delete(counter)
+
+
+async def test_turns_go_in_arrival_order_across_processes(
+    redis_url: str, namespace: str, make_backend: BackendFactory, workers: list[Worker]
+) -> None:
+    observer = make_backend()
+    for i in range(4):
+        workers.append(await Worker.start(spec(redis_url, namespace), "hold", "k", name=f"w{i}"))
+        if i == 0:
+            await workers[0].expect("holding")
+        await waiting(observer, i)
+    order = ["w0"]
+    holder = workers[0]
+    for _ in range(3):
+        await holder.go()
+        await holder.expect("released")
+        rest = [w for w in workers if w.name not in order]
+        reports = {asyncio.ensure_future(w.expect("holding")): w for w in rest}
+        done, pending = await asyncio.wait(reports, return_when=asyncio.FIRST_COMPLETED)
+        for report in pending:
+            report.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        holder = reports[done.pop()]
+        order.append(holder.name)
+    assert order == ["w0", "w1", "w2", "w3"]
+    await holder.go()
+    await holder.expect("released")
+
+
+async def test_a_killed_holder_is_replaced_within_its_lease(
+    redis_url: str, namespace: str, make_backend: BackendFactory, workers: list[Worker]
+) -> None:
+    holder = await Worker.start(spec(redis_url, namespace), "hold", "k")
+    workers.append(holder)
+    await holder.expect("holding")
+    backend = make_backend()
+    ran: list[str] = []
+    waiter = asyncio.create_task(KeyedQueue(backend=backend).run("k", ran.append, "next"))
+    await waiting(backend, 1)
+    holder.kill()
+    # within the lease, plus a heartbeat of the waiter, plus a generous margin
+    await asyncio.wait_for(waiter, LEASE + LEASE / 3 + 5)
+    assert ran == ["next"]
+    assert await backend.lines() == []  # nothing of the dead process is left
+
+
+async def test_a_killed_waiter_holds_nobody_up(
+    redis_url: str, namespace: str, make_backend: BackendFactory, workers: list[Worker]
+) -> None:
+    observer = make_backend()
+    holder = await Worker.start(spec(redis_url, namespace), "hold", "k", name="holder")
+    await holder.expect("holding")
+    doomed = await Worker.start(spec(redis_url, namespace), "hold", "k", name="doomed")
+    await waiting(observer, 1)
+    survivor = await Worker.start(spec(redis_url, namespace), "hold", "k", name="survivor")
+    await waiting(observer, 2)
+    workers += [holder, doomed, survivor]
+    doomed.kill()
+    await doomed.process.wait()
+    await holder.go()
+    await holder.expect("released")
+    words = await asyncio.wait_for(survivor.expect("holding"), LEASE + LEASE / 3 + 5)
+    assert int(words[0]) > 0
+    await survivor.go()
+    await survivor.expect("released")
+
+
+async def test_a_holder_frozen_past_its_lease_is_told_and_raises_lease_lost(
+    redis_url: str, namespace: str, make_backend: BackendFactory, workers: list[Worker]
+) -> None:
+    frozen = await Worker.start(spec(redis_url, namespace), "hold", "k")
+    workers.append(frozen)
+    (token,) = await frozen.expect("holding")
+    backend = make_backend()
+    os.kill(frozen.pid, signal.SIGSTOP)
+    try:
+        # Another process gets the key once the frozen one's lease ran out...
+        async with KeyedQueue(backend=backend).keyed("k", timeout=LEASE + 5) as turn:
+            assert turn.token > int(token)  # ... with a larger fencing token
+    finally:
+        os.kill(frozen.pid, signal.SIGCONT)
+    await frozen.go()
+    await frozen.expect("lease-lost")  # turn.lease_lost, inside the block
+    await frozen.expect("raised")  # and LeaseLost at its end
+
+
+async def test_inspect_prints_the_live_lines(
+    redis_url: str,
+    namespace: str,
+    make_backend: BackendFactory,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    a, b = make_backend(), make_backend()
+    gate = asyncio.Event()
+    holder = asyncio.create_task(KeyedQueue(backend=a).run("order-17", gate.wait))
+    await waiting(a, 0)
+    follower = asyncio.create_task(KeyedQueue(backend=b).run("order-17", lambda: None))
+    await waiting(a, 1)
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(
+        None, main, ["inspect", "--redis", redis_url, "--namespace", namespace]
+    )
+    out = capsys.readouterr().out
+    assert f"namespace {namespace!r}: 1 active line" in out
+    assert "s:order-17" in out
+    assert f"held by {os.uname().nodename} pid {os.getpid()}" in out
+    assert "    1. " in out
+    gate.set()
+    await asyncio.gather(holder, follower)
