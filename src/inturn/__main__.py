@@ -1,4 +1,4 @@
-"""The command line: ``python -m inturn demo``."""
+"""The command line: ``python -m inturn demo``, ``python -m inturn inspect --redis URL``."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import argparse
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
-from . import KeyedQueue
+from . import BackendUnavailable, KeyedQueue
 
 __all__ = ("main",)
 
@@ -69,13 +70,75 @@ async def demo(tasks: int = 1000, keys: int = 4) -> tuple[dict[str, int], dict[s
     return unsafe, safe
 
 
+def format_lines(lines: Sequence[Any], namespace: str) -> str:
+    """Render RedisBackend.lines() for people: one block per key, holder then waiters."""
+    if not lines:
+        return f"namespace {namespace!r}: no active lines"
+    out = [f"namespace {namespace!r}: {len(lines)} active line{'s' if len(lines) != 1 else ''}"]
+    for line in lines:
+        out.append(f"  {line.key}")
+        if line.holder is None:
+            out.append("    held by nobody (being handed over)")
+        else:
+            h = line.holder
+            out.append(
+                f"    held by {h.host} pid {h.pid} for {h.held_for:.1f} s, token {h.token}, "
+                f"lease {h.lease_left:.1f} s left"
+            )
+        for place, w in enumerate(line.waiters, 1):
+            out.append(
+                f"    {place}. {w.host} pid {w.pid} waiting {w.waiting_for:.1f} s, "
+                f"lease {w.lease_left:.1f} s left"
+            )
+    return "\n".join(out)
+
+
+async def inspect_redis(url: str, namespace: str, watch: float | None) -> None:
+    """Print the live lines of a namespace; with watch, again every watch seconds."""
+    from .backends.redis import RedisBackend
+
+    backend = RedisBackend.from_url(url, namespace=namespace)
+    try:
+        while True:
+            report = format_lines(await backend.lines(), namespace)
+            if watch is None:
+                print(report)
+                return
+            print("\033[2J\033[H" + time.strftime("%H:%M:%S ") + report, flush=True)
+            await asyncio.sleep(watch)
+    finally:
+        await backend.aclose()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m inturn", description="inturn's command line")
     commands = parser.add_subparsers(dest="command", required=True)
     run_demo = commands.add_parser("demo", help="show lost updates without inturn, none with it")
     run_demo.add_argument("--tasks", type=int, default=1000, help="increments (default 1000)")
     run_demo.add_argument("--keys", type=int, default=4, help="counters (default 4)")
+    inspect = commands.add_parser(
+        "inspect", help="show who holds and who waits for each key of a Redis namespace"
+    )
+    inspect.add_argument("--redis", required=True, metavar="URL", help="redis://host:port/db")
+    inspect.add_argument("--namespace", default="inturn", help="the backend's namespace")
+    inspect.add_argument(
+        "--watch",
+        type=float,
+        nargs="?",
+        const=1.0,
+        default=None,
+        metavar="SECONDS",
+        help="refresh every SECONDS (default 1) until interrupted",
+    )
     options = parser.parse_args(argv)
+    if options.command == "inspect":
+        try:
+            asyncio.run(inspect_redis(options.redis, options.namespace, options.watch))
+        except KeyboardInterrupt:
+            pass
+        except BackendUnavailable as error:
+            parser.exit(1, f"{error}\n")
+        return 0
     if options.tasks < 1 or options.keys < 1:
         parser.error("--tasks and --keys must be at least 1")
     asyncio.run(demo(options.tasks, options.keys))
