@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
 from inturn import KeyedQueue
-from servers import Server, redis_server_binary, valkey_server_binary
+from processes import Worker
+from servers import Cluster, Server, redis_cli_binary, redis_server_binary, valkey_server_binary
 
 from helpers import Recorder, unavailable
 
@@ -26,21 +27,26 @@ def recorder() -> Recorder:
 
 @pytest.fixture(scope="session")
 def redis_urls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """The servers of this session by kind ("redis", "valkey"): each one's URL.
+    """The servers of this session by kind ("redis", "valkey", "redis-cluster"): each one's URL.
 
     ``INTURN_REDIS_URL`` stands for "redis" instead of a server started here.
+    "redis-cluster" is a seed node of a three-master Redis Cluster, for
+    ``RedisCluster.from_url`` (started when redis-server and redis-cli are on PATH).
     """
     urls: dict[str, str] = {}
-    servers: list[Server] = []
-    if url := os.environ.get("INTURN_REDIS_URL"):
-        urls["redis"] = url
-    elif binary := redis_server_binary():
-        servers.append(Server(binary, tmp_path_factory.mktemp("redis")).start())
-        urls["redis"] = servers[-1].url
-    if binary := valkey_server_binary():
-        servers.append(Server(binary, tmp_path_factory.mktemp("valkey")).start())
-        urls["valkey"] = servers[-1].url
+    servers: list[Server | Cluster] = []
     try:
+        if url := os.environ.get("INTURN_REDIS_URL"):
+            urls["redis"] = url
+        elif binary := redis_server_binary():
+            servers.append(Server(binary, tmp_path_factory.mktemp("redis")).start())
+            urls["redis"] = servers[-1].url
+        if binary := valkey_server_binary():
+            servers.append(Server(binary, tmp_path_factory.mktemp("valkey")).start())
+            urls["valkey"] = servers[-1].url
+        if (binary := redis_server_binary()) and (cli := redis_cli_binary()):
+            servers.append(Cluster(binary, cli, tmp_path_factory.mktemp("redis-cluster")).start())
+            urls["redis-cluster"] = servers[-1].url
         yield urls
     finally:
         for server in servers:
@@ -69,3 +75,12 @@ def own_redis(tmp_path: Path) -> Iterator[Server]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+async def workers() -> AsyncIterator[list[Worker]]:
+    """Worker processes a test starts; any still running at its end are killed."""
+    started: list[Worker] = []
+    yield started
+    for worker in started:
+        await worker.close()

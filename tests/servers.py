@@ -2,7 +2,8 @@
 
 A test session starts each server it finds on a free port of the loopback
 interface, without persistence, and stops it at the end. ``INTURN_REDIS_URL``
-points the tests at an existing server instead.
+points the tests at an existing server instead. With redis-server and
+redis-cli on PATH, it also starts a Redis Cluster of three masters.
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ from pathlib import Path
 def redis_server_binary() -> str | None:
     """redis-server on PATH (Debian's package in CI)."""
     return shutil.which("redis-server")
+
+
+def redis_cli_binary() -> str | None:
+    """redis-cli on PATH, which forms a cluster (``redis-cli --cluster create``)."""
+    return shutil.which("redis-cli")
 
 
 def valkey_server_binary() -> str | None:
@@ -43,6 +49,33 @@ def _answers(port: int) -> bool:
             return connection.recv(64).startswith(b"+PONG")
     except OSError:
         return False
+
+
+def _cluster_info(port: int) -> dict[str, str]:
+    """A node's answer to CLUSTER INFO, as fields; empty if it does not answer."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as connection:
+            connection.sendall(b"CLUSTER INFO\r\n")
+            reply = b""
+            while b"\r\n" not in reply or len(reply) < _bulk_size(reply):
+                chunk = connection.recv(4096)
+                if not chunk:
+                    return {}
+                reply += chunk
+    except OSError:
+        return {}
+    if not reply.startswith(b"$"):
+        return {}
+    lines = reply.split(b"\r\n", 1)[1].decode().splitlines()
+    return dict(line.split(":", 1) for line in lines if ":" in line)
+
+
+def _bulk_size(reply: bytes) -> int:
+    """The length of a whole bulk-string reply, from its header (the header's own if not bulk)."""
+    header, _, _ = reply.partition(b"\r\n")
+    if not header.startswith(b"$") or not header[1:].isdigit():
+        return len(header) + 2
+    return len(header) + 2 + int(header[1:]) + 2
 
 
 class Server:
@@ -94,3 +127,93 @@ class Server:
                 self.process.terminate()
             self.process.wait(30)
         self.process = None
+
+
+class Cluster:
+    """A Redis Cluster of three masters, no replicas, on free loopback ports.
+
+    Each node runs in a directory of its own under ``directory``, with its own
+    cluster config file and no persistence; ``redis-cli --cluster create``
+    assigns the slots, and :meth:`start` returns once every node reports
+    ``cluster_state:ok``.
+    """
+
+    def __init__(self, binary: str, cli: str, directory: Path, *, masters: int = 3) -> None:
+        self.cli = cli
+        self.nodes = [
+            Server(
+                binary,
+                directory / f"node{i}",
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                str(directory / f"node{i}" / "nodes.conf"),
+                "--cluster-node-timeout",
+                "5000",
+                # The bus port is by default port + 10000, which may be taken or
+                # beyond 65535 for a free port: give it a free port of its own.
+                "--cluster-port",
+                str(free_port()),
+            )
+            for i in range(masters)
+        ]
+        self.startup = 0.0  # seconds start() took
+
+    @property
+    def url(self) -> str:
+        """A seed node's URL for ``RedisCluster.from_url`` (no database: a cluster has only 0)."""
+        return f"redis://127.0.0.1:{self.nodes[0].port}"
+
+    @property
+    def urls(self) -> list[str]:
+        """Every node's own URL, to talk to one node directly."""
+        return [node.url for node in self.nodes]
+
+    def start(self) -> Cluster:
+        began = time.monotonic()
+        try:
+            self._form()
+        except BaseException:
+            self.stop()
+            raise
+        self.startup = time.monotonic() - began
+        return self
+
+    def _form(self) -> None:
+        for node in self.nodes:
+            node.start()
+        subprocess.run(
+            [
+                self.cli,
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{node.port}" for node in self.nodes),
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        deadline = time.monotonic() + 60
+        # The cluster's formation, not an ordering: every node must see every slot served.
+        while not all(self._ready(node.port) for node in self.nodes):
+            if time.monotonic() > deadline:
+                states = {node.port: _cluster_info(node.port) for node in self.nodes}
+                raise RuntimeError(f"the Redis Cluster did not form: {states}")
+            if any(node.process is None or node.process.poll() is not None for node in self.nodes):
+                raise RuntimeError("a Redis Cluster node exited while the cluster formed")
+            time.sleep(0.01)
+
+    def _ready(self, port: int) -> bool:
+        info = _cluster_info(port)
+        return (
+            info.get("cluster_state") == "ok"
+            and info.get("cluster_slots_ok") == "16384"
+            and info.get("cluster_known_nodes") == str(len(self.nodes))
+        )
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()

@@ -24,7 +24,7 @@ from inturn.backends.file import FileBackend
 
 from helpers import QueueFactory, Recorder, checkpoints, settle, unavailable
 
-BACKENDS = ("local", "file", "redis", "valkey")
+BACKENDS = ("local", "file", "redis", "valkey", "redis-cluster")
 
 
 @pytest.fixture(params=BACKENDS)
@@ -42,15 +42,24 @@ async def backend(
         yield FileBackend(tmp_path / "lines")
     else:
         from inturn.backends.redis import RedisBackend
-        from redis_checks import keys_left
+        from redis_checks import cluster_keys_left, keys_left
 
         if kind not in redis_urls:
             unavailable(f"a {kind} server")
         namespace = f"t-{uuid.uuid4().hex[:12]}"
-        backend = RedisBackend.from_url(redis_urls[kind], namespace=namespace)
-        yield backend
-        await backend.aclose()
-        assert await keys_left(redis_urls[kind], namespace) == []
+        if kind == "redis-cluster":
+            from redis.asyncio.cluster import RedisCluster
+
+            client = RedisCluster.from_url(redis_urls[kind])
+            backend = RedisBackend(client, namespace=namespace, owns_client=True)
+            yield backend
+            await backend.aclose()
+            assert await cluster_keys_left(redis_urls[kind], namespace) == []
+        else:
+            backend = RedisBackend.from_url(redis_urls[kind], namespace=namespace)
+            yield backend
+            await backend.aclose()
+            assert await keys_left(redis_urls[kind], namespace) == []
 
 
 @pytest.fixture
@@ -228,10 +237,11 @@ async def test_waiter_cancelled_as_it_is_handed_the_key_passes_it_on(
 async def test_run_waiter_cancelled_at_hand_off_from_run_holder(queue: KeyedQueue) -> None:
     order: list[str] = []
     victim: list[asyncio.Task[Any]] = []
+    gate = asyncio.Event()
 
     async def hold() -> None:
         order.append("holder")
-        await checkpoints(2)
+        await gate.wait()  # until both waiters stand in line
 
     async def holder() -> None:
         await queue.run("k", hold)
@@ -245,6 +255,7 @@ async def test_run_waiter_cancelled_at_hand_off_from_run_holder(queue: KeyedQueu
     victim.append(asyncio.create_task(queue.run("k", body, "victim")))
     after = asyncio.create_task(queue.run("k", body, "after"))
     await settle(lambda: queue.pending("k") == 2)
+    gate.set()
     await first
     await asyncio.gather(victim[0], after, return_exceptions=True)
     assert victim[0].cancelled()
@@ -468,7 +479,7 @@ async def test_max_pending_refuses_at_once_and_drops_nothing(
     queue = make_queue(max_pending=2)
     gate = asyncio.Event()
     holder = asyncio.create_task(queue.run("k", recorder.body("k", "holder", gate=gate)))
-    await settle(lambda: queue.is_active("k"))
+    await settle(lambda: recorder.started == ["holder"])  # granted, on a shared backend too
     w1 = asyncio.create_task(queue.run("k", recorder.body("k", "w1")))
     w2 = asyncio.create_task(queue.run("k", recorder.body("k", "w2")))
     await settle(lambda: queue.pending("k") == 2)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +32,6 @@ def directory(tmp_path: Path) -> Path:
 @pytest.fixture
 def backend(directory: Path) -> FileBackend:
     return FileBackend(directory)
-
-
-@pytest.fixture
-async def workers() -> AsyncIterator[list[Worker]]:
-    started: list[Worker] = []
-    yield started
-    for worker in started:
-        await worker.close()
 
 
 def spec(directory: Path) -> str:
