@@ -6,16 +6,24 @@ takes the lock again and again through :meth:`hold`, and finally calls
 :meth:`teardown`. A sync contender's methods block; an async contender's
 are coroutines, run in one event loop per worker.
 
-Every contender is given the same ``workdir``, a fresh directory of the
-run that every worker of the run shares; where its lock lives in it is its
-own business. To add a contender (Redis, say), subclass
-:class:`SyncContender` or :class:`AsyncContender` and list it in
-:data:`CONTENDERS`.
+Every worker of a run is given the same :class:`Run`: ``workdir``, a fresh
+directory of the run that every worker shares (where a file lock lives in
+it is its own business), and for the Redis scenarios the server's URL and a
+tag unique to the run. A contender's :attr:`~Contender.kind` says which
+scenarios it runs in: ``"file"`` (one host) or ``"redis"``. To add a
+contender, subclass :class:`SyncContender` or :class:`AsyncContender` and
+list it in :data:`CONTENDERS`.
+
+The Redis contenders are written as their documentation shows, with their
+defaults: a lock per call for redis-py (``with r.lock(name):``), one lock
+object per key for python-redis-lock and pottery (their examples make the
+lock once and enter it).
 """
 
 from __future__ import annotations
 
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, ClassVar
 
@@ -24,8 +32,26 @@ __all__ = (
     "DEFAULT",
     "AsyncContender",
     "Contender",
+    "Run",
     "SyncContender",
 )
+
+
+@dataclass(frozen=True)
+class Run:
+    """What every worker of one run shares."""
+
+    #: A fresh directory of the run (the shared counter lives in it too).
+    workdir: Path
+    #: The Redis server of the Redis scenarios, None in the file ones.
+    redis_url: str | None = None
+    #: Unique to the run: Redis names (namespace, lock names) include it.
+    tag: str = "run"
+
+    def needs_redis(self) -> str:
+        if self.redis_url is None:
+            raise RuntimeError("a Redis contender was run without a Redis server")
+        return self.redis_url
 
 
 class Contender:
@@ -33,6 +59,8 @@ class Contender:
 
     name: ClassVar[str] = ""
     is_async: ClassVar[bool] = False
+    #: The scenarios it runs in: "file" (one host), "redis", or "any".
+    kind: ClassVar[str] = "file"
 
     def available(self) -> str | None:
         """Why this contender cannot run here (a missing package), or None if it can."""
@@ -42,7 +70,7 @@ class Contender:
 class SyncContender(Contender):
     """A lock taken with blocking calls."""
 
-    def setup(self, workdir: Path) -> None:
+    def setup(self, run: Run) -> None:
         """Make the lock object, in the worker, before the workers are released."""
 
     def hold(self, key: str) -> AbstractContextManager[Any]:
@@ -58,7 +86,7 @@ class AsyncContender(Contender):
 
     is_async = True
 
-    async def setup(self, workdir: Path) -> None:
+    async def setup(self, run: Run) -> None:
         """Make the lock object, in the worker's loop, before the workers are released."""
 
     def hold(self, key: str) -> AbstractAsyncContextManager[Any]:
@@ -82,11 +110,11 @@ class InturnFile(AsyncContender):
 
     name = "inturn-file"
 
-    async def setup(self, workdir: Path) -> None:
+    async def setup(self, run: Run) -> None:
         from inturn import KeyedQueue
         from inturn.backends.file import FileBackend
 
-        self.queue = KeyedQueue(backend=FileBackend(workdir / "inturn"))
+        self.queue = KeyedQueue(backend=FileBackend(run.workdir / "inturn"))
 
     def hold(self, key: str) -> AbstractAsyncContextManager[Any]:
         return self.queue.keyed(key)
@@ -103,10 +131,10 @@ class Filelock(SyncContender):
     def available(self) -> str | None:
         return _missing("filelock")
 
-    def setup(self, workdir: Path) -> None:
+    def setup(self, run: Run) -> None:
         import filelock
 
-        self.workdir = workdir
+        self.workdir = run.workdir
         self.locks: dict[str, filelock.FileLock] = {}
         self.make = filelock.FileLock
 
@@ -145,8 +173,8 @@ class Portalocker(SyncContender):
     def available(self) -> str | None:
         return _missing("portalocker")
 
-    def setup(self, workdir: Path) -> None:
-        self.workdir = workdir
+    def setup(self, run: Run) -> None:
+        self.workdir = run.workdir
         self.held: dict[str, _Flocked] = {}
 
     def hold(self, key: str) -> AbstractContextManager[Any]:
@@ -165,15 +193,124 @@ class NoLock(SyncContender):
     """No lock at all: not a contender, a check that the harness sees lost updates."""
 
     name = "no-lock"
+    kind = "any"
 
     def hold(self, key: str) -> AbstractContextManager[Any]:
         return nullcontext()
 
 
+class InturnRedis(AsyncContender):
+    """inturn's Redis backend: ``async with queue.keyed(key):`` on a RedisBackend queue."""
+
+    name = "inturn-redis"
+    kind = "redis"
+
+    def available(self) -> str | None:
+        return _missing("redis")
+
+    async def setup(self, run: Run) -> None:
+        from inturn import KeyedQueue
+        from inturn.backends.redis import RedisBackend
+
+        backend = RedisBackend.from_url(run.needs_redis(), namespace=f"bench-{run.tag}")
+        self.queue = KeyedQueue(backend=backend)
+
+    def hold(self, key: str) -> AbstractAsyncContextManager[Any]:
+        return self.queue.keyed(key)
+
+    async def teardown(self) -> None:
+        await self.queue.aclose()
+
+
+class _RedisClient(SyncContender):
+    """A sync contender on one redis-py client, made in setup and closed in teardown."""
+
+    kind = "redis"
+    needs: ClassVar[str] = "redis"
+
+    def available(self) -> str | None:
+        return _missing(self.needs)
+
+    def setup(self, run: Run) -> None:
+        import redis
+
+        self.client = redis.Redis.from_url(run.needs_redis())
+
+    def teardown(self) -> None:
+        self.client.close()
+
+
+class RedisPyLock(_RedisClient):
+    """redis-py's own lock with its defaults: ``with r.lock(name):``, which polls every 0.1 s."""
+
+    name = "redis-py-lock"
+
+    def hold(self, key: str) -> AbstractContextManager[Any]:
+        return self.client.lock(key)
+
+
+class PythonRedisLock(_RedisClient):
+    """PyPI ``python-redis-lock``: ``with redis_lock.Lock(conn, name):``; waiters BLPOP."""
+
+    name = "python-redis-lock"
+    needs = "redis_lock"
+
+    def setup(self, run: Run) -> None:
+        import redis_lock
+
+        super().setup(run)
+        self.make = redis_lock.Lock
+        self.locks: dict[str, Any] = {}
+
+    def hold(self, key: str) -> AbstractContextManager[Any]:
+        lock = self.locks.get(key)
+        if lock is None:
+            lock = self.locks[key] = self.make(self.client, key)
+        return lock  # type: ignore[no-any-return]
+
+
+class Pottery(_RedisClient):
+    """PyPI ``pottery``: ``with Redlock(key=name, masters={r}):``; waiters retry at random."""
+
+    name = "pottery"
+    needs = "pottery"
+
+    def setup(self, run: Run) -> None:
+        from pottery import Redlock
+
+        super().setup(run)
+        self.make = Redlock
+        self.locks: dict[str, Any] = {}
+
+    def hold(self, key: str) -> AbstractContextManager[Any]:
+        lock = self.locks.get(key)
+        if lock is None:
+            lock = self.locks[key] = self.make(key=key, masters={self.client})
+        return lock  # type: ignore[no-any-return]
+
+
 #: Every contender, by name.
 CONTENDERS: dict[str, type[Contender]] = {
-    cls.name: cls for cls in (InturnFile, Filelock, Portalocker, NoLock)
+    cls.name: cls
+    for cls in (
+        InturnFile,
+        Filelock,
+        Portalocker,
+        InturnRedis,
+        RedisPyLock,
+        PythonRedisLock,
+        Pottery,
+        NoLock,
+    )
 }
 
 #: The contenders measured unless the command line names others.
-DEFAULT: tuple[str, ...] = ("inturn-file", "filelock", "portalocker")
+DEFAULT: tuple[str, ...] = (
+    "inturn-file",
+    "filelock",
+    "portalocker",
+    "inturn-redis",
+    "redis-py-lock",
+    "python-redis-lock",
+    "pottery",
+)

@@ -1,8 +1,9 @@
 """One worker process of the multi-process benchmark: ``python -m bench.mp_worker CONFIG``.
 
 CONFIG is a JSON object: ``contender`` (a name in bench/mp_contenders.py),
-``workdir`` (the run's shared directory), ``key`` and ``outside`` (seconds
-of work between two turns, 0 for none).
+``workdir`` (the run's shared directory), ``redis_url`` (the Redis server,
+null in the file scenarios), ``tag`` (unique to the run), ``key`` and
+``outside`` (seconds of work between two turns, 0 for none).
 
 The conversation with the parent (bench/multiproc.py), over stdin/stdout:
 
@@ -34,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .mp_contenders import CONTENDERS, AsyncContender, SyncContender
+from .mp_contenders import CONTENDERS, AsyncContender, Run, SyncContender
 
 #: Digits of the counter: fixed, so that every write covers the previous one.
 WIDTH = 20
@@ -59,6 +60,16 @@ def critical_section(fd: int) -> None:
     os.pwrite(fd, b"%0*d" % (WIDTH, value + 1), 0)
 
 
+def run_of(config: dict[str, Any]) -> Run:
+    """What the workers of this run share, from the config."""
+    return Run(Path(config["workdir"]), config.get("redis_url"), config.get("tag", "run"))
+
+
+def warm_up_key(key: str) -> str:
+    """A key of this worker's own, for the op before the measurement."""
+    return f"{key}-warm-up-{os.getpid()}"
+
+
 def wait_for_go() -> int:
     """Tell the parent this worker is ready; return the deadline it answers with."""
     print("ready", flush=True)
@@ -67,14 +78,14 @@ def wait_for_go() -> int:
 
 def run_sync(contender: SyncContender, config: dict[str, Any], go: Callable[[], int]) -> Records:
     """The worker's whole life with a sync contender; its records."""
-    workdir = Path(config["workdir"])
+    run = run_of(config)
     key: str = config["key"]
     outside: float = config["outside"]
-    contender.setup(workdir)
+    contender.setup(run)
     try:
-        with contender.hold(f"warm-up-{os.getpid()}"):
+        with contender.hold(warm_up_key(key)):
             pass
-        fd = open_counter(workdir)
+        fd = open_counter(run.workdir)
         arrivals: list[int] = []
         grants: list[int] = []
         releases: list[int] = []
@@ -100,14 +111,14 @@ async def run_async(
     contender: AsyncContender, config: dict[str, Any], go: Callable[[], int]
 ) -> Records:
     """The worker's whole life with an async contender, in its event loop; its records."""
-    workdir = Path(config["workdir"])
+    run = run_of(config)
     key: str = config["key"]
     outside: float = config["outside"]
-    await contender.setup(workdir)
+    await contender.setup(run)
     try:
-        async with contender.hold(f"warm-up-{os.getpid()}"):
+        async with contender.hold(warm_up_key(key)):
             pass
-        fd = open_counter(workdir)
+        fd = open_counter(run.workdir)
         arrivals: list[int] = []
         grants: list[int] = []
         releases: list[int] = []

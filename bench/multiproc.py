@@ -1,6 +1,6 @@
 """Locks shared between processes, on one contended key, side by side.
 
-    python -m bench.multiproc [--repeats 3] [--quick] [--json out.json]
+    python -m bench.multiproc [--repeats 3] [--quick] [--only file|redis] [--json out.json]
 
 Each run starts one contender's worker processes (bench/mp_worker.py), each
 in a fresh interpreter; once all are set up they are released together and
@@ -8,12 +8,18 @@ each takes the lock on one key again and again for a fixed wall time,
 recording when it arrived, was granted and released every op. The records
 are merged into the metrics of bench/mp_metrics.py.
 
-Scenarios:
+Scenarios, file locks (processes of one host):
 
 - (f1) every worker on one key, nothing outside the lock: the lock is
   always wanted, so its hand-off is the whole story;
 - (f2) the same with 1 ms of work outside the lock between two ops
   (``time.sleep`` for sync contenders, ``asyncio.sleep`` for async ones).
+
+Scenarios, Redis locks (bench/mp_servers.py finds or starts the server; the
+critical section is still the counter file, which is fine on one host):
+
+- (r1) and (r2): as (f1) and (f2);
+- (r3) one process alone on the key: the cost of an uncontended turn.
 
 Contenders are interleaved (each repeat runs all of them, in a rotated
 order) and every number is the median of the repeats, so that a noisy
@@ -26,6 +32,7 @@ import argparse
 import json
 import os
 import platform
+import secrets
 import statistics
 import subprocess
 import sys
@@ -33,6 +40,7 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -43,15 +51,9 @@ if __package__ in (None, ""):  # run as a script: python bench/multiproc.py
 
 from .mp_contenders import CONTENDERS, DEFAULT
 from .mp_metrics import METRICS, measure_run
+from .mp_servers import redis_server
 from .mp_worker import read_counter
 
-#: The contender the targets are about.
-SUBJECT = "inturn-file"
-#: Its targets: arrival order (%) at least, longest wait (ms) at most, and
-#: ops/s at least these multiples of each baseline's, measured in the same run.
-MIN_ORDER_PCT = 99.0
-MAX_WAIT_MS = 10.0
-BASELINES: dict[str, float] = {"filelock": 3.0, "portalocker": 0.8}
 KEY = "k"
 ROOT = Path(__file__).resolve().parent.parent
 #: Seconds a worker may take past the deadline to finish and report (a hung lock fails the run).
@@ -60,27 +62,91 @@ GRACE = 60.0
 
 @dataclass(frozen=True)
 class Scenario:
-    """A way of running the workers: how long each works outside the lock between ops."""
+    """A way of running the workers, which contenders run in it, and the subject's targets.
+
+    The targets are about ``subject``: ops/s at least each factor of
+    ``min_ops`` times that baseline's (measured in the same run), then the
+    bounds that are set (None: no target).
+    """
 
     name: str
     title: str
+    #: Seconds each worker works outside the lock between two ops.
     outside: float
+    #: The contenders that run in it: those of this kind (and of kind "any").
+    kind: str = "file"
+    #: Worker processes; None: as many as the settings say.
+    workers: int | None = None
+    subject: str = "inturn-file"
+    #: The table's ratio rows: ops/s divided by each of these contenders'.
+    ratios: tuple[str, ...] = ()
+    min_ops: tuple[tuple[str, float], ...] = ()
+    min_order_pct: float | None = None
+    min_fairness: float | None = None
+    max_handoff_ms: float | None = None
+    max_wait_ms: float | None = None
 
+    def processes(self, settings: Settings) -> int:
+        return self.workers if self.workers is not None else settings.workers
+
+
+_FILE: dict[str, Any] = {
+    "kind": "file",
+    "subject": "inturn-file",
+    "ratios": ("filelock", "portalocker"),
+    "min_ops": (("filelock", 3.0), ("portalocker", 0.8)),
+    "min_order_pct": 99.0,
+    "max_wait_ms": 10.0,
+}
+_REDIS: dict[str, Any] = {
+    "kind": "redis",
+    "subject": "inturn-redis",
+    "ratios": ("redis-py-lock", "python-redis-lock"),
+}
 
 SCENARIOS = (
-    Scenario("f1", "one key, nothing outside the lock", 0.0),
-    Scenario("f2", "one key, 1 ms outside the lock", 0.001),
+    Scenario("f1", "one key, nothing outside the lock", 0.0, **_FILE),
+    Scenario("f2", "one key, 1 ms outside the lock", 0.001, **_FILE),
+    Scenario(
+        "r1",
+        "one key on Redis, nothing outside the lock",
+        0.0,
+        **_REDIS,
+        min_ops=(("redis-py-lock", 1.3), ("python-redis-lock", 1.1)),
+        min_order_pct=99.0,
+        min_fairness=0.95,
+        max_handoff_ms=0.3,
+        max_wait_ms=20.0,
+    ),
+    Scenario(
+        "r2",
+        "one key on Redis, 1 ms outside the lock",
+        0.001,
+        **_REDIS,
+        min_ops=(("redis-py-lock", 2.0),),
+    ),
+    Scenario(
+        "r3",
+        "one key on Redis, uncontended",
+        0.0,
+        **_REDIS,
+        workers=1,
+        min_ops=(("redis-py-lock", 0.95),),
+    ),
 )
+#: The kinds of scenario, for --only.
+KINDS = ("file", "redis")
 
 
 @dataclass
 class Settings:
-    """How much to measure: workers per run, seconds per run, repeats, contenders."""
+    """How much to measure: workers per run, seconds per run, repeats, contenders, kinds."""
 
     workers: int = 8
     seconds: float = 2.0
     repeats: int = 3
     contenders: list[str] = field(default_factory=lambda: list(DEFAULT))
+    kinds: list[str] = field(default_factory=lambda: list(KINDS))
 
     @classmethod
     def make(cls, quick: bool, repeats: int = 3) -> Settings:
@@ -131,17 +197,22 @@ def _records(worker: subprocess.Popen[str], contender: str, timeout: float) -> A
     return json.loads(out)
 
 
-def run_once(contender: str, scenario: Scenario, settings: Settings) -> dict[str, float]:
+def run_once(
+    contender: str, scenario: Scenario, settings: Settings, redis_url: str | None = None
+) -> dict[str, float]:
     """Start the workers of one run, release them together, and measure their records."""
     with tempfile.TemporaryDirectory(prefix="inturn-bench-") as directory:
         workdir = Path(directory)
+        tag = secrets.token_hex(4)  # Redis names of this run: no run sees another's
         config = {
             "contender": contender,
             "workdir": str(workdir),
-            "key": KEY,
+            "redis_url": redis_url if scenario.kind == "redis" else None,
+            "tag": tag,
+            "key": KEY if scenario.kind == "file" else f"bench:{tag}:{KEY}",
             "outside": scenario.outside,
         }
-        workers = [_spawn(config) for _ in range(settings.workers)]
+        workers = [_spawn(config) for _ in range(scenario.processes(settings))]
         try:
             for worker in workers:
                 _line(worker.stdout, "ready")
@@ -168,6 +239,10 @@ def runnable(names: Sequence[str], log: Log) -> list[str]:
     return kept
 
 
+def _of_kind(names: Sequence[str], kind: str) -> list[str]:
+    return [name for name in names if CONTENDERS[name].kind in (kind, "any")]
+
+
 def _rotated(items: Sequence[str], by: int) -> list[str]:
     if not items:
         return []
@@ -183,12 +258,23 @@ def measure(settings: Settings, log: Log) -> dict[str, Any]:
     ``targets``.
     """
     names = runnable(settings.contenders, log)
+    chosen = [
+        scenario
+        for scenario in SCENARIOS
+        if scenario.kind in settings.kinds and _of_kind(names, scenario.kind)
+    ]
     runs: dict[str, dict[str, list[dict[str, float]]]] = defaultdict(lambda: defaultdict(list))
-    for repeat in range(settings.repeats):
-        log(f"multiproc: repeat {repeat + 1}/{settings.repeats}")
-        for scenario in SCENARIOS:
-            for name in _rotated(names, repeat):
-                runs[scenario.name][name].append(run_once(name, scenario, settings))
+    with ExitStack() as stack:
+        url = None
+        if any(scenario.kind == "redis" for scenario in chosen):
+            url = stack.enter_context(redis_server(log))
+            if url is None:
+                chosen = [scenario for scenario in chosen if scenario.kind != "redis"]
+        for repeat in range(settings.repeats):
+            log(f"multiproc: repeat {repeat + 1}/{settings.repeats}")
+            for scenario in chosen:
+                for name in _rotated(_of_kind(names, scenario.kind), repeat):
+                    runs[scenario.name][name].append(run_once(name, scenario, settings, url))
     medians = {
         scenario: {name: _median(samples) for name, samples in by_name.items()}
         for scenario, by_name in runs.items()
@@ -221,6 +307,10 @@ ROWS: dict[str, tuple[str, str]] = {
 }
 
 
+#: Metrics that say nothing with one process alone on the key.
+CONTENDED_ONLY = frozenset({"handoff_p50_us", "handoff_p99_us", "arrival_order_pct", "fairness"})
+
+
 def _ratio_row(values: dict[str, dict[str, float]], names: list[str], baseline: str) -> str:
     base = values[baseline]["ops_per_s"]
     cells = [f"{values[name]['ops_per_s'] / base:.2f}x" if base else "-" for name in names]
@@ -235,36 +325,61 @@ def table(medians: dict[str, dict[str, dict[str, float]]], settings: Settings) -
         names = list(values)
         if not names:
             continue
+        processes = scenario.processes(settings)
         lines = [
-            f"### ({scenario.name}) {settings.workers} processes, {scenario.title}\n",
+            f"### ({scenario.name}) {processes} process{'es' if processes != 1 else ''}, "
+            f"{scenario.title}\n",
             "| metric | " + " | ".join(names) + " |",
             "|---|" + "---:|" * len(names),
         ]
         for metric, (label, form) in ROWS.items():
+            if processes == 1 and metric in CONTENDED_ONLY:
+                continue
             cells = [form.format(values[name][metric]) for name in names]
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
             if metric == "ops_per_s":
-                lines.extend(_ratio_row(values, names, b) for b in BASELINES if b in values)
+                lines.extend(_ratio_row(values, names, b) for b in scenario.ratios if b in values)
         parts.append("\n".join(lines))
     return "\n\n".join(parts)
 
 
-def targets(medians: dict[str, dict[str, dict[str, float]]]) -> list[tuple[str, bool | None, str]]:
-    """The targets for inturn-file, per scenario: (label, passed or None if not measured, value)."""
-    results: list[tuple[str, bool | None, str]] = []
+Result = tuple[str, bool | None, str]
+
+
+def _bounds(scenario: Scenario, subject: dict[str, float]) -> list[Result]:
+    """The subject's targets that are bounds on one of its own metrics."""
+    tag = f"({scenario.name}) {scenario.subject}"
+    results: list[Result] = []
+    if scenario.min_order_pct is not None:
+        order = subject["arrival_order_pct"]
+        label = f"{tag} arrival order >= {scenario.min_order_pct:g}%"
+        results.append((label, order >= scenario.min_order_pct, f"{order:.1f}%"))
+    if scenario.min_fairness is not None:
+        fair = subject["fairness"]
+        label = f"{tag} fairness >= {scenario.min_fairness:g}"
+        results.append((label, fair >= scenario.min_fairness, f"{fair:.2f}"))
+    if scenario.max_handoff_ms is not None:
+        handoff = subject["handoff_p50_us"] / 1e3
+        label = f"{tag} hand-off p50 <= {scenario.max_handoff_ms:g} ms"
+        results.append((label, handoff <= scenario.max_handoff_ms, f"{handoff:.3f} ms"))
+    if scenario.max_wait_ms is not None:
+        wait = subject["longest_wait_ms"]
+        label = f"{tag} longest wait <= {scenario.max_wait_ms:g} ms"
+        results.append((label, wait <= scenario.max_wait_ms, f"{wait:.1f} ms"))
+    return results
+
+
+def targets(medians: dict[str, dict[str, dict[str, float]]]) -> list[Result]:
+    """Each scenario's targets: (label, passed or None if not measured, value)."""
+    results: list[Result] = []
     for scenario in SCENARIOS:
         values = medians.get(scenario.name, {})
-        tag = f"({scenario.name})"
-        subject = values.get(SUBJECT)
+        subject = values.get(scenario.subject)
         if subject is None:
             continue
-        order, wait = subject["arrival_order_pct"], subject["longest_wait_ms"]
-        label = f"{tag} {SUBJECT} arrival order >= {MIN_ORDER_PCT:g}%"
-        results.append((label, order >= MIN_ORDER_PCT, f"{order:.1f}%"))
-        label = f"{tag} {SUBJECT} longest wait <= {MAX_WAIT_MS:g} ms"
-        results.append((label, wait <= MAX_WAIT_MS, f"{wait:.1f} ms"))
-        for baseline, floor in BASELINES.items():
-            label = f"{tag} {SUBJECT} ops/s >= {floor:g}x {baseline}"
+        results.extend(_bounds(scenario, subject))
+        for baseline, floor in scenario.min_ops:
+            label = f"({scenario.name}) {scenario.subject} ops/s >= {floor:g}x {baseline}"
             other = values.get(baseline)
             if other is None:
                 results.append((label, None, "not measured"))
@@ -287,7 +402,8 @@ def report(result: dict[str, Any]) -> str:
         verdict = {True: "PASS", False: "MISS", None: "SKIP"}[target["pass"]]
         lines.append(f"- {verdict} {target['target']}: {target['value']}")
     if not result["targets"]:
-        lines.append(f"- none: {SUBJECT} was not measured")
+        subjects = sorted({scenario.subject for scenario in SCENARIOS})
+        lines.append(f"- none: {' and '.join(subjects)} were not measured")
     lines.append("\nMetrics:\n")
     lines.extend(f"- {ROWS[metric][0]}: {meaning}" for metric, meaning in METRICS.items())
     return "\n".join(lines)
@@ -313,10 +429,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=",".join(DEFAULT),
         help=f"comma-separated, of: {', '.join(CONTENDERS)}",
     )
+    parser.add_argument(
+        "--only",
+        choices=KINDS,
+        default=None,
+        help="only the file scenarios (f1, f2) or only the Redis ones (r1 to r3)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     options = parser.parse_args(argv)
     settings = Settings.make(options.quick, options.repeats)
     settings.workers = options.workers
+    if options.only is not None:
+        settings.kinds = [options.only]
     if options.seconds is not None:
         settings.seconds = options.seconds
     settings.contenders = [name.strip() for name in options.contenders.split(",") if name.strip()]
