@@ -87,3 +87,13 @@ async def until(predicate: Callable[[], bool], what: str) -> None:
         if loop.time() > deadline:
             raise AssertionError(f"never reached: {what}")
         await asyncio.sleep(0.001)
+
+
+async def first_to_hold(workers: list[Worker]) -> Worker:
+    """Of workers that wait for one key, the one that reports holding it first."""
+    reports = {asyncio.ensure_future(worker.expect("holding")): worker for worker in workers}
+    done, pending = await asyncio.wait(reports, return_when=asyncio.FIRST_COMPLETED)
+    for report in pending:
+        report.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    return reports[done.pop()]

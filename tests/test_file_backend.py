@@ -19,7 +19,7 @@ from inturn import KeyedQueue, current_turn
 from inturn.backends import Backend
 from inturn.backends import file as file_backend
 from inturn.backends.file import FileBackend
-from processes import Worker, until
+from processes import Worker, first_to_hold, until
 
 from helpers import checkpoints, settle
 
@@ -231,13 +231,7 @@ async def test_turns_go_in_arrival_order_across_processes(
         await holder.go()
         await holder.expect("released")
         # Whoever of the rest reports holding first got the turn.
-        waiting = [w for w in workers if w.name not in order]
-        reports = {asyncio.ensure_future(w.expect("holding")): w for w in waiting}
-        done, pending = await asyncio.wait(reports, return_when=asyncio.FIRST_COMPLETED)
-        for report in pending:
-            report.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        holder = reports[done.pop()]
+        holder = await first_to_hold([w for w in workers if w.name not in order])
         order.append(holder.name)
     assert order == ["w0", "w1", "w2", "w3"]
     await holder.go()

@@ -22,7 +22,7 @@ from inturn import BackendUnavailable, KeyedQueue, LeaseLost, current_turn
 from inturn.__main__ import format_lines, main
 from inturn.backends import Backend
 from inturn.backends.redis import LineInfo, RedisBackend
-from processes import Worker
+from processes import Worker, first_to_hold
 from redis_checks import keys_left
 from servers import Server
 
@@ -478,13 +478,8 @@ async def test_turns_go_in_arrival_order_across_processes(
     for _ in range(3):
         await holder.go()
         await holder.expect("released")
-        rest = [w for w in workers if w.name not in order]
-        reports = {asyncio.ensure_future(w.expect("holding")): w for w in rest}
-        done, pending = await asyncio.wait(reports, return_when=asyncio.FIRST_COMPLETED)
-        for report in pending:
-            report.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        holder = reports[done.pop()]
+        # Whoever of the rest reports holding first got the turn.
+        holder = await first_to_hold([w for w in workers if w.name not in order])
         order.append(holder.name)
     assert order == ["w0", "w1", "w2", "w3"]
     await holder.go()
