@@ -58,6 +58,11 @@ class Worker:
         self.process.stdin.write(b"go\n")
         await self.process.stdin.drain()
 
+    async def release(self) -> None:
+        """Let a worker that holds its key go on, and wait until it has released it."""
+        await self.go()
+        await self.expect("released")
+
     def kill(self) -> None:
         try:
             os.kill(self.pid, signal.SIGKILL)

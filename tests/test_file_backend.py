@@ -228,14 +228,12 @@ async def test_turns_go_in_arrival_order_across_processes(
     order = ["w0"]
     holder = workers[0]
     for _ in range(3):
-        await holder.go()
-        await holder.expect("released")
+        await holder.release()
         # Whoever of the rest reports holding first got the turn.
         holder = await first_to_hold([w for w in workers if w.name not in order])
         order.append(holder.name)
     assert order == ["w0", "w1", "w2", "w3"]
-    await holder.go()
-    await holder.expect("released")
+    await holder.release()
     assert files(directory) == []
 
 
@@ -273,11 +271,9 @@ async def test_a_killed_waiter_is_skipped(
     doomed.kill()
     await doomed.process.wait()
     assert backend.line("k") == (holder.pid, survivor.pid)
-    await holder.go()
-    await holder.expect("released")
+    await holder.release()
     await survivor.expect("holding")
-    await survivor.go()
-    await survivor.expect("released")
+    await survivor.release()
     assert await survivor.finish() == 0
     assert files(directory) == []
 
@@ -299,8 +295,7 @@ async def test_timeout_and_cancellation_while_another_process_holds(
         await waiting
     assert backend.line("k") == (holder.pid,)
     assert queue.active_count == 0
-    await holder.go()
-    await holder.expect("released")
+    await holder.release()
     assert await queue.run("k", lambda: "mine") == "mine"
 
 
@@ -313,8 +308,7 @@ async def test_a_child_forked_while_holding_does_not_keep_the_turn(
     queue = KeyedQueue(backend=backend)
     waiter = asyncio.create_task(queue.run("k", lambda: "mine"))
     await until(lambda: len(backend.line("k")) == 2, "waiting on the forker's ticket")
-    await forker.go()
-    await forker.expect("released")
+    await forker.release()
     os.kill(int(child), 0)  # the child still runs, with copies of its parent's files
     assert await asyncio.wait_for(waiter, 10) == "mine"
     await forker.go()

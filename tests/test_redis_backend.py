@@ -476,14 +476,12 @@ async def test_turns_go_in_arrival_order_across_processes(
     order = ["w0"]
     holder = workers[0]
     for _ in range(3):
-        await holder.go()
-        await holder.expect("released")
+        await holder.release()
         # Whoever of the rest reports holding first got the turn.
         holder = await first_to_hold([w for w in workers if w.name not in order])
         order.append(holder.name)
     assert order == ["w0", "w1", "w2", "w3"]
-    await holder.go()
-    await holder.expect("released")
+    await holder.release()
 
 
 async def test_a_killed_holder_is_replaced_within_its_lease(
@@ -516,12 +514,10 @@ async def test_a_killed_waiter_holds_nobody_up(
     workers += [holder, doomed, survivor]
     doomed.kill()
     await doomed.process.wait()
-    await holder.go()
-    await holder.expect("released")
+    await holder.release()
     words = await asyncio.wait_for(survivor.expect("holding"), LEASE + LEASE / 3 + 5)
     assert int(words[0]) > 0
-    await survivor.go()
-    await survivor.expect("released")
+    await survivor.release()
 
 
 async def test_a_holder_frozen_past_its_lease_is_told_and_raises_lease_lost(
