@@ -222,7 +222,7 @@ class RedisGrant:
         no later than Redis's own count.
         """
         state = self._state
-        return state.lost or time.monotonic() - state.confirmed >= state.lease
+        return state.lost or time.monotonic() >= state.expires
 
     def __repr__(self) -> str:
         lost = " lost" if self.lost else ""
@@ -264,10 +264,10 @@ class _Member:
     """One of this process's members of a line: a waiter, then a holder."""
 
     names: Sequence[str]
-    lease: float
-    # time.monotonic() when the call that last set its lease in Redis was
-    # sent: Redis's expiry is at least `lease` after it
-    confirmed: float
+    # time.monotonic() when its lease runs out as far as this process can
+    # vouch: a lease after the call that last set it in Redis was sent
+    # (Redis's own expiry is no earlier)
+    expires: float
     waiting: asyncio.Future[int] | None  # resolved with the token when granted
     grant: RedisGrant | None = None
     lost: bool = False  # Redis no longer has it
@@ -520,8 +520,7 @@ class RedisBackend:
         deadline = None if timeout is None else loop.time() + timeout
         names = self._names(key)
         member_id = f"{self._id}/{next(self._counter)}"
-        sent = time.monotonic()
-        member = _Member(names, self._lease, sent, loop.create_future())
+        member = _Member(names, time.monotonic() + self._lease, loop.create_future())
         self._members[member_id] = member
         enqueue = loop.create_task(
             self._call(
@@ -648,14 +647,14 @@ class RedisBackend:
         except (*_UNREACHABLE, asyncio.TimeoutError) as error:
             logger.warning("inturn: could not renew leases in Redis (%s)", error)
             for member_id, member in members:
-                if member.grant is None and time.monotonic() - member.confirmed >= member.lease:
+                if member.grant is None and time.monotonic() >= member.expires:
                     self._lose(member_id, member)  # its place may be gone: tell the waiter
             return
         for (member_id, member), (state, value) in zip(members, replies, strict=True):
             if state == 0:
                 self._lose(member_id, member)
                 continue
-            member.confirmed = sent
+            member.expires = sent + self._lease
             if state == 1:
                 self._granted(member_id, int(value))
 
