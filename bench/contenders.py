@@ -11,8 +11,16 @@ Each contender gives the scenarios two things:
 from __future__ import annotations
 
 import asyncio
+import importlib
+import io
+import subprocess
+import sys
+import tarfile
+import tempfile
 from collections import defaultdict
 from collections.abc import Callable, Coroutine, Hashable
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import wrapt
@@ -199,9 +207,10 @@ class AsyncioKeyedLock(Contender):
 
 class InturnRun(Contender):
     name = "inturn.run"
+    module: ModuleType = inturn  # the inturn measured: this tree's, or an earlier one's
 
     def reset(self) -> None:
-        self.queue = inturn.KeyedQueue()
+        self.queue = self.module.KeyedQueue()
 
     async def sequential(self, n: int) -> None:
         run = self.queue.run
@@ -282,6 +291,33 @@ class WraptEmpty(Contender):
 
     def submit(self, key: Hashable, body: Body) -> Coroutine[Any, Any, Any]:
         return body()
+
+
+def load_version(ref: str) -> ModuleType:
+    """Import inturn as it was at git revision ref, as the package ``inturn_<ref>``."""
+    root = Path(__file__).resolve().parent.parent
+    archive = subprocess.run(
+        ["git", "archive", "--format=tar", ref, "src/inturn"],
+        cwd=root,
+        check=True,
+        capture_output=True,
+    ).stdout
+    name = "inturn_" + "".join(c if c.isalnum() else "_" for c in ref)
+    where = Path(tempfile.mkdtemp(prefix="inturn-bench-"))
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(where, filter="data")
+    (where / "src" / "inturn").rename(where / name)
+    sys.path.insert(0, str(where))
+    return importlib.import_module(name)
+
+
+def at_version(ref: str) -> list[type[Contender]]:
+    """The inturn contenders again, on the inturn of git revision ref (named name@ref)."""
+    module = load_version(ref)
+    return [
+        type(cls.__name__, (cls,), {"name": f"{cls.name}@{ref}", "module": module})
+        for cls in (InturnRun, InturnKeyed, InturnDecorator)
+    ]
 
 
 ALL: list[type[Contender]] = [

@@ -31,7 +31,7 @@ if __package__ in (None, ""):  # run as a script: python bench/run.py
     __package__ = "bench"
 
 from . import multiproc, scenarios
-from .contenders import ALL, Contender
+from .contenders import ALL, Contender, at_version
 
 BASELINE = "handwritten"
 FLOOR = "bare"
@@ -52,8 +52,10 @@ def _rotated(items: Sequence[Contender], by: int) -> list[Contender]:
     return [*items[by:], *items[:by]]
 
 
-async def measure(sizes: Sizes, repeats: int, log: Callable[[str], None]) -> dict[str, Any]:
-    contenders = [cls() for cls in ALL]
+async def measure(
+    sizes: Sizes, repeats: int, log: Callable[[str], None], kinds: Sequence[type[Contender]]
+) -> dict[str, Any]:
+    contenders = [cls() for cls in kinds]
     samples: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for repeat in range(repeats):
         log(f"repeat {repeat + 1}/{repeats}")
@@ -134,6 +136,18 @@ def targets(rows: dict[str, dict[str, float]], sizes: Sizes) -> list[tuple[str, 
     return [(label, value <= limit, f"{value:.2f}") for label, value, limit in checks]
 
 
+def versus(rows: dict[str, dict[str, float]], ref: str) -> str:
+    """Each inturn contender's time as a ratio to the same contender at git revision ref."""
+    names = ["inturn.run", "inturn.keyed", "@queue_by_key"]
+    lines = ["| scenario | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for label, values in rows.items():
+        if not label.startswith(("(a)", "(b)", "(c)", "(e)")):
+            continue
+        cells = [f"{values[n] / values[f'{n}@{ref}']:.2f}x" for n in names]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _cell(value: float, baseline: float, ratio: bool) -> str:
     text = f"{value:,.0f}"
     if ratio and baseline:
@@ -205,15 +219,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=True,
         help="also measure locks shared between processes (bench/multiproc.py)",
     )
+    parser.add_argument(
+        "--before",
+        metavar="GIT_REF",
+        default=None,
+        help="also measure inturn as it was at this git revision, beside this tree's",
+    )
     options = parser.parse_args(argv)
     sizes = Sizes(options.quick)
-    names = [cls.name for cls in ALL]
+    kinds = [*ALL, *(at_version(options.before) if options.before else ())]
+    names = [cls.name for cls in kinds]
 
     def log(message: str) -> None:
         print(f"[bench] {message}", file=sys.stderr, flush=True)
 
     started = time.perf_counter()
-    medians = asyncio.run(measure(sizes, options.repeats, log))
+    medians = asyncio.run(measure(sizes, options.repeats, log, kinds))
     rows = derive(medians, sizes)
     print(f"## In process: {machine()}, median of {options.repeats}\n")
     print(table(rows, names))
@@ -221,6 +242,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = targets(rows, sizes)
     for label, ok, value in results:
         print(f"- {'PASS' if ok else 'MISS'} {label}: {value}")
+    if options.before:
+        print(f"\nThis tree against {options.before} (same run; below 1.00x is faster now):\n")
+        print(versus(rows, options.before))
     across = None
     if options.multiproc:
         settings = multiproc.Settings.make(options.quick, options.repeats)
