@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections import Counter
 from collections.abc import Callable, Hashable
 from typing import Any, NoReturn
@@ -45,6 +46,20 @@ async def settle(predicate: Callable[[], bool], limit: int = 200) -> None:
         if loop.time() > deadline:
             raise AssertionError(f"state not reached within {limit} loop rounds and {PATIENCE} s")
         await asyncio.sleep(0.001)
+
+
+def wait_until(predicate: Callable[[], bool], what: str) -> None:
+    """Block until another thread has made predicate true (checked every 0.2 ms).
+
+    For states that other threads bring about: a thread waiting in a line
+    gives no signal. The wait ends on the state, not on a time; PATIENCE
+    only bounds a hang.
+    """
+    deadline = time.monotonic() + PATIENCE
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never reached: {what}")
+        time.sleep(0.0002)
 
 
 class Recorder:

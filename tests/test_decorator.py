@@ -353,23 +353,6 @@ async def test_decorator_timeout(queue: KeyedQueue) -> None:
 # -- bad input --------------------------------------------------------------------------------
 
 
-def test_a_sync_function_is_refused_at_decoration(queue: KeyedQueue) -> None:
-    def sync(x: int) -> int:
-        return x
-
-    with pytest.raises(TypeError, match=r"async def.*sync\(\) is not one"):
-        queue.queue_by_key(key="k")(sync)  # type: ignore[arg-type]
-
-
-def test_a_bare_sync_function_is_refused_when_the_result_is_used(queue: KeyedQueue) -> None:
-    @queue.queue_by_key  # taken for a key callable: nothing to tell it apart
-    def sync(args: Any) -> int:
-        return 1
-
-    with pytest.raises(TypeError, match="taken for a key function"):
-        sync(1)
-
-
 def test_a_template_naming_a_missing_parameter_is_refused_at_decoration(
     queue: KeyedQueue,
 ) -> None:

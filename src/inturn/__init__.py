@@ -11,7 +11,11 @@ exists only while someone is in it::
     async with keyed("system-log"):
         ...
 
-The module-level :func:`queue_by_key`, :func:`keyed` and :func:`run` act on
+The same line serves threads: ``@queue_by_key`` on a plain ``def``, ``with
+keyed(...)``, :func:`run_sync`.
+
+The module-level :func:`queue_by_key`, :func:`keyed`, :func:`run` and
+:func:`run_sync` act on
 :data:`default_queue`; make a :class:`KeyedQueue` of your own for separate
 settings (timeout, max_pending) or a separate set of lines.
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from ._decorator import QueuedFunction as QueuedFunction
+from ._decorator import SyncQueuedFunction as SyncQueuedFunction
 from ._errors import BackendUnavailable as BackendUnavailable
 from ._errors import InturnError as InturnError
 from ._errors import LeaseLost as LeaseLost
@@ -36,12 +41,14 @@ try:
 except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0+unknown"
 
-#: The queue behind the module-level :func:`queue_by_key`, :func:`keyed` and :func:`run`.
+#: The queue behind the module-level :func:`queue_by_key`, :func:`keyed`, :func:`run`
+#: and :func:`run_sync`.
 default_queue = KeyedQueue()
 
 queue_by_key = default_queue.queue_by_key
 keyed = default_queue.keyed
 run = default_queue.run
+run_sync = default_queue.run_sync
 
 __all__ = (
     "UNSET",
@@ -52,6 +59,7 @@ __all__ = (
     "QueueClosed",
     "QueueFull",
     "QueuedFunction",
+    "SyncQueuedFunction",
     "Turn",
     "__version__",
     "current_turn",
@@ -59,4 +67,5 @@ __all__ = (
     "keyed",
     "queue_by_key",
     "run",
+    "run_sync",
 )

@@ -18,10 +18,11 @@ from ._tasks import current_task as _current_task
 if TYPE_CHECKING:
     from ._queue import KeyedQueue
 
-__all__ = ("QueuedFunction", "decorate", "is_decoratable")
+__all__ = ("Decorator", "QueuedFunction", "SyncQueuedFunction", "decorate", "is_decoratable")
 
 P = ParamSpec("P")
 P2 = ParamSpec("P2")
+R = TypeVar("R")
 R_co = TypeVar("R_co", covariant=True)
 T = TypeVar("T")
 
@@ -59,6 +60,50 @@ class QueuedFunction(Protocol[P, R_co]):
         owner: type[Any] | None = None,
         /,
     ) -> QueuedFunction[P2, R_co]: ...
+
+
+class SyncQueuedFunction(Protocol[P, R_co]):
+    """A plain ``def`` function whose calls queue by key: what ``queue_by_key`` returns for it.
+
+    Calling it blocks the calling thread until the key's turn, runs the
+    function, and returns its result (see ``KeyedQueue.run_sync``).
+    """
+
+    @property
+    def queue(self) -> KeyedQueue:
+        """The queue the calls wait in."""
+        ...
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R_co: ...
+
+    def key_of(self, *args: P.args, **kwargs: P.kwargs) -> Any:
+        """The key (a tuple of keys for ``keys=``) a call with these arguments would use."""
+        ...
+
+    @overload
+    def __get__(
+        self, instance: None, owner: type[Any] | None = None, /
+    ) -> SyncQueuedFunction[P, R_co]: ...
+
+    @overload
+    def __get__(
+        self: SyncQueuedFunction[Concatenate[T, P2], R_co],
+        instance: T,
+        owner: type[Any] | None = None,
+        /,
+    ) -> SyncQueuedFunction[P2, R_co]: ...
+
+
+class Decorator(Protocol):
+    """What ``queue_by_key(...)`` called with settings returns: it decorates a function."""
+
+    @overload
+    def __call__(  # type: ignore[overload-overlap]  # a coroutine function is decorated
+        self, fn: Callable[P, Coroutine[Any, Any, R]], /
+    ) -> QueuedFunction[P, R]: ...
+
+    @overload
+    def __call__(self, fn: Callable[P, R], /) -> SyncQueuedFunction[P, R]: ...
 
 
 _Call = Callable[[tuple[Any, ...], dict[str, Any]], Any]
@@ -185,10 +230,21 @@ def _coalescing(start: _Start) -> _Start:
 
 
 def is_decoratable(obj: object) -> bool:
-    """Whether obj is what queue_by_key decorates (rather than a key spec)."""
+    """Whether obj, passed by position, is what queue_by_key decorates (rather than a key).
+
+    Any function but a lambda; a lambda by position is refused: it is a key
+    function that belongs in ``key=``.
+    """
     if isinstance(obj, classmethod | staticmethod):
         obj = obj.__func__
-    return inspect.iscoroutinefunction(obj)
+    if not isinstance(obj, FunctionType):
+        return False
+    if obj.__name__ == "<lambda>":
+        raise TypeError(
+            "inturn: queue_by_key() got a lambda by position; a key function goes in key=: "
+            "queue_by_key(key=lambda args: ...)"
+        )
+    return True
 
 
 def _describe(obj: object) -> str:
@@ -212,16 +268,10 @@ def decorate(
         return lambda fn: decorate(queue, fn, key, keys, limit, coalesce)
     kind = type(fn) if isinstance(fn, classmethod | staticmethod) else FunctionType
     target = fn.__func__ if kind is not FunctionType else fn
+    if not callable(target) or isinstance(target, type):
+        raise TypeError(f"inturn: queue_by_key() decorates functions and methods; got {fn!r}")
     if not inspect.iscoroutinefunction(target):
-        hint = (
-            " (a plain def under a bare @queue_by_key is taken for a key function)"
-            if callable(key)
-            else ""
-        )
-        raise TypeError(
-            f"inturn: queue_by_key() decorates async def functions; "
-            f"{_describe(target)} is not one{hint}"
-        )
+        return _decorate_sync(queue, fn, kind, target, key, keys, limit, coalesce)
     extract, several = compile_key(target, key, keys)
     # Calls arrive with args as target receives them: the instance or class
     # first for methods (see _BoundQueued).
@@ -253,5 +303,41 @@ def decorate(
 
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         return begin(extract(args, kwargs), args, kwargs)
+
+    return _queued_type(call)(fn, kind, queue, extract)
+
+
+def _decorate_sync(
+    queue: KeyedQueue,
+    fn: Any,
+    kind: type[Any],
+    target: Callable[..., Any],
+    key: KeySpec,
+    keys: KeysSpec | None,
+    limit: float | None,
+    coalesce: bool,
+) -> Any:
+    """Apply queue_by_key to a plain def: its calls block their thread for the turn."""
+    if queue._backend is not None:
+        raise TypeError(
+            f"inturn: {_describe(target)} is a plain def, and this queue's backend "
+            f"({queue._backend!r}) serves async callers only; decorate an async def"
+        )
+    if coalesce:
+        raise TypeError(
+            f"inturn: coalesce=True is for async def functions; {_describe(target)} is a plain def"
+        )
+    extract, several = compile_key(target, key, keys)
+    run_keyed = queue._run_keyed_sync
+
+    if several:
+
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return run_keyed(extract(args, kwargs), target, args, kwargs, limit)
+
+    else:
+
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return run_keyed((extract(args, kwargs),), target, args, kwargs, limit)
 
     return _queued_type(call)(fn, kind, queue, extract)

@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import threading
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Hashable
 from inspect import isawaitable
+from threading import get_ident
+from time import monotonic as _monotonic
 from types import CoroutineType
-from typing import TYPE_CHECKING, Any, Final, TypeVar, final, overload
+from typing import TYPE_CHECKING, Any, Final, NoReturn, TypeVar, final, overload
 
 from ._errors import QueueClosed, QueueFull
 from ._keys import KeySpec, KeysSpec, order_keys, unhashable
@@ -21,7 +24,7 @@ from .backends._local import LocalBackend
 if TYPE_CHECKING:
     from typing_extensions import ParamSpec
 
-    from ._decorator import QueuedFunction
+    from ._decorator import Decorator, QueuedFunction, SyncQueuedFunction
 
     P = ParamSpec("P")
 
@@ -67,40 +70,131 @@ def _check_max_pending(max_pending: int | None) -> int | None:
 
 def _expire(waiter: asyncio.Future[None], key: Hashable, timeout: float) -> None:
     if not waiter.done():
-        waiter.set_exception(
-            TimeoutError(f"inturn: the turn for key {key!r} was not reached within {timeout:g} s")
-        )
+        waiter.set_exception(_missed(key, timeout))
 
 
-def _publish(watchers: list[asyncio.Future[Any]], error: BaseException | None, result: Any) -> None:
-    """Hand a holder's outcome to the futures that current() gave out."""
-    for watcher in watchers:
-        if watcher.done():  # its awaiter was cancelled
-            continue
-        if error is None:
-            watcher.set_result(result)
-        elif isinstance(error, Exception):
-            watcher.set_exception(error)
-            watcher.exception()  # the holder's own caller gets the error; don't log it again
-        else:  # cancelled, or interrupted
-            watcher.cancel()
+def _missed(key: Hashable, timeout: float) -> TimeoutError:
+    return TimeoutError(f"inturn: the turn for key {key!r} was not reached within {timeout:g} s")
+
+
+def _resolve(future: asyncio.Future[Any]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _outcome(future: asyncio.Future[Any], error: BaseException | None, result: Any) -> None:
+    """Give a current() future the holder's outcome, unless its awaiter left."""
+    if future.done():  # its awaiter was cancelled
+        return
+    if error is None:
+        future.set_result(result)
+    elif isinstance(error, Exception):
+        future.set_exception(error)
+        future.exception()  # the holder's own caller gets the error; don't log it again
+    else:  # cancelled, or interrupted
+        future.cancel()
+
+
+def _soon(future: asyncio.Future[Any], callback: Callable[..., None], *args: Any) -> bool:
+    """Call callback(*args) in future's loop: now if it runs this code, else from its thread.
+
+    Return False if that loop is closed, so nothing will ever run there again.
+    """
+    loop = future.get_loop()
+    if loop is asyncio._get_running_loop():
+        callback(*args)
+        return True
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:  # closed: nobody awaits the future any more
+        return False
+    return True
+
+
+def _refuse_coroutine(fn: object, result: CoroutineType[Any, Any, Any]) -> NoReturn:
+    result.close()
+    raise TypeError(
+        f"inturn: {fn!r} returned a coroutine, which a thread cannot await; "
+        "for async def functions use `await queue.run(...)`"
+    )
+
+
+@final
+class _ThreadWaiter:
+    """A thread waiting in a line: it blocks on a lock that the hand-off releases.
+
+    Quacks like the futures of waiting tasks where a line looks at its
+    waiters: ``done()`` once it left, ``cancel()`` to leave.
+    """
+
+    __slots__ = ("left", "lock")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.lock.acquire()
+        self.left = False
+
+    def done(self) -> bool:
+        return self.left
+
+    def cancel(self) -> None:
+        self.left = True
+
+
+#: What waits in a line: a task's future, or a thread.
+_Waiter = asyncio.Future[None] | _ThreadWaiter
+
+
+def _wake(waiter: _Waiter) -> bool:
+    """Hand the turn to waiter, from any thread; False if it can never take it."""
+    if type(waiter) is _ThreadWaiter:
+        waiter.lock.release()
+        return True
+    return _soon(waiter, _resolve, waiter)
 
 
 @final
 class _Drain:
     """One drain() call: a mark at the tail of every line that was active."""
 
-    __slots__ = ("future", "remaining")
+    __slots__ = ("finish", "remaining")
 
-    def __init__(self, remaining: int, future: asyncio.Future[None]) -> None:
+    def __init__(self, remaining: int, finish: Callable[[], object]) -> None:
         self.remaining = remaining  # marks not yet reached
-        self.future = future
+        self.finish = finish  # called once every mark is reached
 
     def reached(self) -> None:
         """Count one mark as reached: everything ahead of it in its line has left."""
         self.remaining -= 1
-        if not self.remaining and not self.future.done():
-            self.future.set_result(None)
+        if not self.remaining:
+            self.finish()
+
+
+@final
+class _Settling:
+    """The switch of a queue to shared mode, until its solo loop is between steps.
+
+    Before the switch, the solo loop's tasks change the lines without the
+    lock. The switch turns that off, but a task of that loop may be midway
+    through such a change in its current step; the lines are safe to lock
+    once that loop has run a callback (so ended that step) or stopped.
+    """
+
+    __slots__ = ("done", "loop", "thread")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, thread: int) -> None:
+        self.loop = loop
+        self.thread = thread  # its thread: the only one that need not wait
+        self.done = threading.Event()
+        try:
+            loop.call_soon_threadsafe(self.done.set)
+        except RuntimeError:  # closed: it runs nothing any more
+            self.done.set()
+
+    def wait(self) -> None:
+        while not self.done.wait(0.005):
+            if not self.loop.is_running():  # stopped: no step in progress
+                self.done.set()
 
 
 @final
@@ -119,7 +213,7 @@ class _Line:
         self.holder = holder
         # FIFO of waiter futures and drain marks. A done future is a waiter
         # that left (cancelled or timed out) and is skipped at hand-off.
-        self.waiters: deque[asyncio.Future[None] | _Drain] = deque()
+        self.waiters: deque[_Waiter | _Drain] = deque()
         # How many futures in `waiters` are not done: the live waiters.
         self.waiting = 0
         # Futures from current(), resolved with the holder's outcome.
@@ -133,31 +227,51 @@ class _Line:
 
 @final
 class KeyedQueue:
-    """A registry of per-key FIFO lines: one task at a time per key.
+    """A registry of per-key FIFO lines: one caller at a time per key.
 
     Work submitted under a key waits in that key's line and runs when it
     reaches the front; work under different keys runs concurrently. A line
     exists only while someone holds or waits for its key.
 
-    Guarantees, for every way of taking a turn (:meth:`run`, :meth:`keyed`,
-    :meth:`queue_by_key`):
+    The callers are asyncio tasks (:meth:`run`, ``async with``
+    :meth:`keyed`, decorated ``async def``) and threads (:meth:`run_sync`,
+    ``with`` :meth:`keyed`, decorated plain ``def``), in any mix: one queue
+    serves the tasks of several event loops and any number of threads, with
+    one line per key among all of them.
 
-    - Mutual exclusion: two tasks never hold the same key at once.
-    - FIFO: turns are granted in submission order. A submission happens when
-      the call's coroutine starts running, so the order of ``gather()`` or
-      ``create_task()`` is the queue order.
+    Guarantees, for every way of taking a turn:
+
+    - Mutual exclusion: two callers never hold the same key at once, whether
+      tasks, threads, or a task and a thread.
+    - FIFO: turns are granted in submission order. A task submits when the
+      call's coroutine starts running, so the order of ``gather()`` or
+      ``create_task()`` is the queue order; a thread submits when it calls.
     - Direct hand-off: a release hands the key to exactly the next waiter; a
       newcomer can never take it in between, and no other waiter is woken.
     - Errors stay with their caller: an exception in one holder reaches its
       own caller only, and the next in line still runs.
     - Cancellation: a cancelled waiter leaves the line without disturbing
       anyone behind it; a cancelled holder releases the key; a waiter
-      cancelled just as it is handed the key passes the turn on.
-    - Reentrancy: the task that holds a key may take it again (a decorated
-      method calling another with the same key) and runs at once. Any other
-      task, including one the holder spawned, waits its turn.
+      cancelled just as it is handed the key passes the turn on. A thread
+      interrupted while waiting (``KeyboardInterrupt``) leaves the same way.
+    - Reentrancy: the task, or the thread, that holds a key may take it
+      again (a decorated method calling another with the same key) and runs
+      at once. Any other caller, including a task the holder spawned or a
+      thread it started, waits its turn.
     - No leaks: once a key has no holder and no waiter, the queue keeps no
       reference to it.
+    - No frozen loop: a thread's call made inside a running event loop,
+      which would block that loop while it waits, raises
+      :exc:`RuntimeError` at once instead (unless the loop's current task
+      holds the keys already: that call is reentrant and runs).
+
+    While one event loop uses a queue, its turns are taken without a lock:
+    the fast path is a dict insert. The first call from a thread, or from a
+    second event loop running in another thread, switches the queue for
+    good to locking its lines (waiting first, once, for the first loop to
+    finish the step it is in); tasks keep their FIFO places across the
+    switch. Event loops that follow each other in one thread (``asyncio.run()``
+    twice) need no switch.
 
     :param timeout: the default limit, in seconds, for reaching a turn;
         ``None`` waits as long as it takes. A turn not reached in time raises
@@ -171,7 +285,8 @@ class KeyedQueue:
         With a backend, this process's line for a key still orders its own
         tasks, and the task at its head takes the key's turn from the
         backend, which orders the processes; keys must then be ``str``,
-        ``bytes`` or ``int``.
+        ``bytes`` or ``int``, and the callers tasks of one event loop at a
+        time (backends are asyncio clients).
     :raises ValueError: ``timeout`` or ``max_pending`` is negative.
     :raises TypeError: ``timeout`` or ``max_pending`` is not a number, or
         ``backend`` is not a backend.
@@ -179,11 +294,17 @@ class KeyedQueue:
 
     __slots__ = (
         "__weakref__",
+        "_arrival",
         "_backend",
-        "_fast",
         "_lines",
+        "_lock",
         "_max_pending",
         "_open",
+        "_owner",
+        "_settling",
+        "_shared",
+        "_solo",
+        "_solo_thread",
         "_timeout",
         "_tokens",
     )
@@ -195,8 +316,9 @@ class KeyedQueue:
         max_pending: int | None = None,
         backend: Backend | LocalBackend | None = None,
     ) -> None:
-        # key -> the holding task, while nobody else asked about the key;
-        # key -> _Line otherwise. A key is here exactly while it is active.
+        # key -> the holder (a task or a thread), while nobody else asked
+        # about the key; key -> _Line otherwise. A key is here exactly while
+        # it is active.
         self._lines: dict[Hashable, Any] = {}
         self._timeout = _check_timeout(timeout)
         self._max_pending = _check_max_pending(max_pending)
@@ -211,8 +333,21 @@ class KeyedQueue:
                 f"inturn: backend= takes a backend from inturn.backends (LocalBackend, "
                 f"FileBackend, RedisBackend) or None, got {backend!r}"
             )
-        # Whether a free key is taken with a dict insert: open, and in process.
-        self._fast = self._backend is None
+        # NOTE: two modes. Solo: one event loop (`_solo`, running in thread
+        # `_solo_thread`) is the only user, and its tasks change the lines
+        # without a lock. Shared (`_shared`, for good, `_solo` None): every
+        # change of the lines holds `_lock`. `_arrival` serializes the
+        # decisions between them; `_settling` is the switch until the solo
+        # loop is known to be between steps (see _Settling).
+        self._solo: asyncio.AbstractEventLoop | None = None
+        self._solo_thread = 0
+        self._shared = False
+        self._lock = threading.Lock()
+        self._arrival = threading.Lock()
+        self._settling: _Settling | None = None
+        # The loop whose tasks take a free key with a bare dict insert: the
+        # solo loop while the queue is open and in process, else None.
+        self._owner: asyncio.AbstractEventLoop | None = None
 
     # -- taking turns ---------------------------------------------------------
 
@@ -250,12 +385,15 @@ class KeyedQueue:
             line = lines.get(key)
         except TypeError:
             raise unhashable(key) from None
-        if line is None and self._fast and task is not None:
+        # (task._loop: the attribute behind get_loop(), on C and Python tasks
+        # alike, and half its cost here)
+        if line is None and task is not None and task._loop is self._owner:
             lines[key] = task  # uncontended: a dict insert, nothing allocated
         else:
             if not callable(fn):
                 raise TypeError(f"inturn: run() needs a callable, got {fn!r}")
-            if self._backend is not None:
+            if task is None or task._loop is not self._owner:
+                # not the solo loop's: the first call, a closed or shared queue, a backend
                 return await self._run_keyed((key,), fn, args, kwargs, self._timeout)
             # What _take() does, inlined: a coroutine less per contended call.
             waiter = self._join(key, task, line, self._timeout)
@@ -276,10 +414,14 @@ class KeyedQueue:
             if type(result) is CoroutineType or isawaitable(result):
                 result = await result
         except BaseException as error:
-            if (line := lines.pop(key)) is not task:
+            if self._shared:  # switched while this task held the key
+                self._release(key, task, error, None)
+            elif (line := lines.pop(key)) is not task:
                 self._leave(key, line, error, None)
             raise
-        if (line := lines.pop(key)) is not task:
+        if self._shared:
+            self._release(key, task, None, result)
+        elif (line := lines.pop(key)) is not task:
             self._leave(key, line, None, result)
         return result
 
@@ -293,8 +435,8 @@ class KeyedQueue:
     ) -> Any:
         """Take the turns of keys as keyed() does, call fn, release.
 
-        The path of every call on a shared backend, and of the decorator for
-        keys= and for a timeout of its own.
+        The path of every call on a shared backend or a shared queue, and of
+        the decorator for keys= and for a timeout of its own.
         """
         turn = Turn(self, self._ordered(keys), timeout)
         await turn.__aenter__()
@@ -314,25 +456,80 @@ class KeyedQueue:
             await turn._end_shared(None, result)
         return result
 
-    def keyed(self, *keys: Hashable, timeout: float | _Unset | None = UNSET) -> Turn:
-        """Hold one or more keys for the duration of an ``async with`` block.
+    @overload
+    def run_sync(
+        self, key: Hashable, fn: Callable[P, Coroutine[Any, Any, Any]], /, *args: Any, **kwargs: Any
+    ) -> NoReturn: ...
 
-        ``async with queue.keyed("acct-1", "acct-2") as turn:`` waits for the
-        turn of every key, then runs the block holding all of them. Several
-        keys are taken one at a time in one global order, so two holders of
-        overlapping key sets can never deadlock; if the turn of a later key is
-        not reached (timeout, cancellation), the keys already taken are
-        released and the block never runs.
+    @overload
+    def run_sync(
+        self, key: Hashable, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs
+    ) -> R: ...
+
+    def run_sync(self, key: Hashable, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """Block this thread until ``key``'s turn, then return ``fn(*args, **kwargs)``.
+
+        The thread form of :meth:`run`, for plain functions, with the same
+        guarantees: the key is shared with the queue's tasks and other
+        threads, FIFO among all of them. The turn ends when ``fn`` returns or
+        raises; its exception propagates to this caller only.
+
+        :raises TimeoutError: the turn was not reached within the queue's
+            ``timeout``; ``fn`` was not called.
+        :raises QueueFull: ``key`` already has ``max_pending`` waiters.
+        :raises QueueClosed: the queue is closed.
+        :raises RuntimeError: called inside a running event loop (it would
+            block the loop), except by the task that holds ``key`` already.
+        :raises TypeError: ``key`` is unhashable, ``fn`` is not callable or
+            is an ``async def`` (use :meth:`run`), or the queue has a backend.
+        """
+        return self._run_keyed_sync((key,), fn, args, kwargs, self._timeout)
+
+    def _run_keyed_sync(
+        self,
+        keys: tuple[Hashable, ...],
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float | None,
+    ) -> Any:
+        """Take the turns of keys for this thread, call fn, release: every sync call's path."""
+        if not callable(fn):
+            raise TypeError(f"inturn: run_sync() needs a callable, got {fn!r}")
+        turn = Turn(self, self._ordered(keys), timeout)
+        turn.__enter__()
+        try:
+            result = fn(*args, **kwargs)
+            if type(result) is CoroutineType:
+                _refuse_coroutine(fn, result)
+        except BaseException as error:
+            turn.release(error, None)
+            raise
+        turn.release(None, result)
+        return result
+
+    def keyed(self, *keys: Hashable, timeout: float | _Unset | None = UNSET) -> Turn:
+        """Hold one or more keys for the duration of a ``with`` or ``async with`` block.
+
+        ``async with queue.keyed("acct-1", "acct-2") as turn:`` waits (as a
+        task) for the turn of every key, then runs the block holding all of
+        them; ``with queue.keyed(...)`` does the same for a thread, blocking
+        it while it waits. Several keys are taken one at a time in one global
+        order, so two holders of overlapping key sets can never deadlock; if
+        the turn of a later key is not reached (timeout, cancellation), the
+        keys already taken are released and the block never runs.
 
         :param keys: one or more hashable keys; duplicates count once.
         :param timeout: the limit, in seconds, for reaching the turn of every
             key; the queue's ``timeout`` when not given, ``None`` for none.
-        :returns: a :class:`Turn`, the async context manager that takes the
+        :returns: a :class:`Turn`, the (async) context manager that takes the
             turns on entry, binds itself, and releases them on exit.
         :raises TypeError: no key was given, or a key is unhashable (at once).
         :raises TimeoutError: on entry, the turn was not reached in time.
         :raises QueueFull: on entry, a key already has ``max_pending`` waiters.
         :raises QueueClosed: on entry, the queue is closed.
+        :raises RuntimeError: on ``with`` entry inside a running event loop,
+            unless its current task holds the keys already.
         """
         limit = self._timeout if timeout is UNSET else _check_timeout(timeout)  # type: ignore[arg-type]
         if len(keys) == 1 and self._backend is None:
@@ -347,34 +544,44 @@ class KeyedQueue:
 
     @overload
     def queue_by_key(  # type: ignore[overload-overlap]  # a coroutine function is decorated
-        self, key: Callable[P, Coroutine[Any, Any, R]], /
+        self, fn: Callable[P, Coroutine[Any, Any, R]], /
     ) -> QueuedFunction[P, R]: ...
+
+    @overload
+    def queue_by_key(self, fn: Callable[P, R], /) -> SyncQueuedFunction[P, R]: ...
 
     @overload
     def queue_by_key(
         self,
-        key: KeySpec = None,
+        positional_key: str | bytes | int | None = None,
+        /,
         *,
+        key: KeySpec = None,
         keys: KeysSpec | None = None,
         timeout: float | _Unset | None = UNSET,
         coalesce: bool = False,
-    ) -> Callable[[Callable[P, Coroutine[Any, Any, R]]], QueuedFunction[P, R]]: ...
+    ) -> Decorator: ...
 
     def queue_by_key(
         self,
-        key: Any = None,
+        fn: Any = None,
+        /,
         *,
+        key: KeySpec = None,
         keys: KeysSpec | None = None,
         timeout: float | _Unset | None = UNSET,
         coalesce: bool = False,
     ) -> Any:
-        """Decorate an ``async def`` so that its calls queue by key on this queue.
+        """Decorate a function so that its calls queue by key on this queue.
 
-        Usable bare (``@queue.queue_by_key``) or called. Works on functions
-        and methods (plain, ``classmethod``, ``staticmethod``); the decorated
-        function keeps its name, docstring, signature and
-        ``inspect.iscoroutinefunction()``. Each call waits for its key's
-        turn, runs, and releases the key, with the guarantees of the queue.
+        Usable bare (``@queue.queue_by_key``) or called. Works on ``async
+        def`` and plain ``def`` functions and methods (plain,
+        ``classmethod``, ``staticmethod``); the decorated function keeps its
+        name, docstring, signature and ``inspect.iscoroutinefunction()``.
+        Each call waits for its key's turn, runs, and releases the key, with
+        the guarantees of the queue: a call of an ``async def`` waits as a
+        task, a call of a plain ``def`` blocks its thread (see
+        :meth:`run_sync`), and both share the key's line.
 
         :param key: what a call's key is:
 
@@ -385,7 +592,9 @@ class KeyedQueue:
               parameter name, defaults applied: ``"stock-{product_id}"``,
               ``"conv-{self.conversation_id}"``;
             - a callable, called with one argument: a read-only mapping of the
-              call's arguments by parameter name, defaults applied.
+              call's arguments by parameter name, defaults applied. (Pass it
+              as ``key=``: a function passed by position is the function to
+              decorate.)
         :param keys: instead of ``key``, several keys taken together (see
             :meth:`keyed`): a list of constants and templates, or a callable
             given the same mapping and returning an iterable of keys.
@@ -395,19 +604,32 @@ class KeyedQueue:
             with the same key is in flight (running, or waiting for its turn)
             returns that call's result, or raises its exception, instead of
             queueing another run. If that call is cancelled, the waiting call
-            queues a run of its own.
+            queues a run of its own. (``async def`` only.)
         :returns: the decorated function, with ``.queue`` (this queue) and
             ``.key_of(*args, **kwargs)`` (the key, or tuple of keys, a call
             with those arguments would use).
-        :raises TypeError: at decoration, the function is not ``async def``
-            or a spec has the wrong type.
+        :raises TypeError: at decoration, a spec has the wrong type, a
+            lambda is passed by position (a key function goes in ``key=``),
+            a plain ``def`` is decorated with ``coalesce=True`` or for a
+            queue with a backend.
         :raises ValueError: at decoration, a template names a parameter the
             function does not have.
         """
         from ._decorator import decorate, is_decoratable
 
-        if is_decoratable(key) and keys is None:
-            return decorate(self, key, None, None, timeout, coalesce)
+        if is_decoratable(fn):
+            if key is not None or keys is not None:
+                raise TypeError(
+                    "inturn: queue_by_key() takes the function to decorate, or key=/keys=, "
+                    f"not both; got {fn!r} by position"
+                )
+            return decorate(self, fn, None, None, timeout, coalesce)
+        if fn is not None:
+            if key is not None:
+                raise TypeError(
+                    f"inturn: queue_by_key() got a key both by position ({fn!r}) and key= ({key!r})"
+                )
+            key = fn
         return decorate(self, None, key, keys, timeout, coalesce)
 
     # -- the lines --------------------------------------------------------------
@@ -431,6 +653,76 @@ class KeyedQueue:
                     raise unhashable(key) from None
             raise
 
+    def _arrive(self, loop: asyncio.AbstractEventLoop | None) -> bool:
+        """Decide how a caller works on the lines: True for lock-free (solo), False for locked.
+
+        ``loop`` is the caller's running loop, ``None`` for a thread. The
+        first loop to come makes the queue solo, and so does a later loop of
+        the solo loop's thread (the earlier one is not running then); a
+        thread, or a loop in another thread, switches it to shared for good.
+        """
+        with self._arrival:
+            if not self._shared:
+                here = get_ident()
+                if loop is not None and (self._solo is None or self._solo_thread == here):
+                    self._solo = loop
+                    self._solo_thread = here
+                    self._owner = loop if self._open and self._backend is None else None
+                    return True
+                if self._backend is not None:
+                    raise RuntimeError(
+                        f"inturn: this queue's backend ({self._backend!r}) serves the tasks "
+                        "of one event loop at a time, and another loop in another thread, "
+                        "or a thread, called it; give each loop or thread its own queue"
+                    )
+                solo = self._solo
+                self._owner = self._solo = None
+                self._shared = True
+                if solo is not None and self._solo_thread != here:
+                    self._settling = _Settling(solo, self._solo_thread)
+        return False
+
+    def _locked(self) -> threading.Lock:
+        """The lock of a shared queue's lines, once it is safe to take (see _Settling)."""
+        settling = self._settling
+        if settling is not None and settling.thread != get_ident():
+            settling.wait()
+            self._settling = None
+        return self._lock
+
+    def _admit(
+        self, key: Hashable, holder: object, line: Any, timeout: float | None
+    ) -> _Line | bool:
+        """Take key's turn for holder at once, or find the line it must wait in.
+
+        Return True if holder holds the key already (a reentrant call, which
+        must not release it); False if holder just took the free key; else
+        the line to join. Raise if the queue is closed, the line is full, or
+        the key is busy and there is no time to wait.
+        """
+        if line is not None and (line is holder or (type(line) is _Line and line.holder is holder)):
+            return True
+        if not self._open:
+            raise QueueClosed(
+                f"inturn: the queue is closed; the work for key {key!r} was not queued"
+            )
+        lines = self._lines
+        if line is None:
+            lines[key] = holder
+            return False
+        if type(line) is not _Line:
+            lines[key] = line = _Line(line)
+        if self._max_pending is not None and line.waiting >= self._max_pending:
+            raise QueueFull(
+                f"inturn: key {key!r} already has {line.waiting} waiting "
+                f"(max_pending={self._max_pending}); the work was not queued"
+            )
+        if timeout is not None and timeout <= 0:
+            raise TimeoutError(
+                f"inturn: the turn for key {key!r} was not free (timeout={timeout:g} s)"
+            )
+        return line  # type: ignore[no-any-return]
+
     def _join(
         self, key: Hashable, task: asyncio.Task[Any] | None, line: Any, timeout: float | None
     ) -> asyncio.Future[None] | bool:
@@ -441,31 +733,14 @@ class KeyedQueue:
         future to await: it completes when the key is handed to task (or
         fails with TimeoutError); the line it joined is then ``lines[key]``.
         Whoever awaits it calls :meth:`_abandon` if interrupted, and makes
-        task the line's holder once it completes.
+        task the line's holder once it completes. On a shared queue, the
+        caller holds the lock.
         """
         if task is None:
             raise RuntimeError("inturn: a turn can only be taken inside an asyncio task")
-        if line is not None and (line is task or (type(line) is _Line and line.holder is task)):
-            return True
-        if not self._open:
-            raise QueueClosed(
-                f"inturn: the queue is closed; the work for key {key!r} was not queued"
-            )
-        lines = self._lines
-        if line is None:
-            lines[key] = task
-            return False
-        if type(line) is not _Line:
-            line = lines[key] = _Line(line)
-        if self._max_pending is not None and line.waiting >= self._max_pending:
-            raise QueueFull(
-                f"inturn: key {key!r} already has {line.waiting} waiting "
-                f"(max_pending={self._max_pending}); the work was not queued"
-            )
-        if timeout is not None and timeout <= 0:
-            raise TimeoutError(
-                f"inturn: the turn for key {key!r} was not free (timeout={timeout:g} s)"
-            )
+        line = self._admit(key, task, line, timeout)
+        if type(line) is bool:
+            return line
         loop = task.get_loop()  # not get_running_loop(): no getpid() before 3.12
         waiter: asyncio.Future[None] = loop.create_future()
         line.waiters.append(waiter)
@@ -475,16 +750,23 @@ class KeyedQueue:
             waiter.add_done_callback(lambda _: timer.cancel())
         return waiter
 
-    def _abandon(self, key: Hashable, line: _Line, waiter: asyncio.Future[None]) -> None:
+    def _abandon(self, key: Hashable, line: _Line, waiter: _Waiter) -> None:
         """Take an interrupted waiter out of the line it joined (cancelled or timed out).
 
         ``line`` is the object the waiter joined: by now it may have left the
         lines (its holder left and no live waiter remained), and a new line
         may even stand for the same key.
         """
-        if not waiter.cancelled() and waiter.done() and waiter.exception() is None:
+        if self._shared:
+            with self._locked():
+                self._drop(key, line, waiter)
+        else:
+            self._drop(key, line, waiter)
+
+    def _drop(self, key: Hashable, line: _Line, waiter: _Waiter) -> None:
+        if line.holder is waiter:
             # The turn was handed over just as the waiter was interrupted:
-            # pass it on, or the line would stall behind a task that left.
+            # pass it on, or the line would stall behind a caller that left.
             self._leave(key, self._lines.pop(key), None, None)
         else:
             waiter.cancel()  # so that the hand-off skips it
@@ -492,24 +774,34 @@ class KeyedQueue:
             line.compact()
 
     async def _take(
-        self, key: Hashable, task: asyncio.Task[Any] | None, line: Any, timeout: float | None
+        self, key: Hashable, task: asyncio.Task[Any] | None, timeout: float | None
     ) -> bool:
         """Take key's turn for task, waiting in line if need be.
 
         Return False if task held the key already (a reentrant call, which
         must not release it), True once task holds it.
         """
-        waiter = self._join(key, task, line, timeout)
-        if waiter is True:
-            return False
-        if waiter is not False:
-            line = self._lines[key]
-            try:
-                await waiter
-            except BaseException:
-                self._abandon(key, line, waiter)
-                raise
-            line.holder = task
+        if task is None:
+            raise RuntimeError("inturn: a turn can only be taken inside an asyncio task")
+        lines = self._lines
+        loop = task.get_loop()
+        if loop is self._solo or self._arrive(loop):
+            waiter = self._join(key, task, lines.get(key), timeout)
+            if type(waiter) is bool:
+                return waiter is False
+            line = lines[key]
+        else:
+            with self._locked():
+                waiter = self._join(key, task, lines.get(key), timeout)
+                if type(waiter) is bool:
+                    return waiter is False
+                line = lines[key]
+        try:
+            await waiter
+        except BaseException:
+            self._abandon(key, line, waiter)
+            raise
+        line.holder = task
         return True
 
     async def _take_all(
@@ -526,7 +818,7 @@ class KeyedQueue:
             for key in keys:
                 if deadline is not None:
                     timeout = deadline - loop.time()
-                if await self._take(key, task, self._lines.get(key), timeout):
+                if await self._take(key, task, timeout):
                     taken.append(key)
         except BaseException as error:
             for key in reversed(taken):
@@ -534,73 +826,169 @@ class KeyedQueue:
             raise
         return tuple(taken)
 
+    def _take_all_sync(
+        self, keys: tuple[Hashable, ...], timeout: float | None
+    ) -> tuple[object, tuple[Hashable, ...]]:
+        """Take the turns of keys for this thread, blocking it; return (holder, keys taken).
+
+        Inside a running event loop, only a reentrant call is possible: the
+        loop's current task holds every key already, and is the holder.
+        """
+        if self._backend is not None:
+            raise TypeError(
+                f"inturn: this queue's backend ({self._backend!r}) serves async callers only; "
+                "take its turns with `async with`, `await queue.run(...)` or an async def"
+            )
+        if asyncio._get_running_loop() is not None:
+            task = _current_task()
+            lines = self._lines
+            if task is not None and all(
+                (line := lines.get(key)) is task or (type(line) is _Line and line.holder is task)
+                for key in keys
+            ):
+                return task, ()
+            raise RuntimeError(
+                "inturn: a blocking turn (run_sync(), `with keyed()`, a decorated plain def) "
+                f"was taken inside a running event loop, for {', '.join(map(repr, keys))}; "
+                "waiting would freeze the loop. Use `await queue.run(...)` or `async with`, "
+                "or call it in a thread: `await asyncio.to_thread(...)`"
+            )
+        if not self._shared:
+            self._arrive(None)
+        me = threading.current_thread()
+        deadline = None if timeout is None else _monotonic() + timeout
+        taken: list[Hashable] = []
+        try:
+            for key in keys:
+                left = None if deadline is None else max(0.0, deadline - _monotonic())
+                if self._take_sync(key, me, left, timeout):
+                    taken.append(key)
+        except BaseException as error:
+            for key in reversed(taken):
+                self._release(key, me, error, None)
+            raise
+        return me, tuple(taken)
+
+    def _take_sync(
+        self, key: Hashable, me: object, timeout: float | None, limit: float | None
+    ) -> bool:
+        """Take key's turn for thread me, blocking it in line if need be (see _take).
+
+        ``timeout`` is the time left to wait, ``limit`` the caller's whole limit.
+        """
+        lines = self._lines
+        with self._locked():
+            line = self._admit(key, me, lines.get(key), timeout)
+            if type(line) is bool:
+                return line is False
+            waiter = _ThreadWaiter()
+            line.waiters.append(waiter)
+            line.waiting += 1
+        try:
+            if timeout is None:
+                waiter.lock.acquire()
+            else:
+                waiter.lock.acquire(timeout=timeout)
+        except BaseException:  # interrupted: KeyboardInterrupt, or a signal handler's error
+            self._abandon(key, line, waiter)
+            raise
+        with self._locked():
+            if line.holder is waiter:
+                line.holder = me
+                return True
+            self._drop(key, line, waiter)
+        assert limit is not None
+        raise _missed(key, limit)
+
     def _release(
-        self, key: Hashable, task: object, error: BaseException | None, result: Any
+        self, key: Hashable, holder: object, error: BaseException | None, result: Any
     ) -> None:
-        """End task's turn on key."""
-        if (line := self._lines.pop(key)) is not task:
+        """End holder's turn on key."""
+        if self._shared:
+            with self._locked():
+                if (line := self._lines.pop(key)) is not holder:
+                    self._leave(key, line, error, result)
+        elif (line := self._lines.pop(key)) is not holder:
             self._leave(key, line, error, result)
 
     def _leave(self, key: Hashable, line: _Line, error: BaseException | None, result: Any) -> None:
         """End the turn of line's holder, just popped from the lines.
 
         Tell its watchers, then hand the key to the next waiter and put the
-        line back, or leave the key out if nobody waits.
+        line back, or leave the key out if nobody waits. On a shared queue,
+        the caller holds the lock.
         """
         if line.watchers is not None:
             watchers, line.watchers = line.watchers, None
-            _publish(watchers, error, result)
+            for watcher in watchers:
+                _soon(watcher, _outcome, watcher, error, result)
         waiters = line.waiters
+        shared = self._shared
         while waiters:
             waiter = waiters.popleft()
             if type(waiter) is _Drain:
                 waiter.reached()
             elif not waiter.done():
-                line.holder = waiter
                 line.waiting -= 1
-                waiter.set_result(None)
+                if shared:
+                    if not _wake(waiter):  # its loop is closed: its task is gone
+                        continue
+                else:
+                    waiter.set_result(None)  # type: ignore[union-attr]
+                line.holder = waiter
                 self._lines[key] = line
                 return
 
     # -- looking at the lines -----------------------------------------------------
 
     def is_active(self, key: Hashable) -> bool:
-        """Whether a task holds or waits for ``key``."""
+        """Whether a task or thread holds or waits for ``key``."""
         return key in self._lines
 
     @property
     def active_keys(self) -> frozenset[Hashable]:
-        """The keys that a task holds or waits for, at this moment."""
+        """The keys that a task or thread holds or waits for, at this moment."""
+        if self._shared:
+            with self._locked():
+                return frozenset(self._lines)
         return frozenset(self._lines)
 
     @property
     def active_count(self) -> int:
-        """How many keys a task holds or waits for."""
+        """How many keys a task or thread holds or waits for."""
         return len(self._lines)
 
     def pending(self, key: Hashable) -> int:
-        """How many tasks wait for ``key``, not counting its holder."""
+        """How many tasks and threads wait for ``key``, not counting its holder."""
         line = self._lines.get(key)
         return line.waiting if type(line) is _Line else 0
 
     def current(self, key: Hashable) -> asyncio.Future[Any] | None:
         """An awaitable of the outcome of ``key``'s current holder, or ``None``.
 
-        For a :meth:`run` or decorated call it resolves to that call's result,
-        or raises its exception; for a :meth:`keyed` block, to ``None`` when
-        the block ends. ``None`` is returned when nothing holds the key (or
-        the key was just handed over and its next holder has not started).
-        Awaiting it, or cancelling the awaiter, never affects the holder; if
-        the holder is cancelled, awaiting it raises ``CancelledError``.
+        For a :meth:`run`, :meth:`run_sync` or decorated call it resolves to
+        that call's result, or raises its exception; for a :meth:`keyed`
+        block, to ``None`` when the block ends. ``None`` is returned when
+        nothing holds the key (or the key was just handed over and its next
+        holder has not started). Awaiting it, or cancelling the awaiter,
+        never affects the holder; if the holder is cancelled, awaiting it
+        raises ``CancelledError``. Call it inside a running event loop.
         """
+        loop = asyncio.get_running_loop()
+        if self._shared:
+            with self._locked():
+                return self._watch(key, loop)
+        return self._watch(key, loop)
+
+    def _watch(self, key: Hashable, loop: asyncio.AbstractEventLoop) -> asyncio.Future[Any] | None:
         line = self._lines.get(key)
         if line is None:
             return None
         if type(line) is not _Line:
             line = self._lines[key] = _Line(line)
-        elif not isinstance(line.holder, asyncio.Task):
-            return None
-        watcher: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        elif not isinstance(line.holder, asyncio.Task | threading.Thread):
+            return None  # handed over to a waiter that has not started yet
+        watcher: asyncio.Future[Any] = loop.create_future()
         if line.watchers is None:
             line.watchers = []
         line.watchers.append(watcher)
@@ -623,8 +1011,20 @@ class KeyedQueue:
         """The most waiters a key may have, or ``None``."""
         return self._max_pending
 
+    def _mark(self, finish: Callable[[], object]) -> bool:
+        """Put a drain mark at the tail of every active line; False if there is none."""
+        lines = self._lines
+        if not lines:
+            return False
+        drain = _Drain(len(lines), finish)
+        for key, line in list(lines.items()):
+            if type(line) is not _Line:
+                line = lines[key] = _Line(line)
+            line.waiters.append(drain)
+        return True
+
     async def drain(self) -> None:
-        """Wait until every task pending or running at this call has finished.
+        """Wait until every task or thread pending or running at this call has finished.
 
         A task created just before (``create_task(decorated(...))`` then
         ``await queue.drain()``) counts: drain first lets tasks that are
@@ -634,24 +1034,48 @@ class KeyedQueue:
         the waiting.
         """
         await asyncio.sleep(0)  # let tasks created before this call submit their work
-        lines = self._lines
-        if not lines:
-            return
-        drain = _Drain(len(lines), asyncio.get_running_loop().create_future())
-        for key, line in list(lines.items()):
-            if type(line) is not _Line:
-                line = lines[key] = _Line(line)
-            line.waiters.append(drain)
-        await drain.future
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        # the last mark may be reached in another thread, once the queue is shared
+        finish = lambda: _soon(future, _resolve, future)  # noqa: E731
+        if loop is self._solo or self._arrive(loop):
+            marked = self._mark(finish)
+        else:
+            with self._locked():
+                marked = self._mark(finish)
+        if marked:
+            await future
+
+    def drain_sync(self, timeout: float | None = None) -> bool:
+        """Block this thread until every caller pending or running at this call has finished.
+
+        The thread form of :meth:`drain`. Return True once drained, False if
+        ``timeout`` seconds passed first.
+
+        :raises RuntimeError: called inside a running event loop (use :meth:`drain`).
+        """
+        limit = _check_timeout(timeout)
+        if asyncio._get_running_loop() is not None:
+            raise RuntimeError(
+                "inturn: drain_sync() would freeze the running event loop; "
+                "use `await queue.drain()`"
+            )
+        if not self._shared:
+            self._arrive(None)
+        done = threading.Event()
+        with self._locked():
+            if not self._mark(done.set):
+                return True
+        return done.wait(limit)
 
     def close(self) -> None:
         """Refuse new work: every later submission raises :exc:`~inturn.QueueClosed`.
 
-        Work already holding or waiting for a turn goes on, and a task that
+        Work already holding or waiting for a turn goes on, and a caller that
         holds a key may still take it again. Closing twice is harmless.
         """
         self._open = False
-        self._fast = False
+        self._owner = None
 
     async def aclose(self) -> None:
         """Close the queue, wait for the work already in it (:meth:`drain`), close the backend."""
@@ -666,12 +1090,16 @@ class KeyedQueue:
         return LocalBackend() if self._backend is None else self._backend
 
     def __repr__(self) -> str:
+        lines = list(itertools.islice(self._lines.copy().items(), 6))
         shown = []
-        for key, line in itertools.islice(self._lines.items(), 5):
+        for key, line in lines[:5]:
             waiting = line.waiting if type(line) is _Line else 0
             shown.append(f"{key!r}: held, {waiting} waiting")
-        if len(self._lines) > 5:
+        if len(lines) > 5:
             shown.append("...")
         state = "closed" if not self._open else "open"
         where = "" if self._backend is None else f" on {self._backend!r}"
-        return f"<KeyedQueue {state}{where}, {len(self._lines)} active {{{', '.join(shown)}}}>"
+        mode = ", shared by threads" if self._shared else ""
+        return (
+            f"<KeyedQueue {state}{where}{mode}, {len(self._lines)} active {{{', '.join(shown)}}}>"
+        )

@@ -146,11 +146,11 @@ class Turn:
         backend = queue._backend
         if backend is not None:
             await self._enter_shared(queue, backend, task)
-        elif len(keys) == 1:
+        elif len(keys) == 1 and task is not None and task._loop is queue._owner:
             key = keys[0]
             lines = queue._lines
             line = lines.get(key)
-            if line is None and queue._fast and task is not None:
+            if line is None:
                 lines[key] = task  # uncontended: as in run()
                 self._taken = keys
             else:
@@ -173,6 +173,23 @@ class Turn:
         self._task = task
         return self
 
+    def __enter__(self) -> Turn:
+        """Take the turns for this thread, blocking it while it waits (see ``KeyedQueue.keyed``)."""
+        if self._task is not None:
+            raise RuntimeError("inturn: this keyed() turn is already entered; make one per block")
+        queue = self._queue
+        self._task, self._taken = queue._take_all_sync(self.keys, self._timeout)
+        self.token = next(queue._tokens)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release(exc, None)
+
     async def _enter_shared(self, queue: KeyedQueue, backend: Backend, task: Any) -> None:
         """Take each key's turn in this process's line, then from the backend, in order."""
         loop = asyncio.get_running_loop()
@@ -185,7 +202,7 @@ class Turn:
         try:
             for key in self.keys:
                 left = None if deadline is None else max(0.0, deadline - loop.time())
-                if not await queue._take(key, task, queue._lines.get(key), left):
+                if not await queue._take(key, task, left):
                     # held already by an enclosing turn of this task: reentrant
                     holder = _holder(outer, queue, key)
                     if holder is not None:
@@ -224,7 +241,9 @@ class Turn:
         if len(taken) == 1:  # what release() does, inlined for the common single key
             task, self._task, self._taken = self._task, None, ()
             key = taken[0]
-            if (line := queue._lines.pop(key)) is not task:
+            if queue._shared:
+                queue._release(key, task, exc, None)
+            elif (line := queue._lines.pop(key)) is not task:
                 queue._leave(key, line, exc, None)
         else:
             self.release(exc, None)

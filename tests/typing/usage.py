@@ -8,7 +8,7 @@ from typing import Any
 from typing_extensions import assert_type
 
 import inturn
-from inturn import KeyedQueue, QueuedFunction
+from inturn import KeyedQueue, QueuedFunction, SyncQueuedFunction
 from inturn.backends import Turn
 
 queue = KeyedQueue(timeout=1.5, max_pending=10)
@@ -96,6 +96,43 @@ async def usage() -> None:
     await queue.aclose()
 
 
+@inturn.queue_by_key
+def bare_sync(n: int) -> str:
+    return str(n)
+
+
+@queue.queue_by_key(key="invoice-{invoice_id}", timeout=2)
+def render(invoice_id: int) -> bytes:
+    return b""
+
+
+class SyncRepository:
+    @queue.queue_by_key(keys=["row-{row_id}", "table"])
+    def update(self, row_id: int) -> float:
+        return 1.0
+
+
+def sync_usage() -> None:
+    decorated: SyncQueuedFunction[[int], str] = bare_sync
+    del decorated
+    assert_type(bare_sync(1), str)
+    assert_type(render(3), bytes)
+    assert_type(render.queue, KeyedQueue)
+    render.key_of(3)
+    assert_type(SyncRepository().update(1), float)
+
+    def add(a: int, b: int) -> int:
+        return a + b
+
+    assert_type(queue.run_sync("k", add, 1, 2), int)
+    assert_type(inturn.run_sync("k", add, 1, 2), int)
+    with queue.keyed("a", "b") as turn:
+        assert_type(turn, Turn)
+    with inturn.keyed("system-log"):
+        pass
+    assert_type(queue.drain_sync(timeout=1), bool)
+
+
 def errors_are_exceptions() -> None:
     error: inturn.InturnError = inturn.QueueFull("full")
     error = inturn.QueueClosed("closed")
@@ -107,3 +144,5 @@ async def mistakes_type_checkers_catch() -> None:
     await take("sku", "many")  # type: ignore[arg-type]
     await Repository().update("not an int", "v")  # type: ignore[arg-type]
     await queue.run("k", lambda a: a, 1, 2)  # type: ignore[call-overload]
+    render("not an int")  # type: ignore[arg-type]
+    await render(1)  # type: ignore[misc]
