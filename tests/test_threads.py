@@ -23,7 +23,7 @@ import pytest
 import inturn
 from inturn import KeyedQueue, QueueClosed, QueueFull
 
-from helpers import settle, wait_until
+from helpers import PATIENCE, settle, wait_until
 
 T = TypeVar("T")
 
@@ -718,3 +718,44 @@ def test_a_key_by_position_and_by_keyword_is_refused() -> None:
 
     with pytest.raises(TypeError, match="not both"):
         queue.queue_by_key(fn, key="b")  # type: ignore[call-overload]
+
+
+def test_a_task_woken_by_a_thread_is_the_holder_from_its_first_step(
+    monkeypatch: pytest.MonkeyPatch, pool: ThreadPoolExecutor
+) -> None:
+    """A hand-off from a thread makes the line the task's before the task can run.
+
+    The thread is held right after it woke the task (as a GIL switch there
+    would), until the task has started its body: the task must already be
+    the holder then, so taking its own key again runs at once.
+    """
+    import inturn._queue as internals
+
+    queue = KeyedQueue()
+    body_started = threading.Event()
+    wake = internals._wake
+
+    def wake_then_pause(waiter: Any) -> bool:
+        woken = wake(waiter)
+        body_started.wait(PATIENCE)
+        return woken
+
+    monkeypatch.setattr(internals, "_wake", wake_then_pause)
+    let_go = threading.Event()
+
+    async def main() -> str:
+        holder = asyncio.wrap_future(pool.submit(queue.run_sync, "k", let_go.wait))
+        await settle(lambda: queue.is_active("k"))
+
+        async def body() -> str:
+            body_started.set()
+            # the holder: its blocking re-take is reentrant (else RuntimeError at once)
+            return queue.run_sync("k", lambda: "reentered")
+
+        task = asyncio.ensure_future(queue.run("k", body))
+        await settle(lambda: queue.pending("k") == 1)
+        let_go.set()
+        await holder
+        return await task
+
+    assert asyncio.run(main()) == "reentered"

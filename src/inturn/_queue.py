@@ -930,13 +930,16 @@ class KeyedQueue:
                 waiter.reached()
             elif not waiter.done():
                 line.waiting -= 1
+                # NOTE: the line is the waiter's before it is woken: a task of
+                # another loop may run at once and make itself the holder.
+                line.holder = waiter
+                self._lines[key] = line
                 if shared:
                     if not _wake(waiter):  # its loop is closed: its task is gone
+                        del self._lines[key]
                         continue
                 else:
                     waiter.set_result(None)  # type: ignore[union-attr]
-                line.holder = waiter
-                self._lines[key] = line
                 return
 
     # -- looking at the lines -----------------------------------------------------
