@@ -327,6 +327,17 @@ async def test_scripts_are_loaded_once_and_called_by_sha(own_redis: Server) -> N
         await client.aclose()
 
 
+async def test_scripts_flushed_from_redis_are_sent_again_in_order(
+    make_backend: BackendFactory, client: aioredis.Redis
+) -> None:
+    queue = KeyedQueue(backend=make_backend())
+    await queue.run("k", lambda: None)
+    await client.script_flush()  # the backend's connection stays open, its scripts are gone
+    order: list[int] = []
+    await asyncio.gather(*(queue.run("k", order.append, i) for i in range(5)))
+    assert order == [0, 1, 2, 3, 4]
+
+
 async def test_a_caller_supplied_client_is_left_open(redis_url: str, namespace: str) -> None:
     client = aioredis.Redis.from_url(redis_url)
     backend = RedisBackend(client, namespace=namespace)

@@ -27,7 +27,10 @@ waiting) and *renew* (extend a lease). Each first drops members whose lease
 expired, and each grants a free key to the head of the line, with a token
 one above the last (or Redis's clock in microseconds when a line starts
 anew), then publishes the grant on the new holder's process channel. When
-a line empties, its keys are deleted; all four carry a TTL besides.
+a line empties, its keys are deleted; all four carry a TTL besides. On one
+server (not a cluster) a process makes its calls on one connection of its
+own, written as they are made without waiting for earlier replies, so Redis
+runs them in the order the process made them.
 
 Each process has one subscription (on its channel) that wakes its waiters:
 the release itself pushes the turn, nothing polls. A heartbeat renews every
@@ -48,6 +51,7 @@ import re
 import secrets
 import socket
 import time
+from collections import deque
 from collections.abc import Awaitable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, final
@@ -59,6 +63,7 @@ from ._base import Grant
 try:
     import redis.asyncio as aioredis
     from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import NoScriptError, ResponseError
     from redis.exceptions import TimeoutError as RedisTimeoutError
 except ImportError as error:  # pragma: no cover - depends on the install
     raise ImportError(
@@ -191,6 +196,241 @@ return {2, 0}
 )
 
 
+# -- this process's connection for its scripts ---------------------------------------------
+
+#: The scripts, as _Link numbers them, each with its count of ARGV.
+_SCRIPTS: Final = ((_ENQUEUE, 6), (_LEAVE, 3), (_RENEW, 4))
+_ENQUEUE_AT: Final = 0
+_LEAVE_AT: Final = 1
+_RENEW_AT: Final = 2
+
+
+def _bulk(value: bytes) -> bytes:
+    """Pack one RESP bulk string."""
+    return b"$%d\r\n%b\r\n" % (len(value), value)
+
+
+def _heads(verb: bytes, scripts: Sequence[tuple[bytes, int]]) -> tuple[bytes, ...]:
+    """Pack each script's command up to its keys: the verb, the SHA or body, 4 keys."""
+    return tuple(
+        b"*%d\r\n" % (7 + count) + _bulk(verb) + _bulk(script) + _bulk(b"4")
+        for script, count in scripts
+    )
+
+
+def _fail(future: asyncio.Future[Any] | None, error: BaseException) -> None:
+    if future is not None and not future.done():
+        future.set_exception(error)
+
+
+async def _stale(connection: Any) -> bool:
+    """Whether an idle connection was closed (or has stray data): then it is opened anew."""
+    # can_read() since redis-py 8, which deprecates can_read_destructive()
+    check = getattr(connection, "can_read", None) or connection.can_read_destructive
+    try:
+        return bool(await check())
+    except Exception:
+        return True
+
+
+# A call: the script's number, its keys and arguments packed, its reply's future.
+_Call = tuple[int, bytes, "asyncio.Future[Any]"]
+
+
+@final
+class _Link:
+    """One connection that carries this process's script calls to Redis, in the order made.
+
+    Redis runs the commands of one connection in the order they arrive, so a
+    call made after another (a re-acquire after a release, a leave after an
+    enqueue) runs after it, even while the first one's reply is still on its
+    way back. So calls are written as they are made, several in one write
+    when they pile up, without waiting for earlier replies (pipelining); a
+    reader hands each reply to its call's future, in the same order.
+
+    If the connection drops, the calls in flight fail with its error (whether
+    they ran is unknown), and the next call connects anew. The scripts are
+    loaded first thing on every connection and called by SHA; a call that
+    finds its script gone (``SCRIPT FLUSH``) is sent again with the body.
+    """
+
+    __slots__ = (
+        "_connection",
+        "_heads",
+        "_idle",
+        "_loads",
+        "_outbox",
+        "_pool",
+        "_reader",
+        "_retries",
+        "_sent",
+        "_unread",
+        "_writer",
+        "last",
+    )
+
+    def __init__(self, pool: Any) -> None:
+        self._pool = pool
+        bodies = [(body.encode(), count) for body, count in _SCRIPTS]
+        shas = [(hashlib.sha1(body).hexdigest().encode(), count) for body, count in bodies]
+        # by script number: called by SHA, then (numbers + len(_SCRIPTS)) with the body
+        self._heads = _heads(b"EVALSHA", shas) + _heads(b"EVAL", bodies)
+        self._loads = b"".join(
+            b"*3\r\n" + _bulk(b"SCRIPT") + _bulk(b"LOAD") + _bulk(body) for body, _ in bodies
+        )
+        # NOTE: a call is in one of these two until its reply (or failure) is
+        # handed over. Calls made, not yet written, in the order made:
+        self._outbox: deque[_Call] = deque()
+        self._retries = 0  # calls sent again with the body, at the head of the outbox
+        # calls written on the current connection, in the order their replies
+        # come (None: a reply nobody waits for, a SCRIPT LOAD's):
+        self._sent: deque[_Call | None] = deque()
+        self._connection: Any = None  # the current connection, None until (re)opened
+        self._writer: asyncio.Task[None] | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._idle: asyncio.Future[None] | None = None  # the idle writer waits on it
+        self._unread: asyncio.Future[None] | None = None  # the idle reader waits on it
+        #: The future of the latest call: once it is done, so is every earlier one.
+        self.last: asyncio.Future[Any] | None = None
+
+    def call(self, script: int, rest: bytes) -> asyncio.Future[Any]:
+        """Call a script with rest (its keys and arguments, packed); return its reply's future.
+
+        It runs after every call made before it, whatever becomes of the caller.
+        """
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._outbox.append((script, rest, future))
+        self.last = future
+        if self._writer is None:
+            self._writer = loop.create_task(self._write(), name="inturn-redis-writer")
+        else:
+            self._wake_writer()
+        return future
+
+    def _wake_writer(self) -> None:
+        if (idle := self._idle) is not None:
+            self._idle = None
+            idle.set_result(None)
+
+    async def _write(self) -> None:
+        """Write the calls as they are made, on a connection it (re)opens when needed."""
+        loop = asyncio.get_running_loop()
+        outbox = self._outbox
+        while True:
+            if not outbox:
+                self._idle = loop.create_future()
+                await self._idle
+                continue
+            connection = self._connection
+            if connection is not None and not self._sent and await _stale(connection):
+                self._drop(connection, RedisConnectionError("Redis closed the connection"))
+                with contextlib.suppress(Exception):
+                    await connection.disconnect()
+                continue
+            batch: list[bytes] = []
+            if connection is None:
+                connection = self._pool.make_connection()
+                try:
+                    await connection.connect()
+                except Exception as error:
+                    with contextlib.suppress(Exception):
+                        await connection.disconnect()
+                    while outbox:
+                        _fail(outbox.popleft()[2], error)
+                    self._retries = 0
+                    continue
+                self._connection = connection
+                self._sent = deque((None, None, None))
+                self._reader = loop.create_task(
+                    self._read(connection, self._sent), name="inturn-redis-reader"
+                )
+                batch.append(self._loads)
+            sent, heads = self._sent, self._heads
+            self._retries = 0
+            while outbox:
+                call = outbox.popleft()
+                sent.append(call)
+                batch += (heads[call[0]], call[1])
+            if (unread := self._unread) is not None:
+                self._unread = None
+                unread.set_result(None)
+            try:
+                await connection.send_packed_command(batch, check_health=False)
+            except Exception as error:
+                self._drop(connection, error)
+            if self._connection is not connection:  # dropped meanwhile: leave no socket open
+                with contextlib.suppress(Exception):
+                    await connection.disconnect()
+
+    async def _read(self, connection: Any, sent: deque[_Call | None]) -> None:
+        """Hand each reply of connection to its call's future, in order, until it drops."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if not sent:
+                self._unread = loop.create_future()
+                await self._unread
+                continue
+            try:
+                reply = await connection.read_response(disable_decoding=True)
+            except ResponseError as error:
+                call = sent.popleft()
+                if call is None:
+                    continue
+                script, rest, future = call
+                if isinstance(error, NoScriptError) and script < len(_SCRIPTS):
+                    # SCRIPT FLUSH: send it again, with the body (which loads the
+                    # script), before the calls made since and after earlier retries
+                    self._outbox.insert(self._retries, (script + len(_SCRIPTS), rest, future))
+                    self._retries += 1
+                    self._wake_writer()
+                else:
+                    _fail(future, error)
+                continue
+            except Exception as error:
+                self._drop(connection, error)
+                return
+            call = sent.popleft()
+            if call is not None and not call[2].done():
+                call[2].set_result(reply)
+
+    def _drop(self, connection: Any, error: BaseException) -> None:
+        """Fail the calls in flight on connection, which the next call replaces."""
+        if self._connection is not connection:
+            return
+        self._connection = None
+        sent = self._sent
+        self._sent = deque()
+        while sent:
+            call = sent.popleft()
+            if call is not None:
+                _fail(call[2], error)
+        reader, self._reader, self._unread = self._reader, None, None
+        if reader is not None and reader is not asyncio.current_task():
+            reader.cancel()
+
+    async def aclose(self) -> None:
+        """Stop writing and reading, and close the connection."""
+        tasks = [task for task in (self._writer, self._reader) if task is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        self._writer = self._reader = None
+        self._idle = self._unread = None
+        connection, self._connection = self._connection, None
+        error = BackendUnavailable("inturn: the backend was closed")
+        for call in (*self._sent, *self._outbox):
+            if call is not None:
+                _fail(call[2], error)
+        self._sent.clear()
+        self._outbox.clear()
+        if connection is not None:
+            with contextlib.suppress(Exception):
+                await connection.disconnect()
+
+
 # -- what the backend hands out and shows ------------------------------------------------
 
 
@@ -264,6 +504,7 @@ class _Member:
     """One of this process's members of a line: a waiter, then a holder."""
 
     names: Sequence[str]
+    packed: bytes  # names as a script call's keys, packed for the _Link (b"" without one)
     # time.monotonic() when its lease runs out as far as this process can
     # vouch: a lease after the call that last set it in Redis was sent
     # (Redis's own expiry is no earlier)
@@ -330,6 +571,7 @@ class RedisBackend:
         "_info",
         "_kick",
         "_lease",
+        "_link",
         "_listener",
         "_loop",
         "_members",
@@ -338,6 +580,7 @@ class RedisBackend:
         "_pubsub",
         "_scripts",
         "_starting",
+        "_tails",
     )
 
     def __init__(
@@ -364,7 +607,21 @@ class RedisBackend:
         self._info = f"{socket.gethostname()} {os.getpid()}"
         self._counter = itertools.count(1)
         self._members: dict[str, _Member] = {}
-        self._scripts = tuple(client.register_script(s) for s in (_ENQUEUE, _LEAVE, _RENEW))
+        self._scripts = tuple(client.register_script(s) for s, _ in _SCRIPTS)
+        # A single server (not a cluster) gets this process's one pipelined
+        # connection for its scripts, made on each event loop; see _Link.
+        self._link: _Link | None = None
+        # by script: its arguments after the member's id that never change, packed
+        lease_ms, ttl_ms, channels = (
+            _bulk(b"%d" % self._lease_ms),
+            _bulk(b"%d" % self._ttl_ms),
+            _bulk(self._channels.encode()),
+        )
+        self._tails = (
+            lease_ms + ttl_ms + channels,
+            ttl_ms + channels,
+            lease_ms + ttl_ms + channels,
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._starting: asyncio.Task[None] | None = None
         self._pubsub: Any = None
@@ -434,6 +691,7 @@ class RedisBackend:
                     "make one backend per event loop"
                 )
             self._loop, self._starting, self._listener, self._beat = loop, None, None, None
+            self._link = None
         if self._starting is None:
             self._starting = loop.create_task(self._begin())
         starting = self._starting
@@ -449,6 +707,8 @@ class RedisBackend:
     async def _begin(self) -> None:
         await self._subscribe()
         loop = asyncio.get_running_loop()
+        if isinstance(self._client, aioredis.Redis):
+            self._link = _Link(self._client.connection_pool)
         self._kick = asyncio.Event()
         self._listener = loop.create_task(self._listen(), name="inturn-redis-listener")
         self._beat = loop.create_task(self._heartbeat(), name="inturn-redis-heartbeat")
@@ -485,6 +745,12 @@ class RedisBackend:
                 await starting
         if self._cleanups:  # places given up just now: let them leave their lines
             await asyncio.wait(self._cleanups, timeout=self._lease)
+        link, self._link = self._link, None
+        if link is not None:
+            last = link.last
+            if last is not None and not last.done():  # releases still on their way
+                await asyncio.wait((last,), timeout=self._lease)
+            await link.aclose()
         for task in (self._listener, self._beat, *self._cleanups):
             if task is not None:
                 task.cancel()
@@ -520,22 +786,39 @@ class RedisBackend:
         deadline = None if timeout is None else loop.time() + timeout
         names = self._names(key)
         member_id = f"{self._id}/{next(self._counter)}"
-        member = _Member(names, time.monotonic() + self._lease, loop.create_future())
+        link = self._link
+        packed = b"" if link is None else b"".join(_bulk(name.encode()) for name in names)
+        member = _Member(names, packed, time.monotonic() + self._lease, loop.create_future())
         self._members[member_id] = member
-        enqueue = loop.create_task(
-            self._call(
-                self._scripts[0],
-                names,
-                member_id,
-                self._lease_ms,
-                self._ttl_ms,
-                self._channels,
-                f"{self._info} {int(time.time() * 1000)}",
-                portable_name(key).decode("utf-8", "backslashreplace"),
+        info = f"{self._info} {int(time.time() * 1000)}"
+        given = portable_name(key).decode("utf-8", "backslashreplace")
+        if link is not None:
+            enqueue = link.call(
+                _ENQUEUE_AT,
+                packed
+                + _bulk(member_id.encode())
+                + self._tails[_ENQUEUE_AT]
+                + _bulk(info.encode())
+                + _bulk(given.encode()),
             )
-        )
+        else:
+            enqueue = loop.create_task(
+                self._call(
+                    _ENQUEUE_AT,
+                    names,
+                    member_id,
+                    self._lease_ms,
+                    self._ttl_ms,
+                    self._channels,
+                    info,
+                    given,
+                )
+            )
         try:
-            state, value = await asyncio.shield(enqueue)
+            try:
+                state, value = await asyncio.shield(enqueue)
+            except _UNREACHABLE as error:
+                raise _unavailable(error) from error
             if state == 1:
                 token = int(value)
             else:
@@ -546,7 +829,7 @@ class RedisBackend:
             # call to leave goes after the enqueue (even one still in flight);
             # if the key was just granted, leaving passes it on.
             del self._members[member_id]
-            self._detach(self._leave_after(enqueue, names, member_id))
+            self._detach(self._leave_after(enqueue, member, member_id))
             raise
         grant = member.grant = RedisGrant(key, token, member_id, names, member)
         member.waiting = None
@@ -559,44 +842,47 @@ class RedisBackend:
         if self._members.pop(grant._member, None) is None:
             return  # released already, or Redis no longer had it (lost)
         try:
-            status = await self._call(
-                self._scripts[1], grant._names, grant._member, self._ttl_ms, self._channels
-            )
-        except BackendUnavailable:
+            status = await self._leave(grant._state, grant._member)
+        except _UNREACHABLE as error:
             # The key frees itself when the lease runs out. The work is done,
             # so it is not failed for this; a lease that could not be vouched
             # for is reported as lost.
             logger.warning(
-                "inturn: could not release %r in Redis; it frees itself within %g s",
+                "inturn: could not release %r in Redis (%s); it frees itself within %g s",
                 grant.key,
+                error,
                 self._lease,
             )
             return
         if status == 0:
             grant._state.lost = True
 
+    def _leave(self, member: _Member, member_id: str) -> Awaitable[Any]:
+        """Call the leave script for member (after this process's earlier calls, on a _Link)."""
+        link = self._link
+        if link is not None:
+            return link.call(
+                _LEAVE_AT, member.packed + _bulk(member_id.encode()) + self._tails[_LEAVE_AT]
+            )
+        return self._call(_LEAVE_AT, member.names, member_id, self._ttl_ms, self._channels)
+
     async def _leave_after(
-        self, enqueue: asyncio.Task[Any], names: Sequence[str], member: str
+        self, enqueue: asyncio.Future[Any], member: _Member, member_id: str
     ) -> None:
         """Leave the line once the enqueue call has finished (whatever its outcome)."""
         with contextlib.suppress(BaseException):
             await enqueue
-        with contextlib.suppress(BackendUnavailable):
-            await self._call(self._scripts[1], names, member, self._ttl_ms, self._channels)
+        with contextlib.suppress(*_UNREACHABLE):
+            await self._leave(member, member_id)
 
     def _detach(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
 
-    async def _call(self, script: Any, names: Sequence[str], *args: Any) -> Any:
-        """Run a script; a server that cannot be reached raises BackendUnavailable."""
-        try:
-            return await script(keys=names, args=args)
-        except _UNREACHABLE as error:
-            raise BackendUnavailable(
-                f"inturn: Redis could not be reached ({error}); the turn was not taken"
-            ) from error
+    async def _call(self, script: int, names: Sequence[str], *args: Any) -> Any:
+        """Run a script through the client (a cluster's, which routes it to the keys' node)."""
+        return await self._scripts[script](keys=names, args=args)
 
     # -- push and heartbeat ---------------------------------------------------------------
 
@@ -660,13 +946,16 @@ class RedisBackend:
 
     async def _renew(self, members: list[tuple[str, _Member]]) -> list[Any]:
         """Call the renew script for each member: pipelined on one server, else together."""
-        renew = self._scripts[2]
+        link = self._link
+        if link is not None:
+            tail = self._tails[_RENEW_AT]
+            calls = [
+                link.call(_RENEW_AT, member.packed + _bulk(member_id.encode()) + tail)
+                for member_id, member in members
+            ]
+            return [await call for call in calls]
+        renew = self._scripts[_RENEW_AT]
         args = (self._lease_ms, self._ttl_ms, self._channels)
-        if isinstance(self._client, aioredis.Redis):
-            async with self._client.pipeline(transaction=False) as pipe:
-                for member_id, member in members:
-                    await renew(keys=member.names, args=(member_id, *args), client=pipe)
-                return list(await pipe.execute())
         return list(
             await asyncio.gather(
                 *(
@@ -694,8 +983,12 @@ class RedisBackend:
         """A snapshot of every line of this namespace in Redis: holder and waiters in order.
 
         For operators (``python -m inturn inspect``) and tests; the answer
-        may be stale by the time it returns.
+        may be stale by the time it returns. It shows every change this
+        backend sent before the call (a release still on its way is waited for).
         """
+        link = self._link
+        if link is not None and (last := link.last) is not None and not last.done():
+            await asyncio.wait((last,))
         try:
             return await self._lines()
         except _UNREACHABLE as error:
@@ -734,6 +1027,12 @@ class RedisBackend:
 
     def __repr__(self) -> str:
         return f"RedisBackend({self._client!r}, namespace={self._namespace!r})"
+
+
+def _unavailable(error: BaseException) -> BackendUnavailable:
+    return BackendUnavailable(
+        f"inturn: Redis could not be reached ({error}); the turn was not taken"
+    )
 
 
 async def _wait(waiting: asyncio.Future[int], deadline: float | None, key: Hashable) -> int:
