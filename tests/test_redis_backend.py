@@ -573,3 +573,11 @@ async def test_inspect_prints_the_live_lines(
     assert "    1. " in out
     gate.set()
     await asyncio.gather(holder, follower)
+
+
+def test_a_client_without_pubsub_is_refused_at_construction() -> None:
+    class OldClusterClient:  # redis-py's asyncio RedisCluster before 8.0
+        pass
+
+    with pytest.raises(TypeError, match=r"no pub/sub.*redis-py 8\.0"):
+        RedisBackend(OldClusterClient())  # type: ignore[arg-type]

@@ -597,6 +597,11 @@ class RedisBackend:
             )
         if isinstance(lease, bool) or not isinstance(lease, int | float) or not lease >= 0.1:
             raise ValueError(f"inturn: lease must be at least 0.1 seconds, got {lease!r}")
+        if not hasattr(client, "pubsub"):  # redis-py's asyncio RedisCluster before 8.0
+            raise TypeError(
+                f"inturn: the client {client!r} has no pub/sub, which wakes the waiters; "
+                "for Redis Cluster, install redis-py 8.0 or newer"
+            )
         self._client = client
         self._namespace = namespace
         self._lease = float(lease)
