@@ -8,6 +8,7 @@ import math
 import threading
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Hashable
+from contextlib import AbstractContextManager, nullcontext
 from inspect import isawaitable
 from threading import get_ident
 from time import monotonic as _monotonic
@@ -117,6 +118,15 @@ def _refuse_coroutine(fn: object, result: CoroutineType[Any, Any, Any]) -> NoRet
         f"inturn: {fn!r} returned a coroutine, which a thread cannot await; "
         "for async def functions use `await queue.run(...)`"
     )
+
+
+def _held_by(line: Any, holder: object) -> bool:
+    """Whether line (a bare holder, a _Line or None) is held by holder."""
+    return line is not None and (line is holder or (type(line) is _Line and line.holder is holder))
+
+
+#: What a solo queue's changes of its lines hold instead of the lock.
+_UNLOCKED: Final = nullcontext()
 
 
 @final
@@ -682,6 +692,14 @@ class KeyedQueue:
                     self._settling = _Settling(solo, self._solo_thread)
         return False
 
+    def _guard(self) -> AbstractContextManager[object]:
+        """What to hold while changing the lines: the lock once shared, else nothing."""
+        return self._locked() if self._shared else _UNLOCKED
+
+    def _guard_for(self, loop: asyncio.AbstractEventLoop) -> AbstractContextManager[object]:
+        """_guard() for a task of loop, which may first settle the queue's mode (_arrive)."""
+        return _UNLOCKED if loop is self._solo or self._arrive(loop) else self._locked()
+
     def _locked(self) -> threading.Lock:
         """The lock of a shared queue's lines, once it is safe to take (see _Settling)."""
         settling = self._settling
@@ -700,7 +718,7 @@ class KeyedQueue:
         the line to join. Raise if the queue is closed, the line is full, or
         the key is busy and there is no time to wait.
         """
-        if line is not None and (line is holder or (type(line) is _Line and line.holder is holder)):
+        if _held_by(line, holder):
             return True
         if not self._open:
             raise QueueClosed(
@@ -757,10 +775,7 @@ class KeyedQueue:
         lines (its holder left and no live waiter remained), and a new line
         may even stand for the same key.
         """
-        if self._shared:
-            with self._locked():
-                self._drop(key, line, waiter)
-        else:
+        with self._guard():
             self._drop(key, line, waiter)
 
     def _drop(self, key: Hashable, line: _Line, waiter: _Waiter) -> None:
@@ -784,18 +799,11 @@ class KeyedQueue:
         if task is None:
             raise RuntimeError("inturn: a turn can only be taken inside an asyncio task")
         lines = self._lines
-        loop = task.get_loop()
-        if loop is self._solo or self._arrive(loop):
+        with self._guard_for(task.get_loop()):
             waiter = self._join(key, task, lines.get(key), timeout)
             if type(waiter) is bool:
                 return waiter is False
             line = lines[key]
-        else:
-            with self._locked():
-                waiter = self._join(key, task, lines.get(key), timeout)
-                if type(waiter) is bool:
-                    return waiter is False
-                line = lines[key]
         try:
             await waiter
         except BaseException:
@@ -842,10 +850,7 @@ class KeyedQueue:
         if asyncio._get_running_loop() is not None:
             task = _current_task()
             lines = self._lines
-            if task is not None and all(
-                (line := lines.get(key)) is task or (type(line) is _Line and line.holder is task)
-                for key in keys
-            ):
+            if task is not None and all(_held_by(lines.get(key), task) for key in keys):
                 return task, ()
             raise RuntimeError(
                 "inturn: a blocking turn (run_sync(), `with keyed()`, a decorated plain def) "
@@ -951,10 +956,8 @@ class KeyedQueue:
     @property
     def active_keys(self) -> frozenset[Hashable]:
         """The keys that a task or thread holds or waits for, at this moment."""
-        if self._shared:
-            with self._locked():
-                return frozenset(self._lines)
-        return frozenset(self._lines)
+        with self._guard():
+            return frozenset(self._lines)
 
     @property
     def active_count(self) -> int:
@@ -978,10 +981,8 @@ class KeyedQueue:
         raises ``CancelledError``. Call it inside a running event loop.
         """
         loop = asyncio.get_running_loop()
-        if self._shared:
-            with self._locked():
-                return self._watch(key, loop)
-        return self._watch(key, loop)
+        with self._guard():
+            return self._watch(key, loop)
 
     def _watch(self, key: Hashable, loop: asyncio.AbstractEventLoop) -> asyncio.Future[Any] | None:
         line = self._lines.get(key)
@@ -1040,12 +1041,8 @@ class KeyedQueue:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         # the last mark may be reached in another thread, once the queue is shared
-        finish = lambda: _soon(future, _resolve, future)  # noqa: E731
-        if loop is self._solo or self._arrive(loop):
-            marked = self._mark(finish)
-        else:
-            with self._locked():
-                marked = self._mark(finish)
+        with self._guard_for(loop):
+            marked = self._mark(lambda: _soon(future, _resolve, future))
         if marked:
             await future
 
