@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import sys
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -23,6 +24,9 @@ from inturn.backends import Backend
 from inturn.backends.file import FileBackend
 
 from helpers import QueueFactory, Recorder, checkpoints, settle, unavailable
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import ExceptionGroup
 
 BACKENDS = ("local", "file", "redis", "valkey", "redis-cluster")
 
@@ -887,3 +891,83 @@ async def test_aclose_closes_then_drains(queue: KeyedQueue) -> None:
     gate.set()
     await closing
     assert task.done()
+
+
+# -- flow control -------------------------------------------------------------------
+
+
+async def test_max_running_bounds_work_across_keys_and_keeps_each_keys_order(
+    make_queue: QueueFactory, recorder: Recorder
+) -> None:
+    queue = make_queue(max_running=2)
+    running = 0
+    most = 0
+
+    async def work(key: str, n: int) -> int:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        try:
+            return await recorder.body(key, (key, n), steps=2)()  # type: ignore[no-any-return]
+        finally:
+            running -= 1
+
+    calls = [(f"k{i % 4}", i) for i in range(16)]
+    await asyncio.gather(*(queue.run(key, work, key, n) for key, n in calls))
+    assert most == 2  # reached, never exceeded
+    assert recorder.overlaps == []
+    for key in {key for key, _ in calls}:
+        mine = [n for k, n in recorder.started if k == key]
+        assert mine == sorted(mine)
+    assert queue.stats().running == 0
+    assert queue.stats().completed == 16
+
+
+async def test_max_hold_cancels_and_the_next_starts_after_the_cut_work_ended(
+    make_queue: QueueFactory,
+) -> None:
+    from inturn import HoldTimeout
+
+    queue = make_queue(max_hold=0.05)
+    events: list[str] = []
+
+    async def stubborn() -> None:
+        events.append("first starts")
+        try:
+            await asyncio.Event().wait()  # never set: only max_hold ends it
+        except asyncio.CancelledError:
+            await checkpoints(5)  # cleans up for a while, still holding the key
+            events.append("first ends")
+            raise
+
+    first = asyncio.create_task(queue.run("k", stubborn))
+    await settle(lambda: events == ["first starts"])
+    second = asyncio.create_task(queue.run("k", events.append, "second runs"))
+    with pytest.raises(HoldTimeout) as caught:
+        await first
+    assert isinstance(caught.value, TimeoutError)
+    await second
+    assert events == ["first starts", "first ends", "second runs"]
+    assert queue.stats().timed_out == 1
+
+
+async def test_batch_waits_for_its_submissions_and_raises_their_errors(
+    make_queue: QueueFactory,
+) -> None:
+    queue = make_queue(max_running=2)
+    done: list[int] = []
+
+    async def work(n: int) -> int:
+        await checkpoints()
+        if n == 3:
+            raise ValueError(n)
+        done.append(n)
+        return n
+
+    with pytest.raises(ExceptionGroup) as caught:  # noqa: PT012 - the block is the batch
+        async with queue.batch() as batch:
+            for n in range(6):
+                await batch.submit(f"k{n % 2}", work, n)
+    assert [type(e) for e in caught.value.exceptions] == [ValueError]
+    assert sorted(done) == [0, 1, 2, 4, 5]
+    assert all(handle.done() for handle in batch.handles)
