@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Callable, Generator, Hashable, Mapping
+from collections.abc import Awaitable, Callable, Generator, Hashable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, final
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, final, overload
 
 from ._tasks import current_task as _current_task
 
@@ -139,6 +139,21 @@ class Batch:
     def handles(self) -> tuple[Handle[Any], ...]:
         """The handles of the work submitted in this batch, in submission order."""
         return tuple(self._handles)
+
+    @overload
+    async def submit(
+        self,
+        key: Hashable,
+        fn: Callable[P, Awaitable[R]],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> Handle[R]: ...
+
+    @overload
+    async def submit(
+        self, key: Hashable, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs
+    ) -> Handle[R]: ...
 
     async def submit(
         self, key: Hashable, fn: Callable[..., Any], /, *args: Any, **kwargs: Any

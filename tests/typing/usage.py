@@ -133,6 +133,36 @@ def sync_usage() -> None:
     assert_type(queue.drain_sync(timeout=1), bool)
 
 
+async def flow_control_is_typed() -> None:
+    flow = KeyedQueue(max_running=8, concurrency=2, max_hold=1.5)
+    assert_type(flow.max_running, int | None)
+    assert_type(flow.concurrency, int)
+    assert_type(flow.max_hold, float | None)
+
+    async def fetch(sku: str) -> int:
+        return len(sku)
+
+    handle = await flow.submit("k", fetch, "sku")
+    assert_type(handle, inturn.Handle[int])
+    assert_type(await handle, int)
+    assert_type(handle.cancel(), bool)
+    async with flow.batch(on_error="cancel") as batch:
+        assert_type(batch, inturn.Batch)
+        assert_type(await batch.submit("k", fetch, "sku"), inturn.Handle[int])
+    await flow.drain(raise_errors=True)
+    stats = flow.stats()
+    assert_type(stats, inturn.QueueStats)
+    assert_type(stats.running, int)
+    assert_type(stats.hold_time, float | None)
+    async with flow.keyed("k", max_hold=2.0):
+        pass
+
+    @flow.queue_by_key(key="sku-{sku}", max_hold=0.5)
+    async def cut(sku: str) -> None: ...
+
+    await cut("a")
+
+
 def errors_are_exceptions() -> None:
     error: inturn.InturnError = inturn.QueueFull("full")
     error = inturn.QueueClosed("closed")
@@ -146,3 +176,5 @@ async def mistakes_type_checkers_catch() -> None:
     await queue.run("k", lambda a: a, 1, 2)  # type: ignore[call-overload]
     render("not an int")  # type: ignore[arg-type]
     await render(1)  # type: ignore[misc]
+    await queue.submit("k", take, 42)  # type: ignore[call-overload]
+    queue.batch(on_error="ignore")  # type: ignore[arg-type]
