@@ -286,48 +286,69 @@ class _Gate(_Waiting):
     method holds the queue's lock.
     """
 
-    __slots__ = ("free", "holders", "marks", "producers", "size")
+    __slots__ = ("free", "handed", "holders", "marks", "producers", "size")
 
     def __init__(self, size: int) -> None:
         super().__init__()
         self.size = size  # how many places
-        # Places nobody holds. NOTE: > 0 only while no live waiter waits: a
-        # place that frees goes to the head of the line first.
+        # Places nobody holds. NOTE: > 0 with live waiters only while a
+        # handed place is unsettled (see `handed`); a place that frees goes
+        # to the head of the line first.
         self.free = size
         # Who holds a place: tasks and threads; between a hand-off and the
         # new holder waking up, the waiter that was handed it.
         self.holders: set[object] = set()
+        # Places handed to waiters that have not woken up yet. NOTE: while
+        # any is, nobody takes a free place directly: a newcomer would start
+        # before a waiter that was ahead of it. It waits, and is handed the
+        # place when that waiter settles.
+        self.handed = 0
         # Drain marks that reached the head, each with the holders it still
         # waits for (those that held a place when it got there).
         self.marks: list[tuple[_Drain, set[object]]] | None = None
-        # Producers blocked in submit() until a place is free (the slots only).
-        self.producers: deque[asyncio.Future[None]] | None = None
+        # Producers blocked in submit(), with their keys (the slots only).
+        self.producers: deque[tuple[asyncio.Future[None], Hashable]] | None = None
 
     def enter(self, holder: object) -> bool | None:
-        """Take a free place for holder: False if taken now, True if it holds one, None if full."""
+        """Take a free place for holder: False if taken now, True if it holds one, None if not."""
         if holder in self.holders:
             return True
-        if self.free:
+        if self.free and not self.handed:
             self.free -= 1
             self.holders.add(holder)
             return False
         return None
 
-    def settle(self, waiter: _Waiter, holder: object) -> None:
-        """Record holder in the place its waiter was handed."""
+    def settle(self, waiter: _Waiter, holder: object, shared: bool) -> None:
+        """Record holder in the place its waiter was handed; hand on a place that waited for it."""
         self.holders.discard(waiter)
         self.holders.add(holder)
+        self.handed -= 1
         if self.marks is not None:
             for _, remaining in self.marks:
                 if waiter in remaining:
                     remaining.discard(waiter)
                     remaining.add(holder)
+        if self.free and not self.handed and self._hand(shared):
+            self.free -= 1
 
     def leave(self, holder: object, shared: bool) -> None:
         """End holder's place: hand it to the next live waiter, or free it."""
         self.holders.remove(holder)
         if self.marks is not None:
             self._passed(holder)
+        if self._hand(shared):
+            return
+        self.free += 1
+        producers = self.producers
+        while producers:
+            producer, _ = producers.popleft()
+            if not producer.done():
+                _soon(producer, _resolve, producer)
+                return
+
+    def _hand(self, shared: bool) -> bool:
+        """Hand a place to the next live waiter; False if there is none."""
         waiters = self.waiters
         while waiters:
             waiter = waiters.popleft()
@@ -336,24 +357,21 @@ class _Gate(_Waiting):
             elif not waiter.done():
                 self.waiting -= 1
                 self.holders.add(waiter)  # the waiter's before it is woken, as in _Line
+                self.handed += 1
                 if shared:
                     if not _wake(waiter):  # its loop is closed: its task is gone
                         self.holders.discard(waiter)
+                        self.handed -= 1
                         continue
                 else:
                     waiter.set_result(None)  # type: ignore[union-attr]
-                return
-        self.free += 1
-        producers = self.producers
-        while producers:
-            producer = producers.popleft()
-            if not producer.done():
-                _soon(producer, _resolve, producer)
-                return
+                return True
+        return False
 
     def drop(self, waiter: _Waiter, shared: bool) -> None:
         """Take a waiter that was interrupted out of the line, passing on a place it was handed."""
-        if waiter in self.holders:
+        if waiter in self.holders:  # handed, never settled
+            self.handed -= 1
             self.leave(waiter, shared)
         else:
             waiter.cancel()  # so that the hand-off skips it
@@ -862,8 +880,10 @@ class KeyedQueue:
         slots = self._slots
         if slots is not None:
             me = _current_task()
+            again = False
             while not slots.free and me not in slots.holders and not self._behind_running(key):
-                await self._vacancy(slots, loop)
+                await self._vacancy(slots, key, loop, again)
+                again = True  # woken, but the slot went to work already queued
         task = loop.create_task(
             self._run_keyed(keys, fn, args, kwargs, self._timeout, self._max_hold)
         )
@@ -895,13 +915,21 @@ class KeyedQueue:
             return not line.free and not line.holders.isdisjoint(running)
         return line in running
 
-    async def _vacancy(self, slots: _Gate, loop: asyncio.AbstractEventLoop) -> None:
-        """Wait, FIFO among producers, until a running slot frees."""
+    async def _vacancy(
+        self, slots: _Gate, key: Hashable, loop: asyncio.AbstractEventLoop, again: bool
+    ) -> None:
+        """Wait, FIFO among producers, until a running slot frees or key's work runs.
+
+        ``again``: at the head of the producers (it was woken, but lost the slot).
+        """
         producer: asyncio.Future[None] = loop.create_future()
         with self._guard():
             if slots.producers is None:
                 slots.producers = deque()
-            slots.producers.append(producer)
+            if again:
+                slots.producers.appendleft((producer, key))
+            else:
+                slots.producers.append((producer, key))
         try:
             await producer
         except BaseException:
@@ -915,10 +943,26 @@ class KeyedQueue:
         with self._guard():
             producers = slots.producers
             while producers:
-                producer = producers.popleft()
+                producer, _ = producers.popleft()
                 if not producer.done():
                     _soon(producer, _resolve, producer)
                     return
+
+    def _wake_producers_behind(self, slots: _Gate) -> None:
+        """Wake the producers whose key's work just got a running slot (they need none).
+
+        The caller holds the guard.
+        """
+        assert slots.producers is not None
+        still: deque[tuple[asyncio.Future[None], Hashable]] = deque()
+        for producer, key in slots.producers:
+            if producer.done():
+                continue
+            if self._behind_running(key):
+                _soon(producer, _resolve, producer)
+            else:
+                still.append((producer, key))
+        slots.producers = still
 
     def batch(self, *, on_error: Literal["wait", "cancel"] = "wait") -> Batch:
         """Scope submissions: ``async with queue.batch() as batch: await batch.submit(...)``.
@@ -1228,7 +1272,7 @@ class KeyedQueue:
             raise
         if type(line) is _Gate:
             with self._guard():
-                line.settle(waiter, task)
+                line.settle(waiter, task, self._shared)
         else:
             line.holder = task
         return True
@@ -1321,7 +1365,7 @@ class KeyedQueue:
         with self._locked():
             if type(line) is _Gate:
                 if waiter in line.holders:
-                    line.settle(waiter, me)
+                    line.settle(waiter, me, True)
                     return True
             elif line.holder is waiter:
                 line.holder = me
@@ -1357,6 +1401,8 @@ class KeyedQueue:
         with self._guard():
             entered = slots.enter(holder)
             if entered is not None:
+                if not entered and slots.producers:
+                    self._wake_producers_behind(slots)
                 return not entered
             self._no_slot_yet(timeout)
             loop = holder.get_loop()
@@ -1377,7 +1423,9 @@ class KeyedQueue:
             if timer is not None:
                 timer.cancel()
         with self._guard():
-            slots.settle(waiter, holder)
+            slots.settle(waiter, holder, self._shared)
+            if slots.producers:
+                self._wake_producers_behind(slots)
         return True
 
     def _take_slot_sync(self, me: object, timeout: float | None) -> bool:
@@ -1387,6 +1435,8 @@ class KeyedQueue:
         with self._locked():
             entered = slots.enter(me)
             if entered is not None:
+                if not entered and slots.producers:
+                    self._wake_producers_behind(slots)
                 return not entered
             self._no_slot_yet(timeout)
             waiter = _ThreadWaiter()
@@ -1404,7 +1454,9 @@ class KeyedQueue:
             raise
         with self._locked():
             if waiter in slots.holders:
-                slots.settle(waiter, me)
+                slots.settle(waiter, me, True)
+                if slots.producers:
+                    self._wake_producers_behind(slots)
                 return True
             slots.drop(waiter, True)
             self._tally.timed_out += 1
