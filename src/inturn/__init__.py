@@ -27,10 +27,14 @@ from importlib.metadata import PackageNotFoundError, version
 from ._decorator import QueuedFunction as QueuedFunction
 from ._decorator import SyncQueuedFunction as SyncQueuedFunction
 from ._errors import BackendUnavailable as BackendUnavailable
+from ._errors import HoldTimeout as HoldTimeout
 from ._errors import InturnError as InturnError
 from ._errors import LeaseLost as LeaseLost
 from ._errors import QueueClosed as QueueClosed
 from ._errors import QueueFull as QueueFull
+from ._flow import Batch as Batch
+from ._flow import Handle as Handle
+from ._flow import QueueStats as QueueStats
 from ._queue import UNSET as UNSET
 from ._queue import KeyedQueue as KeyedQueue
 from ._turn import Turn as Turn
@@ -53,11 +57,15 @@ run_sync = default_queue.run_sync
 __all__ = (
     "UNSET",
     "BackendUnavailable",
+    "Batch",
+    "Handle",
+    "HoldTimeout",
     "InturnError",
     "KeyedQueue",
     "LeaseLost",
     "QueueClosed",
     "QueueFull",
+    "QueueStats",
     "QueuedFunction",
     "SyncQueuedFunction",
     "Turn",

@@ -12,7 +12,7 @@ import wrapt
 from typing_extensions import ParamSpec
 
 from ._keys import KeySpec, KeysSpec, compile_key
-from ._queue import _check_timeout, _Unset
+from ._queue import _check_hold, _check_timeout, _Unset
 from ._tasks import current_task as _current_task
 
 if TYPE_CHECKING:
@@ -259,30 +259,38 @@ def decorate(
     keys: KeysSpec | None,
     timeout: float | _Unset | None,
     coalesce: bool,
+    max_hold: float | _Unset | None,
 ) -> Any:
     """Apply queue_by_key to fn, or return the decorator when fn is None."""
     limit = queue.timeout if isinstance(timeout, _Unset) else _check_timeout(timeout)
+    hold = queue.max_hold if isinstance(max_hold, _Unset) else _check_hold(max_hold)
     if not isinstance(coalesce, bool):
         raise TypeError(f"inturn: coalesce must be True or False, got {coalesce!r}")
     if fn is None:
-        return lambda fn: decorate(queue, fn, key, keys, limit, coalesce)
+        return lambda fn: decorate(queue, fn, key, keys, limit, coalesce, hold)
     kind = type(fn) if isinstance(fn, classmethod | staticmethod) else FunctionType
     target = fn.__func__ if kind is not FunctionType else fn
     if not callable(target) or isinstance(target, type):
         raise TypeError(f"inturn: queue_by_key() decorates functions and methods; got {fn!r}")
     if not inspect.iscoroutinefunction(target):
+        if hold is not None:
+            raise TypeError(
+                f"inturn: max_hold={hold:g} s cannot cut a thread's turn short, and "
+                f"{_describe(target)} is a plain def (its calls block their thread); "
+                "decorate an async def, or leave max_hold out"
+            )
         return _decorate_sync(queue, fn, kind, target, key, keys, limit, coalesce)
     extract, several = compile_key(target, key, keys)
     # Calls arrive with args as target receives them: the instance or class
     # first for methods (see _BoundQueued).
-    if several or limit != queue.timeout:
-        # keys= or a timeout of its own: turns are taken as keyed() takes them
+    if several or limit != queue.timeout or hold != queue.max_hold:
+        # keys=, or a timeout or max_hold of its own: turns are taken as keyed() takes them
         run_keyed = queue._run_keyed
 
         def start(
             key: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
         ) -> Coroutine[Any, Any, Any]:
-            return run_keyed(key if several else (key,), target, args, kwargs, limit)
+            return run_keyed(key if several else (key,), target, args, kwargs, limit, hold)
 
     else:
         run = queue.run

@@ -7,7 +7,14 @@ argument of the wrong type, ``ValueError`` for a setting out of range and
 
 from __future__ import annotations
 
-__all__ = ("BackendUnavailable", "InturnError", "LeaseLost", "QueueClosed", "QueueFull")
+__all__ = (
+    "BackendUnavailable",
+    "HoldTimeout",
+    "InturnError",
+    "LeaseLost",
+    "QueueClosed",
+    "QueueFull",
+)
 
 
 class InturnError(Exception):
@@ -45,4 +52,15 @@ class LeaseLost(InturnError):
     work's own result is then withheld and this error raised instead, after
     the work finished; ``turn.lease_lost`` turns true as soon as the loss is
     known, so long work can check it and stop early.
+    """
+
+
+class HoldTimeout(InturnError, TimeoutError):
+    """Work held its turn longer than its ``max_hold`` and was cancelled.
+
+    Unlike the plain :exc:`TimeoutError` of a turn not reached in time (the
+    work never ran), this work started: it was cancelled at an ``await``
+    once it had held its key(s) for ``max_hold`` seconds, and raised this
+    from the cancellation once it had finished. The key passed to the next
+    in line only then, so the two never overlapped.
     """

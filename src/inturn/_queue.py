@@ -12,10 +12,11 @@ from contextlib import AbstractContextManager, nullcontext
 from inspect import isawaitable
 from threading import get_ident
 from time import monotonic as _monotonic
-from types import CoroutineType
-from typing import TYPE_CHECKING, Any, Final, NoReturn, TypeVar, final, overload
+from types import CoroutineType, MappingProxyType
+from typing import TYPE_CHECKING, Any, Final, Literal, NoReturn, TypeVar, final, overload
 
 from ._errors import QueueClosed, QueueFull
+from ._flow import Batch, Handle, QueueStats, _unawaited, failures
 from ._keys import KeySpec, KeysSpec, order_keys, unhashable
 from ._tasks import current_task as _current_task
 from ._turn import Turn
@@ -69,9 +70,34 @@ def _check_max_pending(max_pending: int | None) -> int | None:
     return max_pending
 
 
+def _check_count(name: str, value: int | None, none: bool) -> int | None:
+    if value is None and none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"inturn: {name} must be an int{' or None' if none else ''}, got {value!r}")
+    if value < 1:
+        raise ValueError(f"inturn: {name} must be >= 1{' or None' if none else ''}, got {value!r}")
+    return value
+
+
+def _check_hold(max_hold: float | None) -> float | None:
+    if max_hold is None:
+        return None
+    if isinstance(max_hold, bool) or not isinstance(max_hold, int | float):
+        raise TypeError(f"inturn: max_hold must be a number of seconds or None, got {max_hold!r}")
+    if math.isnan(max_hold) or max_hold <= 0:
+        raise ValueError(f"inturn: max_hold must be > 0 seconds or None, got {max_hold!r}")
+    return None if math.isinf(max_hold) else float(max_hold)
+
+
 def _expire(waiter: asyncio.Future[None], key: Hashable, timeout: float) -> None:
     if not waiter.done():
         waiter.set_exception(_missed(key, timeout))
+
+
+def _expire_slot(waiter: asyncio.Future[None], queue: KeyedQueue, timeout: float) -> None:
+    if not waiter.done():
+        waiter.set_exception(queue._slotless(timeout))
 
 
 def _missed(key: Hashable, timeout: float) -> TimeoutError:
@@ -121,8 +147,12 @@ def _refuse_coroutine(fn: object, result: CoroutineType[Any, Any, Any]) -> NoRet
 
 
 def _held_by(line: Any, holder: object) -> bool:
-    """Whether line (a bare holder, a _Line or None) is held by holder."""
-    return line is not None and (line is holder or (type(line) is _Line and line.holder is holder))
+    """Whether line (a bare holder, a _Line, a _Gate or None) is held by holder."""
+    return line is not None and (
+        line is holder
+        or (type(line) is _Line and line.holder is holder)
+        or (type(line) is _Gate and holder in line.holders)
+    )
 
 
 #: What a solo queue's changes of its lines hold instead of the lock.
@@ -207,32 +237,190 @@ class _Settling:
                 self.done.set()
 
 
+class _Waiting:
+    """What both kinds of line have: a FIFO of waiters."""
+
+    __slots__ = ("waiters", "waiting")
+
+    def __init__(self) -> None:
+        # FIFO of waiter futures and drain marks. A done future is a waiter
+        # that left (cancelled or timed out) and is skipped at hand-off.
+        self.waiters: deque[_Waiter | _Drain] = deque()
+        # How many futures in `waiters` are not done: the live waiters.
+        self.waiting = 0
+
+    def compact(self) -> None:
+        """Drop waiters that left, once they outnumber the live ones."""
+        if len(self.waiters) > 2 * self.waiting + 16:
+            self.waiters = deque(w for w in self.waiters if type(w) is _Drain or not w.done())
+
+
 @final
-class _Line:
+class _Line(_Waiting):
     """A key's line once anyone but its holder has looked at it.
 
     While one task holds a key and nobody else asked about it, the queue maps
     the key straight to that task: no object is made on the uncontended path.
     """
 
-    __slots__ = ("holder", "waiters", "waiting", "watchers")
+    __slots__ = ("holder", "watchers")
 
     def __init__(self, holder: object) -> None:
+        # (_Waiting's fields set here: a call less on the contended path)
+        self.waiters: deque[_Waiter | _Drain] = deque()
+        self.waiting = 0
         # The holding task; between a hand-off and the new holder waking up,
         # the waiter future that was handed the turn. Never None.
         self.holder = holder
-        # FIFO of waiter futures and drain marks. A done future is a waiter
-        # that left (cancelled or timed out) and is skipped at hand-off.
-        self.waiters: deque[_Waiter | _Drain] = deque()
-        # How many futures in `waiters` are not done: the live waiters.
-        self.waiting = 0
         # Futures from current(), resolved with the holder's outcome.
         self.watchers: list[asyncio.Future[Any]] | None = None
 
-    def compact(self) -> None:
-        """Drop waiters that left, once they outnumber the live ones."""
-        if len(self.waiters) > 2 * self.waiting + 16:
-            self.waiters = deque(w for w in self.waiters if type(w) is _Drain or not w.done())
+
+@final
+class _Gate(_Waiting):
+    """A FIFO line for one of a bounded number of places at once.
+
+    The running slots of a queue with ``max_running``, or a key's line on a
+    queue with ``concurrency`` above 1. A holder that leaves hands its place
+    to exactly the next live waiter. On a shared queue, the caller of every
+    method holds the queue's lock.
+    """
+
+    __slots__ = ("free", "holders", "marks", "producers", "size")
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size = size  # how many places
+        # Places nobody holds. NOTE: > 0 only while no live waiter waits: a
+        # place that frees goes to the head of the line first.
+        self.free = size
+        # Who holds a place: tasks and threads; between a hand-off and the
+        # new holder waking up, the waiter that was handed it.
+        self.holders: set[object] = set()
+        # Drain marks that reached the head, each with the holders it still
+        # waits for (those that held a place when it got there).
+        self.marks: list[tuple[_Drain, set[object]]] | None = None
+        # Producers blocked in submit() until a place is free (the slots only).
+        self.producers: deque[asyncio.Future[None]] | None = None
+
+    def enter(self, holder: object) -> bool | None:
+        """Take a free place for holder: False if taken now, True if it holds one, None if full."""
+        if holder in self.holders:
+            return True
+        if self.free:
+            self.free -= 1
+            self.holders.add(holder)
+            return False
+        return None
+
+    def settle(self, waiter: _Waiter, holder: object) -> None:
+        """Record holder in the place its waiter was handed."""
+        self.holders.discard(waiter)
+        self.holders.add(holder)
+        if self.marks is not None:
+            for _, remaining in self.marks:
+                if waiter in remaining:
+                    remaining.discard(waiter)
+                    remaining.add(holder)
+
+    def leave(self, holder: object, shared: bool) -> None:
+        """End holder's place: hand it to the next live waiter, or free it."""
+        self.holders.remove(holder)
+        if self.marks is not None:
+            self._passed(holder)
+        waiters = self.waiters
+        while waiters:
+            waiter = waiters.popleft()
+            if type(waiter) is _Drain:
+                self.mark(waiter)
+            elif not waiter.done():
+                self.waiting -= 1
+                self.holders.add(waiter)  # the waiter's before it is woken, as in _Line
+                if shared:
+                    if not _wake(waiter):  # its loop is closed: its task is gone
+                        self.holders.discard(waiter)
+                        continue
+                else:
+                    waiter.set_result(None)  # type: ignore[union-attr]
+                return
+        self.free += 1
+        producers = self.producers
+        while producers:
+            producer = producers.popleft()
+            if not producer.done():
+                _soon(producer, _resolve, producer)
+                return
+
+    def drop(self, waiter: _Waiter, shared: bool) -> None:
+        """Take a waiter that was interrupted out of the line, passing on a place it was handed."""
+        if waiter in self.holders:
+            self.leave(waiter, shared)
+        else:
+            waiter.cancel()  # so that the hand-off skips it
+            self.waiting -= 1
+            self.compact()
+
+    def mark(self, drain: _Drain) -> None:
+        """A drain mark reached the head: it waits for the present holders to leave."""
+        if not self.holders:
+            drain.reached()
+        elif self.marks is None:
+            self.marks = [(drain, set(self.holders))]
+        else:
+            self.marks.append((drain, set(self.holders)))
+
+    def _passed(self, holder: object) -> None:
+        assert self.marks is not None
+        still = []
+        for drain, remaining in self.marks:
+            remaining.discard(holder)
+            if remaining:
+                still.append((drain, remaining))
+            else:
+                drain.reached()
+        self.marks = still or None
+
+    @property
+    def idle(self) -> bool:
+        """Whether nobody holds or waits for a place (the line may go)."""
+        return not self.holders and not self.waiting
+
+
+@final
+class _Tally:
+    """What a queue counts for stats(): how its turns ended, and their times."""
+
+    __slots__ = ("cancelled", "completed", "failed", "held", "timed_out", "waited")
+
+    def __init__(self) -> None:
+        self.completed = 0
+        self.failed = 0
+        self.timed_out = 0
+        self.cancelled = 0
+        self.waited = 0.0  # seconds from submission to start, summed
+        self.held = 0.0  # seconds from start to end, summed
+
+    def ended(self, error: BaseException | None, cut: bool) -> None:
+        """Count a turn that ended: cut by its max_hold, or by error (None: completed)."""
+        if error is None:
+            self.completed += 1
+        elif cut:
+            self.timed_out += 1
+        elif isinstance(error, Exception):
+            self.failed += 1
+        else:
+            self.cancelled += 1
+
+    def missed(self, error: BaseException) -> None:
+        """Count a turn that was never reached: timed out, cancelled or failed while waiting."""
+        if isinstance(error, TimeoutError):
+            self.timed_out += 1
+        elif isinstance(error, QueueFull | QueueClosed):
+            pass  # refused, never queued
+        elif isinstance(error, Exception):
+            self.failed += 1
+        else:
+            self.cancelled += 1
 
 
 @final
@@ -297,26 +485,53 @@ class KeyedQueue:
         backend, which orders the processes; keys must then be ``str``,
         ``bytes`` or ``int``, and the callers tasks of one event loop at a
         time (backends are asyncio clients).
-    :raises ValueError: ``timeout`` or ``max_pending`` is negative.
-    :raises TypeError: ``timeout`` or ``max_pending`` is not a number, or
-        ``backend`` is not a backend.
+    :param max_running: the most work running at once across all keys, or
+        ``None`` for no bound. Work first reaches its key's turn, then waits
+        for a running slot: work waiting in a key's line holds no slot, so a
+        key whose work runs never takes a second one (with ``concurrency``
+        1), and a task already running takes none for a nested turn. Slots
+        are granted in the order turns started waiting for one; a key whose
+        next work is ready when its work ends waits behind the keys already
+        waiting, so one hot key cannot starve the others. Waiting for a slot
+        counts in ``timeout``.
+    :param concurrency: how many may hold one key at once (a keyed
+        semaphore): turns are still granted in FIFO order, up to this many
+        at a time. 1 (a keyed lock) by default; above 1 only in process.
+    :param max_hold: the longest, in seconds, work may hold its turn: work
+        still holding it then is cancelled (at an ``await``: a thread, or
+        a plain function run by :meth:`run`, cannot be interrupted), its
+        caller gets :exc:`~inturn.HoldTimeout`, and the next in line starts
+        only once the cancelled work has finished. ``None``: no limit.
+        Async callers only; a blocking call on a queue with it raises
+        :exc:`TypeError`.
+    :raises ValueError: ``timeout`` or ``max_pending`` is negative,
+        ``max_running`` or ``concurrency`` is below 1, ``max_hold`` is not
+        positive, or ``concurrency`` is above 1 with a backend.
+    :raises TypeError: a setting has the wrong type, or ``backend`` is not a
+        backend.
     """
 
     __slots__ = (
         "__weakref__",
         "_arrival",
         "_backend",
+        "_concurrency",
+        "_handles",
         "_lines",
         "_lock",
+        "_max_hold",
         "_max_pending",
         "_open",
         "_owner",
         "_settling",
         "_shared",
+        "_slots",
         "_solo",
         "_solo_thread",
+        "_tally",
         "_timeout",
         "_tokens",
+        "_unclaimed",
     )
 
     def __init__(
@@ -325,6 +540,9 @@ class KeyedQueue:
         timeout: float | None = None,
         max_pending: int | None = None,
         backend: Backend | LocalBackend | None = None,
+        max_running: int | None = None,
+        concurrency: int = 1,
+        max_hold: float | None = None,
     ) -> None:
         # key -> the holder (a task or a thread), while nobody else asked
         # about the key; key -> _Line otherwise. A key is here exactly while
@@ -343,6 +561,20 @@ class KeyedQueue:
                 f"inturn: backend= takes a backend from inturn.backends (LocalBackend, "
                 f"FileBackend, RedisBackend) or None, got {backend!r}"
             )
+        max_running = _check_count("max_running", max_running, none=True)
+        self._concurrency: int = _check_count("concurrency", concurrency, none=False)  # type: ignore[assignment]
+        if self._concurrency > 1 and self._backend is not None:
+            raise ValueError(
+                f"inturn: concurrency={concurrency} needs the in-process lines; "
+                f"{self._backend!r} grants one holder per key"
+            )
+        self._max_hold = _check_hold(max_hold)
+        # The running slots, with max_running.
+        self._slots = None if max_running is None else _Gate(max_running)
+        self._tally = _Tally()
+        # submit()'s handles not finished yet, and the failed ones nobody awaited
+        self._handles: set[Handle[Any]] = set()
+        self._unclaimed: list[Handle[Any]] = []
         # NOTE: two modes. Solo: one event loop (`_solo`, running in thread
         # `_solo_thread`) is the only user, and its tasks change the lines
         # without a lock. Shared (`_shared`, for good, `_solo` None): every
@@ -404,7 +636,9 @@ class KeyedQueue:
                 raise TypeError(f"inturn: run() needs a callable, got {fn!r}")
             if task is None or task._loop is not self._owner:
                 # not the solo loop's: the first call, a closed or shared queue, a backend
-                return await self._run_keyed((key,), fn, args, kwargs, self._timeout)
+                return await self._run_keyed(
+                    (key,), fn, args, kwargs, self._timeout, self._max_hold
+                )
             # What _take() does, inlined: a coroutine less per contended call.
             waiter = self._join(key, task, line, self._timeout)
             if waiter is True:
@@ -414,8 +648,8 @@ class KeyedQueue:
                 line = lines[key]
                 try:
                     await waiter
-                except BaseException:
-                    self._abandon(key, line, waiter)
+                except BaseException as error:
+                    self._abandon(key, line, waiter, error)
                     raise
                 line.holder = task
         try:
@@ -428,11 +662,15 @@ class KeyedQueue:
                 self._release(key, task, error, None)
             elif (line := lines.pop(key)) is not task:
                 self._leave(key, line, error, None)
+            self._ended(error, False, 0.0)
             raise
         if self._shared:
             self._release(key, task, None, result)
-        elif (line := lines.pop(key)) is not task:
-            self._leave(key, line, None, result)
+            self._ended(None, False, 0.0)
+        else:
+            if (line := lines.pop(key)) is not task:
+                self._leave(key, line, None, result)
+            self._tally.completed += 1
         return result
 
     async def _run_keyed(
@@ -442,28 +680,24 @@ class KeyedQueue:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         timeout: float | None,
+        hold: float | None,
     ) -> Any:
         """Take the turns of keys as keyed() does, call fn, release.
 
-        The path of every call on a shared backend or a shared queue, and of
-        the decorator for keys= and for a timeout of its own.
+        The path of every call on a shared backend, a shared queue or one
+        with flow control, and of the decorator for keys=, or for a timeout
+        or max_hold of its own.
         """
-        turn = Turn(self, self._ordered(keys), timeout)
+        turn = Turn(self, self._ordered(keys), timeout, hold)
         await turn.__aenter__()
         try:
             result = fn(*args, **kwargs)
             if isawaitable(result):
                 result = await result
         except BaseException as error:
-            if self._backend is None:
-                turn.release(error, None)
-            else:
-                await turn._end_shared(error, None)
+            await turn._end(error, None)
             raise
-        if self._backend is None:
-            turn.release(None, result)
-        else:
-            await turn._end_shared(None, result)
+        await turn._end(None, result)
         return result
 
     @overload
@@ -506,7 +740,7 @@ class KeyedQueue:
         """Take the turns of keys for this thread, call fn, release: every sync call's path."""
         if not callable(fn):
             raise TypeError(f"inturn: run_sync() needs a callable, got {fn!r}")
-        turn = Turn(self, self._ordered(keys), timeout)
+        turn = Turn(self, self._ordered(keys), timeout, self._max_hold)
         turn.__enter__()
         try:
             result = fn(*args, **kwargs)
@@ -518,7 +752,12 @@ class KeyedQueue:
         turn.release(None, result)
         return result
 
-    def keyed(self, *keys: Hashable, timeout: float | _Unset | None = UNSET) -> Turn:
+    def keyed(
+        self,
+        *keys: Hashable,
+        timeout: float | _Unset | None = UNSET,
+        max_hold: float | _Unset | None = UNSET,
+    ) -> Turn:
         """Hold one or more keys for the duration of a ``with`` or ``async with`` block.
 
         ``async with queue.keyed("acct-1", "acct-2") as turn:`` waits (as a
@@ -532,6 +771,10 @@ class KeyedQueue:
         :param keys: one or more hashable keys; duplicates count once.
         :param timeout: the limit, in seconds, for reaching the turn of every
             key; the queue's ``timeout`` when not given, ``None`` for none.
+        :param max_hold: the longest the block may hold the keys: it is
+            cancelled then, and raises :exc:`~inturn.HoldTimeout` once it has
+            ended (see the queue's ``max_hold``); the queue's when not
+            given, ``None`` for none. ``async with`` only.
         :returns: a :class:`Turn`, the (async) context manager that takes the
             turns on entry, binds itself, and releases them on exit.
         :raises TypeError: no key was given, or a key is unhashable (at once).
@@ -540,17 +783,162 @@ class KeyedQueue:
         :raises QueueClosed: on entry, the queue is closed.
         :raises RuntimeError: on ``with`` entry inside a running event loop,
             unless its current task holds the keys already.
+        :raises TypeError: on ``with`` entry, with a ``max_hold``.
         """
         limit = self._timeout if timeout is UNSET else _check_timeout(timeout)  # type: ignore[arg-type]
+        hold = self._max_hold if max_hold is UNSET else _check_hold(max_hold)  # type: ignore[arg-type]
         if len(keys) == 1 and self._backend is None:
             try:
                 hash(keys[0])
             except TypeError:
                 raise unhashable(keys[0]) from None
-            return Turn(self, keys, limit)
+            return Turn(self, keys, limit, hold)
         if not keys:
             raise TypeError("inturn: keyed() needs at least one key")
-        return Turn(self, self._ordered(keys), limit)
+        return Turn(self, self._ordered(keys), limit, hold)
+
+    # -- fire and forget ---------------------------------------------------------------
+
+    @overload
+    async def submit(
+        self,
+        key: Hashable,
+        fn: Callable[P, Awaitable[R]],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> Handle[R]: ...
+
+    @overload
+    async def submit(
+        self, key: Hashable, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs
+    ) -> Handle[R]: ...
+
+    async def submit(
+        self, key: Hashable, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
+    ) -> Handle[Any]:
+        """Queue ``fn(*args, **kwargs)`` in ``key``'s line as a task of its own; return its handle.
+
+        The work runs as :meth:`run` would run it, in a new task. ``submit``
+        returns once the work has joined its key's line, so work submitted
+        later under the same key runs after it. With ``max_running`` it
+        also applies backpressure: while every running slot is busy, it
+        waits until one frees, unless the work will queue behind its key's
+        running work (which holds a slot already) or the caller runs in a
+        slot itself (a work submitting more work never waits on itself).
+
+        Await the returned :class:`~inturn.Handle` for the work's result, or
+        cancel it. An error that nobody awaits is raised later by
+        ``await queue.drain(raise_errors=True)`` (use :meth:`batch` to scope
+        submissions and their errors).
+
+        If ``submit`` itself is cancelled, the work is cancelled too (at its
+        first ``await``, if it had started).
+
+        :raises QueueClosed: the queue is closed.
+        :raises TypeError: ``key`` is unhashable (or, with a backend, not
+            ``str``, ``bytes`` or ``int``), or ``fn`` is not callable.
+        """
+        return await self._submit(key, fn, args, kwargs, self._unclaimed)
+
+    async def _submit(
+        self,
+        key: Hashable,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        failed: list[Handle[Any]],
+        track: Callable[[Handle[Any]], object] | None = None,
+    ) -> Handle[Any]:
+        """submit(): the handle goes to failed if it fails and nobody awaits it; track sees it."""
+        if not callable(fn):
+            raise TypeError(f"inturn: submit() needs a callable, got {fn!r}")
+        keys = self._ordered((key,))
+        if not self._open:
+            raise QueueClosed(
+                f"inturn: the queue is closed; the work for key {key!r} was not queued"
+            )
+        loop = asyncio.get_running_loop()
+        slots = self._slots
+        if slots is not None:
+            me = _current_task()
+            while not slots.free and me not in slots.holders and not self._behind_running(key):
+                await self._vacancy(slots, loop)
+        task = loop.create_task(
+            self._run_keyed(keys, fn, args, kwargs, self._timeout, self._max_hold)
+        )
+        handle: Handle[Any] = Handle(task, key, failed)
+        handles = self._handles
+        handles.add(handle)
+        task.add_done_callback(lambda _: handles.discard(handle))
+        if track is not None:
+            track(handle)
+        try:
+            await asyncio.sleep(0)  # the task's first step: it joins the line
+        except BaseException:
+            task.cancel()
+            raise
+        if slots is not None and slots.free:
+            self._next_producer(slots)  # a slot is still free: the next producer may go
+        return handle
+
+    def _behind_running(self, key: Hashable) -> bool:
+        """Whether work for key would queue behind its key's running work (holding a slot)."""
+        assert self._slots is not None
+        running = self._slots.holders
+        line = self._lines.get(key)
+        if line is None:
+            return False
+        if type(line) is _Line:
+            return line.holder in running
+        if type(line) is _Gate:
+            return not line.free and not line.holders.isdisjoint(running)
+        return line in running
+
+    async def _vacancy(self, slots: _Gate, loop: asyncio.AbstractEventLoop) -> None:
+        """Wait, FIFO among producers, until a running slot frees."""
+        producer: asyncio.Future[None] = loop.create_future()
+        with self._guard():
+            if slots.producers is None:
+                slots.producers = deque()
+            slots.producers.append(producer)
+        try:
+            await producer
+        except BaseException:
+            if producer.done() and not producer.cancelled():  # woken, then cancelled: pass it on
+                self._next_producer(slots)
+            producer.cancel()
+            raise
+
+    def _next_producer(self, slots: _Gate) -> None:
+        """Wake the first producer waiting in submit() for a slot, if any."""
+        with self._guard():
+            producers = slots.producers
+            while producers:
+                producer = producers.popleft()
+                if not producer.done():
+                    _soon(producer, _resolve, producer)
+                    return
+
+    def batch(self, *, on_error: Literal["wait", "cancel"] = "wait") -> Batch:
+        """Scope submissions: ``async with queue.batch() as batch: await batch.submit(...)``.
+
+        Like :class:`asyncio.TaskGroup`, but keyed: ``batch.submit(key, fn,
+        ...)`` is :meth:`submit` (same lines, FIFO per key, backpressure),
+        and leaving the block waits for the batch's own submissions, not the
+        rest of the queue's work. It then raises an :class:`ExceptionGroup`
+        of the errors nobody awaited (the block's own error first, if it
+        raised one), so none is lost; with no error, everything submitted
+        has finished when the block is left (acknowledge the batch then).
+
+        :param on_error: on the first error of a submission (or of the
+            block), ``"wait"`` lets the rest run to their end; ``"cancel"``
+            cancels the rest, and the block (as a TaskGroup does), then waits
+            until they finished. A block cancelled from outside cancels its
+            submissions, waits for them, and lets the cancellation go on.
+        :raises ValueError: ``on_error`` is neither ``"wait"`` nor ``"cancel"``.
+        """
+        return Batch(self, on_error)
 
     @overload
     def queue_by_key(  # type: ignore[overload-overlap]  # a coroutine function is decorated
@@ -570,6 +958,7 @@ class KeyedQueue:
         keys: KeysSpec | None = None,
         timeout: float | _Unset | None = UNSET,
         coalesce: bool = False,
+        max_hold: float | _Unset | None = UNSET,
     ) -> Decorator: ...
 
     def queue_by_key(
@@ -581,6 +970,7 @@ class KeyedQueue:
         keys: KeysSpec | None = None,
         timeout: float | _Unset | None = UNSET,
         coalesce: bool = False,
+        max_hold: float | _Unset | None = UNSET,
     ) -> Any:
         """Decorate a function so that its calls queue by key on this queue.
 
@@ -615,13 +1005,17 @@ class KeyedQueue:
             returns that call's result, or raises its exception, instead of
             queueing another run. If that call is cancelled, the waiting call
             queues a run of its own. (``async def`` only.)
+        :param max_hold: the longest a call may hold its turn: it is
+            cancelled then and raises :exc:`~inturn.HoldTimeout` (see the
+            queue's ``max_hold``); the queue's when not given, ``None`` for
+            none. (``async def`` only.)
         :returns: the decorated function, with ``.queue`` (this queue) and
             ``.key_of(*args, **kwargs)`` (the key, or tuple of keys, a call
             with those arguments would use).
         :raises TypeError: at decoration, a spec has the wrong type, a
             lambda is passed by position (a key function goes in ``key=``),
-            a plain ``def`` is decorated with ``coalesce=True`` or for a
-            queue with a backend.
+            a plain ``def`` is decorated with ``coalesce=True``, a
+            ``max_hold``, or for a queue with a backend.
         :raises ValueError: at decoration, a template names a parameter the
             function does not have.
         """
@@ -633,14 +1027,14 @@ class KeyedQueue:
                     "inturn: queue_by_key() takes the function to decorate, or key=/keys=, "
                     f"not both; got {fn!r} by position"
                 )
-            return decorate(self, fn, None, None, timeout, coalesce)
+            return decorate(self, fn, None, None, timeout, coalesce, max_hold)
         if fn is not None:
             if key is not None:
                 raise TypeError(
                     f"inturn: queue_by_key() got a key both by position ({fn!r}) and key= ({key!r})"
                 )
             key = fn
-        return decorate(self, None, key, keys, timeout, coalesce)
+        return decorate(self, None, key, keys, timeout, coalesce, max_hold)
 
     # -- the lines --------------------------------------------------------------
 
@@ -677,7 +1071,7 @@ class KeyedQueue:
                 if loop is not None and (self._solo is None or self._solo_thread == here):
                     self._solo = loop
                     self._solo_thread = here
-                    self._owner = loop if self._open and self._backend is None else None
+                    self._owner = loop if self._open and self._plain else None
                     return True
                 if self._backend is not None:
                     raise RuntimeError(
@@ -691,6 +1085,16 @@ class KeyedQueue:
                 if solo is not None and self._solo_thread != here:
                     self._settling = _Settling(solo, self._solo_thread)
         return False
+
+    @property
+    def _plain(self) -> bool:
+        """Whether turns are the bare lines: no backend and no flow control."""
+        return (
+            self._backend is None
+            and self._slots is None
+            and self._concurrency == 1
+            and self._max_hold is None
+        )
 
     def _guard(self) -> AbstractContextManager[object]:
         """What to hold while changing the lines: the lock once shared, else nothing."""
@@ -710,7 +1114,7 @@ class KeyedQueue:
 
     def _admit(
         self, key: Hashable, holder: object, line: Any, timeout: float | None
-    ) -> _Line | bool:
+    ) -> _Line | _Gate | bool:
         """Take key's turn for holder at once, or find the line it must wait in.
 
         Return True if holder holds the key already (a reentrant call, which
@@ -725,10 +1129,15 @@ class KeyedQueue:
                 f"inturn: the queue is closed; the work for key {key!r} was not queued"
             )
         lines = self._lines
-        if line is None:
+        if self._concurrency != 1:  # a _Gate per key
+            if line is None:
+                line = lines[key] = _Gate(self._concurrency)
+            if line.enter(holder) is False:
+                return False
+        elif line is None:
             lines[key] = holder
             return False
-        if type(line) is not _Line:
+        elif type(line) is not _Line:
             lines[key] = line = _Line(line)
         if self._max_pending is not None and line.waiting >= self._max_pending:
             raise QueueFull(
@@ -736,6 +1145,7 @@ class KeyedQueue:
                 f"(max_pending={self._max_pending}); the work was not queued"
             )
         if timeout is not None and timeout <= 0:
+            self._tally.timed_out += 1
             raise TimeoutError(
                 f"inturn: the turn for key {key!r} was not free (timeout={timeout:g} s)"
             )
@@ -768,8 +1178,10 @@ class KeyedQueue:
             waiter.add_done_callback(lambda _: timer.cancel())
         return waiter
 
-    def _abandon(self, key: Hashable, line: _Line, waiter: _Waiter) -> None:
-        """Take an interrupted waiter out of the line it joined (cancelled or timed out).
+    def _abandon(
+        self, key: Hashable, line: _Line | _Gate, waiter: _Waiter, error: BaseException
+    ) -> None:
+        """Take a waiter that error interrupted out of the line it joined (cancelled or timed out).
 
         ``line`` is the object the waiter joined: by now it may have left the
         lines (its holder left and no live waiter remained), and a new line
@@ -777,9 +1189,14 @@ class KeyedQueue:
         """
         with self._guard():
             self._drop(key, line, waiter)
+            self._tally.missed(error)
 
-    def _drop(self, key: Hashable, line: _Line, waiter: _Waiter) -> None:
-        if line.holder is waiter:
+    def _drop(self, key: Hashable, line: _Line | _Gate, waiter: _Waiter) -> None:
+        if type(line) is _Gate:
+            line.drop(waiter, self._shared)
+            if line.idle:
+                del self._lines[key]
+        elif line.holder is waiter:
             # The turn was handed over just as the waiter was interrupted:
             # pass it on, or the line would stall behind a caller that left.
             self._leave(key, self._lines.pop(key), None, None)
@@ -806,10 +1223,14 @@ class KeyedQueue:
             line = lines[key]
         try:
             await waiter
-        except BaseException:
-            self._abandon(key, line, waiter)
+        except BaseException as error:
+            self._abandon(key, line, waiter, error)
             raise
-        line.holder = task
+        if type(line) is _Gate:
+            with self._guard():
+                line.settle(waiter, task)
+        else:
+            line.holder = task
         return True
 
     async def _take_all(
@@ -894,14 +1315,19 @@ class KeyedQueue:
                 waiter.lock.acquire()
             else:
                 waiter.lock.acquire(timeout=timeout)
-        except BaseException:  # interrupted: KeyboardInterrupt, or a signal handler's error
-            self._abandon(key, line, waiter)
+        except BaseException as error:  # interrupted: KeyboardInterrupt, or a signal handler's
+            self._abandon(key, line, waiter, error)
             raise
         with self._locked():
-            if line.holder is waiter:
+            if type(line) is _Gate:
+                if waiter in line.holders:
+                    line.settle(waiter, me)
+                    return True
+            elif line.holder is waiter:
                 line.holder = me
                 return True
             self._drop(key, line, waiter)
+            self._tally.timed_out += 1
         assert limit is not None
         raise _missed(key, limit)
 
@@ -909,12 +1335,120 @@ class KeyedQueue:
         self, key: Hashable, holder: object, error: BaseException | None, result: Any
     ) -> None:
         """End holder's turn on key."""
-        if self._shared:
+        if self._concurrency != 1:
+            with self._guard():
+                gate = self._lines[key]
+                gate.leave(holder, self._shared)
+                if gate.idle:
+                    del self._lines[key]
+        elif self._shared:
             with self._locked():
                 if (line := self._lines.pop(key)) is not holder:
                     self._leave(key, line, error, result)
         elif (line := self._lines.pop(key)) is not holder:
             self._leave(key, line, error, result)
+
+    # -- the running slots (max_running) ------------------------------------------------
+
+    async def _take_slot(self, holder: asyncio.Task[Any], timeout: float | None) -> bool:
+        """Take a running slot for a task that holds its keys; False if it holds one already."""
+        slots = self._slots
+        assert slots is not None
+        with self._guard():
+            entered = slots.enter(holder)
+            if entered is not None:
+                return not entered
+            self._no_slot_yet(timeout)
+            loop = holder.get_loop()
+            waiter: asyncio.Future[None] = loop.create_future()
+            slots.waiters.append(waiter)
+            slots.waiting += 1
+        timer = None
+        if timeout is not None:
+            timer = loop.call_later(timeout, _expire_slot, waiter, self, timeout)
+        try:
+            await waiter
+        except BaseException as error:
+            with self._guard():
+                slots.drop(waiter, self._shared)
+                self._tally.missed(error)
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+        with self._guard():
+            slots.settle(waiter, holder)
+        return True
+
+    def _take_slot_sync(self, me: object, timeout: float | None) -> bool:
+        """Take a running slot for thread me, blocking it if need be (see _take_slot)."""
+        slots = self._slots
+        assert slots is not None
+        with self._locked():
+            entered = slots.enter(me)
+            if entered is not None:
+                return not entered
+            self._no_slot_yet(timeout)
+            waiter = _ThreadWaiter()
+            slots.waiters.append(waiter)
+            slots.waiting += 1
+        try:
+            if timeout is None:
+                waiter.lock.acquire()
+            else:
+                waiter.lock.acquire(timeout=timeout)
+        except BaseException as error:
+            with self._locked():
+                slots.drop(waiter, True)
+                self._tally.missed(error)
+            raise
+        with self._locked():
+            if waiter in slots.holders:
+                slots.settle(waiter, me)
+                return True
+            slots.drop(waiter, True)
+            self._tally.timed_out += 1
+        assert timeout is not None
+        raise self._slotless(timeout)
+
+    def _no_slot_yet(self, timeout: float | None) -> None:
+        """Raise if there is no time to wait for a slot (the caller found none free)."""
+        if timeout is not None and timeout <= 0:
+            self._tally.timed_out += 1
+            raise self._slotless(0)
+
+    def _slotless(self, timeout: float) -> TimeoutError:
+        size = self._slots.size if self._slots is not None else 0
+        return TimeoutError(
+            f"inturn: no running slot (max_running={size}) came free within {timeout:g} s; "
+            "the work did not run"
+        )
+
+    def _free_slot(self, holder: object) -> None:
+        """End holder's running slot, handing it to the next in the slot line."""
+        slots = self._slots
+        assert slots is not None
+        with self._guard():
+            slots.leave(holder, self._shared)
+
+    def _started(self, since: float) -> float:
+        """Count the wait of a timed turn that was submitted at since and starts now; return now."""
+        now = _monotonic()
+        with self._guard():
+            self._tally.waited += now - since
+        return now
+
+    def _missed(self, error: BaseException) -> None:
+        """Count a turn that was never reached (see _Tally.missed)."""
+        with self._guard():
+            self._tally.missed(error)
+
+    def _ended(self, error: BaseException | None, cut: bool, since: float) -> None:
+        """Count a turn that ended (see _Tally.ended); a timed one started at since."""
+        with self._guard():
+            self._tally.ended(error, cut)
+            if since:
+                self._tally.held += _monotonic() - since
 
     def _leave(self, key: Hashable, line: _Line, error: BaseException | None, result: Any) -> None:
         """End the turn of line's holder, just popped from the lines.
@@ -965,9 +1499,9 @@ class KeyedQueue:
         return len(self._lines)
 
     def pending(self, key: Hashable) -> int:
-        """How many tasks and threads wait for ``key``, not counting its holder."""
+        """How many tasks and threads wait for ``key``, not counting its holder(s)."""
         line = self._lines.get(key)
-        return line.waiting if type(line) is _Line else 0
+        return line.waiting if type(line) is _Line or type(line) is _Gate else 0
 
     def current(self, key: Hashable) -> asyncio.Future[Any] | None:
         """An awaitable of the outcome of ``key``'s current holder, or ``None``.
@@ -978,7 +1512,9 @@ class KeyedQueue:
         nothing holds the key (or the key was just handed over and its next
         holder has not started). Awaiting it, or cancelling the awaiter,
         never affects the holder; if the holder is cancelled, awaiting it
-        raises ``CancelledError``. Call it inside a running event loop.
+        raises ``CancelledError``. Call it inside a running event loop. On a
+        queue with ``concurrency`` above 1, always ``None``: a key has
+        several holders, and no one outcome.
         """
         loop = asyncio.get_running_loop()
         with self._guard():
@@ -986,8 +1522,8 @@ class KeyedQueue:
 
     def _watch(self, key: Hashable, loop: asyncio.AbstractEventLoop) -> asyncio.Future[Any] | None:
         line = self._lines.get(key)
-        if line is None:
-            return None
+        if line is None or type(line) is _Gate:
+            return None  # (several holders: no one outcome to watch)
         if type(line) is not _Line:
             line = self._lines[key] = _Line(line)
         elif not isinstance(line.holder, asyncio.Task | threading.Thread):
@@ -997,6 +1533,41 @@ class KeyedQueue:
             line.watchers = []
         line.watchers.append(watcher)
         return watcher
+
+    def stats(self) -> QueueStats:
+        """A snapshot of the queue: running and waiting work, counts, times.
+
+        Cheap enough for a metrics exporter to call every second: the counts
+        are kept as turns end, and the rest is one pass over the active keys.
+        """
+        holders: set[object] = set()
+        waiting: dict[Hashable, int] = {}
+        with self._guard():
+            for key, line in self._lines.items():
+                kind = type(line)
+                if kind is _Line:
+                    holders.add(line.holder)
+                elif kind is _Gate:
+                    holders.update(line.holders)
+                else:
+                    holders.add(line)
+                    continue
+                if line.waiting:
+                    waiting[key] = line.waiting
+            slots = self._slots
+            tally = self._tally
+            timed = not self._plain
+            return QueueStats(
+                running=len(holders) if slots is None else len(slots.holders),
+                waiting_for_slot=0 if slots is None else slots.waiting,
+                waiting=MappingProxyType(waiting),
+                completed=tally.completed,
+                failed=tally.failed,
+                timed_out=tally.timed_out,
+                cancelled=tally.cancelled,
+                wait_time=tally.waited if timed else None,
+                hold_time=tally.held if timed else None,
+            )
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -1015,6 +1586,21 @@ class KeyedQueue:
         """The most waiters a key may have, or ``None``."""
         return self._max_pending
 
+    @property
+    def max_running(self) -> int | None:
+        """The most work that may run at once across keys, or ``None``."""
+        return None if self._slots is None else self._slots.size
+
+    @property
+    def concurrency(self) -> int:
+        """How many may hold one key at once."""
+        return self._concurrency
+
+    @property
+    def max_hold(self) -> float | None:
+        """The longest work may hold its turn before it is cancelled, or ``None``."""
+        return self._max_hold
+
     def _mark(self, finish: Callable[[], object]) -> bool:
         """Put a drain mark at the tail of every active line; False if there is none."""
         lines = self._lines
@@ -1022,12 +1608,15 @@ class KeyedQueue:
             return False
         drain = _Drain(len(lines), finish)
         for key, line in list(lines.items()):
-            if type(line) is not _Line:
+            if type(line) is _Gate and not line.waiting:
+                line.mark(drain)  # nobody waits: it waits for the present holders
+                continue
+            if type(line) is not _Line and type(line) is not _Gate:
                 line = lines[key] = _Line(line)
             line.waiters.append(drain)
         return True
 
-    async def drain(self) -> None:
+    async def drain(self, *, raise_errors: bool = False) -> None:
         """Wait until every task or thread pending or running at this call has finished.
 
         A task created just before (``create_task(decorated(...))`` then
@@ -1036,15 +1625,31 @@ class KeyedQueue:
         Work submitted later is not waited for. Errors of the drained work
         reach their own callers, not this one. Cancelling a drain only stops
         the waiting.
+
+        :param raise_errors: then raise, as an :class:`ExceptionGroup`, the
+            errors of :meth:`submit`'s work that failed and that nobody
+            awaited (each is raised once; a batch's are its own).
         """
         await asyncio.sleep(0)  # let tasks created before this call submit their work
         loop = asyncio.get_running_loop()
         future = loop.create_future()
+        # their tasks end just after they leave the lines: wait for that too
+        submitted = [h._task for h in self._handles if h._task.get_loop() is loop]
         # the last mark may be reached in another thread, once the queue is shared
         with self._guard_for(loop):
             marked = self._mark(lambda: _soon(future, _resolve, future))
         if marked:
             await future
+        if submitted:
+            await asyncio.wait(submitted)
+        if raise_errors and self._unclaimed:
+            errors = _unawaited(self._unclaimed)
+            self._unclaimed.clear()
+            if errors:
+                raise failures(
+                    f"inturn: {len(errors)} submitted work(s) failed and nobody awaited them",
+                    errors,
+                )
 
     def drain_sync(self, timeout: float | None = None) -> bool:
         """Block this thread until every caller pending or running at this call has finished.
@@ -1093,7 +1698,7 @@ class KeyedQueue:
         lines = list(itertools.islice(self._lines.copy().items(), 6))
         shown = []
         for key, line in lines[:5]:
-            waiting = line.waiting if type(line) is _Line else 0
+            waiting = line.waiting if type(line) is _Line or type(line) is _Gate else 0
             shown.append(f"{key!r}: held, {waiting} waiting")
         if len(lines) > 5:
             shown.append("...")

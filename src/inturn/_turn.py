@@ -6,10 +6,11 @@ import asyncio
 import contextvars
 import sys
 from collections.abc import Awaitable, Hashable, Mapping
+from time import monotonic as _monotonic
 from types import MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Any, final
 
-from ._errors import LeaseLost
+from ._errors import HoldTimeout, LeaseLost
 from ._tasks import current_task as _current_task
 
 if TYPE_CHECKING:
@@ -58,6 +59,42 @@ async def _settle(release: Awaitable[None]) -> None:
 
 
 @final
+class _Clock:
+    """A turn's max_hold: cancels the holding task when the limit runs out."""
+
+    __slots__ = ("cancelling", "expired", "handle", "limit", "task")
+
+    def __init__(self, task: asyncio.Task[Any], limit: float) -> None:
+        self.task = task
+        self.limit = limit
+        self.expired = False
+        # the task's cancellation requests before this one (as asyncio.timeout() counts them)
+        self.cancelling = 0
+        if sys.version_info >= (3, 11):
+            self.cancelling = task.cancelling()
+        self.handle = task.get_loop().call_later(limit, self._expire)
+
+    def _expire(self) -> None:
+        self.expired = True
+        self.task.cancel(f"inturn: max_hold={self.limit:g} s ran out")
+
+    def stop(self, keys: tuple[Hashable, ...], error: BaseException | None) -> HoldTimeout | None:
+        """Stop the clock; return the HoldTimeout to raise if the limit cut the work."""
+        self.handle.cancel()
+        if not self.expired:
+            return None
+        if sys.version_info >= (3, 11) and self.task.uncancel() > self.cancelling:
+            return None  # cancelled from elsewhere too: that cancellation goes on
+        if not isinstance(error, asyncio.CancelledError):
+            return None  # the work caught the cancellation and ended by itself
+        what = ", ".join(map(repr, keys))
+        return HoldTimeout(
+            f"inturn: the work held {what} longer than max_hold={self.limit:g} s "
+            "and was cancelled; the next in line started after it finished"
+        )
+
+
+@final
 class _Shared:
     """What a turn on a shared backend has besides: its grants, and where it sits."""
 
@@ -93,7 +130,19 @@ class Turn:
         order, so that two holders of overlapping keys never deadlock.
     """
 
-    __slots__ = ("_queue", "_shared", "_taken", "_task", "_timeout", "keys", "token")
+    __slots__ = (
+        "_clock",
+        "_hold",
+        "_queue",
+        "_shared",
+        "_since",
+        "_slot",
+        "_taken",
+        "_task",
+        "_timeout",
+        "keys",
+        "token",
+    )
 
     keys: tuple[Hashable, ...]
     #: A fencing token, set on entry: larger than the token of every turn
@@ -103,15 +152,25 @@ class Turn:
     token: int
 
     def __init__(
-        self, queue: KeyedQueue, keys: tuple[Hashable, ...], timeout: float | None
+        self,
+        queue: KeyedQueue,
+        keys: tuple[Hashable, ...],
+        timeout: float | None,
+        hold: float | None,
     ) -> None:
         self._queue = queue
         self.keys = keys
         self._timeout = timeout
+        self._hold = hold  # max_hold, seconds
         self.token = 0
         self._task: object = None  # the task inside the block, None outside it
         self._taken: tuple[Hashable, ...] = ()  # the keys this turn took (not held already)
         self._shared: _Shared | None = None  # on a shared backend, once entered
+        self._slot = False  # whether this turn took a running slot (max_running)
+        self._clock: _Clock | None = None  # max_hold, while held
+        # When the turn started, on queues that time their turns (not the
+        # plain in-process ones); 0.0 otherwise.
+        self._since = 0.0
 
     @property
     def tokens(self) -> Mapping[Hashable, int]:
@@ -161,24 +220,66 @@ class Turn:
                         line = lines[key]
                         try:
                             await waiter
-                        except BaseException:
-                            queue._abandon(key, line, waiter)
+                        except BaseException as error:
+                            queue._abandon(key, line, waiter, error)
                             raise
                         line.holder = task
                     self._taken = keys
             self.token = next(queue._tokens)
-        else:
+        elif queue._plain:
             self._taken = await queue._take_all(keys, task, self._timeout)
             self.token = next(queue._tokens)
+        else:
+            await self._enter_flow(queue, task)
+            self.token = next(queue._tokens)
         self._task = task
+        if self._hold is not None and self._taken:
+            assert task is not None  # (a turn was taken)
+            self._clock = _Clock(task, self._hold)
         return self
+
+    async def _enter_flow(self, queue: KeyedQueue, task: Any) -> None:
+        """Take the keys, then a running slot (max_running); time the wait."""
+        start = _monotonic()
+        timeout = self._timeout
+        taken = await queue._take_all(self.keys, task, timeout)
+        if queue._slots is not None:
+            try:
+                left = None if timeout is None else max(0.0, timeout - (_monotonic() - start))
+                self._slot = await queue._take_slot(task, left)
+            except BaseException as error:
+                for key in reversed(taken):
+                    queue._release(key, task, error, None)
+                raise
+        self._taken = taken
+        self._since = queue._started(start)
 
     def __enter__(self) -> Turn:
         """Take the turns for this thread, blocking it while it waits (see ``KeyedQueue.keyed``)."""
         if self._task is not None:
             raise RuntimeError("inturn: this keyed() turn is already entered; make one per block")
+        if self._hold is not None:
+            raise TypeError(
+                f"inturn: max_hold={self._hold:g} s cannot cut a thread's turn short "
+                "(a thread cannot be cancelled); take it from a task, or without max_hold"
+            )
         queue = self._queue
-        self._task, self._taken = queue._take_all_sync(self.keys, self._timeout)
+        timed = not queue._plain
+        start = _monotonic() if timed else 0.0
+        holder, taken = queue._take_all_sync(self.keys, self._timeout)
+        if queue._slots is not None:
+            try:
+                left = self._timeout
+                if left is not None:
+                    left = max(0.0, left - (_monotonic() - start))
+                self._slot = queue._take_slot_sync(holder, left)
+            except BaseException as error:
+                for key in reversed(taken):
+                    queue._release(key, holder, error, None)
+                raise
+        self._task, self._taken = holder, taken
+        if timed:
+            self._since = queue._started(start)
         self.token = next(queue._tokens)
         return self
 
@@ -192,6 +293,7 @@ class Turn:
 
     async def _enter_shared(self, queue: KeyedQueue, backend: Backend, task: Any) -> None:
         """Take each key's turn in this process's line, then from the backend, in order."""
+        begun = _monotonic()
         loop = asyncio.get_running_loop()
         deadline = None if self._timeout is None else loop.time() + self._timeout
         outer = _CURRENT.get()
@@ -214,7 +316,12 @@ class Turn:
                 grant = await backend.acquire(key, left)
                 grants.append(grant)
                 tokens[key] = grant.token
+            if queue._slots is not None:
+                left = None if deadline is None else max(0.0, deadline - loop.time())
+                self._slot = await queue._take_slot(task, left)
         except BaseException as error:
+            if len(grants) < len(taken):  # the backend's turn was not reached
+                queue._missed(error)
             try:
                 for grant in reversed(grants):
                     await _settle(backend.release(grant))
@@ -225,6 +332,7 @@ class Turn:
         self._taken = tuple(taken)
         self._shared = _Shared(grants, tokens, holders, outer)
         self.token = tokens[self.keys[0]]
+        self._since = queue._started(begun)
         _CURRENT.set(self)
 
     async def __aexit__(
@@ -234,30 +342,65 @@ class Turn:
         tb: TracebackType | None,
     ) -> None:
         queue = self._queue
-        if queue._backend is not None:
-            await self._end_shared(exc, None)
-            return
         taken = self._taken
-        if len(taken) == 1:  # what release() does, inlined for the common single key
+        # (a backend's turns are timed: _since is set)
+        if len(taken) == 1 and not self._since and self._clock is None:
+            # what _end() does, inlined for a plain turn on one key
             task, self._task, self._taken = self._task, None, ()
             key = taken[0]
             if queue._shared:
                 queue._release(key, task, exc, None)
-            elif (line := queue._lines.pop(key)) is not task:
-                queue._leave(key, line, exc, None)
+                queue._ended(exc, False, 0.0)
+            else:
+                if (line := queue._lines.pop(key)) is not task:
+                    queue._leave(key, line, exc, None)
+                if exc is None:
+                    queue._tally.completed += 1
+                else:
+                    queue._tally.ended(exc, False)
         else:
-            self.release(exc, None)
+            await self._end(exc, None)
 
-    def release(self, error: BaseException | None, result: Any) -> None:
-        """Release every key this turn took, newest first, telling watchers the outcome."""
+    async def _end(self, error: BaseException | None, result: Any) -> None:
+        """End the turn whose work ended with error, or with result.
+
+        Raises :exc:`~inturn.HoldTimeout` if its max_hold cut it, and what
+        :meth:`_end_shared` raises on a shared backend.
+        """
+        clock = self._clock
+        cut = None
+        if clock is not None:
+            self._clock = None
+            cut = clock.stop(self.keys, error)
+            if cut is not None:
+                cut.__cause__ = error
+                error = cut
+        if self._queue._backend is None:
+            self.release(error, result, cut is not None)
+        else:
+            await self._end_shared(error, result, cut is not None)
+        if cut is not None:
+            raise cut
+
+    def release(self, error: BaseException | None, result: Any, cut: bool = False) -> None:
+        """Release the running slot and every key this turn took, newest first; count the turn.
+
+        Watchers learn the outcome (error, or result); ``cut``: max_hold cut the work.
+        """
         queue, task, taken = self._queue, self._task, self._taken
         self._task = None
         self._taken = ()
+        if self._slot:
+            self._slot = False
+            queue._free_slot(task)
         for key in reversed(taken):
             queue._release(key, task, error, result)
+        if taken:
+            queue._ended(error, cut, self._since)
+            self._since = 0.0
 
-    async def _end_shared(self, error: BaseException | None, result: Any) -> None:
-        """Release the backend's grants, then this process's turns; report a lost lease.
+    async def _end_shared(self, error: BaseException | None, result: Any, cut: bool) -> None:
+        """Release the running slot, the backend's grants, then this process's turns.
 
         Raises :exc:`~inturn.LeaseLost` if a grant's lease ran out and the
         work ended without an error of its own (with one, the loss is noted
@@ -267,6 +410,9 @@ class Turn:
         shared = self._shared
         assert backend is not None
         assert shared is not None
+        if self._slot:  # first: the next work in this process may start meanwhile
+            self._slot = False
+            self._queue._free_slot(self._task)
         grants = shared.grants
         _CURRENT.set(shared.outer)
         failure: Exception | None = None
@@ -290,7 +436,7 @@ class Turn:
             elif failure is not None and error is None:
                 error = failure
         finally:
-            self.release(error, result)
+            self.release(error, result, cut)
         if failure is not None and failure is error:
             raise failure
 
