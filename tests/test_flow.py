@@ -185,8 +185,9 @@ async def test_slots_go_in_order_of_waiting_and_a_finished_key_to_the_back() -> 
     assert recorder.started == ["a1", "b", "c", "d", "a2"]
 
 
+@pytest.mark.parametrize("way", ["run", "submit"])
 @pytest.mark.parametrize("hot_keys", [1, 2])
-async def test_a_hot_key_does_not_starve_a_cold_one(hot_keys: int) -> None:
+async def test_a_hot_key_does_not_starve_a_cold_one(hot_keys: int, way: str) -> None:
     queue = KeyedQueue(max_running=hot_keys)
     events: list[Any] = []
     midway = asyncio.Event()
@@ -199,16 +200,22 @@ async def test_a_hot_key_does_not_starve_a_cold_one(hot_keys: int) -> None:
 
     async def cold() -> str:
         events.append("cold submitted")
-        return await queue.run("cold", lambda: events.append("cold") or "cold")
+        if way == "run":
+            return await queue.run("cold", lambda: events.append("cold") or "cold")
+        return await (await queue.submit("cold", lambda: events.append("cold") or "cold"))
 
     keys = [f"hot{h}" for h in range(hot_keys)]
-    hots = [asyncio.create_task(queue.run(key, hot, key, i)) for i in range(1000) for key in keys]
+    if way == "run":
+        hots = [asyncio.create_task(queue.run(k, hot, k, i)) for i in range(1000) for k in keys]
+    else:  # each producer's next submission queues behind its key's running work
+        hots = [await queue.submit(k, hot, k, i) for i in range(1000) for k in keys]
     await midway.wait()
     assert await cold() == "cold"
     submitted, started = events.index("cold submitted"), events.index("cold")
     # the cold task starts within the first 3 turns after it was submitted
     assert started - submitted - 1 <= 2, events[submitted : started + 1]
-    await asyncio.gather(*hots)
+    for work in hots:
+        await work
     for key in keys:
         assert [e[1] for e in events if isinstance(e, tuple) and e[0] == key] == list(range(1000))
 
@@ -583,7 +590,8 @@ async def test_a_blocked_producer_can_be_cancelled() -> None:
     ran: list[str] = []
     holder = await queue.submit("a", gate.wait)
     producer = asyncio.create_task(queue.submit("b", lambda: ran.append("b")))
-    await settle(lambda: slot_waiters(queue) == 1)
+    await checkpoints(ROUNDS)
+    assert not producer.done()
     producer.cancel()
     await settle(producer.done)
     assert producer.cancelled()
@@ -593,6 +601,35 @@ async def test_a_blocked_producer_can_be_cancelled() -> None:
     await queue.drain(raise_errors=True)
     assert ran == []
     assert queue.active_count == 0
+
+
+async def test_blocked_producers_go_in_order_and_one_for_a_running_key_goes_on() -> None:
+    queue = KeyedQueue(max_running=1)
+    gauge = Gauge()
+    gate_a, gate_c = asyncio.Event(), asyncio.Event()
+    a = await queue.submit("a", gauge.body("a", "a", gate=gate_a))
+    first = asyncio.create_task(queue.submit("c", gauge.body("c", "c1", gate=gate_c)))
+    await checkpoints(ROUNDS)
+    second = asyncio.create_task(queue.submit("c", gauge.body("c", "c2")))
+    await checkpoints(ROUNDS)
+    other = asyncio.create_task(queue.submit("d", gauge.body("d", "d1")))
+    await checkpoints(ROUNDS)
+    assert not first.done()  # the one slot is a's
+    assert not second.done()
+    assert not other.done()
+    gate_a.set()
+    await settle(lambda: gauge.started["c"] == ["c1"])  # the first producer's work took it
+    await settle(first.done)
+    # c's work runs now: the second producer's work queues behind it, with no slot to wait for
+    await settle(second.done)
+    await checkpoints(ROUNDS)
+    assert not other.done()
+    assert gauge.started["d"] == []
+    gate_c.set()
+    handles = [a, await first, await second, await other]
+    assert [await handle for handle in handles] == ["a", "c1", "c2", "d1"]
+    assert gauge.started["c"] == ["c1", "c2"]
+    assert gauge.peak == 1
 
 
 # -- errors nobody awaited -----------------------------------------------------------------
