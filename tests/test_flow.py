@@ -330,6 +330,45 @@ async def test_a_slot_handed_to_a_task_cancelled_at_that_moment_passes_on() -> N
     assert queue.stats().running == 0
 
 
+async def test_several_keys_of_one_turn_take_one_slot() -> None:
+    queue = KeyedQueue(max_running=2)
+    gauge = Gauge()
+    gate = asyncio.Event()
+
+    async def both() -> str:
+        async with queue.keyed("a", "b"):
+            return await gauge.body("a+b", "a+b", gate=gate)()
+
+    first = asyncio.create_task(both())
+    other = asyncio.create_task(queue.run("c", gauge.body("c", "c", gate=gate)))
+    await settle(lambda: gauge.running == 2)  # a+b took one slot: c has the other
+    third = asyncio.create_task(queue.run("d", gauge.body("d", "d")))
+    await settle(lambda: slot_waiters(queue) == 1)
+    assert queue.stats().running == 2
+    gate.set()
+    assert await asyncio.gather(first, other, third) == ["a+b", "c", "d"]
+    assert gauge.peak == 2
+
+
+async def test_a_cancelled_handle_takes_no_slot() -> None:
+    queue = KeyedQueue(max_running=1)
+    gate = asyncio.Event()
+    ran: list[str] = []
+    holder = await queue.submit("a", gate.wait)
+    behind = await queue.submit("a", lambda: ran.append("a2"))  # queued behind a: no wait
+    producer = asyncio.create_task(queue.submit("b", lambda: ran.append("b")))
+    await checkpoints(ROUNDS)
+    assert not producer.done()
+    assert behind.cancel() is True
+    gate.set()  # a's holder leaves: the slot goes to b, a2 having left
+    assert await (await producer) is None
+    assert await holder is True
+    assert behind.cancelled()
+    assert ran == ["b"]
+    assert queue.active_count == 0
+    assert queue.stats().running == 0
+
+
 # -- threads and max_running -----------------------------------------------------------
 
 
@@ -944,6 +983,28 @@ async def test_max_hold_counts_from_the_turn_not_from_submission() -> None:
     waiter = asyncio.create_task(queue.run("k", checkpoints, 3))
     await holder
     await waiter  # waited past max_hold, but held the key for a few steps only
+
+
+async def test_max_hold_of_submitted_work_reaches_its_handle_or_drain(
+    loop_errors: list[dict[str, Any]],
+) -> None:
+    queue = KeyedQueue(max_hold=0.01)
+    never = asyncio.Event()
+    awaited = await queue.submit("k", never.wait)
+    await queue.submit("k", never.wait)  # nobody awaits it
+    after = await queue.submit("k", lambda: "after")
+    with pytest.raises(HoldTimeout):
+        await awaited
+    assert await after == "after"
+    with pytest.raises(ExceptionGroup) as info:
+        await queue.drain(raise_errors=True)
+    assert len(info.value.exceptions) == 1
+    assert isinstance(info.value.exceptions[0], HoldTimeout)
+    assert queue.stats().timed_out == 2
+    del info, awaited, after
+    gc.collect()
+    await checkpoints(3)
+    assert never_retrieved(loop_errors) == []
 
 
 def test_max_hold_refuses_threads_which_cannot_be_cancelled() -> None:
