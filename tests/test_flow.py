@@ -369,6 +369,28 @@ async def test_a_cancelled_handle_takes_no_slot() -> None:
     assert queue.stats().running == 0
 
 
+async def test_one_deadline_covers_the_key_and_the_slot() -> None:
+    loop = asyncio.get_running_loop()
+    queue = KeyedQueue(max_running=2)
+    forever = asyncio.Event()
+    x = asyncio.create_task(queue.run("x", forever.wait))  # holds a slot throughout
+    b = asyncio.create_task(queue.run("b", asyncio.sleep, 0.3))  # key b and a slot, 0.3 s
+    await settle(lambda: queue.stats().running == 2)
+    d = asyncio.create_task(queue.run("d", forever.wait))  # first for a slot: gets b's
+    await settle(lambda: slot_waiters(queue) == 1)
+    late = asyncio.Event()
+    loop.call_later(0.55, late.set)
+    with pytest.raises(TimeoutError):
+        # 0.3 s in b's line, then a slot that never frees: missed at 0.4 s, not at
+        # 0.7 s (a fresh 0.4 s for the slot); timers fire in the order of their deadlines
+        async with queue.keyed("b", timeout=0.4):
+            pass
+    assert not late.is_set()
+    for task in (x, d):
+        task.cancel()
+    await asyncio.gather(x, b, d, return_exceptions=True)
+
+
 # -- threads and max_running -----------------------------------------------------------
 
 
@@ -456,6 +478,26 @@ def test_threads_alone_never_exceed_max_running(pool: ThreadPoolExecutor) -> Non
         future.result()
     assert 1 <= gauge.peak <= 3
     assert set(gauge.key_peak.values()) == {1}
+    wait_until(lambda: queue.active_count == 0, "every key released")
+
+
+def test_threads_keep_concurrency_per_key(pool: ThreadPoolExecutor) -> None:
+    queue = KeyedQueue(concurrency=2, max_running=3)
+    gauge = Gauge()
+
+    def worker(t: int) -> None:
+        for i in range(100):
+            key = f"k{i % 2}"
+            if t % 2:
+                queue.run_sync(key, gauge.sync_body(key, (t, i)))
+            else:
+                with queue.keyed(key):
+                    gauge.sync_body(key, (t, i))()
+
+    for future in [pool.submit(worker, t) for t in range(6)]:
+        future.result()
+    assert 1 <= gauge.peak <= 3
+    assert max(gauge.key_peak.values()) <= 2
     wait_until(lambda: queue.active_count == 0, "every key released")
 
 
@@ -868,6 +910,45 @@ async def test_batch_on_error_cancel_cancels_the_rest_and_the_body() -> None:
     assert not outside.done()  # not the batch's: untouched
     outside_gate.set()
     assert await outside is True
+
+
+async def test_batch_on_error_cancel_cancels_the_rest_on_the_body_s_error() -> None:
+    queue = KeyedQueue()
+    never = asyncio.Event()
+    boom = ZeroDivisionError("body")
+    handles: list[inturn.Handle[Any]] = []
+
+    async def scope() -> None:
+        async with queue.batch(on_error="cancel") as batch:
+            handles.append(await batch.submit("a", never.wait))
+            await settle(lambda: queue.stats().running == 1)
+            raise boom
+
+    with pytest.raises(ExceptionGroup) as info:
+        await scope()
+    assert info.value.exceptions == (boom,)
+    assert handles[0].cancelled()
+    assert queue.active_count == 0
+
+
+async def test_a_batch_cancelled_from_outside_cancels_its_submissions() -> None:
+    queue = KeyedQueue()
+    never = asyncio.Event()
+    handles: list[inturn.Handle[Any]] = []
+
+    async def scope() -> None:
+        async with queue.batch() as batch:
+            handles.append(await batch.submit("a", never.wait))
+            handles.append(await batch.submit("a", never.wait))
+            await never.wait()
+
+    task = asyncio.create_task(scope())
+    await settle(lambda: queue.pending("a") == 1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert all(handle.cancelled() for handle in handles)
+    assert queue.active_count == 0
 
 
 async def test_batch_rejects_an_unknown_on_error() -> None:
