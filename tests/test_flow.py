@@ -278,6 +278,7 @@ async def test_waiting_for_a_slot_counts_in_the_timeout_and_releases_the_keys() 
     await asyncio.gather(holder, behind)
     assert ran == ["behind"]
     assert queue.active_count == 0
+    assert queue.stats().timed_out == 1
 
 
 async def test_the_queue_timeout_covers_the_slot_wait() -> None:
@@ -627,6 +628,11 @@ async def test_submit_refuses_bad_input_itself() -> None:
         await queue.submit(["k"], lambda: None)
     with pytest.raises(TypeError, match="callable"):
         await queue.submit("k", 42)  # type: ignore[arg-type]
+    async with queue.batch() as batch:
+        with pytest.raises(TypeError, match="unhashable"):
+            await batch.submit(["k"], lambda: None)
+        with pytest.raises(TypeError, match="callable"):
+            await batch.submit("k", None)  # type: ignore[arg-type]
     queue.close()
     with pytest.raises(QueueClosed):
         await queue.submit("k", lambda: None)
