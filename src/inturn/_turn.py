@@ -95,6 +95,18 @@ class _Clock:
 
 
 @final
+class _Flow:
+    """What a turn has on a queue with flow control or timing: kept off plain turns."""
+
+    __slots__ = ("clock", "since", "slot")
+
+    def __init__(self) -> None:
+        self.slot = False  # whether the turn took a running slot (max_running)
+        self.since = 0.0  # when the turn started, if its queue times turns
+        self.clock: _Clock | None = None  # max_hold, while held
+
+
+@final
 class _Shared:
     """What a turn on a shared backend has besides: its grants, and where it sits."""
 
@@ -131,12 +143,10 @@ class Turn:
     """
 
     __slots__ = (
-        "_clock",
+        "_flow",
         "_hold",
         "_queue",
         "_shared",
-        "_since",
-        "_slot",
         "_taken",
         "_task",
         "_timeout",
@@ -166,11 +176,8 @@ class Turn:
         self._task: object = None  # the task inside the block, None outside it
         self._taken: tuple[Hashable, ...] = ()  # the keys this turn took (not held already)
         self._shared: _Shared | None = None  # on a shared backend, once entered
-        self._slot = False  # whether this turn took a running slot (max_running)
-        self._clock: _Clock | None = None  # max_hold, while held
-        # When the turn started, on queues that time their turns (not the
-        # plain in-process ones); 0.0 otherwise.
-        self._since = 0.0
+        # slot, start time and max_hold of a turn that has any, once entered
+        self._flow: _Flow | None = None
 
     @property
     def tokens(self) -> Mapping[Hashable, int]:
@@ -235,24 +242,28 @@ class Turn:
         self._task = task
         if self._hold is not None and self._taken:
             assert task is not None  # (a turn was taken)
-            self._clock = _Clock(task, self._hold)
+            if self._flow is None:
+                self._flow = _Flow()
+            self._flow.clock = _Clock(task, self._hold)
         return self
 
     async def _enter_flow(self, queue: KeyedQueue, task: Any) -> None:
         """Take the keys, then a running slot (max_running); time the wait."""
         start = _monotonic()
         timeout = self._timeout
+        flow = _Flow()
         taken = await queue._take_all(self.keys, task, timeout)
         if queue._slots is not None:
             try:
                 left = None if timeout is None else max(0.0, timeout - (_monotonic() - start))
-                self._slot = await queue._take_slot(task, left)
+                flow.slot = await queue._take_slot(task, left)
             except BaseException as error:
                 for key in reversed(taken):
                     queue._release(key, task, error, None)
                 raise
         self._taken = taken
-        self._since = queue._started(start)
+        flow.since = queue._started(start)
+        self._flow = flow
 
     def __enter__(self) -> Turn:
         """Take the turns for this thread, blocking it while it waits (see ``KeyedQueue.keyed``)."""
@@ -264,22 +275,23 @@ class Turn:
                 "(a thread cannot be cancelled); take it from a task, or without max_hold"
             )
         queue = self._queue
-        timed = not queue._plain
-        start = _monotonic() if timed else 0.0
+        flow = None if queue._plain else _Flow()
+        start = 0.0 if flow is None else _monotonic()
         holder, taken = queue._take_all_sync(self.keys, self._timeout)
-        if queue._slots is not None:
-            try:
-                left = self._timeout
-                if left is not None:
-                    left = max(0.0, left - (_monotonic() - start))
-                self._slot = queue._take_slot_sync(holder, left)
-            except BaseException as error:
-                for key in reversed(taken):
-                    queue._release(key, holder, error, None)
-                raise
+        if flow is not None:
+            if queue._slots is not None:
+                try:
+                    left = self._timeout
+                    if left is not None:
+                        left = max(0.0, left - (_monotonic() - start))
+                    flow.slot = queue._take_slot_sync(holder, left)
+                except BaseException as error:
+                    for key in reversed(taken):
+                        queue._release(key, holder, error, None)
+                    raise
+            flow.since = queue._started(start)
+            self._flow = flow
         self._task, self._taken = holder, taken
-        if timed:
-            self._since = queue._started(start)
         self.token = next(queue._tokens)
         return self
 
@@ -301,6 +313,7 @@ class Turn:
         grants: list[Grant] = []
         tokens: dict[Hashable, int] = {}
         holders: list[Turn] = []
+        flow = _Flow()
         try:
             for key in self.keys:
                 left = None if deadline is None else max(0.0, deadline - loop.time())
@@ -318,7 +331,7 @@ class Turn:
                 tokens[key] = grant.token
             if queue._slots is not None:
                 left = None if deadline is None else max(0.0, deadline - loop.time())
-                self._slot = await queue._take_slot(task, left)
+                flow.slot = await queue._take_slot(task, left)
         except BaseException as error:
             if len(grants) < len(taken):  # the backend's turn was not reached
                 queue._missed(error)
@@ -332,7 +345,8 @@ class Turn:
         self._taken = tuple(taken)
         self._shared = _Shared(grants, tokens, holders, outer)
         self.token = tokens[self.keys[0]]
-        self._since = queue._started(begun)
+        flow.since = queue._started(begun)
+        self._flow = flow
         _CURRENT.set(self)
 
     async def __aexit__(
@@ -343,8 +357,8 @@ class Turn:
     ) -> None:
         queue = self._queue
         taken = self._taken
-        # (a backend's turns are timed: _since is set)
-        if len(taken) == 1 and not self._since and self._clock is None:
+        # (a backend's turns are timed: they have a _flow)
+        if len(taken) == 1 and self._flow is None:
             # what _end() does, inlined for a plain turn on one key
             task, self._task, self._taken = self._task, None, ()
             key = taken[0]
@@ -367,11 +381,11 @@ class Turn:
         Raises :exc:`~inturn.HoldTimeout` if its max_hold cut it, and what
         :meth:`_end_shared` raises on a shared backend.
         """
-        clock = self._clock
+        flow = self._flow
         cut = None
-        if clock is not None:
-            self._clock = None
-            cut = clock.stop(self.keys, error)
+        if flow is not None and flow.clock is not None:
+            cut = flow.clock.stop(self.keys, error)
+            flow.clock = None
             if cut is not None:
                 cut.__cause__ = error
                 error = cut
@@ -387,17 +401,16 @@ class Turn:
 
         Watchers learn the outcome (error, or result); ``cut``: max_hold cut the work.
         """
-        queue, task, taken = self._queue, self._task, self._taken
+        queue, task, taken, flow = self._queue, self._task, self._taken, self._flow
         self._task = None
         self._taken = ()
-        if self._slot:
-            self._slot = False
+        self._flow = None
+        if flow is not None and flow.slot:
             queue._free_slot(task)
         for key in reversed(taken):
             queue._release(key, task, error, result)
         if taken:
-            queue._ended(error, cut, self._since)
-            self._since = 0.0
+            queue._ended(error, cut, 0.0 if flow is None else flow.since)
 
     async def _end_shared(self, error: BaseException | None, result: Any, cut: bool) -> None:
         """Release the running slot, the backend's grants, then this process's turns.
@@ -410,8 +423,9 @@ class Turn:
         shared = self._shared
         assert backend is not None
         assert shared is not None
-        if self._slot:  # first: the next work in this process may start meanwhile
-            self._slot = False
+        flow = self._flow
+        if flow is not None and flow.slot:  # first: the next work here may start meanwhile
+            flow.slot = False
             self._queue._free_slot(self._task)
         grants = shared.grants
         _CURRENT.set(shared.outer)
