@@ -12,7 +12,13 @@ EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.py"))
 
 
 def test_there_are_examples() -> None:
-    assert {p.stem for p in EXAMPLES} >= {"inventory", "log_append", "chat", "batch"}
+    assert {p.stem for p in EXAMPLES} >= {
+        "inventory",
+        "log_append",
+        "chat",
+        "batch",
+        "partitioned_batch",
+    }
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
