@@ -1270,3 +1270,34 @@ def test_concurrency_above_one_with_a_backend_is_refused(tmp_path: Path) -> None
     with pytest.raises(ValueError, match=r"^inturn:.*concurrency"):
         KeyedQueue(concurrency=2, backend=FileBackend(tmp_path / "lines"))
     assert KeyedQueue(concurrency=1, backend=FileBackend(tmp_path / "lines")).concurrency == 1
+
+
+async def test_a_newcomer_never_starts_ahead_of_a_waiter_handed_a_place() -> None:
+    # Two places on "k": a (this task) and b hold them, c waits. b leaves (c is
+    # handed its place but not yet woken), then a leaves in the next step, and a
+    # newcomer comes in that same step: a place is free, but c was first.
+    queue = KeyedQueue(concurrency=2)
+    started: list[str] = []
+    release = asyncio.Event()
+
+    async def holder_b() -> None:
+        async with queue.keyed("k"):
+            started.append("b")
+            await release.wait()
+
+    async def waiter_c() -> None:
+        async with queue.keyed("k"):
+            started.append("c")
+
+    async with queue.keyed("k"):
+        started.append("a")
+        b = asyncio.create_task(holder_b())
+        await settle(lambda: "b" in started)
+        c = asyncio.create_task(waiter_c())
+        await settle(lambda: queue.pending("k") == 1)
+        asyncio.get_running_loop().call_soon(release.set)
+        await release.wait()  # woken just after b: b has left, c is not awake yet
+    async with queue.keyed("k"):
+        started.append("newcomer")
+    await asyncio.gather(b, c)
+    assert started == ["a", "b", "c", "newcomer"]

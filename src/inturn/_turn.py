@@ -251,11 +251,13 @@ class Turn:
         """Take the keys, then a running slot (max_running); time the wait."""
         start = _monotonic()
         timeout = self._timeout
+        loop = asyncio.get_running_loop()  # its clock for deadlines, as _take_all's
+        deadline = None if timeout is None else loop.time() + timeout
         flow = _Flow()
         taken = await queue._take_all(self.keys, task, timeout)
         if queue._slots is not None:
             try:
-                left = None if timeout is None else max(0.0, timeout - (_monotonic() - start))
+                left = None if deadline is None else max(0.0, deadline - loop.time())
                 flow.slot = await queue._take_slot(task, left)
             except BaseException as error:
                 for key in reversed(taken):
