@@ -11,6 +11,14 @@ Whatever hypothesis generates, these must hold:
 - reentrancy: a holder taking its key again runs at once;
 - nothing left: afterwards no key is active, and no task is stuck (the
   virtual-time loop raises Deadlock if every task waits for nothing).
+
+With flow control (max_running, concurrency, max_hold), also:
+
+- at most ``concurrency`` bodies hold a key at once, at most ``max_running``
+  run at once, and FIFO still orders each key's single-key starts;
+- max_hold: work is cut (HoldTimeout) exactly when it would have held
+  longer, and a cut body has ended before anyone else holds its key;
+- stats(): every submitted turn is counted once, in the class of its outcome.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from inturn import KeyedQueue
+from inturn import HoldTimeout, KeyedQueue
 from virtual_time import Deadlock, run_virtual
 
 KEYS = ("a", "b", "c")
@@ -74,23 +82,47 @@ specs = st.builds(
 )
 
 
-async def scenario(spec_list: list[Spec]) -> tuple[list[Outcome], KeyedQueue, list[str]]:
-    queue = KeyedQueue()
+@dataclass(frozen=True)
+class Flow:
+    max_running: int | None
+    concurrency: int
+    max_hold: float | None
+
+
+flows = st.builds(
+    Flow,
+    max_running=st.sampled_from([None, 1, 2]),
+    concurrency=st.sampled_from([1, 2]),
+    max_hold=st.sampled_from([None, 1.25, 2.5]),
+)
+
+
+async def scenario(
+    spec_list: list[Spec], flow: Flow = Flow(None, 1, None)
+) -> tuple[list[Outcome], KeyedQueue, list[str]]:
+    queue = KeyedQueue(
+        max_running=flow.max_running, concurrency=flow.concurrency, max_hold=flow.max_hold
+    )
     loop = asyncio.get_running_loop()
     inside: dict[str, int] = defaultdict(int)
+    running = 0
     violations: list[str] = []
     outcomes = [Outcome() for _ in spec_list]
     counter = iter(range(10**9))
     starts = iter(range(10**9))
 
     async def body(i: int, spec: Spec) -> str:
+        nonlocal running
         outcome = outcomes[i]
         outcome.started = loop.time()
         outcome.order = next(starts)
         for key in spec.keys:
-            if inside[key]:
-                violations.append(f"task {i} entered {key!r} while it was held")
+            if inside[key] >= flow.concurrency:
+                violations.append(f"task {i} entered {key!r} while it was full")
             inside[key] += 1
+        running += 1
+        if flow.max_running is not None and running > flow.max_running:
+            violations.append(f"task {i} made {running} run at once")
         try:
             if spec.reenter:
                 nested = await queue.run(spec.keys[0], lambda: loop.time())
@@ -101,6 +133,7 @@ async def scenario(spec_list: list[Spec]) -> tuple[list[Outcome], KeyedQueue, li
                 raise Boom(i)
             return f"result {i}"
         finally:
+            running -= 1
             for key in spec.keys:
                 inside[key] -= 1
 
@@ -159,6 +192,8 @@ def test_invariants_hold_for_any_mix(spec_list: list[Spec]) -> None:
         if cancelled:
             assert spec.cancel_at is not None
             continue
+        if isinstance(error, HoldTimeout):
+            pytest.fail(f"task {i} was cut short without a max_hold")
         if isinstance(error, TimeoutError):
             assert outcome.started is None, f"task {i} ran after timing out"
             assert spec.timeout is not None
@@ -183,6 +218,64 @@ def test_invariants_hold_for_any_mix(spec_list: list[Spec]) -> None:
         ]
         by_start = sorted(ran, key=lambda o: o.order)
         assert [o.seq for o in by_start] == sorted(o.seq for o in ran)
+
+
+@settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(flows, st.lists(specs, min_size=1, max_size=25))
+def test_invariants_hold_with_flow_control(flow: Flow, spec_list: list[Spec]) -> None:
+    outcomes, queue, violations = run_virtual(scenario(spec_list, flow))
+
+    assert violations == []
+    assert queue.active_count == 0
+    counts = {"completed": 0, "failed": 0, "timed_out": 0, "cancelled": 0}
+    for i, (spec, outcome) in enumerate(zip(spec_list, outcomes, strict=True)):
+        error = outcome.error
+        if outcome.submitted is None:  # cancelled before it submitted anything
+            assert isinstance(error, asyncio.CancelledError)
+            continue
+        if isinstance(error, asyncio.CancelledError):
+            assert spec.cancel_at is not None
+            counts["cancelled"] += 1
+        elif isinstance(error, HoldTimeout):
+            assert flow.max_hold is not None
+            assert outcome.started is not None
+            assert spec.hold >= flow.max_hold, f"task {i} was cut before its max_hold"
+            counts["timed_out"] += 1
+        elif isinstance(error, TimeoutError):
+            assert outcome.started is None, f"task {i} ran after timing out"
+            assert spec.timeout is not None
+            counts["timed_out"] += 1
+        else:
+            assert outcome.started is not None, f"task {i} was lost"
+            if flow.max_hold is not None:
+                assert spec.hold <= flow.max_hold, f"task {i} held past its max_hold"
+            if spec.timeout is not None:
+                assert outcome.started <= outcome.submitted + spec.timeout
+            if spec.fails:
+                assert isinstance(error, Boom)
+                assert error.args == (i,)
+                counts["failed"] += 1
+            else:
+                assert error is None, f"task {i} raised {error!r}"
+                assert outcome.result == f"result {i}"
+                counts["completed"] += 1
+
+    for key in KEYS:
+        ran = [
+            outcome
+            for spec, outcome in zip(spec_list, outcomes, strict=True)
+            if spec.keys == (key,) and outcome.started is not None
+        ]
+        by_start = sorted(ran, key=lambda o: o.order)
+        assert [o.seq for o in by_start] == sorted(o.seq for o in ran)
+
+    stats = queue.stats()
+    assert (stats.running, stats.waiting_for_slot, dict(stats.waiting)) == (0, 0, {})
+    assert {name: getattr(stats, name) for name in counts} == counts
 
 
 def test_the_virtual_loop_reports_a_deadlock() -> None:
