@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 __all__ = ("UNSET", "KeyedQueue")
 
 R = TypeVar("R")
+W = TypeVar("W")
 
 
 @final
@@ -1398,17 +1399,11 @@ class KeyedQueue:
         """Take a running slot for a task that holds its keys; False if it holds one already."""
         slots = self._slots
         assert slots is not None
+        loop = holder.get_loop()
         with self._guard():
-            entered = slots.enter(holder)
-            if entered is not None:
-                if not entered and slots.producers:
-                    self._wake_producers_behind(slots)
-                return not entered
-            self._no_slot_yet(timeout)
-            loop = holder.get_loop()
-            waiter: asyncio.Future[None] = loop.create_future()
-            slots.waiters.append(waiter)
-            slots.waiting += 1
+            waiter = self._slot_or_wait(slots, holder, timeout, loop.create_future)
+            if type(waiter) is bool:
+                return waiter
         timer = None
         if timeout is not None:
             timer = loop.call_later(timeout, _expire_slot, waiter, self, timeout)
@@ -1423,9 +1418,7 @@ class KeyedQueue:
             if timer is not None:
                 timer.cancel()
         with self._guard():
-            slots.settle(waiter, holder, self._shared)
-            if slots.producers:
-                self._wake_producers_behind(slots)
+            self._slot_taken(slots, waiter, holder)
         return True
 
     def _take_slot_sync(self, me: object, timeout: float | None) -> bool:
@@ -1433,15 +1426,9 @@ class KeyedQueue:
         slots = self._slots
         assert slots is not None
         with self._locked():
-            entered = slots.enter(me)
-            if entered is not None:
-                if not entered and slots.producers:
-                    self._wake_producers_behind(slots)
-                return not entered
-            self._no_slot_yet(timeout)
-            waiter = _ThreadWaiter()
-            slots.waiters.append(waiter)
-            slots.waiting += 1
+            waiter = self._slot_or_wait(slots, me, timeout, _ThreadWaiter)
+            if type(waiter) is bool:
+                return waiter
         try:
             if timeout is None:
                 waiter.lock.acquire()
@@ -1454,20 +1441,39 @@ class KeyedQueue:
             raise
         with self._locked():
             if waiter in slots.holders:
-                slots.settle(waiter, me, True)
-                if slots.producers:
-                    self._wake_producers_behind(slots)
+                self._slot_taken(slots, waiter, me)
                 return True
             slots.drop(waiter, True)
             self._tally.timed_out += 1
         assert timeout is not None
         raise self._slotless(timeout)
 
-    def _no_slot_yet(self, timeout: float | None) -> None:
-        """Raise if there is no time to wait for a slot (the caller found none free)."""
+    def _slot_or_wait(
+        self, slots: _Gate, holder: object, timeout: float | None, make: Callable[[], W]
+    ) -> W | bool:
+        """Take a free slot for holder, or line up a waiter made by make() for one.
+
+        Return True if holder took a slot now, False if it holds one, else the
+        waiter. Raise if there is no time to wait. The caller holds the guard.
+        """
+        entered = slots.enter(holder)
+        if entered is not None:
+            if not entered and slots.producers:
+                self._wake_producers_behind(slots)
+            return not entered
         if timeout is not None and timeout <= 0:
             self._tally.timed_out += 1
             raise self._slotless(0)
+        waiter = make()
+        slots.waiters.append(waiter)  # type: ignore[arg-type]
+        slots.waiting += 1
+        return waiter
+
+    def _slot_taken(self, slots: _Gate, waiter: _Waiter, holder: object) -> None:
+        """Record holder in the slot its waiter was handed. The caller holds the guard."""
+        slots.settle(waiter, holder, self._shared)
+        if slots.producers:
+            self._wake_producers_behind(slots)
 
     def _slotless(self, timeout: float) -> TimeoutError:
         size = self._slots.size if self._slots is not None else 0
