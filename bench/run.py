@@ -8,6 +8,9 @@ order) and every number is the median of the repeats, so that a noisy
 neighbour on a shared machine hits all contenders alike. Ratios are to the
 hand-written dict of asyncio.Lock, measured in the same run.
 
+Then scenario (g), bench/flow.py: a batch of keyed messages on a queue
+with max_running, beside a hand-written lock and semaphore.
+
 Then, unless ``--no-multiproc``, the multi-process part (bench/multiproc.py):
 locks shared between worker processes on one contended key.
 """
@@ -30,7 +33,7 @@ if __package__ in (None, ""):  # run as a script: python bench/run.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     __package__ = "bench"
 
-from . import multiproc, scenarios
+from . import flow, multiproc, scenarios
 from .contenders import ALL, Contender, at_version
 
 BASELINE = "handwritten"
@@ -245,6 +248,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if options.before:
         print(f"\nThis tree against {options.before} (same run; below 1.00x is faster now):\n")
         print(versus(rows, options.before))
+    flow_sizes = flow.Sizes(options.quick)
+    flow_medians = asyncio.run(flow.measure(flow_sizes, options.repeats, log))
+    flow_rows = flow.derive(flow_medians, flow_sizes)
+    print(f"\n## {flow.title(flow_sizes)}: {machine()}, median of {options.repeats}\n")
+    print(table(flow_rows, flow.NAMES))
     across = None
     if options.multiproc:
         settings = multiproc.Settings.make(options.quick, options.repeats)
@@ -261,6 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "medians": medians,
                     "rows": rows,
                     "targets": [{"target": t, "pass": ok, "value": v} for t, ok, v in results],
+                    "flow": {"medians": flow_medians, "rows": flow_rows},
                     "multiproc": across,
                 },
                 indent=2,
