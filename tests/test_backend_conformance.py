@@ -964,10 +964,10 @@ async def test_batch_waits_for_its_submissions_and_raises_their_errors(
         done.append(n)
         return n
 
-    with pytest.raises(ExceptionGroup) as caught:  # noqa: PT012 - the block is the batch
+    with pytest.raises(ExceptionGroup) as caught:
         async with queue.batch() as batch:
-            for n in range(6):
-                await batch.submit(f"k{n % 2}", work, n)
+            handles = [await batch.submit(f"k{n % 2}", work, n) for n in range(6)]
     assert [type(e) for e in caught.value.exceptions] == [ValueError]
     assert sorted(done) == [0, 1, 2, 4, 5]
-    assert all(handle.done() for handle in batch.handles)
+    assert all(handle.done() for handle in handles)
+    assert batch.unfinished == 0

@@ -577,7 +577,9 @@ async def test_submit_returns_a_handle_to_the_queued_work() -> None:
     second = await queue.submit("k", lambda x, y=0: x + y, 40, y=2)
     assert isinstance(first, inturn.Handle)
     assert first.key == "k"
-    assert queue.pending("k") == 1  # queued by the time submit() returned
+    assert not queue.is_active("k")  # submit() did not yield: the tasks start next
+    await checkpoints()
+    assert queue.pending("k") == 1  # first holds "k", second waits behind it
     assert not first.done()
     assert not second.done()
     gate.set()
@@ -655,6 +657,7 @@ async def test_submit_blocks_the_producer_while_every_slot_is_busy() -> None:
     more_a = asyncio.create_task(queue.submit("a", gauge.body("a", "a3")))
     await settle(more_a.done)
     a3 = await more_a
+    await checkpoints()  # their tasks take their first steps
     assert queue.pending("a") == 2
 
     producer = asyncio.create_task(queue.submit("c", gauge.body("c", "c1")))

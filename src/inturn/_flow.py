@@ -117,7 +117,6 @@ class Batch:
         "_parent",
         "_queue",
         "_stopped_parent",
-        "_unfinished",
         "_waiter",
     )
 
@@ -127,18 +126,19 @@ class Batch:
         self._queue = queue
         self._on_error = on_error
         self._parent: asyncio.Task[Any] | None = None  # the task inside the block
-        self._handles: list[Handle[Any]] = []
+        # the unfinished submissions (the finished ones are let go: a long
+        # batch keeps no memory per finished work, but for its errors)
+        self._handles: dict[asyncio.Future[Any], Handle[Any]] = {}
         self._failed: list[Handle[Any]] = []  # failed handles, in the order they failed
-        self._unfinished = 0
         self._waiter: asyncio.Future[None] | None = None  # __aexit__ waits on it
         self._aborted = False  # the batch cancelled its work after an error
         self._exiting = False
         self._stopped_parent = False  # the batch cancelled the block (on_error="cancel")
 
     @property
-    def handles(self) -> tuple[Handle[Any], ...]:
-        """The handles of the work submitted in this batch, in submission order."""
-        return tuple(self._handles)
+    def unfinished(self) -> int:
+        """How many of the batch's submissions have not finished yet."""
+        return len(self._handles)
 
     @overload
     async def submit(
@@ -173,15 +173,14 @@ class Batch:
 
     def _track(self, handle: Handle[Any]) -> None:
         """Count a new submission of this batch (before it takes its first step)."""
-        self._handles.append(handle)
-        self._unfinished += 1
+        self._handles[handle._task] = handle
         handle._task.add_done_callback(self._finished)
 
     def _finished(self, task: asyncio.Task[Any]) -> None:
-        self._unfinished -= 1
+        del self._handles[task]
         if self._on_error == "cancel" and not task.cancelled() and task.exception() is not None:
             self._abort()
-        if not self._unfinished and self._waiter is not None and not self._waiter.done():
+        if not self._handles and self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
     def _abort(self) -> None:
@@ -189,7 +188,7 @@ class Batch:
         if self._aborted:
             return
         self._aborted = True
-        for handle in self._handles:
+        for handle in list(self._handles.values()):
             handle.cancel()
         if not self._exiting and self._parent is not None:
             self._stopped_parent = True
@@ -219,7 +218,7 @@ class Batch:
         ):
             self._abort()  # a failed or cancelled block: its work is cancelled too
         cancelled: BaseException | None = None
-        while self._unfinished:
+        while self._handles:
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter

@@ -287,7 +287,7 @@ class _Gate(_Waiting):
     method holds the queue's lock.
     """
 
-    __slots__ = ("free", "handed", "holders", "marks", "producers", "size")
+    __slots__ = ("free", "handed", "holders", "marks", "producers", "size", "unplaced")
 
     def __init__(self, size: int) -> None:
         super().__init__()
@@ -307,8 +307,10 @@ class _Gate(_Waiting):
         # Drain marks that reached the head, each with the holders it still
         # waits for (those that held a place when it got there).
         self.marks: list[tuple[_Drain, set[object]]] | None = None
-        # Producers blocked in submit(), with their keys (the slots only).
+        # Producers blocked in submit(), with their keys, and the works
+        # submitted whose tasks have not started (the slots only).
         self.producers: deque[tuple[asyncio.Future[None], Hashable]] | None = None
+        self.unplaced = 0
 
     def enter(self, holder: object) -> bool | None:
         """Take a free place for holder: False if taken now, True if it holds one, None if not."""
@@ -403,6 +405,31 @@ class _Gate(_Waiting):
     def idle(self) -> bool:
         """Whether nobody holds or waits for a place (the line may go)."""
         return not self.holders and not self.waiting
+
+
+@final
+class _Placing:
+    """A submitted work, until its task started (and took a slot, or lined up for one)."""
+
+    __slots__ = ("counted", "queue", "slots")
+
+    def __init__(self, queue: KeyedQueue, slots: _Gate, counted: bool) -> None:
+        self.queue = queue
+        self.slots = slots
+        self.counted = counted  # in slots.unplaced
+        if counted:
+            with queue._guard():
+                slots.unplaced += 1
+
+    def started(self, _: object = None) -> None:
+        """Count the work as placed (once): a producer may go if a slot is left."""
+        if self.counted:
+            self.counted = False
+            slots = self.slots
+            with self.queue._guard():
+                slots.unplaced -= 1
+            if slots.producers and slots.free > slots.unplaced:
+                self.queue._next_producer(slots)
 
 
 @final
@@ -838,21 +865,23 @@ class KeyedQueue:
     ) -> Handle[Any]:
         """Queue ``fn(*args, **kwargs)`` in ``key``'s line as a task of its own; return its handle.
 
-        The work runs as :meth:`run` would run it, in a new task. ``submit``
-        returns once the work has joined its key's line, so work submitted
-        later under the same key runs after it. With ``max_running`` it
-        also applies backpressure: while every running slot is busy, it
-        waits until one frees, unless the work will queue behind its key's
-        running work (which holds a slot already) or the caller runs in a
-        slot itself (a work submitting more work never waits on itself).
+        The work runs as :meth:`run` would run it, in a new task, which
+        joins the key's line before any work submitted later (so the key's
+        works run in submission order). With ``max_running`` it also applies
+        backpressure: while every running slot is busy, or promised to works
+        submitted but not started yet, it waits until one frees, unless the
+        work will queue behind its key's running work (which holds a slot
+        already) or the caller runs in a slot itself (a work submitting more
+        work never waits on itself). Without waiting it does not yield to
+        the event loop: a producer submits a burst at the cost of a task
+        each.
 
         Await the returned :class:`~inturn.Handle` for the work's result, or
         cancel it. An error that nobody awaits is raised later by
         ``await queue.drain(raise_errors=True)`` (use :meth:`batch` to scope
         submissions and their errors).
 
-        If ``submit`` itself is cancelled, the work is cancelled too (at its
-        first ``await``, if it had started).
+        If ``submit`` is cancelled while it waits, the work was not queued.
 
         :raises QueueClosed: the queue is closed.
         :raises TypeError: ``key`` is unhashable (or, with a backend, not
@@ -879,29 +908,43 @@ class KeyedQueue:
             )
         loop = asyncio.get_running_loop()
         slots = self._slots
-        if slots is not None:
+        if slots is None:
+            task = loop.create_task(
+                self._run_keyed(keys, fn, args, kwargs, self._timeout, self._max_hold)
+            )
+        else:
             me = _current_task()
+            needs = me not in slots.holders and not self._behind_running(key)
             again = False
-            while not slots.free and me not in slots.holders and not self._behind_running(key):
+            # Works submitted but not started yet each take a free slot when they start.
+            while needs and slots.free <= slots.unplaced:
                 await self._vacancy(slots, key, loop, again)
-                again = True  # woken, but the slot went to work already queued
-        task = loop.create_task(
-            self._run_keyed(keys, fn, args, kwargs, self._timeout, self._max_hold)
-        )
+                again = True  # woken, but the slot may have gone to work already queued
+                needs = me not in slots.holders and not self._behind_running(key)
+            placing = _Placing(self, slots, needs)
+            task = loop.create_task(self._run_placed(placing, keys, fn, args, kwargs))
+            task.add_done_callback(placing.started)  # (cancelled before its first step)
+            if slots.free > slots.unplaced and slots.producers:
+                self._next_producer(slots)  # a slot is still free: the next producer may go
         handle: Handle[Any] = Handle(task, key, failed)
         handles = self._handles
         handles.add(handle)
         task.add_done_callback(lambda _: handles.discard(handle))
         if track is not None:
             track(handle)
-        try:
-            await asyncio.sleep(0)  # the task's first step: it joins the line
-        except BaseException:
-            task.cancel()
-            raise
-        if slots is not None and slots.free:
-            self._next_producer(slots)  # a slot is still free: the next producer may go
         return handle
+
+    async def _run_placed(
+        self,
+        placing: _Placing,
+        keys: tuple[Hashable, ...],
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """A submitted work's task on a queue with running slots: it counts as placed at once."""
+        placing.started()
+        return await self._run_keyed(keys, fn, args, kwargs, self._timeout, self._max_hold)
 
     def _behind_running(self, key: Hashable) -> bool:
         """Whether work for key would queue behind its key's running work (holding a slot)."""
