@@ -174,6 +174,18 @@ async def scenario(
     return outcomes, queue, violations
 
 
+def assert_fifo_per_key(spec_list: list[Spec], outcomes: list[Outcome]) -> None:
+    """FIFO among the single-key tasks of each key that ran."""
+    for key in KEYS:
+        ran = [
+            outcome
+            for spec, outcome in zip(spec_list, outcomes, strict=True)
+            if spec.keys == (key,) and outcome.started is not None
+        ]
+        by_start = sorted(ran, key=lambda o: o.order)
+        assert [o.seq for o in by_start] == sorted(o.seq for o in ran)
+
+
 @settings(
     max_examples=300,
     deadline=None,
@@ -209,15 +221,7 @@ def test_invariants_hold_for_any_mix(spec_list: list[Spec]) -> None:
             assert error is None, f"task {i} raised {error!r}"
             assert outcome.result == f"result {i}"
 
-    # FIFO among the single-key tasks of each key that ran.
-    for key in KEYS:
-        ran = [
-            outcome
-            for spec, outcome in zip(spec_list, outcomes, strict=True)
-            if spec.keys == (key,) and outcome.started is not None
-        ]
-        by_start = sorted(ran, key=lambda o: o.order)
-        assert [o.seq for o in by_start] == sorted(o.seq for o in ran)
+    assert_fifo_per_key(spec_list, outcomes)
 
 
 @settings(
@@ -264,14 +268,7 @@ def test_invariants_hold_with_flow_control(flow: Flow, spec_list: list[Spec]) ->
                 assert outcome.result == f"result {i}"
                 counts["completed"] += 1
 
-    for key in KEYS:
-        ran = [
-            outcome
-            for spec, outcome in zip(spec_list, outcomes, strict=True)
-            if spec.keys == (key,) and outcome.started is not None
-        ]
-        by_start = sorted(ran, key=lambda o: o.order)
-        assert [o.seq for o in by_start] == sorted(o.seq for o in ran)
+    assert_fifo_per_key(spec_list, outcomes)
 
     stats = queue.stats()
     assert (stats.running, stats.waiting_for_slot, dict(stats.waiting)) == (0, 0, {})

@@ -340,9 +340,12 @@ class _Gate(_Waiting):
         self.holders.remove(holder)
         if self.marks is not None:
             self._passed(holder)
-        if self._hand(shared):
-            return
-        self.free += 1
+        if not self._hand(shared):
+            self.free += 1
+            self.wake_producer()
+
+    def wake_producer(self) -> None:
+        """Wake the first producer waiting in submit() for a slot, if any."""
         producers = self.producers
         while producers:
             producer, _ = producers.popleft()
@@ -461,8 +464,6 @@ class _Tally:
         """Count a turn that was never reached: timed out, cancelled or failed while waiting."""
         if isinstance(error, TimeoutError):
             self.timed_out += 1
-        elif isinstance(error, QueueFull | QueueClosed):
-            pass  # refused, never queued
         elif isinstance(error, Exception):
             self.failed += 1
         else:
@@ -985,12 +986,7 @@ class KeyedQueue:
     def _next_producer(self, slots: _Gate) -> None:
         """Wake the first producer waiting in submit() for a slot, if any."""
         with self._guard():
-            producers = slots.producers
-            while producers:
-                producer, _ = producers.popleft()
-                if not producer.done():
-                    _soon(producer, _resolve, producer)
-                    return
+            slots.wake_producer()
 
     def _wake_producers_behind(self, slots: _Gate) -> None:
         """Wake the producers whose key's work just got a running slot (they need none).
