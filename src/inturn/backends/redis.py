@@ -52,7 +52,7 @@ import secrets
 import socket
 import time
 from collections import deque
-from collections.abc import Awaitable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, final
 
@@ -63,7 +63,7 @@ from ._base import Grant
 try:
     import redis.asyncio as aioredis
     from redis.exceptions import ConnectionError as RedisConnectionError
-    from redis.exceptions import NoScriptError, ResponseError
+    from redis.exceptions import ResponseError
     from redis.exceptions import TimeoutError as RedisTimeoutError
 except ImportError as error:  # pragma: no cover - depends on the install
     raise ImportError(
@@ -223,14 +223,153 @@ def _fail(future: asyncio.Future[Any] | None, error: BaseException) -> None:
         future.set_exception(error)
 
 
-async def _stale(connection: Any) -> bool:
-    """Whether an idle connection was closed (or has stray data): then it is opened anew."""
-    # can_read() since redis-py 8, which deprecates can_read_destructive()
-    check = getattr(connection, "can_read", None) or connection.can_read_destructive
+class _Incomplete(Exception):
+    """More bytes are needed before the next reply is whole."""
+
+
+def _reply(buffer: bytearray, at: int) -> tuple[Any, int]:
+    """Parse the RESP2/RESP3 reply that starts at buffer[at]: (value, where the next starts).
+
+    Bulk strings come as bytes, errors as ResponseError instances (returned,
+    not raised), arrays and pushes as lists, null as None.
+
+    :raises _Incomplete: the reply is not whole yet.
+    :raises ValueError: the bytes are not RESP.
+    """
+    end = buffer.find(b"\r\n", at)
+    if end < 0:
+        raise _Incomplete
+    kind, line, at = buffer[at], buffer[at + 1 : end], end + 2
+    if kind == 0x3A:  # ':' integer
+        return int(line), at
+    if kind in (0x24, 0x3D):  # '$' bulk string, '=' verbatim string
+        size = int(line)
+        if size < 0:
+            return None, at
+        if len(buffer) < at + size + 2:
+            raise _Incomplete
+        return bytes(buffer[at : at + size]), at + size + 2
+    if kind in (0x2A, 0x3E, 0x7E, 0x25):  # '*' array, '>' push, '~' set, '%' map
+        count = int(line) * (2 if kind == 0x25 else 1)
+        if count < 0:
+            return None, at
+        items = []
+        for _ in range(count):
+            item, at = _reply(buffer, at)
+            items.append(item)
+        return items, at
+    if kind == 0x2B:  # '+' simple string
+        return bytes(line), at
+    if kind == 0x2D:  # '-' error
+        return ResponseError(line.decode("utf-8", "replace")), at
+    if kind == 0x5F:  # '_' null
+        return None, at
+    if kind == 0x23:  # '#' boolean
+        return line == b"t", at
+    if kind in (0x2C, 0x28):  # ',' double, '(' big number
+        return (float(line) if kind == 0x2C else int(line)), at
+    raise ValueError(f"not a Redis reply: {bytes(buffer[at - len(line) - 3 : at])!r}")
+
+
+async def _open(make: Callable[[], Any]) -> tuple[Any, asyncio.Transport]:
+    """A connection made and set up by redis-py (TLS, AUTH, HELLO, SELECT), and its transport.
+
+    The caller reads and writes the transport itself from then on: redis-py
+    makes the connection; this process's few hot calls skip its per-command
+    machinery (a task per write, a parser per reply).
+    """
+    connection = make()
     try:
-        return bool(await check())
-    except Exception:
-        return True
+        await connection.connect()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await connection.disconnect(nowait=True)
+        raise
+    # Where redis-py's asyncio connections keep their stream (redis-py 4.2 to 8).
+    writer = connection._writer
+    if not isinstance(writer, asyncio.StreamWriter):
+        await connection.disconnect(nowait=True)
+        raise TypeError(f"inturn: cannot take over {connection!r}: unknown redis-py internals")
+    return connection, writer.transport  # type: ignore[return-value]
+
+
+def _forget(connection: Any) -> None:
+    """Tell redis-py a taken-over connection is closed (its transport is, or is closing)."""
+    with contextlib.suppress(Exception):
+        connection._writer.close()
+    connection._reader = connection._writer = None
+
+
+class _Wire(asyncio.Protocol):
+    """One connection to Redis whose replies this process parses as they arrive.
+
+    Subclasses get each reply in :meth:`_got` and the loss of the connection
+    in :meth:`_gone`, in the event loop's own callbacks: no task wakes up
+    for a reply, so a reply costs one pass of the loop.
+    """
+
+    __slots__ = ("_buffer", "_connection", "_lost", "_transport")
+
+    def __init__(self) -> None:
+        self._connection: Any = None
+        self._transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._lost: asyncio.Future[None] | None = None  # done once the connection is closed
+
+    def _attach(self, connection: Any, transport: asyncio.Transport) -> None:
+        self._connection, self._transport = connection, transport
+        self._buffer = bytearray()
+        self._lost = asyncio.get_running_loop().create_future()
+        transport.set_protocol(self)
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        at = 0
+        try:
+            while at < len(buffer):
+                reply, at = _reply(buffer, at)
+                self._got(reply)
+        except _Incomplete:
+            pass
+        except ValueError as error:  # not Redis: drop the connection
+            logger.warning("inturn: %s", error)
+            if self._transport is not None:
+                self._transport.abort()
+        del buffer[:at]
+
+    def eof_received(self) -> None:
+        return None  # the transport closes, and connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._connection is not None:
+            _forget(self._connection)
+        self._connection = self._transport = None
+        self._buffer = bytearray()
+        if self._lost is not None and not self._lost.done():
+            self._lost.set_result(None)
+        self._gone(
+            RedisConnectionError(
+                f"Redis connection lost ({exc})" if exc else "Redis closed the connection"
+            )
+        )
+
+    def _close(self) -> None:
+        transport, self._transport = self._transport, None
+        if transport is not None:
+            transport.close()  # connection_lost follows, in a later pass of the loop
+
+    async def _closed(self) -> None:
+        """Close the connection and wait (a second at most) until it is."""
+        self._close()
+        if self._lost is not None:
+            await asyncio.wait((self._lost,), timeout=1.0)
+
+    def _got(self, reply: Any) -> None:
+        raise NotImplementedError
+
+    def _gone(self, error: BaseException) -> None:
+        raise NotImplementedError
 
 
 # A call: the script's number, its keys and arguments packed, its reply's future.
@@ -238,39 +377,30 @@ _Call = tuple[int, bytes, "asyncio.Future[Any]"]
 
 
 @final
-class _Link:
+class _Link(_Wire):
     """One connection that carries this process's script calls to Redis, in the order made.
 
     Redis runs the commands of one connection in the order they arrive, so a
     call made after another (a re-acquire after a release, a leave after an
     enqueue) runs after it, even while the first one's reply is still on its
-    way back. So calls are written as they are made, several in one write
-    when they pile up, without waiting for earlier replies (pipelining); a
-    reader hands each reply to its call's future, in the same order.
+    way back. So each call is written the moment it is made, without waiting
+    for earlier replies (pipelining), and each reply is handed to its call's
+    future as it is read, in the same order.
 
     If the connection drops, the calls in flight fail with its error (whether
-    they ran is unknown), and the next call connects anew. The scripts are
-    loaded first thing on every connection and called by SHA; a call that
-    finds its script gone (``SCRIPT FLUSH``) is sent again with the body.
+    they ran is unknown), and the next call connects anew; calls made while
+    it connects are written, in order, once it has. The scripts are loaded
+    first thing on every connection and called by SHA; a call that finds its
+    script gone (``SCRIPT FLUSH``) is sent again with the body, and since
+    every later call on the connection failed the same way, the calls run
+    again in the order made.
     """
 
-    __slots__ = (
-        "_connection",
-        "_heads",
-        "_idle",
-        "_loads",
-        "_outbox",
-        "_pool",
-        "_reader",
-        "_retries",
-        "_sent",
-        "_unread",
-        "_writer",
-        "last",
-    )
+    __slots__ = ("_connecting", "_heads", "_loads", "_make", "_outbox", "_sent", "last")
 
-    def __init__(self, pool: Any) -> None:
-        self._pool = pool
+    def __init__(self, make: Callable[[], Any]) -> None:
+        super().__init__()
+        self._make = make
         bodies = [(body.encode(), count) for body, count in _SCRIPTS]
         shas = [(hashlib.sha1(body).hexdigest().encode(), count) for body, count in bodies]
         # by script number: called by SHA, then (numbers + len(_SCRIPTS)) with the body
@@ -279,17 +409,12 @@ class _Link:
             b"*3\r\n" + _bulk(b"SCRIPT") + _bulk(b"LOAD") + _bulk(body) for body, _ in bodies
         )
         # NOTE: a call is in one of these two until its reply (or failure) is
-        # handed over. Calls made, not yet written, in the order made:
+        # handed over. Calls made while connecting, in the order made:
         self._outbox: deque[_Call] = deque()
-        self._retries = 0  # calls sent again with the body, at the head of the outbox
         # calls written on the current connection, in the order their replies
         # come (None: a reply nobody waits for, a SCRIPT LOAD's):
         self._sent: deque[_Call | None] = deque()
-        self._connection: Any = None  # the current connection, None until (re)opened
-        self._writer: asyncio.Task[None] | None = None
-        self._reader: asyncio.Task[None] | None = None
-        self._idle: asyncio.Future[None] | None = None  # the idle writer waits on it
-        self._unread: asyncio.Future[None] | None = None  # the idle reader waits on it
+        self._connecting: asyncio.Task[None] | None = None
         #: The future of the latest call: once it is done, so is every earlier one.
         self.last: asyncio.Future[Any] | None = None
 
@@ -300,135 +425,180 @@ class _Link:
         """
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._outbox.append((script, rest, future))
         self.last = future
-        if self._writer is None:
-            self._writer = loop.create_task(self._write(), name="inturn-redis-writer")
+        call = (script, rest, future)
+        transport = self._transport
+        if transport is not None and not self._outbox:
+            self._sent.append(call)
+            transport.write(self._heads[script] + rest)
         else:
-            self._wake_writer()
+            self._outbox.append(call)
+            if self._connecting is None:
+                self._connecting = loop.create_task(self._connect(), name="inturn-redis-link")
         return future
 
-    def _wake_writer(self) -> None:
-        if (idle := self._idle) is not None:
-            self._idle = None
-            idle.set_result(None)
-
-    async def _write(self) -> None:
-        """Write the calls as they are made, on a connection it (re)opens when needed."""
-        loop = asyncio.get_running_loop()
-        outbox = self._outbox
-        while True:
-            if not outbox:
-                self._idle = loop.create_future()
-                await self._idle
-                continue
-            connection = self._connection
-            if connection is not None and not self._sent and await _stale(connection):
-                self._drop(connection, RedisConnectionError("Redis closed the connection"))
-                with contextlib.suppress(Exception):
-                    await connection.disconnect()
-                continue
-            batch: list[bytes] = []
-            if connection is None:
-                connection = self._pool.make_connection()
-                try:
-                    await connection.connect()
-                except Exception as error:
-                    with contextlib.suppress(Exception):
-                        await connection.disconnect()
-                    while outbox:
-                        _fail(outbox.popleft()[2], error)
-                    self._retries = 0
-                    continue
-                self._connection = connection
-                self._sent = deque((None, None, None))
-                self._reader = loop.create_task(
-                    self._read(connection, self._sent), name="inturn-redis-reader"
-                )
-                batch.append(self._loads)
-            sent, heads = self._sent, self._heads
-            self._retries = 0
+    async def _connect(self) -> None:
+        """Open a connection, then write the calls made meanwhile (or fail them)."""
+        try:
+            connection, transport = await _open(self._make)
+        except Exception as error:
+            outbox = self._outbox
             while outbox:
-                call = outbox.popleft()
-                sent.append(call)
-                batch += (heads[call[0]], call[1])
-            if (unread := self._unread) is not None:
-                self._unread = None
-                unread.set_result(None)
-            try:
-                await connection.send_packed_command(batch, check_health=False)
-            except Exception as error:
-                self._drop(connection, error)
-            if self._connection is not connection:  # dropped meanwhile: leave no socket open
-                with contextlib.suppress(Exception):
-                    await connection.disconnect()
-
-    async def _read(self, connection: Any, sent: deque[_Call | None]) -> None:
-        """Hand each reply of connection to its call's future, in order, until it drops."""
-        loop = asyncio.get_running_loop()
-        while True:
-            if not sent:
-                self._unread = loop.create_future()
-                await self._unread
-                continue
-            try:
-                reply = await connection.read_response(disable_decoding=True)
-            except ResponseError as error:
-                call = sent.popleft()
-                if call is None:
-                    continue
-                script, rest, future = call
-                if isinstance(error, NoScriptError) and script < len(_SCRIPTS):
-                    # SCRIPT FLUSH: send it again, with the body (which loads the
-                    # script), before the calls made since and after earlier retries
-                    self._outbox.insert(self._retries, (script + len(_SCRIPTS), rest, future))
-                    self._retries += 1
-                    self._wake_writer()
-                else:
-                    _fail(future, error)
-                continue
-            except Exception as error:
-                self._drop(connection, error)
-                return
-            call = sent.popleft()
-            if call is not None and not call[2].done():
-                call[2].set_result(reply)
-
-    def _drop(self, connection: Any, error: BaseException) -> None:
-        """Fail the calls in flight on connection, which the next call replaces."""
-        if self._connection is not connection:
+                _fail(outbox.popleft()[2], error)
             return
-        self._connection = None
-        sent = self._sent
-        self._sent = deque()
-        while sent:
-            call = sent.popleft()
+        finally:
+            self._connecting = None
+        self._attach(connection, transport)
+        sent: deque[_Call | None] = deque((None, None, None))
+        heads, outbox = self._heads, self._outbox
+        self._sent = sent
+        batch = [self._loads]
+        while outbox:
+            call = outbox.popleft()
+            sent.append(call)
+            batch += (heads[call[0]], call[1])
+        transport.write(b"".join(batch))
+
+    def _got(self, reply: Any) -> None:
+        call = self._sent.popleft()
+        if call is None:
+            return
+        script, rest, future = call
+        if type(reply) is ResponseError:
+            if str(reply).startswith("NOSCRIPT") and script < len(_SCRIPTS):
+                # SCRIPT FLUSH: send it again, with the body (which loads the script)
+                if self._transport is None:  # closed meanwhile
+                    _fail(future, BackendUnavailable("inturn: the backend was closed"))
+                    return
+                retry = (script + len(_SCRIPTS), rest, future)
+                self._sent.append(retry)
+                self._transport.write(self._heads[retry[0]] + rest)
+            else:
+                _fail(future, reply)
+        elif not future.done():
+            future.set_result(reply)
+
+    def _gone(self, error: BaseException) -> None:
+        sent, self._sent = self._sent, deque()
+        for call in sent:
             if call is not None:
                 _fail(call[2], error)
-        reader, self._reader, self._unread = self._reader, None, None
-        if reader is not None and reader is not asyncio.current_task():
-            reader.cancel()
 
     async def aclose(self) -> None:
-        """Stop writing and reading, and close the connection."""
-        tasks = [task for task in (self._writer, self._reader) if task is not None]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
+        """Close the connection; calls not answered yet fail."""
+        connecting, self._connecting = self._connecting, None
+        if connecting is not None:
+            connecting.cancel()
             with contextlib.suppress(BaseException):
-                await task
-        self._writer = self._reader = None
-        self._idle = self._unread = None
-        connection, self._connection = self._connection, None
+                await connecting
         error = BackendUnavailable("inturn: the backend was closed")
         for call in (*self._sent, *self._outbox):
             if call is not None:
                 _fail(call[2], error)
         self._sent.clear()
         self._outbox.clear()
-        if connection is not None:
-            with contextlib.suppress(Exception):
-                await connection.disconnect()
+        await self._closed()
+
+
+@final
+class _Inbox(_Wire):
+    """This process's subscription: a grant published to its channel wakes its waiter at once.
+
+    One connection of its own, subscribed to the process's channel; each
+    message is handed over as it is read. When the connection drops, it is
+    opened again after a pause; ``subscribed`` is called on every
+    subscription Redis confirms, so that the heartbeat catches up on grants
+    published while there was none.
+    """
+
+    __slots__ = (
+        "_closing",
+        "_command",
+        "_confirmed",
+        "_make",
+        "_pause",
+        "_reopening",
+        "_subscribed",
+        "heard",
+    )
+
+    def __init__(
+        self,
+        make: Callable[[], Any],
+        channel: str,
+        heard: Callable[[bytes], None],
+        subscribed: Callable[[], None],
+        pause: float,
+    ) -> None:
+        super().__init__()
+        self._make = make
+        self._command = b"*2\r\n" + _bulk(b"SUBSCRIBE") + _bulk(channel.encode())
+        #: Called with each message's data (tests replace it to stop hearing grants).
+        self.heard = heard
+        self._subscribed = subscribed
+        self._pause = pause
+        self._confirmed: asyncio.Future[None] | None = None
+        self._reopening: asyncio.Task[None] | None = None
+        self._closing = False
+
+    async def open(self) -> None:
+        """Connect and subscribe; return once Redis confirmed (a grant published before is lost)."""
+        connection, transport = await _open(self._make)
+        confirmed = self._confirmed = asyncio.get_running_loop().create_future()
+        self._attach(connection, transport)
+        transport.write(self._command)
+        try:
+            await confirmed
+        except BaseException:
+            if self._transport is not None:  # cancelled, not dropped: stop for good
+                self._closing = True
+                self._close()
+            raise
+
+    def _got(self, reply: Any) -> None:
+        if type(reply) is not list or len(reply) != 3:
+            return
+        kind = reply[0]
+        if kind == b"message":
+            self.heard(reply[2])
+        elif kind == b"subscribe":
+            confirmed = self._confirmed
+            if confirmed is not None and not confirmed.done():
+                confirmed.set_result(None)
+            self._subscribed()
+
+    def _gone(self, error: BaseException) -> None:
+        _fail(self._confirmed, error)
+        if self._closing or self._reopening is not None:
+            return
+        logger.warning("inturn: Redis subscription interrupted (%s); reconnecting", error)
+        self._subscribed()  # the heartbeat catches up on grants missed meanwhile
+        self._reopening = asyncio.get_running_loop().create_task(
+            self._reopen(), name="inturn-redis-inbox"
+        )
+
+    async def _reopen(self) -> None:
+        try:
+            while True:
+                await asyncio.sleep(self._pause)
+                try:
+                    await self.open()
+                except _UNREACHABLE as error:
+                    logger.warning("inturn: Redis subscription still down (%s)", error)
+                else:
+                    return
+        finally:
+            self._reopening = None
+
+    async def aclose(self) -> None:
+        """Unsubscribe for good: close the connection, stop reopening it."""
+        self._closing = True
+        reopening = self._reopening
+        if reopening is not None:
+            reopening.cancel()
+            with contextlib.suppress(BaseException):
+                await reopening
+        await self._closed()
 
 
 # -- what the backend hands out and shows ------------------------------------------------
@@ -512,6 +682,9 @@ class _Member:
     waiting: asyncio.Future[int] | None  # resolved with the token when granted
     grant: RedisGrant | None = None
     lost: bool = False  # Redis no longer has it
+    # Its enqueue was answered: only then does a renewal that finds it gone
+    # mean it is gone (on a cluster, a renewal may overtake the enqueue).
+    joined: bool = False
 
 
 def _text(value: bytes | str) -> str:
@@ -568,16 +741,15 @@ class RedisBackend:
         "_client",
         "_counter",
         "_id",
+        "_inbox",
         "_info",
         "_kick",
         "_lease",
         "_link",
-        "_listener",
         "_loop",
         "_members",
         "_namespace",
         "_owns_client",
-        "_pubsub",
         "_scripts",
         "_starting",
         "_tails",
@@ -629,8 +801,7 @@ class RedisBackend:
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._starting: asyncio.Task[None] | None = None
-        self._pubsub: Any = None
-        self._listener: asyncio.Task[None] | None = None
+        self._inbox: _Inbox | None = None
         self._beat: asyncio.Task[None] | None = None
         self._kick: asyncio.Event | None = None
         self._cleanups: set[asyncio.Task[Any]] = set()
@@ -685,9 +856,9 @@ class RedisBackend:
     # -- start and stop --------------------------------------------------------------
 
     async def _start(self) -> None:
-        """Subscribe to this process's channel and start the listener and heartbeat, once."""
+        """Subscribe to this process's channel and start the heartbeat, once."""
         loop = asyncio.get_running_loop()
-        if self._loop is loop and self._listener is not None:
+        if self._loop is loop and self._beat is not None:
             return
         if self._loop is not loop:
             if self._loop is not None and not self._loop.is_closed():
@@ -695,7 +866,7 @@ class RedisBackend:
                     "inturn: this RedisBackend is in use by another event loop; "
                     "make one backend per event loop"
                 )
-            self._loop, self._starting, self._listener, self._beat = loop, None, None, None
+            self._loop, self._starting, self._inbox, self._beat = loop, None, None, None
             self._link = None
         if self._starting is None:
             self._starting = loop.create_task(self._begin())
@@ -710,30 +881,33 @@ class RedisBackend:
             ) from error
 
     async def _begin(self) -> None:
-        await self._subscribe()
-        loop = asyncio.get_running_loop()
-        if isinstance(self._client, aioredis.Redis):
-            self._link = _Link(self._client.connection_pool)
-        self._kick = asyncio.Event()
-        self._listener = loop.create_task(self._listen(), name="inturn-redis-listener")
-        self._beat = loop.create_task(self._heartbeat(), name="inturn-redis-heartbeat")
-
-    async def _subscribe(self) -> None:
-        initialize = getattr(self._client, "initialize", None)
-        if initialize is not None:  # a RedisCluster learns its slots before its pubsub may
+        client = self._client
+        initialize = getattr(client, "initialize", None)
+        if initialize is not None:  # a RedisCluster learns its nodes first
             await initialize()
-        pubsub = self._client.pubsub()
-        try:
-            await pubsub.subscribe(self._channel)
-            # Wait for Redis to confirm: a grant published before that is lost.
-            while True:
-                message = await pubsub.get_message(timeout=None)
-                if message is not None and message["type"] == "subscribe":
-                    break
-        except BaseException:
-            await pubsub.aclose()
-            raise
-        self._pubsub = pubsub
+        kick = asyncio.Event()
+        inbox = _Inbox(
+            self._connector(), self._channel, self._heard, kick.set, min(1.0, self._lease / 10)
+        )
+        await inbox.open()
+        self._inbox, self._kick = inbox, kick
+        if isinstance(client, aioredis.Redis):
+            self._link = _Link(client.connection_pool.make_connection)
+        self._beat = asyncio.get_running_loop().create_task(
+            self._heartbeat(), name="inturn-redis-heartbeat"
+        )
+
+    def _connector(self) -> Callable[[], Any]:
+        """What makes a connection of this process's own (a cluster's: to any node)."""
+        client = self._client
+        if isinstance(client, aioredis.Redis):
+            return client.connection_pool.make_connection
+
+        def make() -> Any:
+            node = client.get_default_node()
+            return node.connection_class(**node.connection_kwargs)
+
+        return make
 
     async def aclose(self) -> None:
         """Stop the heartbeat and subscription; close the client if this backend owns it.
@@ -756,19 +930,18 @@ class RedisBackend:
             if last is not None and not last.done():  # releases still on their way
                 await asyncio.wait((last,), timeout=self._lease)
             await link.aclose()
-        for task in (self._listener, self._beat, *self._cleanups):
+        for task in (self._beat, *self._cleanups):
             if task is not None:
                 task.cancel()
-        for task in (self._listener, self._beat, *self._cleanups):
+        for task in (self._beat, *self._cleanups):
             if task is not None:
                 with contextlib.suppress(BaseException):
                     await task
-        self._listener = self._beat = None
+        self._beat = None
         self._starting = None
-        if self._pubsub is not None:
-            with contextlib.suppress(*_UNREACHABLE):
-                await self._pubsub.aclose()
-            self._pubsub = None
+        inbox, self._inbox = self._inbox, None
+        if inbox is not None:
+            await inbox.aclose()
         for member in self._members.values():
             if member.waiting is not None and not member.waiting.done():
                 member.waiting.set_exception(BackendUnavailable("inturn: the backend was closed"))
@@ -824,6 +997,7 @@ class RedisBackend:
                 state, value = await asyncio.shield(enqueue)
             except _UNREACHABLE as error:
                 raise _unavailable(error) from error
+            member.joined = True
             if state == 1:
                 token = int(value)
             else:
@@ -896,26 +1070,10 @@ class RedisBackend:
         if member is not None and member.waiting is not None and not member.waiting.done():
             member.waiting.set_result(token)
 
-    async def _listen(self) -> None:
-        """Wake this process's waiters as grants are published to its channel."""
-        pubsub = self._pubsub
-        kick = self._kick
-        assert kick is not None
-        while True:
-            try:
-                message = await pubsub.get_message(timeout=None)
-            except _UNREACHABLE as error:
-                logger.warning("inturn: Redis subscription interrupted (%s); reconnecting", error)
-                kick.set()  # the heartbeat catches up on grants missed meanwhile
-                await asyncio.sleep(min(1.0, self._lease / 10))
-                continue
-            if message is None:
-                continue
-            if message["type"] == "message":
-                member_id, _, token = _text(message["data"]).partition(" ")
-                self._granted(member_id, int(token))
-            elif message["type"] == "subscribe":
-                kick.set()  # subscribed anew after a reconnect: catch up
+    def _heard(self, data: bytes) -> None:
+        """A grant published to this process's channel: ``<member> <token>``."""
+        member_id, _, token = data.partition(b" ")
+        self._granted(member_id.decode(), int(token))
 
     async def _heartbeat(self) -> None:
         """Renew every lease of this process every lease / 3 seconds (sooner when kicked)."""
@@ -931,7 +1089,7 @@ class RedisBackend:
 
     async def _renew_all(self, limit: float) -> None:
         """Renew every member's lease; hand out grants, and mark what Redis no longer has."""
-        members = list(self._members.items())
+        members = [(key, member) for key, member in self._members.items() if member.joined]
         sent = time.monotonic()
         try:
             replies = await asyncio.wait_for(self._renew(members), limit)
