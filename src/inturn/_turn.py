@@ -51,8 +51,12 @@ async def _settle(release: Awaitable[None]) -> None:
     """Await a backend release that a second cancellation of the caller cannot interrupt.
 
     If the caller is cancelled meanwhile, the release goes on by itself and
-    the caller gets the CancelledError at once.
+    the caller gets the CancelledError at once. A Future is a release that
+    goes on by itself already (see Backend.release): no task is needed.
     """
+    if isinstance(release, asyncio.Future):
+        await release
+        return
     task = asyncio.ensure_future(release)
     task.add_done_callback(_consume)
     await asyncio.shield(task)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Awaitable, Hashable
 from typing import Protocol, runtime_checkable
 
 __all__ = ("Backend", "Grant")
@@ -47,7 +47,10 @@ class Backend(Protocol):
       held and no trace of the call blocks anyone else.
     - :meth:`release` ends a grant; the next in line gets the key. It is
       called once per grant, and must complete even if the caller's task is
-      cancelled again meanwhile (the queue shields it).
+      cancelled again meanwhile: the queue runs a coroutine it returns in a
+      task of its own, and awaits an :class:`asyncio.Future` as it is (a
+      backend that returns one vouches that cancelling it does not stop the
+      release).
     - Keys cross process boundaries, so :meth:`order` accepts only keys that
       every process names alike and sorts them in one order every process
       computes identically (never by ``hash()``, which is salted per process).
@@ -69,8 +72,8 @@ class Backend(Protocol):
         """
         ...
 
-    async def release(self, grant: Grant) -> None:
-        """End grant's turn and let the next in line have the key."""
+    def release(self, grant: Grant) -> Awaitable[None]:
+        """End grant's turn and let the next in line have the key (``async def`` will do)."""
         ...
 
     async def aclose(self) -> None:

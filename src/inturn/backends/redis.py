@@ -994,7 +994,9 @@ class RedisBackend:
             )
         try:
             try:
-                state, value = await asyncio.shield(enqueue)
+                # The link's call runs whatever becomes of its awaiter; a
+                # task of the cluster's client must not be cancelled with it.
+                state, value = await (enqueue if link is not None else asyncio.shield(enqueue))
             except _UNREACHABLE as error:
                 raise _unavailable(error) from error
             member.joined = True
@@ -1014,15 +1016,50 @@ class RedisBackend:
         member.waiting = None
         return grant
 
-    async def release(self, grant: Grant) -> None:
-        """End grant's turn: Redis hands the key to the next in line and wakes it."""
+    def release(self, grant: Grant) -> Awaitable[None]:
+        """End grant's turn: Redis hands the key to the next in line and wakes it.
+
+        On one server the call to leave is written at once and the answer is
+        a Future that completes by itself, whatever becomes of its awaiter.
+        """
         if not isinstance(grant, RedisGrant):
             raise TypeError(f"inturn: {self!r} cannot release {grant!r}, which it did not grant")
+        done = asyncio.get_running_loop().create_future()
         if self._members.pop(grant._member, None) is None:
-            return  # released already, or Redis no longer had it (lost)
+            done.set_result(None)  # released already, or Redis no longer had it (lost)
+            return done
+        leave = self._leave(grant._state, grant._member)
+        if not isinstance(leave, asyncio.Future):
+            return self._release_after(grant, leave)
+
+        def answered(leave: asyncio.Future[Any]) -> None:
+            try:
+                self._left(grant, leave)
+            except BaseException as error:
+                _fail(done, error)
+            else:
+                if not done.done():
+                    done.set_result(None)
+
+        leave.add_done_callback(answered)
+        return done
+
+    async def _release_after(self, grant: RedisGrant, leave: Awaitable[Any]) -> None:
+        """Release through a cluster client: await its leave call, then see what it says."""
+        answer = asyncio.get_running_loop().create_future()
         try:
-            status = await self._leave(grant._state, grant._member)
-        except _UNREACHABLE as error:
+            answer.set_result(await leave)
+        except Exception as error:
+            answer.set_exception(error)
+        self._left(grant, answer)
+
+    def _left(self, grant: RedisGrant, leave: asyncio.Future[Any]) -> None:
+        """What the answer to grant's leave call means: its lease was lost, or a warning."""
+        error = None if leave.cancelled() else leave.exception()
+        if error is None:
+            if not leave.cancelled() and leave.result() == 0:
+                grant._state.lost = True
+        elif isinstance(error, _UNREACHABLE):
             # The key frees itself when the lease runs out. The work is done,
             # so it is not failed for this; a lease that could not be vouched
             # for is reported as lost.
@@ -1032,9 +1069,8 @@ class RedisBackend:
                 error,
                 self._lease,
             )
-            return
-        if status == 0:
-            grant._state.lost = True
+        else:
+            raise error
 
     def _leave(self, member: _Member, member_id: str) -> Awaitable[Any]:
         """Call the leave script for member (after this process's earlier calls, on a _Link)."""
