@@ -15,8 +15,13 @@ The conversation with the parent (bench/multiproc.py), over stdin/stdout:
 3. until the deadline it loops: note the arrival time, take the lock, note
    the grant time, run the critical section, note the release time,
    release; then the work outside the lock, if any;
-4. it prints one JSON line of its records: ``arrivals``, ``grants`` and
-   ``releases``, one entry per turn, in nanoseconds.
+4. it prints ``finished`` and waits for one more line on stdin, which the
+   parent sends once every worker has finished: so no worker's teardown
+   (closing its client, interpreter exit) takes CPU from the last turns of
+   the others;
+5. it tears its contender down and prints one JSON line of its records:
+   ``arrivals``, ``grants`` and ``releases``, one entry per turn, in
+   nanoseconds.
 
 The critical section is a read-modify-write of a decimal counter in the
 file ``counter`` of the workdir (read it, write it back plus one), with
@@ -76,6 +81,12 @@ def wait_for_go() -> int:
     return int(sys.stdin.readline())
 
 
+def wait_for_all() -> None:
+    """Tell the parent this worker is done measuring; return once every worker is."""
+    print("finished", flush=True)
+    sys.stdin.readline()
+
+
 def run_sync(contender: SyncContender, config: dict[str, Any], go: Callable[[], int]) -> Records:
     """The worker's whole life with a sync contender; its records."""
     run = run_of(config)
@@ -102,6 +113,7 @@ def run_sync(contender: SyncContender, config: dict[str, Any], go: Callable[[], 
             if outside:
                 sleep(outside)
         os.close(fd)
+        wait_for_all()
     finally:
         contender.teardown()
     return {"arrivals": arrivals, "grants": grants, "releases": releases}
@@ -135,6 +147,7 @@ async def run_async(
             if outside:
                 await sleep(outside)
         os.close(fd)
+        wait_for_all()  # blocks the loop: nothing of this worker's is in line any more
     finally:
         await contender.teardown()
     return {"arrivals": arrivals, "grants": grants, "releases": releases}

@@ -33,6 +33,7 @@ import json
 import os
 import platform
 import secrets
+import select
 import statistics
 import subprocess
 import sys
@@ -170,8 +171,12 @@ def _spawn(config: dict[str, Any]) -> subprocess.Popen[str]:
     )
 
 
-def _line(pipe: IO[str] | None, what: str) -> str:
+def _line(pipe: IO[str] | None, what: str, until: float | None = None) -> str:
+    """The next line a worker sends (by time.monotonic() until, at the latest)."""
     assert pipe is not None
+    left = None if until is None else max(0.0, until - time.monotonic())
+    if left is not None and not select.select([pipe], [], [], left)[0]:
+        raise RuntimeError(f"a worker sent no {what} in time: is the lock stuck?")
     line = pipe.readline()
     if not line:
         raise RuntimeError(f"a worker exited before it sent {what} (see its stderr above)")
@@ -217,6 +222,13 @@ def run_once(
             for worker in workers:
                 _line(worker.stdout, "ready")
             start = _release(workers, settings.seconds)
+            until = time.monotonic() + settings.seconds + GRACE
+            for worker in workers:
+                _line(worker.stdout, "finished", until)
+            for worker in workers:  # every worker is done measuring: now they may tear down
+                assert worker.stdin is not None
+                worker.stdin.write("teardown\n")
+                worker.stdin.flush()
             records = [_records(worker, contender, settings.seconds + GRACE) for worker in workers]
         finally:
             for worker in workers:
