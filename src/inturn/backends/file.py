@@ -51,7 +51,7 @@ import stat
 import sys
 import tempfile
 import time
-from collections.abc import Hashable
+from collections.abc import Awaitable, Hashable
 from pathlib import Path
 from typing import final
 
@@ -71,6 +71,8 @@ _LINE = ".line"
 _HANDED = b"H"
 #: Compact a line file whose names outnumber this (dead tickets pile up in a busy line).
 _COMPACT_AT = 64
+#: Bytes read from a line file at once.
+_READ = 65536
 #: Tries at a line file's lock before waiting for it in a thread (see _flock_soon).
 _FLOCK_TRIES = 16
 
@@ -185,13 +187,13 @@ async def _until_closed(fd: int, deadline: float | None, key: Hashable) -> bytes
             timer.cancel()
 
 
-def _same_file(fd: int, path: str) -> bool:
-    try:
-        there = os.stat(path)
-    except FileNotFoundError:
-        return False
-    here = os.fstat(fd)
-    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+def _still_there(fd: int) -> bool:
+    """Whether the file open at fd is still in the directory (its last user did not delete it).
+
+    A line file only ever leaves its path by being deleted (never renamed
+    or replaced), so one that still has a name has the name it was opened by.
+    """
+    return os.fstat(fd).st_nlink > 0
 
 
 def _flock_soon(fd: int, mode: int) -> None:
@@ -211,46 +213,61 @@ def _flock_soon(fd: int, mode: int) -> None:
     fcntl.flock(fd, mode | fcntl.LOCK_NB)
 
 
-async def _lock_line(path: str, mode: int, *, wait: bool = True) -> int | None:
+def _open_line(path: str) -> int:
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+
+
+def _try_lock_line(path: str, mode: int) -> int | None:
     """Open the line file at path (creating it) and flock it in mode; return its fd.
 
-    Others hold the lock for a few system calls, so it is first tried
-    without blocking; then, if ``wait``, the blocking call is made in a
-    thread, so the event loop never waits on it. Without ``wait``, None if
-    the lock was taken.
+    Others hold the lock for a few system calls, so it is only tried, a few
+    times (see _flock_soon): None if it is still taken.
     """
-    assert fcntl is not None
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        fd = _open_line(path)
         try:
             _flock_soon(fd, mode)
-        except BlockingIOError:
-            if not wait:
-                os.close(fd)
-                return None
-            locking = asyncio.get_running_loop().run_in_executor(None, fcntl.flock, fd, mode)
-            try:
-                await asyncio.shield(locking)
-            except BaseException:
-                # Cancelled while the thread waits: it still gets the lock
-                # some day; closing the fd then lets it go.
-                locking.add_done_callback(lambda _, fd=fd: os.close(fd))  # type: ignore[misc]
-                raise
-        except BaseException:
+        except BaseException as error:
             os.close(fd)
+            if isinstance(error, BlockingIOError):
+                return None
             raise
-        if _same_file(fd, path):
+        if _still_there(fd):
             return fd
-        os.close(fd)  # deleted (or replaced) by its last user meanwhile: start again
+        os.close(fd)  # deleted by its last user meanwhile: start again
+
+
+async def _lock_line(path: str, mode: int) -> int:
+    """As _try_lock_line, but if the lock stays taken, wait for it in a thread.
+
+    So the event loop never waits on the blocking call.
+    """
+    assert fcntl is not None
+    while (fd := _try_lock_line(path, mode)) is None:
+        fd = _open_line(path)
+        locking = asyncio.get_running_loop().run_in_executor(None, fcntl.flock, fd, mode)
+        try:
+            await asyncio.shield(locking)
+        except BaseException:
+            # Cancelled while the thread waits: it still gets the lock
+            # some day; closing the fd then lets it go.
+            locking.add_done_callback(lambda _, fd=fd: os.close(fd))  # type: ignore[misc]
+            raise
+        if _still_there(fd):
+            return fd
+        os.close(fd)  # deleted by its last user meanwhile: start again
+    return fd
 
 
 def _names(fd: int) -> list[str]:
     """The ticket names in the line file, in order (a last line still being written is left out)."""
     chunks = []
     offset = 0
-    while chunk := os.pread(fd, 65536, offset):
+    while chunk := os.pread(fd, _READ, offset):
         chunks.append(chunk)
         offset += len(chunk)
+        if len(chunk) < _READ:  # the end (an append since is not ours to see)
+            break
     text = b"".join(chunks).decode("ascii")
     return text.split("\n")[:-1]
 
@@ -389,7 +406,6 @@ class FileBackend:
         _OPEN_TICKETS.add(fd)
         try:
             line_fd = await _lock_line(line, fcntl.LOCK_SH)
-            assert line_fd is not None
             try:
                 os.write(line_fd, f"{name}\n".encode("ascii"))  # one append: atomic
                 names = _names(line_fd)
@@ -423,29 +439,34 @@ class FileBackend:
                 return max(int(data[1:]) + 1, time.time_ns())
         return time.time_ns()
 
-    async def release(self, grant: Grant) -> None:
-        """Hand the key on (close grant's ticket), then tidy the line file up."""
+    def release(self, grant: Grant) -> Awaitable[None]:
+        """Hand the key on (close grant's ticket), then tidy the line file up.
+
+        Done at once, in a few system calls: the answer is a finished Future.
+        """
         if not isinstance(grant, FileGrant):
             raise TypeError(f"inturn: {self!r} cannot release {grant!r}, which it did not grant")
+        done = asyncio.get_running_loop().create_future()
         fd, grant._fd = grant._fd, -1
-        if fd < 0:
-            return
-        _OPEN_TICKETS.discard(fd)
-        try:
-            os.write(fd, _HANDED + str(grant.token).encode("ascii"))
-        finally:
-            os.close(fd)  # no writer now: whoever waits on this ticket goes on
-            _unlink(grant._ticket)
-        await self._tidy(grant._line, os.path.basename(grant._ticket))
+        if fd >= 0:
+            _OPEN_TICKETS.discard(fd)
+            try:
+                os.write(fd, _HANDED + str(grant.token).encode("ascii"))
+            finally:
+                os.close(fd)  # no writer now: whoever waits on this ticket goes on
+                _unlink(grant._ticket)
+            self._tidy(grant._line, os.path.basename(grant._ticket))
+        done.set_result(None)
+        return done
 
-    async def _tidy(self, line: str, own: str) -> None:
+    def _tidy(self, line: str, own: str) -> None:
         """Delete the line file if nobody is in line any more; compact it if it grew long.
 
         Best effort: if another process holds the line file's lock, it is
         left for a later release (whoever holds that lock is in line).
         """
         assert fcntl is not None
-        fd = await _lock_line(line, fcntl.LOCK_SH, wait=False)
+        fd = _try_lock_line(line, fcntl.LOCK_SH)
         if fd is None:
             return
         try:
@@ -457,7 +478,7 @@ class FileBackend:
             os.close(fd)
         if someone and len(names) <= _COMPACT_AT:
             return
-        fd = await _lock_line(line, fcntl.LOCK_EX, wait=False)
+        fd = _try_lock_line(line, fcntl.LOCK_EX)
         if fd is None:
             return
         try:
