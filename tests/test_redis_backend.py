@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from inturn import BackendUnavailable, KeyedQueue, LeaseLost, current_turn
 from inturn.__main__ import format_lines, main
 from inturn.backends import Backend
-from inturn.backends.redis import LineInfo, RedisBackend
+from inturn.backends.redis import _ENQUEUE_AT, LineInfo, RedisBackend, _Link
 from processes import Worker, first_to_hold
 from redis_checks import keys_left
 from servers import Server
@@ -47,8 +47,8 @@ async def make_backend(redis_url: str, namespace: str) -> AsyncIterator[BackendF
     """
     made: list[RedisBackend] = []
 
-    def make(*, lease: float = LEASE, url: str = redis_url) -> RedisBackend:
-        made.append(RedisBackend.from_url(url, namespace=namespace, lease=lease))
+    def make(*, lease: float = LEASE, url: str = redis_url, **options: Any) -> RedisBackend:
+        made.append(RedisBackend.from_url(url, namespace=namespace, lease=lease, **options))
         return made[-1]
 
     yield make
@@ -137,15 +137,55 @@ async def test_a_release_wakes_the_next_holder_without_waiting_for_a_heartbeat(
 ) -> None:
     # With an hour-long lease the heartbeat never runs within the test: only
     # the release's own push can hand the key over.
-    a, b = make_backend(lease=3600), make_backend(lease=3600)
+    assert await hand_over(make_backend(lease=3600), make_backend(lease=3600)) == "next"
+
+
+async def hand_over(a: RedisBackend, b: RedisBackend) -> str:
+    """a holds "k" while b waits for it; a lets go: what b's work returned."""
     gate = asyncio.Event()
     holder = asyncio.create_task(KeyedQueue(backend=a).run("k", gate.wait))
     await waiting(a, 0)
     follower = asyncio.create_task(KeyedQueue(backend=b).run("k", lambda: "next"))
     await waiting(a, 1)
     gate.set()
-    assert await asyncio.wait_for(follower, 10) == "next"
+    result = await asyncio.wait_for(follower, 10)
     await holder
+    return result
+
+
+async def test_a_client_speaking_resp3_hands_turns_over_too(
+    make_backend: BackendFactory,
+) -> None:
+    # RESP3 (protocol=3) sends grants as push messages, and replies in its own types.
+    assert await hand_over(make_backend(protocol=3), make_backend(protocol=3)) == "next"
+
+
+def test_replies_split_anywhere_across_reads_reach_their_calls_in_order() -> None:
+    replies = (
+        b"*2\r\n:1\r\n$16\r\n1795451826758776\r\n",  # enqueue: held, with its token
+        b"*2\r\n:0\r\n:3\r\n",  # enqueue: third in line
+        b":1\r\n",  # leave
+        b"-ERR something went wrong\r\n",
+        b"$-1\r\n",
+    )
+    expected = [[1, b"1795451826758776"], [0, 3], 1, "ERR something went wrong", None]
+
+    async def feed(chunks: list[bytes]) -> list[Any]:
+        link = _Link(lambda: None)
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in replies]
+        link._sent.extend((_ENQUEUE_AT, b"", future) for future in futures)
+        for chunk in chunks:
+            link.data_received(chunk)
+        assert not link._sent
+        assert not link._buffer
+        return [str(f.exception()) if f.exception() is not None else f.result() for f in futures]
+
+    data = b"".join(replies)
+    assert asyncio.run(feed([data])) == expected
+    assert asyncio.run(feed([data[i : i + 1] for i in range(len(data))])) == expected
+    for cut in range(1, len(data)):
+        assert asyncio.run(feed([data[:cut], data[cut:]])) == expected
 
 
 async def test_a_grant_whose_message_is_lost_still_arrives(

@@ -33,7 +33,10 @@ own, written as they are made without waiting for earlier replies, so Redis
 runs them in the order the process made them.
 
 Each process has one subscription (on its channel) that wakes its waiters:
-the release itself pushes the turn, nothing polls. A heartbeat renews every
+the release itself pushes the turn, nothing polls. The subscription and the
+script calls ride connections that redis-py opens and sets up (TLS, AUTH,
+protocol), whose replies this process then parses as they arrive, in the
+event loop's own callbacks: no task wakes up per reply or per grant. A heartbeat renews every
 lease the process has every ``lease / 3`` seconds; its reply also hands a
 waiter a grant whose message was lost (a dropped connection), and tells a
 holder that its lease is gone.
