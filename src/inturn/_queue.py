@@ -51,44 +51,37 @@ class _Unset:
 UNSET: Final = _Unset()
 
 
+def _check_seconds(name: str, value: float | None, *, zero: bool) -> float | None:
+    """A time limit in seconds, or None (also for infinity); ``zero``: 0 is allowed."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"inturn: {name} must be a number of seconds or None, got {value!r}")
+    if math.isnan(value) or value < 0 or (value == 0 and not zero):
+        bound = ">= 0" if zero else "> 0"
+        raise ValueError(f"inturn: {name} must be {bound} seconds or None, got {value!r}")
+    return None if math.isinf(value) else float(value)
+
+
 def _check_timeout(timeout: float | None) -> float | None:
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-        raise TypeError(f"inturn: timeout must be a number of seconds or None, got {timeout!r}")
-    if math.isnan(timeout) or timeout < 0:
-        raise ValueError(f"inturn: timeout must be >= 0 seconds or None, got {timeout!r}")
-    return None if math.isinf(timeout) else float(timeout)
+    return _check_seconds("timeout", timeout, zero=True)
 
 
-def _check_max_pending(max_pending: int | None) -> int | None:
-    if max_pending is None:
-        return None
-    if isinstance(max_pending, bool) or not isinstance(max_pending, int):
-        raise TypeError(f"inturn: max_pending must be an int or None, got {max_pending!r}")
-    if max_pending < 0:
-        raise ValueError(f"inturn: max_pending must be >= 0 or None, got {max_pending!r}")
-    return max_pending
+def _check_hold(max_hold: float | None) -> float | None:
+    return _check_seconds("max_hold", max_hold, zero=False)
 
 
-def _check_count(name: str, value: int | None, none: bool) -> int | None:
+def _check_count(name: str, value: int | None, none: bool, least: int = 1) -> int | None:
+    """A count of at least ``least``; None allowed if ``none``."""
     if value is None and none:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"inturn: {name} must be an int{' or None' if none else ''}, got {value!r}")
-    if value < 1:
-        raise ValueError(f"inturn: {name} must be >= 1{' or None' if none else ''}, got {value!r}")
+    if value < least:
+        raise ValueError(
+            f"inturn: {name} must be >= {least}{' or None' if none else ''}, got {value!r}"
+        )
     return value
-
-
-def _check_hold(max_hold: float | None) -> float | None:
-    if max_hold is None:
-        return None
-    if isinstance(max_hold, bool) or not isinstance(max_hold, int | float):
-        raise TypeError(f"inturn: max_hold must be a number of seconds or None, got {max_hold!r}")
-    if math.isnan(max_hold) or max_hold <= 0:
-        raise ValueError(f"inturn: max_hold must be > 0 seconds or None, got {max_hold!r}")
-    return None if math.isinf(max_hold) else float(max_hold)
 
 
 def _expire(waiter: asyncio.Future[None], key: Hashable, timeout: float) -> None:
@@ -596,7 +589,7 @@ class KeyedQueue:
         # it is active.
         self._lines: dict[Hashable, Any] = {}
         self._timeout = _check_timeout(timeout)
-        self._max_pending = _check_max_pending(max_pending)
+        self._max_pending = _check_count("max_pending", max_pending, none=True, least=0)
         self._open = True
         self._tokens = itertools.count(1)
         if backend is None or isinstance(backend, LocalBackend):
