@@ -348,7 +348,6 @@ class _Wire(asyncio.Protocol):
         if self._connection is not None:
             _forget(self._connection)
         self._connection = self._transport = None
-        self._buffer = bytearray()
         if self._lost is not None and not self._lost.done():
             self._lost.set_result(None)
         self._gone(
@@ -431,7 +430,7 @@ class _Link(_Wire):
         self.last = future
         call = (script, rest, future)
         transport = self._transport
-        if transport is not None and not self._outbox:
+        if transport is not None:  # (then the outbox is empty: see _connect)
             self._sent.append(call)
             transport.write(self._heads[script] + rest)
         else:
@@ -1037,7 +1036,8 @@ class RedisBackend:
 
         def answered(leave: asyncio.Future[Any]) -> None:
             try:
-                self._left(grant, leave)
+                error = leave.exception()
+                self._left(grant, None if error else leave.result(), error)
             except BaseException as error:
                 _fail(done, error)
             else:
@@ -1049,18 +1049,17 @@ class RedisBackend:
 
     async def _release_after(self, grant: RedisGrant, leave: Awaitable[Any]) -> None:
         """Release through a cluster client: await its leave call, then see what it says."""
-        answer = asyncio.get_running_loop().create_future()
         try:
-            answer.set_result(await leave)
+            status = await leave
         except Exception as error:
-            answer.set_exception(error)
-        self._left(grant, answer)
+            self._left(grant, None, error)
+        else:
+            self._left(grant, status, None)
 
-    def _left(self, grant: RedisGrant, leave: asyncio.Future[Any]) -> None:
-        """What the answer to grant's leave call means: its lease was lost, or a warning."""
-        error = None if leave.cancelled() else leave.exception()
+    def _left(self, grant: RedisGrant, status: Any, error: BaseException | None) -> None:
+        """What grant's leave call answered (status, or error) means: a lost lease, or a warning."""
         if error is None:
-            if not leave.cancelled() and leave.result() == 0:
+            if status == 0:
                 grant._state.lost = True
         elif isinstance(error, _UNREACHABLE):
             # The key frees itself when the lease runs out. The work is done,
