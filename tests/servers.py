@@ -36,10 +36,19 @@ def valkey_server_binary() -> str | None:
     return binary if binary and os.access(binary, os.X_OK) else None
 
 
+#: Ports free_port() handed out: the kernel may offer a port again once its probe closed.
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+    """A loopback port free now, and never handed out before in this process."""
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = int(probe.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def _answers(port: int) -> bool:
@@ -87,12 +96,25 @@ class Server:
         self.port = free_port()
         self.extra = extra
         self.process: subprocess.Popen[bytes] | None = None
+        self.started = False  # it answered once: its URL is given out
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> Server:
+        """Start the server; on its first start, on a new port if another process took this one."""
+        for _ in range(3):
+            if self._launch():
+                self.started = True
+                return self
+            if self.started:  # a restart keeps its URL: no other port will do
+                break
+            self.port = free_port()  # taken meanwhile by someone else's connection, say
+        raise RuntimeError(f"{self.binary} did not start on port {self.port}")
+
+    def _launch(self) -> bool:
+        """Run the server; whether it answers (within 30 s)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         self.process = subprocess.Popen(
             [
@@ -115,9 +137,10 @@ class Server:
         deadline = time.monotonic() + 30
         while not _answers(self.port):  # the server's start-up, not an ordering
             if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{self.binary} did not start on port {self.port}")
+                self.stop(kill=True)
+                return False
             time.sleep(0.01)
-        return self
+        return True
 
     def stop(self, *, kill: bool = False) -> None:
         if self.process is not None and self.process.poll() is None:
