@@ -293,8 +293,11 @@ class WraptEmpty(Contender):
         return body()
 
 
-def load_version(ref: str) -> ModuleType:
-    """Import inturn as it was at git revision ref, as the package ``inturn_<ref>``."""
+def extract_version(ref: str) -> tuple[Path, str]:
+    """Unpack src/inturn as it was at git revision ref: (the directory to import from, its name).
+
+    The package is renamed ``inturn_<ref>``, so that it imports beside this tree's.
+    """
     root = Path(__file__).resolve().parent.parent
     archive = subprocess.run(
         ["git", "archive", "--format=tar", ref, "src/inturn"],
@@ -307,6 +310,12 @@ def load_version(ref: str) -> ModuleType:
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(where, filter="data")
     (where / "src" / "inturn").rename(where / name)
+    return where, name
+
+
+def load_version(ref: str) -> ModuleType:
+    """Import inturn as it was at git revision ref, as the package ``inturn_<ref>``."""
+    where, name = extract_version(ref)
     sys.path.insert(0, str(where))
     return importlib.import_module(name)
 

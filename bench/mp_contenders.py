@@ -22,6 +22,7 @@ lock once and enter it).
 
 from __future__ import annotations
 
+import importlib
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ __all__ = (
     "Contender",
     "Run",
     "SyncContender",
+    "contender",
 )
 
 
@@ -47,6 +49,13 @@ class Run:
     redis_url: str | None = None
     #: Unique to the run: Redis names (namespace, lock names) include it.
     tag: str = "run"
+    #: The inturn package the inturn contenders import: ``inturn``, or an
+    #: earlier revision's ``inturn_<ref>`` (``--before``).
+    package: str = "inturn"
+
+    def inturn(self, module: str = "") -> Any:
+        """The inturn package of this run (or one of its modules, ``.backends.file`` say)."""
+        return importlib.import_module(self.package + module)
 
     def needs_redis(self) -> str:
         if self.redis_url is None:
@@ -111,10 +120,8 @@ class InturnFile(AsyncContender):
     name = "inturn-file"
 
     async def setup(self, run: Run) -> None:
-        from inturn import KeyedQueue
-        from inturn.backends.file import FileBackend
-
-        self.queue = KeyedQueue(backend=FileBackend(run.workdir / "inturn"))
+        backend = run.inturn(".backends.file").FileBackend(run.workdir / "inturn")
+        self.queue = run.inturn().KeyedQueue(backend=backend)
 
     def hold(self, key: str) -> AbstractAsyncContextManager[Any]:
         return self.queue.keyed(key)
@@ -209,11 +216,9 @@ class InturnRedis(AsyncContender):
         return _missing("redis")
 
     async def setup(self, run: Run) -> None:
-        from inturn import KeyedQueue
-        from inturn.backends.redis import RedisBackend
-
-        backend = RedisBackend.from_url(run.needs_redis(), namespace=f"bench-{run.tag}")
-        self.queue = KeyedQueue(backend=backend)
+        redis_backend = run.inturn(".backends.redis").RedisBackend
+        backend = redis_backend.from_url(run.needs_redis(), namespace=f"bench-{run.tag}")
+        self.queue = run.inturn().KeyedQueue(backend=backend)
 
     def hold(self, key: str) -> AbstractAsyncContextManager[Any]:
         return self.queue.keyed(key)
@@ -303,6 +308,19 @@ CONTENDERS: dict[str, type[Contender]] = {
         NoLock,
     )
 }
+
+#: The contenders that ``--before REF`` measures again as ``name@REF``, on inturn at REF.
+VERSIONED: tuple[str, ...] = ("inturn-file", "inturn-redis")
+
+
+def contender(name: str) -> Contender:
+    """The contender called name: one of CONTENDERS, or ``name@REF`` of one of VERSIONED."""
+    base, at, _ = name.partition("@")
+    if at and base not in VERSIONED:
+        raise KeyError(f"{name}: only {', '.join(VERSIONED)} can be measured at a revision")
+    cls = CONTENDERS[base]
+    return type(cls.__name__, (cls,), {"name": name})() if at else cls()
+
 
 #: The contenders measured unless the command line names others.
 DEFAULT: tuple[str, ...] = (

@@ -1,6 +1,7 @@
 """One worker process of the multi-process benchmark: ``python -m bench.mp_worker CONFIG``.
 
-CONFIG is a JSON object: ``contender`` (a name in bench/mp_contenders.py),
+CONFIG is a JSON object: ``contender`` (a name in bench/mp_contenders.py,
+or ``name@REF`` with ``package`` and ``package_path``: inturn at git REF),
 ``workdir`` (the run's shared directory), ``redis_url`` (the Redis server,
 null in the file scenarios), ``tag`` (unique to the run), ``key`` and
 ``outside`` (seconds of work between two turns, 0 for none).
@@ -40,7 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .mp_contenders import CONTENDERS, AsyncContender, Run, SyncContender
+from .mp_contenders import AsyncContender, Run, SyncContender, contender
 
 #: Digits of the counter: fixed, so that every write covers the previous one.
 WIDTH = 20
@@ -67,7 +68,12 @@ def critical_section(fd: int) -> None:
 
 def run_of(config: dict[str, Any]) -> Run:
     """What the workers of this run share, from the config."""
-    return Run(Path(config["workdir"]), config.get("redis_url"), config.get("tag", "run"))
+    return Run(
+        Path(config["workdir"]),
+        config.get("redis_url"),
+        config.get("tag", "run"),
+        config.get("package", "inturn"),
+    )
 
 
 def warm_up_key(key: str) -> str:
@@ -155,13 +161,15 @@ async def run_async(
 
 def main(argv: list[str]) -> int:
     config = json.loads(argv[0])
-    contender = CONTENDERS[config["contender"]]()
-    if isinstance(contender, AsyncContender):
-        records = asyncio.run(run_async(contender, config, wait_for_go))
-    elif isinstance(contender, SyncContender):
-        records = run_sync(contender, config, wait_for_go)
+    if "package_path" in config:  # an earlier revision of inturn (--before)
+        sys.path.insert(0, config["package_path"])
+    chosen = contender(config["contender"])
+    if isinstance(chosen, AsyncContender):
+        records = asyncio.run(run_async(chosen, config, wait_for_go))
+    elif isinstance(chosen, SyncContender):
+        records = run_sync(chosen, config, wait_for_go)
     else:
-        raise TypeError(f"{contender!r} is neither a SyncContender nor an AsyncContender")
+        raise TypeError(f"{chosen!r} is neither a SyncContender nor an AsyncContender")
     print(json.dumps(records), flush=True)
     return 0
 

@@ -1,6 +1,7 @@
 """Locks shared between processes, on one contended key, side by side.
 
-    python -m bench.multiproc [--repeats 3] [--quick] [--only file|redis] [--json out.json]
+    python -m bench.multiproc [--repeats 3] [--quick] [--only file|redis] [--before REF]
+                              [--json out.json]
 
 Each run starts one contender's worker processes (bench/mp_worker.py), each
 in a fresh interpreter; once all are set up they are released together and
@@ -50,7 +51,8 @@ if __package__ in (None, ""):  # run as a script: python bench/multiproc.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     __package__ = "bench"
 
-from .mp_contenders import CONTENDERS, DEFAULT
+from .contenders import extract_version
+from .mp_contenders import CONTENDERS, DEFAULT, VERSIONED, contender
 from .mp_metrics import METRICS, measure_run
 from .mp_servers import redis_server
 from .mp_worker import read_counter
@@ -148,6 +150,8 @@ class Settings:
     repeats: int = 3
     contenders: list[str] = field(default_factory=lambda: list(DEFAULT))
     kinds: list[str] = field(default_factory=lambda: list(KINDS))
+    #: A git revision whose inturn contenders run too, as ``name@REF``.
+    before: str | None = None
 
     @classmethod
     def make(cls, quick: bool, repeats: int = 3) -> Settings:
@@ -203,13 +207,20 @@ def _records(worker: subprocess.Popen[str], contender: str, timeout: float) -> A
 
 
 def run_once(
-    contender: str, scenario: Scenario, settings: Settings, redis_url: str | None = None
+    contender: str,
+    scenario: Scenario,
+    settings: Settings,
+    redis_url: str | None = None,
+    versions: dict[str, tuple[Path, str]] | None = None,
 ) -> dict[str, float]:
-    """Start the workers of one run, release them together, and measure their records."""
+    """Start the workers of one run, release them together, and measure their records.
+
+    versions: by git revision, where its inturn was unpacked and the package's name.
+    """
     with tempfile.TemporaryDirectory(prefix="inturn-bench-") as directory:
         workdir = Path(directory)
         tag = secrets.token_hex(4)  # Redis names of this run: no run sees another's
-        config = {
+        config: dict[str, Any] = {
             "contender": contender,
             "workdir": str(workdir),
             "redis_url": redis_url if scenario.kind == "redis" else None,
@@ -217,6 +228,11 @@ def run_once(
             "key": KEY if scenario.kind == "file" else f"bench:{tag}:{KEY}",
             "outside": scenario.outside,
         }
+        _, at, ref = contender.partition("@")
+        if at:
+            assert versions is not None
+            path, package = versions[ref]
+            config.update(package=package, package_path=str(path))
         workers = [_spawn(config) for _ in range(scenario.processes(settings))]
         try:
             for worker in workers:
@@ -243,7 +259,7 @@ def runnable(names: Sequence[str], log: Log) -> list[str]:
     """The contenders of names that can run here; say why the others cannot."""
     kept = []
     for name in names:
-        reason = CONTENDERS[name]().available()
+        reason = contender(name).available()
         if reason is None:
             kept.append(name)
         else:
@@ -252,7 +268,7 @@ def runnable(names: Sequence[str], log: Log) -> list[str]:
 
 
 def _of_kind(names: Sequence[str], kind: str) -> list[str]:
-    return [name for name in names if CONTENDERS[name].kind in (kind, "any")]
+    return [name for name in names if contender(name).kind in (kind, "any")]
 
 
 def _rotated(items: Sequence[str], by: int) -> list[str]:
@@ -269,7 +285,12 @@ def measure(settings: Settings, log: Log) -> dict[str, Any]:
     repeat's metrics), ``medians`` (scenario -> contender -> metric) and
     ``targets``.
     """
-    names = runnable(settings.contenders, log)
+    wanted = list(settings.contenders)
+    versions: dict[str, tuple[Path, str]] = {}
+    if settings.before is not None:
+        versions[settings.before] = extract_version(settings.before)
+        wanted += [f"{name}@{settings.before}" for name in wanted if name in VERSIONED]
+    names = runnable(wanted, log)
     chosen = [
         scenario
         for scenario in SCENARIOS
@@ -286,7 +307,9 @@ def measure(settings: Settings, log: Log) -> dict[str, Any]:
             log(f"multiproc: repeat {repeat + 1}/{settings.repeats}")
             for scenario in chosen:
                 for name in _rotated(_of_kind(names, scenario.kind), repeat):
-                    runs[scenario.name][name].append(run_once(name, scenario, settings, url))
+                    runs[scenario.name][name].append(
+                        run_once(name, scenario, settings, url, versions)
+                    )
     medians = {
         scenario: {name: _median(samples) for name, samples in by_name.items()}
         for scenario, by_name in runs.items()
@@ -350,7 +373,9 @@ def table(medians: dict[str, dict[str, dict[str, float]]], settings: Settings) -
             cells = [form.format(values[name][metric]) for name in names]
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
             if metric == "ops_per_s":
-                lines.extend(_ratio_row(values, names, b) for b in scenario.ratios if b in values)
+                earlier = [name for name in names if name.startswith(scenario.subject + "@")]
+                baselines = [b for b in scenario.ratios if b in values] + earlier
+                lines.extend(_ratio_row(values, names, b) for b in baselines)
         parts.append("\n".join(lines))
     return "\n\n".join(parts)
 
@@ -447,9 +472,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="only the file scenarios (f1, f2) or only the Redis ones (r1 to r3)",
     )
+    parser.add_argument(
+        "--before",
+        metavar="GIT_REF",
+        default=None,
+        help="also measure inturn's contenders as they were at this git revision",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     options = parser.parse_args(argv)
     settings = Settings.make(options.quick, options.repeats)
+    settings.before = options.before
     settings.workers = options.workers
     if options.only is not None:
         settings.kinds = [options.only]

@@ -256,6 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     across = None
     if options.multiproc:
         settings = multiproc.Settings.make(options.quick, options.repeats)
+        settings.before = options.before
         across = multiproc.measure(settings, log)
         print("\n" + multiproc.report(across))
     log(f"done in {time.perf_counter() - started:.0f} s")
