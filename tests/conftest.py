@@ -65,12 +65,15 @@ def redis_url(redis_urls: dict[str, str]) -> str:
 
 @pytest.fixture
 def own_redis(tmp_path: Path) -> Iterator[Server]:
-    """A Redis server of this test's own, which the test may stop, kill and restart."""
+    """A Redis server of this test's own, which the test may stop, kill, restart and freeze.
+
+    DEBUG (DEBUG SLEEP freezes it) is enabled, as Redis 7 keeps it off by default.
+    """
     binary = redis_server_binary() or valkey_server_binary()
     if binary is None:
         unavailable("a Redis server binary to start and stop")
     assert binary is not None
-    server = Server(binary, tmp_path / "redis").start()
+    server = Server(binary, tmp_path / "redis", "--enable-debug-command", "yes").start()
     try:
         yield server
     finally:

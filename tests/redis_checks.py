@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+
+from inturn.backends.redis import LineInfo, RedisBackend
+
+from helpers import PATIENCE
 
 
 async def keys_left(url: str, namespace: str) -> list[str]:
@@ -29,3 +35,19 @@ async def cluster_keys_left(url: str, namespace: str) -> list[str]:
         )
     finally:
         await client.aclose()
+
+
+async def waiting(backend: RedisBackend, n: int) -> LineInfo:
+    """Wait until Redis shows the only line held, with n waiters; return it.
+
+    The state is brought about by other backends or processes, which give no
+    signal: it is looked at every millisecond, up to PATIENCE seconds.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + PATIENCE
+    while True:
+        lines = await backend.lines()
+        if len(lines) == 1 and lines[0].holder is not None and len(lines[0].waiters) == n:
+            return lines[0]
+        assert loop.time() < deadline, f"Redis never showed a holder and {n} waiters: {lines}"
+        await asyncio.sleep(0.001)

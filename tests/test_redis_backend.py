@@ -21,9 +21,11 @@ import redis.asyncio as aioredis
 from inturn import BackendUnavailable, KeyedQueue, LeaseLost, current_turn
 from inturn.__main__ import format_lines, main
 from inturn.backends import Backend
-from inturn.backends.redis import _ENQUEUE_AT, LineInfo, RedisBackend, _Link
+from inturn.backends._redis_scripts import ENQUEUE
+from inturn.backends._redis_wire import Call, Frames, Link
+from inturn.backends.redis import RedisBackend
 from processes import Worker, first_to_hold
-from redis_checks import keys_left
+from redis_checks import keys_left, waiting
 from servers import Server
 
 from helpers import PATIENCE, checkpoints, settle
@@ -67,22 +69,6 @@ async def client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
 
 def spec(url: str, namespace: str, lease: float = LEASE) -> str:
     return f"redis:{url}#{namespace}#{lease}"
-
-
-async def waiting(backend: RedisBackend, n: int) -> LineInfo:
-    """Wait until Redis shows the only line held, with n waiters; return it.
-
-    The state is brought about by other backends or processes, which give no
-    signal: it is looked at every millisecond, up to PATIENCE seconds.
-    """
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + PATIENCE
-    while True:
-        lines = await backend.lines()
-        if len(lines) == 1 and lines[0].holder is not None and len(lines[0].waiters) == n:
-            return lines[0]
-        assert loop.time() < deadline, f"Redis never showed a holder and {n} waiters: {lines}"
-        await asyncio.sleep(0.001)
 
 
 # -- several backends: the line in Redis -------------------------------------------------
@@ -161,31 +147,49 @@ async def test_a_client_speaking_resp3_hands_turns_over_too(
 
 
 def test_replies_split_anywhere_across_reads_reach_their_calls_in_order() -> None:
-    replies = (
+    frames = (
         b"*2\r\n:1\r\n$16\r\n1795451826758776\r\n",  # enqueue: held, with its token
-        b"*2\r\n:0\r\n:3\r\n",  # enqueue: third in line
+        b">3\r\n$7\r\nmessage\r\n$2\r\nch\r\n$3\r\nabc\r\n",  # a push: nobody's reply
+        b"|1\r\n+ttl\r\n:3600\r\n*2\r\n:0\r\n:3\r\n",  # an attribute, then: third in line
         b":1\r\n",  # leave
         b"-ERR something went wrong\r\n",
+        b"!21\r\nSYNTAX invalid syntax\r\n",  # a blob error
+        b"%1\r\n+a\r\n,1.5\r\n",  # a map
         b"$-1\r\n",
     )
-    expected = [[1, b"1795451826758776"], [0, 3], 1, "ERR something went wrong", None]
+    expected = [
+        [1, b"1795451826758776"],
+        [0, 3],
+        1,
+        "ERR something went wrong",
+        "SYNTAX invalid syntax",
+        [b"a", 1.5],
+        None,
+    ]
 
-    async def feed(chunks: list[bytes]) -> list[Any]:
-        link = _Link(lambda: None)
-        loop = asyncio.get_running_loop()
-        futures = [loop.create_future() for _ in replies]
-        link._sent.extend((_ENQUEUE_AT, b"", future) for future in futures)
-        for chunk in chunks:
-            link.data_received(chunk)
-        assert not link._sent
-        assert not link._buffer
-        return [str(f.exception()) if f.exception() is not None else f.result() for f in futures]
+    def feed(chunks: list[bytes]) -> list[Any]:
+        async def run() -> list[Any]:
+            link = Link(lambda: None, b"", lambda greeting: None, LEASE)
+            loop = asyncio.get_running_loop()
+            calls = [Call(ENQUEUE.index, b"", loop.create_future()) for _ in expected]
+            link._sent.extend(calls)
+            reader = Frames(link.got)
+            for chunk in chunks:
+                reader.feed(chunk)
+            assert not link._sent
+            assert not len(reader)
+            return [
+                str(c.future.exception()) if c.future.exception() else c.future.result()
+                for c in calls
+            ]
 
-    data = b"".join(replies)
-    assert asyncio.run(feed([data])) == expected
-    assert asyncio.run(feed([data[i : i + 1] for i in range(len(data))])) == expected
+        return asyncio.run(run())
+
+    data = b"".join(frames)
+    assert feed([data]) == expected
+    assert feed([data[i : i + 1] for i in range(len(data))]) == expected
     for cut in range(1, len(data)):
-        assert asyncio.run(feed([data[:cut], data[cut:]])) == expected
+        assert feed([data[:cut], data[cut:]]) == expected
 
 
 async def test_a_grant_whose_message_is_lost_still_arrives(
@@ -265,8 +269,9 @@ async def test_a_waiter_cancelled_as_it_is_granted_passes_the_turn_on(
     await waiting(a, 2)
     # The victim's process stops hearing grants (its heartbeat, with an hour's
     # lease, does not run within the test either).
-    assert b._inbox is not None
-    b._inbox.heard = lambda data: None
+    inbox = b._session().inbox
+    assert inbox is not None
+    inbox.heard = lambda data: None
     gate.set()
     await first
     await asyncio.gather(victim[0], following, return_exceptions=True)
@@ -395,15 +400,38 @@ def test_bad_settings_are_refused_at_construction(redis_url: str) -> None:
         RedisBackend.from_url(redis_url, lease=0)
 
 
-async def test_one_backend_serves_one_event_loop(make_backend: BackendFactory) -> None:
+async def test_one_backend_serves_an_event_loop_in_another_thread_too(
+    make_backend: BackendFactory,
+) -> None:
+    # One backend, two event loops at once (each thread its own queue): each
+    # loop gets a session of its own, and the key is still held by one at a time.
     backend = make_backend()
-    await KeyedQueue(backend=backend).run("k", lambda: None)
+    order: list[str] = []
+    gate = asyncio.Event()
 
-    def elsewhere() -> None:
-        asyncio.run(KeyedQueue(backend=backend).run("k", lambda: None))
+    async def hold() -> None:
+        order.append("here")
+        await gate.wait()
+        order.append("here done")
 
-    with pytest.raises(RuntimeError, match="another event loop"):
-        await asyncio.get_running_loop().run_in_executor(None, elsewhere)
+    holder = asyncio.create_task(KeyedQueue(backend=backend).run("k", hold))
+    await waiting(backend, 0)
+
+    def elsewhere() -> int:
+        async def job() -> int:
+            async with KeyedQueue(backend=backend).keyed("k") as turn:
+                order.append("there")
+                return turn.token
+
+        return asyncio.run(job())
+
+    there = asyncio.get_running_loop().run_in_executor(None, elsewhere)
+    await waiting(backend, 1)  # the other loop's waiter is in line behind the holder
+    assert order == ["here"]
+    gate.set()
+    await holder
+    assert await asyncio.wait_for(there, PATIENCE) > 0
+    assert order == ["here", "here done", "there"]
 
 
 # -- Redis away ---------------------------------------------------------------------------

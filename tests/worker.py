@@ -14,6 +14,12 @@ the test drives it step by step:
 - ``fork-hold KEY``: take KEY, fork a child that keeps every inherited file
   open and waits; print ``forked PID``; wait for a stdin line; release;
   print ``released``; wait for a stdin line; end the child.
+- ``fork-increment KEY COUNTER N CHILDREN WHEN``: make one queue at module
+  level, as a preforking server does; if WHEN is ``after``, use it once
+  (``asyncio.run``) before forking; fork CHILDREN children, and each of them
+  and this process run ``increment-redis`` N times, each in an event loop of
+  its own; print ``done ERRORS`` with the errors any of them met (``-``:
+  none).
 """
 
 from __future__ import annotations
@@ -121,5 +127,57 @@ async def main(spec: str, command: str, *args: str) -> None:
     await queue.aclose()
 
 
+def fork_increment(spec: str, key: str, counter: str, n: str, children: str, when: str) -> None:
+    """``fork-increment``: the queue is made before fork(), as ``gunicorn --preload`` does."""
+    import redis
+
+    queue = KeyedQueue(backend=make_backend(spec))
+    url = spec.split(":", 1)[1].split("#")[0]
+    if when == "after":
+        asyncio.run(queue.run(f"{key}-warm-up", lambda: None))
+
+    async def increments() -> None:
+        client = redis.asyncio.Redis.from_url(url)
+
+        async def increment() -> None:
+            value = int(await client.get(counter) or 0)
+            await asyncio.sleep(0)  # others run here: a lost update, were it not for the key
+            await client.set(counter, value + 1)
+
+        try:
+            for _ in range(int(n)):
+                await queue.run(key, increment)
+        finally:
+            await client.aclose()
+
+    def work() -> str:
+        try:
+            asyncio.run(increments())
+        except BaseException as error:
+            return f"{type(error).__name__}:{error}".replace(" ", "_")
+        return ""
+
+    pids = []
+    errors: list[str] = []
+    for _ in range(int(children)):
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            problem = work()
+            if problem:
+                print(problem, file=sys.stderr, flush=True)
+            os._exit(1 if problem else 0)
+        pids.append(pid)
+    if problem := work():
+        errors.append(problem)
+    for pid in pids:
+        _, status = os.waitpid(pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            errors.append(f"child-{pid}-failed")
+    say("done", " ".join(errors) or "-")
+
+
 if __name__ == "__main__":
-    asyncio.run(main(*sys.argv[1:]))
+    if sys.argv[2] == "fork-increment":
+        fork_increment(sys.argv[1], *sys.argv[3:])
+    else:
+        asyncio.run(main(*sys.argv[1:]))

@@ -1,0 +1,175 @@
+"""The Lua scripts that keep a Redis line, and how a call to each is laid out.
+
+Each key's line is four Redis keys in one hash slot (KEYS, in this order:
+line, q, lease, info); see :mod:`inturn.backends.redis` for what they hold.
+Every change to a line is one of these scripts, so it is atomic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Final
+
+__all__ = ("ENQUEUE", "HELLO", "LEAVE", "LOOK", "RENEW", "SCRIPTS", "Script")
+
+# KEYS: line, q, lease, info. Shared by every script: the clock, dropping
+# expired members, granting a free key to the head, and deleting or
+# refreshing the line's keys.
+_PRELUDE = """
+local line, q, lease, info = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+
+local function purge()
+  local expired = redis.call('ZRANGEBYSCORE', lease, '-inf', now)
+  for _, m in ipairs(expired) do
+    redis.call('ZREM', q, m)
+    redis.call('ZREM', lease, m)
+    redis.call('HDEL', info, m)
+    if redis.call('HGET', line, 'holder') == m then
+      redis.call('HDEL', line, 'holder')
+    end
+  end
+end
+
+local function grant(channels, me)
+  if redis.call('HEXISTS', line, 'holder') == 1 then return end
+  local head = redis.call('ZRANGE', q, 0, 0)[1]
+  if not head then return end
+  redis.call('ZREM', q, head)
+  local token = math.max(tonumber(redis.call('HGET', line, 'token') or '0') + 1, now_us)
+  token = string.format('%.0f', token)
+  redis.call('HSET', line, 'holder', head, 'token', token, 'since', now)
+  if head ~= me then
+    redis.call('PUBLISH', channels .. string.match(head, '^[^/]+'), head .. ' ' .. token)
+  end
+end
+
+local function finish(ttl)
+  if redis.call('HEXISTS', line, 'holder') == 0 and redis.call('ZCARD', q) == 0 then
+    redis.call('DEL', line, q, lease, info)
+  else
+    for _, k in ipairs(KEYS) do redis.call('PEXPIRE', k, ttl) end
+  end
+end
+"""
+
+# ARGV: member, lease ms, ttl ms, channel prefix, info, the key as given.
+# Returns {1, token} when the key was free, else {0, place in line}.
+_ENQUEUE = (
+    _PRELUDE
+    + """
+local member, lease_ms, ttl, channels = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+purge()
+if redis.call('HGET', line, 'holder') ~= member then
+  local seq = redis.call('HINCRBY', line, 'seq', 1)
+  redis.call('ZADD', q, 'NX', seq, member)
+  redis.call('ZADD', lease, now + lease_ms, member)
+  redis.call('HSET', info, member, ARGV[5])
+  redis.call('HSETNX', line, 'key', ARGV[6])
+  grant(channels, member)
+end
+finish(ttl)
+if redis.call('HGET', line, 'holder') == member then
+  return {1, redis.call('HGET', line, 'token')}
+end
+return {0, redis.call('ZRANK', q, member) + 1}
+"""
+)
+
+# ARGV: member, ttl ms, channel prefix. Releases the key, or leaves the line.
+# Returns 1: was the holder; 2: was waiting; 3: had released already (a
+# retried call); 0: was in neither place (its lease ran out).
+_LEAVE = (
+    _PRELUDE
+    + """
+local member, ttl, channels = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+purge()
+local status = 0
+if redis.call('HGET', line, 'holder') == member then
+  redis.call('HDEL', line, 'holder')
+  redis.call('HSET', line, 'last', member)
+  status = 1
+elseif redis.call('ZREM', q, member) == 1 then
+  status = 2
+elseif redis.call('HGET', line, 'last') == member then
+  status = 3
+end
+redis.call('ZREM', lease, member)
+redis.call('HDEL', info, member)
+grant(channels, '')
+finish(ttl)
+return status
+"""
+)
+
+# ARGV: member, lease ms, ttl ms, channel prefix. Returns {1, token}: holds
+# the key; {2, 0}: waits; {0, 0}: in the line no more (its lease ran out).
+_RENEW = (
+    _PRELUDE
+    + """
+local member, lease_ms, ttl, channels = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+purge()
+if redis.call('HGET', line, 'holder') ~= member and not redis.call('ZSCORE', q, member) then
+  grant(channels, '')
+  finish(ttl)
+  return {0, 0}
+end
+redis.call('ZADD', lease, 'XX', now + lease_ms, member)
+grant(channels, member)
+finish(ttl)
+if redis.call('HGET', line, 'holder') == member then
+  return {1, redis.call('HGET', line, 'token')}
+end
+return {2, 0}
+"""
+)
+
+
+# ARGV: this process's channel. No KEYS. Checks, once per connection, that
+# this user may run scripts that publish (a grant is published from a
+# script), and returns the server's run_id: another one means Redis was
+# restarted or failed over, and every lease it held may be gone ('' where
+# this user may not call INFO).
+_HELLO = """
+redis.call('PUBLISH', ARGV[1], '')
+local info = redis.pcall('INFO', 'server')
+if type(info) ~= 'string' then return '' end
+return string.match(info, 'run_id:(%x+)') or ''
+"""
+
+# KEYS: line, q, lease, info. Changes nothing: the line as it is now, for
+# lines(): {now ms, line (flat hash), waiters in order, leases (flat, with
+# scores), info (flat hash)}, the same over RESP2 and RESP3.
+_LOOK = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+return {tostring(now), redis.call('HGETALL', KEYS[1]), redis.call('ZRANGE', KEYS[2], 0, -1),
+        redis.call('ZRANGE', KEYS[3], 0, -1, 'WITHSCORES'), redis.call('HGETALL', KEYS[4])}
+"""
+
+
+class Script:
+    """One script: its number, body, SHA-1 (to call it by), and its counts of KEYS and ARGV."""
+
+    __slots__ = ("args", "body", "index", "keys", "sha")
+
+    def __init__(self, index: int, body: str, keys: int, args: int) -> None:
+        self.index = index
+        self.body = body.encode()
+        self.sha = hashlib.sha1(self.body).hexdigest().encode()
+        self.keys = keys
+        self.args = args
+
+    def __repr__(self) -> str:
+        return f"<Script {self.index} {self.sha.decode()[:8]}>"
+
+
+ENQUEUE: Final = Script(0, _ENQUEUE, 4, 6)
+LEAVE: Final = Script(1, _LEAVE, 4, 3)
+RENEW: Final = Script(2, _RENEW, 4, 4)
+HELLO: Final = Script(3, _HELLO, 0, 1)
+LOOK: Final = Script(4, _LOOK, 4, 0)
+#: Every script, by number.
+SCRIPTS: Final = (ENQUEUE, LEAVE, RENEW, HELLO, LOOK)

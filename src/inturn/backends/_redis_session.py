@@ -1,0 +1,757 @@
+"""One event loop's share of a RedisBackend: its members of Redis's lines, and what keeps them.
+
+A :class:`Session` is made per process and event loop, the first time that
+loop uses the backend: its own id (so its own channel), its own Link (or,
+on a cluster, the client's script calls), Inbox and heartbeat. So forked
+children, a loop per job and loops in several threads never share a member
+id or a connection. A session ends with its loop (the loop's
+``shutdown_asyncgens``, which ``asyncio.run`` calls, closes it), or with
+the backend's ``aclose()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import os
+import secrets
+import time
+import typing
+from collections.abc import AsyncGenerator, Awaitable, Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from redis.exceptions import AuthenticationError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from .._errors import BackendUnavailable
+from .._keys import portable_name
+from ._redis_scripts import ENQUEUE, HELLO, LEAVE, LOOK, RENEW, SCRIPTS, Script
+from ._redis_wire import Call, Inbox, Link
+from ._resp import bulk
+
+__all__ = ("Config", "Member", "RedisGrant", "Session", "describe", "unavailable")
+
+logger = logging.getLogger("inturn.redis")
+
+#: Errors that mean the server could not be reached (as opposed to a refusal). NOTE: the
+#: builtin TimeoutError (a missed deadline) is an OSError: catch it before these.
+UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
+
+#: What a refusal's first word means, and what to do about it.
+_REFUSALS = {
+    "NOPERM": "this Redis user lacks a permission the backend needs ({}): grant it "
+    "+evalsha +eval +script +publish +subscribe +ping, its namespace's keys and channels",
+    "WRONGPASS": "Redis refused the credentials ({}): check the username and password",
+    "NOAUTH": "Redis wants credentials ({}): give a password (and username) in the URL",
+    "OOM": "Redis is out of memory ({}): raise maxmemory, or free memory; an evicting "
+    "policy could evict a line, so keep noeviction",
+    "BUSY": "Redis is busy running another client's script ({})",
+    "LOADING": "Redis is loading its data set ({})",
+    "READONLY": "the connection reached a read-only replica, not the master ({})",
+    "MASTERDOWN": "the replica lost its master ({})",
+}
+
+
+def describe(error: BaseException) -> str:
+    """What an error from Redis means, in words that name it and its fix."""
+    text = str(error) or type(error).__name__
+    word = text.split(" ", 1)[0]
+    if word in _REFUSALS:
+        return _REFUSALS[word].format(text)
+    if isinstance(error, AuthenticationError):
+        return _REFUSALS["WRONGPASS"].format(text)
+    if "can't run this command" in text:  # from a script: PUBLISH, the only one it may lack
+        return _REFUSALS["NOPERM"].format(f"{text} Its scripts PUBLISH grants")
+    if isinstance(error, ResponseError):
+        return f"Redis answered with an error ({text})"
+    return f"Redis could not be reached ({text})"
+
+
+def unavailable(error: BaseException) -> BackendUnavailable:
+    """The error an acquire raises for error: the turn was not taken, the work did not run."""
+    failure = BackendUnavailable(f"inturn: {describe(error)}; the work did not run")
+    failure.__cause__ = error
+    return failure
+
+
+def _consume(future: asyncio.Future[Any]) -> None:
+    """Retrieve a future's outcome, so an error nobody awaits is not logged as never retrieved."""
+    if not future.cancelled():
+        future.exception()
+
+
+@dataclass(frozen=True)
+class Config:
+    """What every session of one backend shares."""
+
+    make: Callable[[], Any]  #: makes a connection of the session's own
+    client: Any  #: the client, for a cluster's script calls (None on one server)
+    namespace: str
+    lease: float
+    channels: str  #: the prefix of every process's channel
+    host: str
+
+    @property
+    def lease_ms(self) -> bytes:
+        return b"%d" % int(self.lease * 1000)
+
+    @property
+    def ttl_ms(self) -> bytes:
+        return b"%d" % int(self.lease * 3000)
+
+
+class Member:
+    """One of this session's members of a line: a waiter, then a holder."""
+
+    __slots__ = ("expires", "grant", "joined", "key", "lost", "names", "packed", "waiting")
+
+    def __init__(
+        self,
+        key: Hashable,
+        names: Sequence[str],
+        packed: bytes,
+        waiting: asyncio.Future[int] | None,
+    ) -> None:
+        self.key = key
+        self.names = names
+        self.packed = packed  # names as a script call's keys, packed for the Link
+        # time.monotonic() when its lease runs out as far as this process can
+        # vouch: a lease after the call that last set it in Redis was written
+        # (Redis's own expiry is no earlier)
+        self.expires = math.inf
+        self.waiting = waiting  # resolved with the token when granted
+        self.grant: RedisGrant | None = None  # once it holds
+        # Redis may have given its turn away: it dropped it, the server changed,
+        # or no renewal came in time
+        self.lost = False
+        # Its enqueue was answered: only then does a renewal that finds it gone
+        # mean it is gone (on a cluster, a renewal may overtake the enqueue).
+        self.joined = False
+
+    @property
+    def lapsed(self) -> bool:
+        """Whether the lease ran out, or may have."""
+        return self.lost or time.monotonic() >= self.expires
+
+
+@typing.final
+class RedisGrant:
+    """The turn on one key granted by a :class:`~inturn.backends.redis.RedisBackend`."""
+
+    __slots__ = ("_member", "_session", "_state", "key", "token")
+
+    def __init__(
+        self, key: Hashable, token: int, member: str, session: Session, state: Member
+    ) -> None:
+        #: The key held.
+        self.key = key
+        #: The fencing token: larger than every earlier grant's on this key
+        #: (Redis's clock in microseconds when the key's line starts anew).
+        self.token = token
+        self._member = member
+        self._session = session
+        self._state = state  # the lease as this process knows it
+
+    @property
+    def lost(self) -> bool:
+        """Whether the lease ran out, or may have: Redis dropped it, or no renewal came in time.
+
+        Known at once after the process was frozen past its lease, or its
+        event loop blocked that long: the lease is counted on this host's
+        monotonic clock from the moment the call that last set it was
+        written, which is no later than Redis's own count. A failover or
+        restart of Redis counts as lost too (another server may have granted
+        the key meanwhile).
+        """
+        return self._state.lapsed
+
+    def __repr__(self) -> str:
+        lost = " lost" if self.lost else ""
+        return f"<RedisGrant key={self.key!r} token={self.token}{lost}>"
+
+
+class _ClusterCalls:
+    """Script calls through a RedisCluster client, which routes each to its keys' node.
+
+    Calls run concurrently, not in the order made: a caller that needs one
+    after another awaits the first.
+    """
+
+    __slots__ = ("_scripts",)
+
+    def __init__(self, client: Any) -> None:
+        self._scripts = tuple(client.register_script(s.body.decode()) for s in SCRIPTS)
+
+    def call(self, script: Script, names: Sequence[str], args: Sequence[Any]) -> Call:
+        loop = asyncio.get_running_loop()
+        call = Call(script.index, b"", loop.create_future())
+        call.sent = time.monotonic()  # no later than Redis runs it
+        task = loop.create_task(self._scripts[script.index](keys=names, args=args))
+
+        def done(task: asyncio.Task[Any]) -> None:
+            if call.future.done():
+                _consume(task)
+            elif task.cancelled():
+                call.future.cancel()
+            elif (error := task.exception()) is not None:
+                call.future.set_exception(error)
+            else:
+                call.future.set_result(task.result())
+
+        task.add_done_callback(done)
+        return call
+
+
+class Session:
+    """This process's members of Redis lines, from one event loop, and what keeps them."""
+
+    __slots__ = (
+        "_beat",
+        "_cleanups",
+        "_cluster",
+        "_failing",
+        "_guard",
+        "_kick",
+        "_starting",
+        "_tails",
+        "channel",
+        "closing",
+        "config",
+        "counter",
+        "id",
+        "inbox",
+        "info",
+        "link",
+        "loop",
+        "members",
+        "ready",
+        "server",
+    )
+
+    def __init__(self, config: Config, loop: asyncio.AbstractEventLoop) -> None:
+        self.config = config
+        self.loop = loop
+        self.id = secrets.token_hex(8)
+        self.channel = config.channels + self.id
+        self.info = f"{config.host} {os.getpid()}"
+        self.counter = itertools.count(1)
+        #: By member id ("<session id>/<n>"): every member in a line now.
+        self.members: dict[str, Member] = {}
+        lease = config.lease
+        # One server: this session's pipelined connection for its calls; a cluster: its client.
+        self.link: Link | None = None
+        self._cluster: _ClusterCalls | None = None
+        if config.client is None:
+            greeting = bulk(self.channel.encode())
+            self.link = Link(config.make, greeting, self._greeted, lease)
+        else:
+            self._cluster = _ClusterCalls(config.client)
+        self.inbox: Inbox | None = None
+        self.ready = False  # subscribed, greeted, and the heartbeat runs
+        self.closing = False
+        #: The server's run_id, as the greeting last said.
+        self.server: str | None = None
+        self._starting: asyncio.Task[None] | None = None
+        self._beat: asyncio.Task[None] | None = None
+        self._kick = _Kick(loop)
+        self._guard: AsyncGenerator[None, None] | None = None
+        self._cleanups: set[asyncio.Task[Any]] = set()
+        self._failing: str | None = None  # why renewals fail now, once logged
+        # by script: its arguments after the member's id that never change, packed
+        lease_ms, ttl_ms, channels = (
+            bulk(config.lease_ms),
+            bulk(config.ttl_ms),
+            bulk(config.channels.encode()),
+        )
+        self._tails = (
+            lease_ms + ttl_ms + channels,
+            ttl_ms + channels,
+            lease_ms + ttl_ms + channels,
+        )
+
+    # -- start and stop ------------------------------------------------------------------
+
+    async def start(self, by: float, late: Callable[[], BaseException]) -> None:
+        """Subscribe, greet Redis and start the heartbeat, once; by loop.time() ``by`` at most.
+
+        :raises ~inturn.BackendUnavailable: Redis could not be reached, or refused.
+        :raises: what ``late()`` makes, when not done by then.
+        """
+        starting = self._starting
+        if starting is None:
+            starting = self._starting = self.loop.create_task(self._begin())
+            starting.add_done_callback(self._started)
+        done = self.loop.create_future()
+
+        def copy(task: asyncio.Task[None]) -> None:
+            if done.done():
+                return
+            if task.cancelled():
+                done.set_exception(BackendUnavailable("inturn: the backend was closed"))
+            elif (error := task.exception()) is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(None)
+
+        starting.add_done_callback(copy)
+        timer = self.loop.call_at(by, _expire, done, late)
+        try:
+            await done
+        finally:
+            timer.cancel()
+            starting.remove_done_callback(copy)
+
+    def _silent(self) -> BaseException:
+        return unavailable(
+            RedisTimeoutError(f"no answer within {self.config.lease:g} s (the lease)")
+        )
+
+    def _started(self, task: asyncio.Task[None]) -> None:
+        if (task.cancelled() or task.exception() is not None) and self._starting is task:
+            self._starting = None  # the next submission tries again
+
+    async def _begin(self) -> None:
+        config = self.config
+        try:
+            if self._cluster is not None:
+                await config.client.initialize()  # a RedisCluster learns its nodes first
+            inbox = Inbox(
+                config.make,
+                self.channel,
+                self._heard,
+                self._kick.set,
+                min(1.0, config.lease / 10),
+                config.lease,
+            )
+            await inbox.open()
+            self.inbox = inbox
+            if self.link is not None:
+                await self.link.open()
+            else:
+                call = self._cluster_call(HELLO, (), (self.channel,))
+                call.future.add_done_callback(self._greeted)
+                await call.future
+        except Exception as error:
+            if self.inbox is not None:
+                inbox, self.inbox = self.inbox, None
+                await inbox.aclose()
+            raise unavailable(error) from error
+        self._guard = _guard(self)
+        await self._guard.asend(None)
+        self._run_heartbeat()
+        self.ready = True
+
+    async def close(self) -> None:
+        """Leave every line this session waits in, stop its heartbeat and close its connections.
+
+        Waiters still waiting get :exc:`~inturn.BackendUnavailable`; a holder
+        keeps its lease until it runs out (nothing renews it any more).
+        """
+        if self.closing:
+            return
+        self.closing = True
+        self.ready = False
+        starting, self._starting = self._starting, None
+        if starting is not None and not starting.done():
+            starting.cancel()  # so that nothing is opened after the backend closes
+            await asyncio.wait((starting,), timeout=self.config.lease)
+        closed = BackendUnavailable("inturn: the backend was closed; the work did not run")
+        for member_id, member in list(self.members.items()):
+            if member.grant is None:  # waiting: (on a Link, the leave goes after its enqueue)
+                if member.waiting is not None and not member.waiting.done():
+                    member.waiting.set_exception(closed)
+                del self.members[member_id]
+                self._leave(member, member_id).future.add_done_callback(_consume)
+        if self._cleanups:  # places given up just now: let them leave their lines
+            await asyncio.wait(self._cleanups, timeout=self.config.lease)
+        link = self.link
+        if link is not None:
+            last = link.last
+            if last is not None and not last.done():  # releases still on their way
+                await asyncio.wait((last,), timeout=self.config.lease)
+            await link.aclose()
+        tasks = [task for task in (self._beat, *self._cleanups) if task is not None]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=self.config.lease)
+        inbox, self.inbox = self.inbox, None
+        if inbox is not None:
+            await inbox.aclose()
+        guard, self._guard = self._guard, None
+        if guard is not None:
+            await guard.aclose()
+
+    # -- taking and giving back turns ------------------------------------------------
+
+    async def acquire(
+        self, key: Hashable, names: Sequence[str], timeout: float | None
+    ) -> RedisGrant:
+        """Join key's line in Redis; return once this session holds the key.
+
+        ``timeout`` covers everything: connecting, joining and waiting; 0 asks
+        once (one round trip) whether the key is free. With no answer from
+        Redis within a lease (with no timeout, or a longer one), the call
+        ends with BackendUnavailable.
+
+        :raises TimeoutError: the turn was not reached within ``timeout``; the
+            place was given up.
+        :raises ~inturn.BackendUnavailable: Redis could not be reached, refused,
+            or lost the place; the turn was not taken.
+        """
+        loop = self.loop
+        now = loop.time()
+        lease = self.config.lease
+        deadline = None if timeout is None else now + timeout
+        # Redis answers (connected, subscribed, enqueued) by the caller's
+        # deadline, or else within a lease: one round trip even for timeout 0
+        if timeout and timeout < lease:
+            answer_by, silent = now + timeout, _late(key)
+        else:
+            answer_by, silent = now + lease, self._silent
+        if not self.ready:
+            await self.start(answer_by, silent)
+        elif self._beat is None or self._beat.done():
+            self._run_heartbeat()
+        member_id = f"{self.id}/{next(self.counter)}"
+        link = self.link
+        packed = b"" if link is None else b"".join(bulk(name.encode()) for name in names)
+        member = Member(key, names, packed, loop.create_future())
+        self.members[member_id] = member
+        enqueue = self._enqueue(member, member_id, key)
+        try:
+            timer = loop.call_at(answer_by, _expire, enqueue.future, silent)
+            try:
+                state, value = await enqueue.future
+            except TimeoutError:  # (an OSError: not Redis unreachable, but the deadline)
+                raise
+            except (*UNREACHABLE, ResponseError) as error:
+                raise unavailable(error) from error
+            finally:
+                timer.cancel()
+            member.joined = True
+            member.expires = (enqueue.sent or time.monotonic()) + lease
+            if state == 1:
+                token = int(value)
+            else:
+                assert member.waiting is not None
+                token = await _wait(member.waiting, deadline, key)
+        except BaseException:
+            # Cancelled, timed out, or Redis failed: give the place up. The
+            # call to leave goes after the enqueue (even one still in flight);
+            # if the key was just granted, leaving passes it on.
+            self.members.pop(member_id, None)
+            self._detach(self._leave_after(enqueue, member, member_id))
+            raise
+        member.waiting = None
+        grant = member.grant = RedisGrant(key, token, member_id, self, member)
+        return grant
+
+    def release(self, grant: RedisGrant) -> asyncio.Future[None]:
+        """End grant's turn: Redis hands the key to the next in line and wakes it.
+
+        On one server the call to leave is written at once and the answer is
+        a Future that completes by itself, whatever becomes of its awaiter.
+        It never fails: a release Redis did not take is logged (the key frees
+        itself within the lease), and a lease found gone marks the member lost.
+        """
+        done = self.loop.create_future()
+        member_id = grant._member
+        member = self.members.pop(member_id, None)
+        if member is None:
+            done.set_result(None)  # released already, or Redis no longer had it (lost)
+            return done
+        leave = self._leave(member, member_id).future
+
+        def answered(leave: asyncio.Future[Any]) -> None:
+            error = leave.exception()
+            if error is None:
+                if leave.result() == 0:
+                    member.lost = True
+            else:
+                logger.warning(
+                    "inturn: could not release %r in Redis: %s; it frees itself within %g s",
+                    member.key,
+                    describe(error),
+                    self.config.lease,
+                )
+            done.set_result(None)
+
+        leave.add_done_callback(answered)
+        return done
+
+    def _enqueue(self, member: Member, member_id: str, key: Hashable) -> Call:
+        info = f"{self.info} {int(time.time() * 1000)}".encode()
+        given = portable_name(key)
+        if self.link is not None:
+            return self.link.call(
+                ENQUEUE,
+                member.packed
+                + bulk(member_id.encode())
+                + self._tails[0]
+                + bulk(info)
+                + bulk(given),
+            )
+        config = self.config
+        args = (member_id, config.lease_ms, config.ttl_ms, config.channels, info, given)
+        return self._cluster_call(ENQUEUE, member.names, args)
+
+    def _leave(self, member: Member, member_id: str) -> Call:
+        """Call the leave script for member (after this session's earlier calls, on a Link)."""
+        if self.link is not None:
+            return self.link.call(LEAVE, member.packed + bulk(member_id.encode()) + self._tails[1])
+        config = self.config
+        return self._cluster_call(LEAVE, member.names, (member_id, config.ttl_ms, config.channels))
+
+    def _renew(self, member: Member, member_id: str) -> Call:
+        if self.link is not None:
+            return self.link.call(RENEW, member.packed + bulk(member_id.encode()) + self._tails[2])
+        config = self.config
+        args = (member_id, config.lease_ms, config.ttl_ms, config.channels)
+        return self._cluster_call(RENEW, member.names, args)
+
+    def _cluster_call(self, script: Script, names: Sequence[str], args: Sequence[Any]) -> Call:
+        assert self._cluster is not None
+        return self._cluster.call(script, names, args)
+
+    async def _leave_after(self, enqueue: Call, member: Member, member_id: str) -> None:
+        """Leave the line once the enqueue call has finished (whatever its outcome)."""
+        if self.link is None:  # a cluster's calls are not in order: wait for the enqueue
+            await asyncio.wait((enqueue.future,))
+        enqueue.future.add_done_callback(_consume)
+        leave = self._leave(member, member_id).future
+        await asyncio.wait((leave,))
+        _consume(leave)
+
+    def _detach(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+
+    # -- looking at the lines --------------------------------------------------------------
+
+    async def scan(self, pattern: str) -> list[bytes]:
+        """Every key name of this server (or cluster) that matches pattern."""
+        if self.link is None:
+            return [name async for name in self.config.client.scan_iter(match=pattern)]
+        found: list[bytes] = []
+        cursor = b"0"
+        while True:
+            cursor, names = await self.link.command(
+                b"SCAN", cursor, b"MATCH", pattern.encode(), b"COUNT", b"1000"
+            ).future
+            found += names
+            if cursor in (b"0", 0):
+                return found
+
+    async def look(self, names: Sequence[str]) -> Any:
+        """One line's state as the LOOK script returns it."""
+        if self.link is not None:
+            packed = b"".join(bulk(name.encode()) for name in names)
+            return await self.link.call(LOOK, packed).future
+        return await self._cluster_call(LOOK, names, ()).future
+
+    # -- push and heartbeat ---------------------------------------------------------------
+
+    def _granted(self, member_id: str, token: int) -> None:
+        member = self.members.get(member_id)
+        if member is not None and member.waiting is not None and not member.waiting.done():
+            member.waiting.set_result(token)
+
+    def _heard(self, data: bytes) -> None:
+        """A grant published to this session's channel: ``<member> <token>`` (b"": a greeting)."""
+        member_id, _, token = data.partition(b" ")
+        if token:
+            self._granted(member_id.decode(), int(token))
+
+    def _greeted(self, greeting: asyncio.Future[Any]) -> None:
+        """A connection's greeting was answered: with the server's run_id, or a refusal."""
+        if greeting.cancelled() or greeting.exception() is not None:
+            return  # the caller that waits for it learns why; a later call fails the same way
+        reply = greeting.result()
+        server = reply.decode() if isinstance(reply, bytes) else str(reply or "")
+        if not server:
+            return
+        if self.server is not None and server != self.server:
+            # restarted or failed over: what the old server granted may be gone
+            held = [member for member in self.members.values() if member.grant is not None]
+            logger.warning(
+                "inturn: Redis is another server now (run_id %s, was %s); the %d turn(s) "
+                "held count as having lost their lease",
+                server,
+                self.server,
+                len(held),
+            )
+            for member in held:
+                member.lost = True
+            self._kick.set()  # renew at once: waiters learn whether their places survived
+        self.server = server
+
+    def _run_heartbeat(self) -> None:
+        self._beat = self.loop.create_task(self._heartbeat(), name="inturn-redis-heartbeat")
+
+    async def _heartbeat(self) -> None:
+        """Renew every lease of this session every lease / 3 seconds (sooner when kicked).
+
+        It never ends while the session is open: a renewal that fails (Redis
+        unreachable, busy, refusing) is logged once, and tried again.
+        """
+        lease = self.config.lease
+        interval = lease / 3
+        while True:
+            await self._kick.wait(interval)
+            try:
+                if self.link is not None:
+                    self.link.stale(lease)
+                if self.inbox is not None:
+                    self.inbox.ping()
+                if self.members:
+                    await self._renew_all(interval)
+            except Exception:  # pragma: no cover - a bug: say so, and keep renewing
+                logger.exception("inturn: the Redis heartbeat failed; it goes on")
+
+    async def _renew_all(self, limit: float) -> None:
+        """Renew every member's lease; hand out grants, and mark what Redis no longer has."""
+        members = [(key, member) for key, member in self.members.items() if member.joined]
+        calls = [self._renew(member, member_id) for member_id, member in members]
+        futures = [call.future for call in calls]
+        if not futures:
+            return
+        done, pending = await asyncio.wait(futures, timeout=limit)
+        for future in pending:
+            future.add_done_callback(_consume)
+        problem: BaseException | None = None
+        now = time.monotonic()
+        for (member_id, member), call in zip(members, calls, strict=True):
+            future = call.future
+            error: BaseException | None
+            if future not in done:
+                error = RedisTimeoutError(f"no answer within {limit:.3g} s")
+            elif future.cancelled():
+                error = RedisConnectionError("the renewal was cancelled")
+            else:
+                error = future.exception()
+            if error is None:
+                state, value = future.result()
+                if state == 0:
+                    self._lose(member_id, member, _GONE)
+                    continue
+                assert call.sent is not None
+                member.expires = call.sent + self.config.lease
+                if state == 1:
+                    self._granted(member_id, int(value))
+            else:
+                problem = error
+                if now >= member.expires:
+                    self._lose(member_id, member, f"{describe(error)}, for longer than the lease")
+        self._report(problem)
+
+    def _report(self, problem: BaseException | None) -> None:
+        """Log when renewals start failing (once, with why) and when they work again."""
+        if problem is None:
+            if self._failing is not None:
+                logger.info("inturn: leases renew in Redis again")
+                self._failing = None
+            return
+        why = describe(problem)
+        if why != self._failing:
+            self._failing = why
+            logger.warning("inturn: could not renew leases in Redis: %s", why)
+
+    def _lose(self, member_id: str, member: Member, why: str) -> None:
+        """Redis no longer has this member, or could not vouch for it in time."""
+        member.lost = True
+        if member.grant is None and member.waiting is not None and not member.waiting.done():
+            member.waiting.set_exception(
+                BackendUnavailable(
+                    f"inturn: the place in Redis of this waiter for {member.key!r} is gone "
+                    f"({why}); the work did not run"
+                )
+            )
+        self.members.pop(member_id, None)
+
+
+_GONE = "Redis no longer had it: flushed, restarted, failed over, or its lease ran out"
+
+
+class _Kick:
+    """Wakes the heartbeat before its time (a lost subscription, another server).
+
+    Not ``asyncio.wait_for(event.wait(), t)``: on Python 3.11 and earlier,
+    that swallows a cancellation that meets the event being set, and the
+    heartbeat would outlive its session.
+    """
+
+    __slots__ = ("_kicked", "_loop", "_waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._waiter: asyncio.Future[None] | None = None
+        self._kicked = False  # kicked while nobody waited: the next wait returns at once
+
+    def set(self) -> None:
+        """Wake the wait now (or the next one, if none is under way)."""
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        else:
+            self._kicked = True
+
+    async def wait(self, seconds: float) -> None:
+        """Return after seconds, or as soon as kicked."""
+        if self._kicked:
+            self._kicked = False
+            return
+        waiter = self._waiter = self._loop.create_future()
+        timer = self._loop.call_later(seconds, _settle, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+            self._kicked = False
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _expire(future: asyncio.Future[Any], error: Callable[[], BaseException]) -> None:
+    if not future.done():
+        future.set_exception(error())
+
+
+def _late(key: Hashable) -> Callable[[], BaseException]:
+    def error() -> BaseException:
+        return TimeoutError(f"inturn: the turn for key {key!r} was not reached in time")
+
+    return error
+
+
+async def _wait(waiting: asyncio.Future[int], deadline: float | None, key: Hashable) -> int:
+    """Await the grant's token, or fail with TimeoutError at deadline."""
+    if deadline is None:
+        return await waiting
+    timer = asyncio.get_running_loop().call_at(deadline, _expire, waiting, _late(key))
+    try:
+        return await waiting
+    finally:
+        timer.cancel()
+
+
+async def _guard(session: Session) -> AsyncGenerator[None, None]:
+    """Close session when its event loop shuts down (``loop.shutdown_asyncgens()``).
+
+    ``asyncio.run`` closes every async generator still open after its tasks
+    are done: a loop per job leaves no connection and no socket behind.
+    """
+    try:
+        yield
+    finally:
+        session._guard = None  # (it is this generator, closing)
+        await session.close()

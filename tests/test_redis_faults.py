@@ -1,0 +1,438 @@
+"""The Redis backend through faults: forks, partitions, frozen and restarted servers, refusals.
+
+Every test here brings a fault about on purpose, against a real server of
+its own (``own_redis``), through a real TCP proxy (tests/faults.py) or in
+real processes, and checks the backend's promises through it:
+
+- never two holders while both leases are valid;
+- nothing hangs: every call ends within its ``timeout``, and without one a
+  waiter whose place is lost, or whose process cannot reach Redis for longer
+  than its lease, ends with ``BackendUnavailable`` within about one lease;
+- errors tell the truth: ``BackendUnavailable`` (the work did not run),
+  ``LeaseLost`` (it ran; the lease may have lapsed), never a raw redis-py
+  error or a ``KeyError``; refusals (permissions, memory, credentials) are
+  named as such.
+
+Leases are short (LEASE) so that a test that waits for one to run out
+finishes in seconds; bounds on how long something may take are generous,
+for a loaded 2-core machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import uuid
+import warnings
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from faults import Proxy
+from inturn import BackendUnavailable, KeyedQueue, LeaseLost
+from inturn.backends.redis import RedisBackend
+from processes import Worker
+from redis_checks import waiting
+from servers import Server
+
+from helpers import PATIENCE
+
+#: A short lease: a lost one shows within a test.
+LEASE = 1.0
+#: How long past its bound a call may take on a loaded machine before it counts as hanging.
+SLACK = 3.0
+
+BackendFactory = Callable[..., RedisBackend]
+
+
+@pytest.fixture
+def namespace() -> str:
+    return f"f-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def proxy(own_redis: Server) -> Iterator[Proxy]:
+    """A proxy in front of this test's own server."""
+    proxy = Proxy(own_redis.port).start()
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+
+
+@pytest.fixture
+async def server(own_redis: Server) -> AsyncIterator[aioredis.Redis]:
+    """A plain client of this test's own server, to change it from the side."""
+    client = aioredis.Redis.from_url(own_redis.url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def make_backend(own_redis: Server, namespace: str) -> AsyncIterator[BackendFactory]:
+    """RedisBackend(url, ...) for this test (own_redis's by default); all closed at its end."""
+    made: list[RedisBackend] = []
+
+    def make(*, url: str | None = None, lease: float = LEASE, **options: Any) -> RedisBackend:
+        made.append(
+            RedisBackend.from_url(url or own_redis.url, namespace=namespace, lease=lease, **options)
+        )
+        return made[-1]
+
+    yield make
+    for backend in made:
+        await asyncio.wait_for(backend.aclose(), PATIENCE)
+
+
+async def held(queue: KeyedQueue, key: str, gate: asyncio.Event) -> asyncio.Task[Any]:
+    """A task that holds key on queue until gate is set; returned once it holds."""
+    holding = asyncio.Event()
+
+    async def hold() -> None:
+        holding.set()
+        await gate.wait()
+
+    task = asyncio.create_task(queue.run(key, hold))
+    await asyncio.wait_for(holding.wait(), PATIENCE)
+    return task
+
+
+async def within(seconds: float, awaitable: Any) -> Any:
+    """Await awaitable; fail the test if it takes longer than seconds (plus SLACK)."""
+    return await asyncio.wait_for(awaitable, seconds + SLACK)
+
+
+# -- fork ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+async def test_forked_workers_each_get_their_own_place_in_line(
+    own_redis: Server,
+    server: aioredis.Redis,
+    namespace: str,
+    workers: list[Worker],
+    when: str,
+) -> None:
+    # A queue made at module level, before the fork (gunicorn --preload,
+    # Celery prefork, multiprocessing's fork): 4 children and the parent
+    # each do 100 read-modify-writes of one Redis counter under one key.
+    counter = f"counter-{namespace}"
+    spec = f"redis:{own_redis.url}#{namespace}#{LEASE}"
+    worker = await Worker.start(spec, "fork-increment", "k", counter, "100", "4", when)
+    workers.append(worker)
+    assert await worker.expect("done") == ["-"]  # no error in any process
+    assert await worker.finish() == 0
+    assert int(await server.get(counter)) == 500
+
+
+# -- the heartbeat -----------------------------------------------------------------------
+
+
+async def test_the_heartbeat_lives_through_error_replies(
+    make_backend: BackendFactory, server: aioredis.Redis, own_redis: Server
+) -> None:
+    # Another app's slow script makes Redis answer -BUSY to everything for a
+    # while (shorter than the lease); the renewals fail, then succeed again.
+    await server.config_set("busy-reply-threshold", 50)
+    a, b = make_backend(), make_backend()
+    gate = asyncio.Event()
+    holder = await held(KeyedQueue(backend=a), "k", gate)
+    ran: list[str] = []
+    follower = asyncio.create_task(KeyedQueue(backend=b).run("k", ran.append, "b"))
+    await waiting(a, 1)
+    slow = aioredis.Redis.from_url(own_redis.url)
+    script = asyncio.create_task(slow.eval("while true do end", 0))
+    try:
+        await asyncio.sleep(LEASE * 0.6)  # renewals meet -BUSY: the span of time is the point
+    finally:
+        killer = aioredis.Redis.from_url(own_redis.url)
+        await killer.script_kill()
+        await killer.aclose()
+        with pytest.raises(Exception, match="Script killed"):
+            await script
+        await slow.aclose()
+    # Leases run out twice over while the holder holds: only renewals keep both in line.
+    await asyncio.sleep(LEASE * 2)
+    gate.set()
+    await within(LEASE, holder)  # no LeaseLost: the heartbeat renewed it
+    await within(LEASE, follower)  # and the waiter kept its place
+    assert ran == ["b"]
+
+
+# -- timeouts cover everything ------------------------------------------------------------
+
+
+async def test_a_timeout_covers_connecting_and_enqueueing(
+    make_backend: BackendFactory, proxy: Proxy
+) -> None:
+    queue = KeyedQueue(backend=make_backend(url=proxy.url), timeout=0.5)
+    proxy.freeze()  # a partition: nothing comes back, not even the connection's greeting
+    ran: list[str] = []
+    with pytest.raises(TimeoutError):
+        await within(0.5, queue.run("k", ran.append, "ran"))
+    assert ran == []
+    proxy.thaw()  # connected now, and then the partition: the enqueue gets no answer
+    await queue.run("warm", lambda: None)
+    proxy.freeze()
+    with pytest.raises(TimeoutError):
+        await within(0.5, queue.run("k", ran.append, "ran"))
+    assert ran == []
+    proxy.thaw()
+
+
+async def test_without_a_timeout_an_unreachable_redis_ends_the_wait_within_a_lease(
+    make_backend: BackendFactory, proxy: Proxy
+) -> None:
+    queue = KeyedQueue(backend=make_backend(url=proxy.url))
+    await queue.run("warm", lambda: None)  # connected and subscribed: then the partition
+    proxy.freeze()
+    ran: list[str] = []
+    with pytest.raises(BackendUnavailable, match="did not run"):
+        await within(LEASE, queue.run("k", ran.append, "ran"))
+    assert ran == []
+    proxy.thaw()
+
+
+async def test_a_stall_before_redis_registered_the_waiter_is_no_lost_lease(
+    make_backend: BackendFactory, proxy: Proxy
+) -> None:
+    # The lease is counted from when Redis could have registered the member,
+    # not from the submission: a slow start is no reason to doubt the turn.
+    queue = KeyedQueue(backend=make_backend(url=proxy.url))
+    proxy.freeze()
+    done = asyncio.Event()
+
+    async def work() -> str:
+        await asyncio.sleep(LEASE * 0.5)  # holds for half a lease: the span is the point
+        done.set()
+        return "ran"
+
+    call = asyncio.create_task(queue.run("k", work))
+    await asyncio.sleep(LEASE * 0.7)  # stalled for most of a lease before it gets through
+    proxy.thaw()
+    assert await within(LEASE, call) == "ran"  # and no LeaseLost
+
+
+# -- places lost ----------------------------------------------------------------------------
+
+
+async def waiter_behind(
+    make_backend: BackendFactory, **options: Any
+) -> tuple[asyncio.Event, asyncio.Task[Any], asyncio.Task[Any], list[str], RedisBackend]:
+    """A holder (gate to release it) and a waiter behind it, on two backends."""
+    a, b = make_backend(**options), make_backend(**options)
+    gate = asyncio.Event()
+    holder = await held(KeyedQueue(backend=a), "k", gate)
+    ran: list[str] = []
+    waiter = asyncio.create_task(KeyedQueue(backend=b).run("k", ran.append, "b"))
+    await waiting(a, 1)
+    return gate, holder, waiter, ran, b
+
+
+async def test_a_waiter_whose_place_was_flushed_gets_backend_unavailable(
+    make_backend: BackendFactory, server: aioredis.Redis
+) -> None:
+    gate, holder, waiter, ran, _ = await waiter_behind(make_backend)
+    await server.flushall()
+    with pytest.raises(BackendUnavailable, match="place"):
+        await within(LEASE, waiter)
+    assert ran == []
+    gate.set()
+    with pytest.raises(LeaseLost):
+        await within(LEASE, holder)
+
+
+async def test_a_waiter_whose_redis_restarted_empty_gets_backend_unavailable(
+    make_backend: BackendFactory, own_redis: Server
+) -> None:
+    gate, holder, waiter, ran, _ = await waiter_behind(make_backend)
+    own_redis.stop(kill=True)
+    own_redis.start()
+    with pytest.raises(BackendUnavailable):
+        await within(2 * LEASE, waiter)
+    assert ran == []
+    gate.set()
+    with pytest.raises(LeaseLost):
+        await within(LEASE, holder)
+
+
+async def test_a_waiter_under_a_closing_backend_gets_backend_unavailable(
+    make_backend: BackendFactory,
+) -> None:
+    gate, holder, waiter, ran, b = await waiter_behind(make_backend)
+    await within(LEASE, b.aclose())
+    with pytest.raises(BackendUnavailable, match="closed"):
+        await within(LEASE, waiter)
+    assert ran == []
+    gate.set()
+    await within(LEASE, holder)
+
+
+@pytest.mark.parametrize("pause", ["debug-sleep", "client-pause"])
+async def test_a_redis_frozen_past_the_lease_ends_waits_and_turns_truthfully(
+    make_backend: BackendFactory, own_redis: Server, pause: str
+) -> None:
+    gate, holder, waiter, ran, _ = await waiter_behind(make_backend)
+    side = aioredis.Redis.from_url(own_redis.url)
+    try:
+        if pause == "client-pause":
+            await side.execute_command("CLIENT", "PAUSE", int(LEASE * 2500), "ALL")
+            frozen = None
+        else:
+            frozen = asyncio.create_task(side.execute_command("DEBUG", "SLEEP", LEASE * 2.5))
+        with pytest.raises(BackendUnavailable):
+            await within(2 * LEASE, waiter)
+        if frozen is not None:
+            await within(2 * LEASE, frozen)
+    finally:
+        await side.aclose()
+    assert ran == []
+    gate.set()
+    with pytest.raises(LeaseLost):
+        await within(2 * LEASE, holder)
+
+
+# -- refusals: permissions, memory, credentials ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("denied", "named"),
+    [("-subscribe", "SUBSCRIBE"), ("-evalsha", "EVALSHA"), ("-publish", "PUBLISH")],
+)
+async def test_a_missing_permission_is_named_at_the_first_call(
+    make_backend: BackendFactory,
+    server: aioredis.Redis,
+    own_redis: Server,
+    denied: str,
+    named: str,
+) -> None:
+    user = f"u{uuid.uuid4().hex[:8]}"
+    await server.acl_setuser(
+        user,
+        enabled=True,
+        passwords=["+pw"],
+        keys=["*"],
+        channels=["*"],
+        commands=["+@all", denied],
+    )
+    url = own_redis.url.replace("redis://", f"redis://{user}:pw@")
+    ran: list[str] = []
+    with pytest.raises(BackendUnavailable, match=rf"(?i)permission.*{named}|{named}.*permission"):
+        await within(
+            1, KeyedQueue(backend=make_backend(url=url), timeout=1).run("k", ran.append, 1)
+        )
+    assert ran == []
+
+
+async def test_redis_out_of_memory_is_named(
+    make_backend: BackendFactory, server: aioredis.Redis
+) -> None:
+    queue = KeyedQueue(backend=make_backend(), timeout=1)
+    await queue.run("warm", lambda: None)
+    await server.config_set("maxmemory-policy", "noeviction")
+    await server.config_set("maxmemory", 1)
+    try:
+        with pytest.raises(BackendUnavailable, match="out of memory"):
+            await within(1, queue.run("k", lambda: None))
+    finally:
+        await server.config_set("maxmemory", 0)
+
+
+async def test_a_wrong_password_is_named(
+    make_backend: BackendFactory, server: aioredis.Redis, own_redis: Server
+) -> None:
+    user = f"u{uuid.uuid4().hex[:8]}"
+    await server.acl_setuser(user, enabled=True, passwords=["+right"], keys=["*"])
+    url = own_redis.url.replace("redis://", f"redis://{user}:wrong@")
+    with pytest.raises(BackendUnavailable, match="refused the credentials") as caught:
+        await within(1, KeyedQueue(backend=make_backend(url=url)).run("k", lambda: None))
+    assert "could not be reached" not in str(caught.value)
+
+
+# -- what comes over the wire --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+async def test_push_frames_between_replies_go_to_no_call(
+    make_backend: BackendFactory, proxy: Proxy, protocol: int
+) -> None:
+    a = make_backend(url=proxy.url, protocol=protocol)
+    b = make_backend(url=proxy.url, protocol=protocol)
+    qa, qb = KeyedQueue(backend=a), KeyedQueue(backend=b)
+    await qa.run("warm", lambda: None)
+    await qb.run("warm", lambda: None)
+    # what newer servers push to RESP3 clients: a maintenance notice, a tracking invalidation
+    push = b">4\r\n$6\r\nMOVING\r\n:1\r\n:15\r\n$14\r\n127.0.0.1:6379\r\n"
+    invalidate = b">2\r\n$10\r\ninvalidate\r\n*1\r\n$3\r\nfoo\r\n"
+    assert proxy.inject(push + invalidate) >= 4  # every connection: calls and subscriptions
+    order: list[int] = []
+    await within(
+        LEASE,
+        asyncio.gather(*(q.run("k", order.append, i) for i, q in enumerate([qa, qb] * 5))),
+    )
+    assert sorted(order) == list(range(10))
+    async with qa.keyed("k") as turn:
+        token = turn.token
+    async with qb.keyed("k") as turn:
+        assert turn.token > token
+
+
+# -- event loops --------------------------------------------------------------------------
+
+
+def test_an_event_loop_per_job_leaks_no_socket_and_no_connection(
+    own_redis: Server, namespace: str
+) -> None:
+    # A module-level queue, and asyncio.run() per job (RQ, Celery, scripts).
+    queue = KeyedQueue(backend=RedisBackend.from_url(own_redis.url, namespace=namespace))
+
+    async def clients() -> int:
+        side = aioredis.Redis.from_url(own_redis.url)
+        try:
+            return len(await side.client_list())
+        finally:
+            await side.aclose()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        asyncio.run(queue.run("k", lambda: None))
+        gc.collect()
+        first = asyncio.run(clients())
+        for _ in range(8):
+            asyncio.run(queue.run("k", lambda: None))
+            gc.collect()
+        assert asyncio.run(clients()) <= first
+        asyncio.run(queue.aclose())
+        gc.collect()
+    assert [str(w.message) for w in caught] == []
+
+
+async def test_a_dropped_connection_under_renewals_leaves_no_unretrieved_error(
+    make_backend: BackendFactory, server: aioredis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    a = make_backend(lease=0.3)
+    queue = KeyedQueue(backend=a)
+    gates = [asyncio.Event() for _ in range(20)]
+    holders = [await held(queue, f"k{i}", gate) for i, gate in enumerate(gates)]
+    for _ in range(5):
+        await server.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+        await asyncio.sleep(0.1)  # renewals are in flight when the connection drops
+    for gate in gates:
+        gate.set()
+    await asyncio.gather(*holders, return_exceptions=True)
+    gc.collect()
+    await asyncio.sleep(0)
+    assert "never retrieved" not in caplog.text
+
+
+@pytest.fixture(autouse=True)
+def _asyncio_errors(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """Every test: nothing is logged as never retrieved, no task dies unseen."""
+    caplog.set_level(logging.ERROR, logger="asyncio")
+    yield
+    gc.collect()
+    problems = [r.getMessage() for r in caplog.records if r.name == "asyncio"]
+    assert problems == []
