@@ -10,7 +10,14 @@ import pytest
 
 from inturn import KeyedQueue
 from processes import Worker
-from servers import Cluster, Server, redis_cli_binary, redis_server_binary, valkey_server_binary
+from servers import (
+    Cluster,
+    SentinelSetup,
+    Server,
+    redis_cli_binary,
+    redis_server_binary,
+    valkey_server_binary,
+)
 
 from helpers import Recorder, unavailable
 
@@ -87,3 +94,17 @@ async def workers() -> AsyncIterator[list[Worker]]:
     yield started
     for worker in started:
         await worker.close()
+
+
+@pytest.fixture
+def sentinel_setup(tmp_path: Path) -> Iterator[SentinelSetup]:
+    """A master, its replica and a Redis Sentinel of this test's own (``mymaster``)."""
+    binary = redis_server_binary()
+    if binary is None:
+        unavailable("redis-server, which also runs Redis Sentinel")
+    assert binary is not None
+    setup = SentinelSetup(binary, tmp_path / "sentinel").start()
+    try:
+        yield setup
+    finally:
+        setup.stop()

@@ -240,3 +240,118 @@ class Cluster:
     def stop(self) -> None:
         for node in self.nodes:
             node.stop()
+
+
+class SentinelSetup:
+    """A master, a replica of it, and one Redis Sentinel watching them as ``mymaster``.
+
+    One sentinel with a quorum of 1 may fail over on its own: a test forces
+    it with ``SENTINEL FAILOVER``. :meth:`start` returns once the sentinel
+    knows the replica and the replica's link to the master is up.
+    """
+
+    NAME = "mymaster"
+
+    def __init__(self, binary: str, directory: Path) -> None:
+        # (no delay before the replica's first sync, which defaults to 5 s)
+        self.master = Server(binary, directory / "master", "--repl-diskless-sync-delay", "0")
+        self.replica: Server | None = None
+        self.binary = binary
+        self.directory = directory
+        self.port = free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> SentinelSetup:
+        self.master.start()
+        self.replica = Server(
+            self.binary,
+            self.directory / "replica",
+            "--replicaof",
+            "127.0.0.1",
+            str(self.master.port),
+        ).start()
+        config = self.directory / "sentinel.conf"
+        config.write_text(
+            f"port {self.port}\n"
+            "bind 127.0.0.1\n"
+            f"dir {self.directory}\n"
+            f"sentinel monitor {self.NAME} 127.0.0.1 {self.master.port} 1\n"
+            f"sentinel down-after-milliseconds {self.NAME} 500\n"
+            f"sentinel failover-timeout {self.NAME} 5000\n"
+            # told, not discovered (that takes the sentinel's 10 s INFO period)
+            f"sentinel known-replica {self.NAME} 127.0.0.1 {self.replica.port}\n"
+        )
+        self.process = subprocess.Popen(
+            [self.binary, str(config), "--sentinel"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 60
+        # The setup's start-up, not an ordering: the sentinel must know the replica.
+        while not (self._knows_replica() and self._replica_linked()):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("the sentinel setup did not come up")
+            time.sleep(0.05)
+        return self
+
+    def fail_over(self) -> None:
+        """Kill the master (SIGKILL); return once the sentinel has made the replica the master."""
+        assert self.replica is not None
+        self.master.stop(kill=True)
+        deadline = time.monotonic() + 60
+        # The failover's progress, not an ordering: a client asking the sentinel
+        # is sent to the new master once it has promoted it.
+        while self._discovered() != self.replica.port or self._role(self.replica) != "master":
+            if time.monotonic() > deadline:
+                raise RuntimeError("the sentinel did not fail over")
+            time.sleep(0.05)
+
+    def _discovered(self) -> int | None:
+        """The master's port as redis-py's Sentinel discovers it (None: no master now)."""
+        import redis
+        from redis.sentinel import Sentinel
+
+        try:
+            return int(Sentinel([("127.0.0.1", self.port)]).discover_master(self.NAME)[1])
+        except redis.RedisError:
+            return None
+
+    @staticmethod
+    def _role(server: Server) -> str:
+        import redis
+
+        try:
+            with redis.Redis(port=server.port, socket_timeout=1) as client:
+                return str(client.info("replication").get("role"))
+        except redis.RedisError:
+            return "?"
+
+    def _knows_replica(self) -> bool:
+        import redis
+
+        assert self.replica is not None
+        try:
+            with redis.Redis(port=self.port, socket_timeout=1) as sentinel:
+                replicas = sentinel.sentinel_slaves(self.NAME)
+        except redis.RedisError:
+            return False
+        return any(r["port"] == self.replica.port and "s_down" not in r["flags"] for r in replicas)
+
+    def _replica_linked(self) -> bool:
+        import redis
+
+        assert self.replica is not None
+        try:
+            with redis.Redis(port=self.replica.port, socket_timeout=1) as replica:
+                return replica.info("replication").get("master_link_status") == "up"
+        except redis.RedisError:
+            return False
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(30)
+        for server in (self.replica, self.master):
+            if server is not None:
+                server.stop(kill=True)  # (a master would wait for its replica to catch up)

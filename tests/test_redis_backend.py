@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 
 from inturn import BackendUnavailable, KeyedQueue, LeaseLost, current_turn
 from inturn.__main__ import format_lines, main
-from inturn.backends import Backend
+from inturn.backends import Backend, _redis_takeover, _redis_wire
 from inturn.backends._redis_scripts import ENQUEUE
 from inturn.backends._redis_wire import Call, Frames, Link
 from inturn.backends.redis import RedisBackend
@@ -190,6 +190,40 @@ def test_replies_split_anywhere_across_reads_reach_their_calls_in_order() -> Non
     assert feed([data[i : i + 1] for i in range(len(data))]) == expected
     for cut in range(1, len(data)):
         assert feed([data[:cut], data[cut:]]) == expected
+
+
+class WrappedWriter:
+    """A stand-in for what a future redis-py might keep in ``_writer``: not a StreamWriter."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self._inner = writer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class RenamedInternals(aioredis.Connection):
+    """A redis-py connection whose private internals are not what the takeover expects."""
+
+    async def connect(self) -> None:
+        await super().connect()
+        if self._writer is not None and not isinstance(self._writer, WrappedWriter):
+            self._writer = WrappedWriter(self._writer)  # type: ignore[assignment]
+
+
+async def test_unknown_redis_py_internals_fall_back_to_its_public_api(
+    make_backend: BackendFactory,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_redis_takeover, "ENABLED", True)
+    monkeypatch.setattr(_redis_wire, "_warned", False)
+    a = make_backend(connection_class=RenamedInternals)
+    b = make_backend(connection_class=RenamedInternals)
+    assert await hand_over(a, b) == "next"
+    warned = [r.getMessage() for r in caplog.records if "cannot take over" in r.getMessage()]
+    assert len(warned) == 1  # once per process, however many connections
+    assert "WrappedWriter" in warned[0]
 
 
 async def test_a_grant_whose_message_is_lost_still_arrives(

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import logging
 import uuid
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -30,15 +29,16 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from redis.asyncio.sentinel import Sentinel
 
 from faults import Proxy
-from inturn import BackendUnavailable, KeyedQueue, LeaseLost
+from inturn import BackendUnavailable, KeyedQueue, LeaseLost, Turn
 from inturn.backends.redis import RedisBackend
 from processes import Worker
 from redis_checks import waiting
-from servers import Server
+from servers import SentinelSetup, Server
 
-from helpers import PATIENCE
+from helpers import PATIENCE, settle
 
 #: A short lease: a lost one shows within a test.
 LEASE = 1.0
@@ -132,12 +132,16 @@ async def test_forked_workers_each_get_their_own_place_in_line(
 
 
 async def test_the_heartbeat_lives_through_error_replies(
-    make_backend: BackendFactory, server: aioredis.Redis, own_redis: Server
+    make_backend: BackendFactory,
+    server: aioredis.Redis,
+    own_redis: Server,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     # Another app's slow script makes Redis answer -BUSY to everything for a
-    # while (shorter than the lease); the renewals fail, then succeed again.
+    # while; the renewals fail, then succeed again, well within the lease.
     await server.config_set("busy-reply-threshold", 50)
-    a, b = make_backend(), make_backend()
+    lease = 2.0
+    a, b = make_backend(lease=lease), make_backend(lease=lease)
     gate = asyncio.Event()
     holder = await held(KeyedQueue(backend=a), "k", gate)
     ran: list[str] = []
@@ -146,7 +150,7 @@ async def test_the_heartbeat_lives_through_error_replies(
     slow = aioredis.Redis.from_url(own_redis.url)
     script = asyncio.create_task(slow.eval("while true do end", 0))
     try:
-        await asyncio.sleep(LEASE * 0.6)  # renewals meet -BUSY: the span of time is the point
+        await settle(lambda: "busy running another client's script" in caplog.text)
     finally:
         killer = aioredis.Redis.from_url(own_redis.url)
         await killer.script_kill()
@@ -154,11 +158,11 @@ async def test_the_heartbeat_lives_through_error_replies(
         with pytest.raises(Exception, match="Script killed"):
             await script
         await slow.aclose()
-    # Leases run out twice over while the holder holds: only renewals keep both in line.
-    await asyncio.sleep(LEASE * 2)
+    # The leases would run out while the holder holds: only renewals keep both in line.
+    await asyncio.sleep(lease * 1.5)  # the span of time is the point here, not an ordering
     gate.set()
-    await within(LEASE, holder)  # no LeaseLost: the heartbeat renewed it
-    await within(LEASE, follower)  # and the waiter kept its place
+    await within(lease, holder)  # no LeaseLost: the heartbeat renewed it
+    await within(lease, follower)  # and the waiter kept its place
     assert ran == ["b"]
 
 
@@ -327,6 +331,29 @@ async def test_a_missing_permission_is_named_at_the_first_call(
     assert ran == []
 
 
+async def test_a_permission_revoked_while_waiting_is_named_within_a_lease(
+    make_backend: BackendFactory,
+    server: aioredis.Redis,
+    own_redis: Server,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    user = f"u{uuid.uuid4().hex[:8]}"
+    await server.acl_setuser(
+        user, enabled=True, passwords=["+pw"], keys=["*"], channels=["*"], commands=["+@all"]
+    )
+    url = own_redis.url.replace("redis://", f"redis://{user}:pw@")
+    gate, holder, waiter, ran, _ = await waiter_behind(make_backend, url=url)
+    await server.acl_setuser(user, commands=["-evalsha"])  # renewals are refused from now on
+    with pytest.raises(BackendUnavailable, match="lacks a permission"):
+        await within(2 * LEASE, waiter)
+    assert ran == []
+    gate.set()
+    with pytest.raises(LeaseLost):
+        await within(LEASE, holder)
+    refusals = [r for r in caplog.records if "could not renew" in r.getMessage()]
+    assert len(refusals) == 2  # once per backend, however often it was tried
+
+
 async def test_redis_out_of_memory_is_named(
     make_backend: BackendFactory, server: aioredis.Redis
 ) -> None:
@@ -431,8 +458,76 @@ async def test_a_dropped_connection_under_renewals_leaves_no_unretrieved_error(
 @pytest.fixture(autouse=True)
 def _asyncio_errors(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
     """Every test: nothing is logged as never retrieved, no task dies unseen."""
-    caplog.set_level(logging.ERROR, logger="asyncio")
     yield
     gc.collect()
-    problems = [r.getMessage() for r in caplog.records if r.name == "asyncio"]
+    problems = [r.getMessage() for r in caplog.records if r.name == "asyncio"]  # (errors)
     assert problems == []
+
+
+# -- Redis Sentinel --------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def sentinel_backends(
+    sentinel_setup: SentinelSetup, namespace: str
+) -> AsyncIterator[tuple[RedisBackend, RedisBackend]]:
+    """Two backends on clients from redis-py's Sentinel(...).master_for(...), as users make them."""
+    sentinel = Sentinel([("127.0.0.1", sentinel_setup.port)])
+    made = [
+        RedisBackend(
+            sentinel.master_for(SentinelSetup.NAME),
+            namespace=namespace,
+            lease=LEASE,
+            owns_client=True,
+        )
+        for _ in range(2)
+    ]
+    yield made[0], made[1]
+    for backend in made:
+        await asyncio.wait_for(backend.aclose(), PATIENCE)
+    for client in sentinel.sentinels:
+        await client.aclose()
+
+
+async def test_a_sentinel_managed_client_hands_turns_over(
+    sentinel_backends: tuple[RedisBackend, RedisBackend],
+) -> None:
+    a, b = sentinel_backends
+    gate = asyncio.Event()
+    holder = await held(KeyedQueue(backend=a), "k", gate)
+    follower = asyncio.create_task(KeyedQueue(backend=b).run("k", lambda: "next"))
+    await waiting(a, 1)
+    gate.set()
+    await within(LEASE, holder)
+    assert await within(LEASE, follower) == "next"
+
+
+async def test_a_failover_is_a_lost_lease_for_the_holder_and_never_a_hang(
+    sentinel_setup: SentinelSetup, sentinel_backends: tuple[RedisBackend, RedisBackend]
+) -> None:
+    a, b = sentinel_backends
+    gate = asyncio.Event()
+    turns: list[Turn] = []
+
+    async def hold() -> None:
+        async with KeyedQueue(backend=a).keyed("k") as turn:
+            turns.append(turn)
+            await gate.wait()
+
+    holder = asyncio.create_task(hold())
+    await settle(lambda: len(turns) == 1)
+    ran: list[str] = []
+    waiter = asyncio.create_task(KeyedQueue(backend=b).run("k", ran.append, "b"))
+    await waiting(a, 1)
+    await asyncio.get_running_loop().run_in_executor(None, sentinel_setup.fail_over)
+    # The master died: the holder learns it (it could not renew, and Redis is
+    # another server now) while it still holds...
+    await settle(lambda: turns[0].lease_lost)
+    gate.set()
+    with pytest.raises(LeaseLost):  # ... and its call says so once the work is done
+        await within(LEASE, holder)
+    # The waiter waits anew on the new master, or is told its place is gone: never a hang.
+    (outcome,) = await within(PATIENCE / 2, asyncio.gather(waiter, return_exceptions=True))
+    assert (outcome is None and ran == ["b"]) or isinstance(outcome, BackendUnavailable)
+    # and the line goes on, on the new master
+    assert await within(LEASE, KeyedQueue(backend=a).run("k", lambda: "after")) == "after"

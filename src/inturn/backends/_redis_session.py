@@ -23,14 +23,21 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Hashable, Seque
 from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import AuthenticationError, ResponseError
+from redis.exceptions import (
+    AuthenticationError,
+    BusyLoadingError,
+    NoPermissionError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    ResponseError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .._errors import BackendUnavailable
 from .._keys import portable_name
 from ._redis_scripts import ENQUEUE, HELLO, LEAVE, LOOK, RENEW, SCRIPTS, Script
-from ._redis_wire import Call, Inbox, Link
+from ._redis_wire import Call, Inbox, Link, demoted
 from ._resp import bulk
 
 __all__ = ("Config", "Member", "RedisGrant", "Session", "describe", "unavailable")
@@ -56,14 +63,25 @@ _REFUSALS = {
 }
 
 
+#: The classes redis-py's own parser raises for those words (it strips the word).
+_REFUSED_AS = (
+    (NoPermissionError, "NOPERM"),
+    (AuthenticationError, "WRONGPASS"),
+    (OutOfMemoryError, "OOM"),
+    (BusyLoadingError, "LOADING"),
+    (ReadOnlyError, "READONLY"),
+)
+
+
 def describe(error: BaseException) -> str:
     """What an error from Redis means, in words that name it and its fix."""
     text = str(error) or type(error).__name__
     word = text.split(" ", 1)[0]
     if word in _REFUSALS:
         return _REFUSALS[word].format(text)
-    if isinstance(error, AuthenticationError):
-        return _REFUSALS["WRONGPASS"].format(text)
+    for kind, word in _REFUSED_AS:
+        if isinstance(error, kind):
+            return _REFUSALS[word].format(text)
     if "can't run this command" in text:  # from a script: PUBLISH, the only one it may lack
         return _REFUSALS["NOPERM"].format(f"{text} Its scripts PUBLISH grants")
     if isinstance(error, ResponseError):
@@ -473,6 +491,8 @@ class Session:
                 if leave.result() == 0:
                     member.lost = True
             else:
+                if demoted(error):  # a failover: what this server granted may be gone
+                    member.lost = True
                 logger.warning(
                     "inturn: could not release %r in Redis: %s; it frees itself within %g s",
                     member.key,
@@ -602,8 +622,10 @@ class Session:
         """
         lease = self.config.lease
         interval = lease / 3
+        failed = 0  # renewal rounds that failed in a row
         while True:
-            await self._kick.wait(interval)
+            # after a failed round, again soon: a pause that doubles up to the interval
+            await self._kick.wait(min(interval, lease / 48 * 2**failed) if failed else interval)
             try:
                 if self.link is not None:
                     self.link.stale(lease)
@@ -613,6 +635,7 @@ class Session:
                     await self._renew_all(interval)
             except Exception:  # pragma: no cover - a bug: say so, and keep renewing
                 logger.exception("inturn: the Redis heartbeat failed; it goes on")
+            failed = 0 if self._failing is None else failed + 1
 
     async def _renew_all(self, limit: float) -> None:
         """Renew every member's lease; hand out grants, and mark what Redis no longer has."""

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .._errors import BackendUnavailable
@@ -38,7 +38,7 @@ from . import _redis_takeover as takeover
 from ._redis_scripts import HELLO, SCRIPTS, Script
 from ._resp import Incomplete, Push, bulk, command, parse
 
-__all__ = ("Call", "Frames", "Inbox", "Link")
+__all__ = ("Call", "Frames", "Inbox", "Link", "demoted")
 
 logger = logging.getLogger("inturn.redis")
 
@@ -415,9 +415,11 @@ class Link:
         call = self._sent.popleft()
         if call is None:
             return
-        if type(reply) is ResponseError:
+        if isinstance(reply, ResponseError):
             script = call.script
-            if 0 <= script < len(SCRIPTS) and str(reply).startswith("NOSCRIPT"):
+            if 0 <= script < len(SCRIPTS) and (
+                isinstance(reply, NoScriptError) or str(reply).startswith("NOSCRIPT")
+            ):
                 # SCRIPT FLUSH: send it again, with the body (which loads the script)
                 carrier = self._carrier
                 assert carrier is not None
@@ -426,6 +428,8 @@ class Link:
                 carrier.write(call.packed())
             else:
                 _fail(call.future, reply)
+                if demoted(reply) and self._carrier is not None:
+                    self._carrier.abort()  # reconnect: to the master, wherever it is now
         elif not call.future.done():
             call.future.set_result(reply)
 
@@ -471,6 +475,11 @@ class Link:
         carrier, self._carrier = self._carrier, None
         if carrier is not None:
             await carrier.close()
+
+
+def demoted(error: BaseException) -> bool:
+    """Whether error says the server is a replica now (a failover demoted it)."""
+    return isinstance(error, ReadOnlyError) or str(error).startswith("READONLY")
 
 
 def _fail(future: asyncio.Future[Any] | None, error: BaseException) -> None:
@@ -569,7 +578,7 @@ class Inbox:
                 if confirmed is not None and not confirmed.done():
                     confirmed.set_result(None)
                 self._subscribed()
-        elif type(reply) is ResponseError:
+        elif isinstance(reply, ResponseError):
             confirmed = self._confirmed
             if confirmed is not None and not confirmed.done():
                 confirmed.set_exception(reply)  # the subscription was refused
