@@ -422,17 +422,18 @@ class Session:
             or lost the place; the turn was not taken.
         """
         loop = self.loop
-        now = loop.time()
         lease = self.config.lease
-        deadline = None if timeout is None else now + timeout
+        deadline = None if timeout is None else loop.time() + timeout
         # Redis answers (connected, subscribed, enqueued) by the caller's
-        # deadline, or else within a lease: one round trip even for timeout 0
-        if timeout and timeout < lease:
-            answer_by, silent = now + timeout, _late(key)
-        else:
-            answer_by, silent = now + lease, self._silent
+        # deadline if that comes first, else within about a lease: the link's
+        # connecting is bounded so, and the heartbeat drops a link that leaves
+        # a call unanswered longer (a cluster's calls get a timer of their own)
+        late = deadline if timeout is not None and 0 < timeout < lease else None
         if not self.ready:
-            await self.start(answer_by, silent)
+            if late is not None:
+                await self.start(late, _late(key))
+            else:
+                await self.start(loop.time() + lease, self._silent)
         elif self._beat is None or self._beat.done():
             self._run_heartbeat()
         member_id = f"{self.id}/{next(self.counter)}"
@@ -442,7 +443,11 @@ class Session:
         self.members[member_id] = member
         enqueue = self._enqueue(member, member_id, key)
         try:
-            timer = loop.call_at(answer_by, _expire, enqueue.future, silent)
+            timer = None
+            if late is not None:
+                timer = loop.call_at(late, _expire, enqueue.future, _late(key))
+            elif link is None:
+                timer = loop.call_later(lease, _expire, enqueue.future, self._silent)
             try:
                 state, value = await enqueue.future
             except TimeoutError:  # (an OSError: not Redis unreachable, but the deadline)
@@ -450,7 +455,8 @@ class Session:
             except (*UNREACHABLE, ResponseError) as error:
                 raise unavailable(error) from error
             finally:
-                timer.cancel()
+                if timer is not None:
+                    timer.cancel()
             member.joined = True
             member.expires = (enqueue.sent or time.monotonic()) + lease
             if state == 1:

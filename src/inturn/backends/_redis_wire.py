@@ -364,7 +364,8 @@ class Link:
         if carrier is not None:  # (then the outbox is empty: see _connect)
             self._sent.append(call)
             call.sent = time.monotonic()
-            carrier.write(call.packed())
+            script = call.script  # (call.packed(), inlined: this is every turn's path)
+            carrier.write(call.rest if script < 0 else _HEADS[script] + call.rest)
         else:
             self._outbox.append(call)
             self.open()
