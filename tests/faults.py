@@ -1,24 +1,28 @@
 """Faults on purpose, for the Redis backend's tests: a TCP proxy that freezes, cuts and injects.
 
-:class:`Proxy` sits between the backend and a real server, in a thread and
-an event loop of its own (so that a test's own loop, or a frozen client,
-never stops it). Through it a test can
+:class:`Proxy` sits between the backend and a real server, in a thread of
+its own (so that a test's event loop, or a frozen client, never stops it).
+Through it a test can
 
 - :meth:`~Proxy.freeze` the network: bytes stop flowing both ways and new
   connections get no answer, as when packets are dropped; :meth:`~Proxy.thaw`
   delivers what was held and goes on, as TCP does once a partition heals;
 - :meth:`~Proxy.cut` every connection at once (the peer sees a reset);
-- :meth:`~Proxy.inject` bytes into every server-to-client stream, between
-  two whole replies (RESP3 push frames, say).
+- :meth:`~Proxy.inject` bytes into every server-to-client stream (RESP3 push
+  frames, say), written between two chunks the server sent.
+
+Plain sockets and one selector: every socket the proxy opens is in one set,
+and :meth:`~Proxy.close` closes each of them.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
+import selectors
+import socket
+import struct
 import threading
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from servers import free_port
 
@@ -26,37 +30,13 @@ T = TypeVar("T")
 
 
 class _Pipe:
-    """One client connection: the bytes each way, held while frozen."""
+    """One client connection and its connection to the server, with what waits to be sent."""
 
-    def __init__(self, proxy: Proxy, client: asyncio.StreamWriter) -> None:
-        self.proxy = proxy
+    def __init__(self, client: socket.socket) -> None:
         self.client = client
-        self.server: asyncio.StreamWriter | None = None
-        self.tasks: list[asyncio.Task[None]] = []  # the two pumps
-
-    async def pump(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, downstream: bool
-    ) -> None:
-        proxy = self.proxy
-        try:
-            while data := await reader.read(65536):
-                await proxy.flowing.wait()
-                if downstream:
-                    proxy.passed += 1
-                writer.write(data)
-                await writer.drain()
-        except (ConnectionError, OSError, asyncio.CancelledError):
-            pass
-        finally:
-            with contextlib.suppress(Exception):
-                writer.close()
-
-    def cut(self) -> None:
-        for writer in (self.client, self.server):
-            if writer is not None:
-                writer.transport.abort()
-        for task in self.tasks:
-            task.cancel()
+        self.server: socket.socket | None = None
+        self.to_server = bytearray()  # read from the client, held while frozen
+        self.to_client = bytearray()
 
 
 class Proxy:
@@ -65,115 +45,171 @@ class Proxy:
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
         self.port = free_port()
-        self.loop = asyncio.new_event_loop()
-        self.pipes: set[_Pipe] = set()
-        self.passed = 0  # server-to-client chunks passed on
-        self.flowing = asyncio.Event()
-        self._server: asyncio.base_events.Server | None = None
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        self._listener.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        self._pipes: dict[socket.socket, _Pipe] = {}  # by either of its sockets
+        self._frozen = False
+        self._closed = False
+        self._lock = threading.Lock()  # held to change the pipes or the state
+        self._wake_r, self._wake_w = socket.socketpair()  # wakes the selector for a change
+        self._thread = threading.Thread(target=self._run, daemon=True)
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> Proxy:
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
         self._thread.start()
-        self._call(self._start)
         return self
 
-    async def _start(self) -> None:
-        self.flowing.set()
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", self.port)
+    # -- the proxy's thread -----------------------------------------------------------
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        pipe = _Pipe(self, writer)
-        self.pipes.add(pipe)
+    def _run(self) -> None:
+        while not self._closed:
+            for key, _ in self._selector.select(0.05):
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                with self._lock:
+                    if self._closed:
+                        return
+                    if sock is self._wake_r:
+                        self._wake_r.recv(4096)
+                    elif sock is self._listener:
+                        self._accept()
+                    elif sock in self._pipes:
+                        self._read(sock)
+            with self._lock:
+                if not self._frozen:
+                    self._flush()
+
+    def _accept(self) -> None:
         try:
-            await self.flowing.wait()  # frozen: the connection gets no answer
-            server_reader, server_writer = await asyncio.open_connection(
-                "127.0.0.1", self.target_port
-            )
-            pipe.server = server_writer
-            pipe.tasks = [
-                asyncio.ensure_future(pipe.pump(reader, server_writer, False)),
-                asyncio.ensure_future(pipe.pump(server_reader, writer, True)),
-            ]
-            await asyncio.gather(*pipe.tasks, return_exceptions=True)
-        except (ConnectionError, OSError, asyncio.CancelledError):
-            # (not raised: asyncio's stream server logs a handler that ends in an error)
-            pipe.cut()
-        finally:
-            self.pipes.discard(pipe)
+            client, _ = self._listener.accept()
+        except BlockingIOError:
+            return
+        pipe = _Pipe(client)
+        self._pipes[client] = pipe
+        self._selector.register(client, selectors.EVENT_READ)
 
-    def _call(self, make: Callable[[], Awaitable[T]], timeout: float = 10.0) -> T:
-        return asyncio.run_coroutine_threadsafe(make(), self.loop).result(timeout)  # type: ignore[arg-type]
+    def _connect(self, pipe: _Pipe) -> bool:
+        """Open pipe's connection to the server (once not frozen); False if it failed."""
+        if pipe.server is not None:
+            return True
+        try:
+            server = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
+        except OSError:
+            self._drop(pipe)
+            return False
+        server.setblocking(False)
+        pipe.server = server
+        self._pipes[server] = pipe
+        self._selector.register(server, selectors.EVENT_READ)
+        return True
 
-    def _do(self, action: Callable[[], Any]) -> None:
-        async def run() -> None:
-            action()
+    def _read(self, sock: socket.socket) -> None:
+        pipe = self._pipes[sock]
+        try:
+            data = sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(pipe)
+            return
+        (pipe.to_server if sock is pipe.client else pipe.to_client).extend(data)
 
-        self._call(run)
+    def _flush(self) -> None:
+        """Pass on what every pipe holds (the proxy is not frozen)."""
+        for pipe in list(set(self._pipes.values())):
+            if not self._connect(pipe):
+                continue
+            assert pipe.server is not None
+            for data, sock in ((pipe.to_server, pipe.server), (pipe.to_client, pipe.client)):
+                if data:
+                    try:
+                        sent = sock.send(data)
+                    except (BlockingIOError, InterruptedError):
+                        continue
+                    except OSError:
+                        self._drop(pipe)
+                        break
+                    del data[:sent]
+
+    def _drop(self, pipe: _Pipe, reset: bool = False) -> None:
+        for sock in (pipe.client, pipe.server):
+            if sock is None:
+                continue
+            self._pipes.pop(sock, None)
+            try:
+                self._selector.unregister(sock)
+            except (KeyError, ValueError):
+                pass
+            if reset:  # the peer sees a reset, not an orderly end
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()
+
+    # -- what a test does ---------------------------------------------------------------
+
+    def _change(self, change: Callable[[], T]) -> T:
+        with self._lock:
+            result = change()
+        self._wake_w.send(b"x")
+        return result
 
     def freeze(self) -> None:
         """Stop every byte both ways, and answer no new connection, until :meth:`thaw`."""
-        self._do(self.flowing.clear)
+
+        def freeze() -> None:
+            self._frozen = True
+
+        self._change(freeze)
 
     def thaw(self) -> None:
         """Deliver what was held, and flow again."""
-        self._do(self.flowing.set)
+
+        def thaw() -> None:
+            self._frozen = False
+
+        self._change(thaw)
 
     def cut(self) -> None:
         """Reset every connection through the proxy now (new ones are accepted)."""
 
-        def cut_all() -> None:
-            for pipe in list(self.pipes):
-                pipe.cut()
+        def cut() -> None:
+            for pipe in list(set(self._pipes.values())):
+                self._drop(pipe, reset=True)
 
-        self._do(cut_all)
+        self._change(cut)
 
     def inject(self, data: bytes) -> int:
-        """Write data to every client, between two chunks the server sent; return how many got it.
+        """Queue data for every client connected to the server; return how many get it."""
 
-        The server's replies arrive whole in practice when nothing is in
-        flight, which is when a test injects.
-        """
+        def inject() -> int:
+            pipes = [pipe for pipe in set(self._pipes.values()) if pipe.server is not None]
+            for pipe in pipes:
+                pipe.to_client.extend(data)
+            return len(pipes)
 
-        def write_all() -> int:
-            count = 0
-            for pipe in self.pipes:
-                if pipe.server is not None and not pipe.client.is_closing():
-                    pipe.client.write(data)
-                    count += 1
-            return count
-
-        async def run() -> int:
-            return write_all()
-
-        return self._call(run)
+        return self._change(inject)
 
     def connections(self) -> int:
         """Client connections open through the proxy now."""
-
-        async def count() -> int:
-            return len(self.pipes)
-
-        return self._call(count)
+        return self._change(lambda: len({id(pipe) for pipe in self._pipes.values()}))
 
     def close(self) -> None:
-        async def stop() -> None:
-            self.flowing.set()
-            for pipe in list(self.pipes):
-                pipe.cut()
-            if self._server is not None:
-                self._server.close()
-                await self._server.wait_closed()
-            others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-            for task in others:
-                task.cancel()
-            await asyncio.gather(*others, return_exceptions=True)
+        """Close every connection and stop; every socket the proxy opened is closed."""
 
-        with contextlib.suppress(Exception):
-            self._call(stop)
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        def close() -> None:
+            self._closed = True
+            for pipe in list(set(self._pipes.values())):
+                self._drop(pipe, reset=True)
+
+        self._change(close)
         self._thread.join(10)
-        self.loop.close()
+        self._selector.close()
+        for sock in (self._listener, self._wake_r, self._wake_w):
+            sock.close()
