@@ -1,10 +1,15 @@
 #!/usr/bin/env python3
-"""Developer commands that set themselves up: ``python3 dev.py demo|test|bench``.
+"""Developer commands that set themselves up: ``python3 dev.py demo|test|bench|redis-tests``.
 
 Each command creates a virtual environment (``.venv``, or ``.venv-X.Y`` for
 ``--python``), installs the package and what the command needs into it when
 ``pyproject.toml`` changed since the last install, then runs. Standard
 library only, so it runs on a fresh machine with nothing but Python 3.10+.
+
+``redis-tests`` runs only the Redis backend's tests, with ``--redis-py
+VERSION`` (or ``oldest``: the lowest ``pyproject.toml`` allows) in a
+virtual environment of its own; set ``INTURN_REDIS_WIRE=public`` to run
+them through redis-py's public API instead of the connection takeover.
 """
 
 from __future__ import annotations
@@ -12,12 +17,26 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
-EXTRAS = {"demo": "", "test": "[dev]", "bench": "[dev,bench]"}
+EXTRAS = {"demo": "", "test": "[dev]", "bench": "[dev,bench]", "redis-tests": "[dev]"}
+#: The Redis backend's tests (and the conformance suite's Redis servers); the
+#: cluster's need redis-py 8.0, so they run with the newest only.
+REDIS_TESTS = ("tests/test_redis_backend.py", "tests/test_redis_faults.py")
+CONFORMANCE = "tests/test_backend_conformance.py"
+
+
+def oldest_redis_py() -> str:
+    """The lowest redis-py version the ``redis`` extra of pyproject.toml allows."""
+    text = (ROOT / "pyproject.toml").read_text()
+    match = re.search(r'^redis = \["redis>=([0-9.]+)"\]', text, re.MULTILINE)
+    if match is None:
+        sys.exit("dev.py: no 'redis = [\"redis>=X\"]' extra in pyproject.toml")
+    return match.group(1)
 
 
 def _version_of(python: str) -> tuple[int, int]:
@@ -34,12 +53,16 @@ def _venv_python(venv: Path) -> Path:
     return venv / ("Scripts" if os.name == "nt" else "bin") / "python"
 
 
-def ensure_venv(python: str, extras: str, *, dedicated: bool) -> Path:
-    """Return the venv's interpreter, with inturn{extras} installed and current."""
+def ensure_venv(python: str, extras: str, *, dedicated: bool, redis_py: str = "") -> Path:
+    """Return the venv's interpreter, with inturn{extras} (and redis==redis_py) installed."""
     major, minor = _version_of(python)
     if (major, minor) < (3, 10):
         sys.exit(f"dev.py: inturn needs Python 3.10 or newer; {python} is {major}.{minor}")
-    venv = ROOT / (f".venv-{major}.{minor}" if dedicated else ".venv")
+    name = f".venv-{major}.{minor}" if dedicated else ".venv"
+    if redis_py:
+        name += f"-redis-{redis_py}"
+        extras += f" redis=={redis_py}"
+    venv = ROOT / name
     interpreter = _venv_python(venv)
     if not interpreter.exists():
         print(f"dev.py: creating {venv.name} with Python {major}.{minor}", flush=True)
@@ -50,7 +73,10 @@ def ensure_venv(python: str, extras: str, *, dedicated: bool) -> Path:
         print(f"dev.py: installing inturn{extras} into {venv.name}", flush=True)
         pip = [str(interpreter), "-m", "pip", "--disable-pip-version-check"]
         subprocess.run([*pip, "install", "--quiet", "--upgrade", "pip"], check=True)
-        subprocess.run([*pip, "install", "--quiet", "-e", f".{extras}"], check=True, cwd=ROOT)
+        package, *pins = extras.split(" ")
+        subprocess.run(
+            [*pip, "install", "--quiet", "-e", f".{package}", *pins], check=True, cwd=ROOT
+        )
         previous = stamp.read_text() if stamp.exists() else ""
         stamp.write_text(f"{previous}{digest}\n")
     return interpreter
@@ -71,10 +97,26 @@ def main() -> None:
         help="the interpreter to build the environment from (default: the one running dev.py); "
         "each interpreter version gets its own .venv-X.Y",
     )
+    parser.add_argument(
+        "--redis-py",
+        default="",
+        metavar="VERSION",
+        help="redis-tests: with this redis-py ('oldest': the lowest pyproject.toml allows)",
+    )
     options, rest = parser.parse_known_args()  # the rest goes to the command (pytest, ...)
     python = options.python or sys.executable
-    venv_python = ensure_venv(python, EXTRAS[options.command], dedicated=bool(options.python))
-    if options.command == "demo":
+    redis_py = oldest_redis_py() if options.redis_py == "oldest" else options.redis_py
+    venv_python = ensure_venv(
+        python, EXTRAS[options.command], dedicated=bool(options.python), redis_py=redis_py
+    )
+    if options.command == "redis-tests":
+        run(venv_python, "-c", "import redis; print('redis-py', redis.__version__)")
+        run(venv_python, "-m", "pytest", *REDIS_TESTS, *rest)
+        # the cluster's tests need redis-py 8.0: with an older one, the others only
+        old = redis_py and int(redis_py.split(".")[0]) < 8
+        servers = "(redis or valkey) and not cluster" if old else "redis or valkey"
+        run(venv_python, "-m", "pytest", CONFORMANCE, "-k", servers, *rest)
+    elif options.command == "demo":
         run(venv_python, "-m", "inturn", "demo", *rest)
     elif options.command == "bench":
         run(venv_python, "-m", "bench", *rest)

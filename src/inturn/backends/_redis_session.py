@@ -382,6 +382,7 @@ class Session:
             if member.grant is None:  # waiting: (on a Link, the leave goes after its enqueue)
                 if member.waiting is not None and not member.waiting.done():
                     member.waiting.set_exception(closed)
+                    _consume(member.waiting)  # (its acquire may fail before it awaits this)
                 del self.members[member_id]
                 self._leave(member, member_id).future.add_done_callback(_consume)
         if self._cleanups:  # places given up just now: let them leave their lines
