@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -30,6 +31,12 @@ def queue() -> KeyedQueue:
 @pytest.fixture
 def recorder() -> Recorder:
     return Recorder()
+
+
+@pytest.fixture
+def namespace() -> str:
+    """A Redis namespace of this test's own."""
+    return f"t-{uuid.uuid4().hex[:12]}"
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
@@ -10,6 +11,9 @@ from redis.asyncio.cluster import RedisCluster
 from inturn.backends.redis import LineInfo, RedisBackend
 
 from helpers import PATIENCE
+
+#: Makes a RedisBackend for a test: ``make_backend(lease=..., url=..., **client_options)``.
+BackendFactory = Callable[..., RedisBackend]
 
 
 async def keys_left(url: str, namespace: str) -> list[str]:

@@ -12,7 +12,7 @@ import asyncio
 import os
 import signal
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -25,20 +25,13 @@ from inturn.backends._redis_scripts import ENQUEUE
 from inturn.backends._redis_wire import Call, Frames, Link
 from inturn.backends.redis import RedisBackend
 from processes import Worker, first_to_hold
-from redis_checks import keys_left, waiting
+from redis_checks import BackendFactory, keys_left, waiting
 from servers import Server
 
 from helpers import PATIENCE, checkpoints, settle
 
 #: A short lease, so that crash recovery shows within a test.
 LEASE = 1.0
-
-BackendFactory = Callable[..., RedisBackend]
-
-
-@pytest.fixture
-def namespace() -> str:
-    return f"t-{uuid.uuid4().hex[:12]}"
 
 
 @pytest.fixture

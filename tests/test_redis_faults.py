@@ -24,7 +24,7 @@ import asyncio
 import gc
 import uuid
 import warnings
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -35,7 +35,7 @@ from faults import Proxy
 from inturn import BackendUnavailable, KeyedQueue, LeaseLost, Turn
 from inturn.backends.redis import RedisBackend
 from processes import Worker
-from redis_checks import waiting
+from redis_checks import BackendFactory, waiting
 from servers import SentinelSetup, Server
 
 from helpers import PATIENCE, settle
@@ -44,13 +44,6 @@ from helpers import PATIENCE, settle
 LEASE = 1.0
 #: How long past its bound a call may take on a loaded machine before it counts as hanging.
 SLACK = 3.0
-
-BackendFactory = Callable[..., RedisBackend]
-
-
-@pytest.fixture
-def namespace() -> str:
-    return f"f-{uuid.uuid4().hex[:12]}"
 
 
 @pytest.fixture

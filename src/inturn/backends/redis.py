@@ -399,7 +399,7 @@ def _connector(client: Any) -> Any:
 
 
 def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+    return value.decode("utf-8", "backslashreplace") if isinstance(value, bytes) else value
 
 
 def _pairs(flat: list[Any]) -> dict[str, str]:
