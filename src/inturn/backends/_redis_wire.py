@@ -30,15 +30,16 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ReadOnlyError, ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .._errors import BackendUnavailable
 from . import _redis_takeover as takeover
+from ._redis_errors import demoted
 from ._redis_scripts import HELLO, SCRIPTS, Script
 from ._resp import Incomplete, Push, bulk, command, parse
 
-__all__ = ("Call", "Frames", "Inbox", "Link", "demoted")
+__all__ = ("Call", "Frames", "Inbox", "Link")
 
 logger = logging.getLogger("inturn.redis")
 
@@ -476,11 +477,6 @@ class Link:
         carrier, self._carrier = self._carrier, None
         if carrier is not None:
             await carrier.close()
-
-
-def demoted(error: BaseException) -> bool:
-    """Whether error says the server is a replica now (a failover demoted it)."""
-    return isinstance(error, ReadOnlyError) or str(error).startswith("READONLY")
 
 
 def _fail(future: asyncio.Future[Any] | None, error: BaseException) -> None:

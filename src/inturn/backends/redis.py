@@ -67,7 +67,8 @@ except ImportError as error:  # pragma: no cover - depends on the install
         "inturn's Redis backend needs redis-py: pip install 'inturn[redis]'"
     ) from error
 
-from ._redis_session import UNREACHABLE, Config, RedisGrant, Session, describe
+from ._redis_errors import UNREACHABLE, describe
+from ._redis_session import Config, RedisGrant, Session
 
 __all__ = ("HolderInfo", "LineInfo", "RedisBackend", "RedisGrant", "WaiterInfo")
 
