@@ -333,6 +333,15 @@ async def test_hostile_keys_make_no_file_outside_the_directory(tmp_path: Path, k
     assert sorted(os.listdir(tmp_path)) == ["lines"]
 
 
+async def test_an_int_key_of_any_size_works(backend: FileBackend) -> None:
+    queue = KeyedQueue(backend=backend)
+    huge = 10**5000  # beyond what int() and str() convert by default
+    assert await queue.run(huge, lambda: "huge") == "huge"
+    async with queue.keyed(huge, -huge, huge + 1, "x") as turn:
+        assert set(turn.keys) == {huge, -huge, huge + 1, "x"}
+    assert files(backend.directory) == []
+
+
 async def test_keys_of_other_types_are_refused_with_a_type_error(backend: FileBackend) -> None:
     queue = KeyedQueue(backend=backend)
     with pytest.raises(TypeError, match=r"key \('a', 1\) \(tuple\) cannot name a line shared"):
