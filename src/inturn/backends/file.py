@@ -39,15 +39,20 @@ changes by appending, or, under the exclusive lock, by dropping tickets
 that have no writer. A process that locked a line file checks that it is
 still the file at that path before it trusts it, so two processes never
 work on two different line files for one key.
+
+Every file is opened relative to the directory's descriptor and never
+through a symbolic link (see ``_directory.py`` for which directories are
+accepted); if the directory is removed, the next turn makes it again,
+with the same checks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import os
 import secrets
-import stat
 import sys
 import tempfile
 import time
@@ -57,6 +62,7 @@ from typing import final
 
 from .._keys import order_portable, portable_name
 from ._base import Grant
+from ._directory import Directory
 
 __all__ = ("FileBackend", "FileGrant")
 
@@ -75,6 +81,12 @@ _COMPACT_AT = 64
 _READ = 65536
 #: Tries at a line file's lock before waiting for it in a thread (see _flock_soon).
 _FLOCK_TRIES = 16
+#: How a line file is opened: for appending, made if missing, never through a link.
+_OPEN_LINE = os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+#: How a ticket's owner opens it: as its writer (O_RDWR: without waiting for a reader).
+_OPEN_TICKET = os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+#: How a ticket is looked at: read, without waiting for a writer, never through a link.
+_OPEN_PROBE = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 
 # The writer ends of the tickets this process holds open. A child forked
 # while a ticket is open closes its copies at once: otherwise the ticket
@@ -107,43 +119,22 @@ def _default_directory() -> Path:
     return Path(tempfile.gettempdir()) / f"inturn-{os.geteuid()}"
 
 
-def _prepare(directory: Path) -> Path:
-    """Create directory owner-only if missing; refuse one that is not ours."""
-    try:
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-    except FileExistsError:
-        pass  # a file, not a directory: refused below
-    try:
-        info = os.lstat(directory)
-    except OSError as error:
-        raise OSError(error.errno, f"inturn: cannot use {directory} for lines: {error}") from None
-    if stat.S_ISLNK(info.st_mode):
-        raise PermissionError(
-            f"inturn: {directory} is a symbolic link; give FileBackend the real directory "
-            f"({os.path.realpath(directory)}), so nobody can swap the link"
-        )
-    if not stat.S_ISDIR(info.st_mode):
-        raise NotADirectoryError(f"inturn: {directory} exists and is not a directory")
-    if info.st_uid != os.geteuid():
-        raise PermissionError(
-            f"inturn: {directory} belongs to uid {info.st_uid}, not to this user "
-            f"(uid {os.geteuid()}); whoever owns it could break or fake the lines. "
-            "Use a directory of your own"
-        )
-    return directory
-
-
-def _probe(path: str) -> tuple[int | None, bytes]:
-    """Open ticket FIFO path for reading: (fd, data) if its owner is still in line.
+def _probe(directory: int, name: str) -> tuple[int | None, bytes]:
+    """Open ticket FIFO name for reading: (fd, data) if its owner is still in line.
 
     The fd is None if the ticket is gone or has no writer (its owner left or
-    died); data is what the owner wrote into it (``H<token>`` on release).
-    An fd that is returned reports end of file when the owner leaves.
+    died), or is not a FIFO of ours but a symbolic link; data is what the
+    owner wrote into it (``H<token>`` on release). An fd that is returned
+    reports end of file when the owner leaves.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(name, _OPEN_PROBE, dir_fd=directory)
     except FileNotFoundError:
         return None, b""
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            return None, b""  # a link in place of a ticket: not one of ours
+        raise
     data = b""
     try:
         # Read at once: with no writer this is end of file (and Linux would
@@ -213,18 +204,27 @@ def _flock_soon(fd: int, mode: int) -> None:
     fcntl.flock(fd, mode | fcntl.LOCK_NB)
 
 
-def _open_line(path: str) -> int:
-    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+def _open_line(directory: Directory, name: str) -> int:
+    """Open (making it if missing) the line file name in directory."""
+    try:
+        return os.open(name, _OPEN_LINE, 0o600, dir_fd=directory.fd)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise PermissionError(
+                f"inturn: the line file {directory.path / name} is a symbolic link, which "
+                "inturn never follows: another process of this user put it there. Remove it"
+            ) from None
+        raise
 
 
-def _try_lock_line(path: str, mode: int) -> int | None:
-    """Open the line file at path (creating it) and flock it in mode; return its fd.
+def _try_lock_line(directory: Directory, name: str, mode: int) -> int | None:
+    """Open the line file name (creating it) and flock it in mode; return its fd.
 
     Others hold the lock for a few system calls, so it is only tried, a few
     times (see _flock_soon): None if it is still taken.
     """
     while True:
-        fd = _open_line(path)
+        fd = _open_line(directory, name)
         try:
             _flock_soon(fd, mode)
         except BaseException as error:
@@ -237,14 +237,14 @@ def _try_lock_line(path: str, mode: int) -> int | None:
         os.close(fd)  # deleted by its last user meanwhile: start again
 
 
-async def _lock_line(path: str, mode: int) -> int:
+async def _lock_line(directory: Directory, name: str, mode: int) -> int:
     """As _try_lock_line, but if the lock stays taken, wait for it in a thread.
 
     So the event loop never waits on the blocking call.
     """
     assert fcntl is not None
-    while (fd := _try_lock_line(path, mode)) is None:
-        fd = _open_line(path)
+    while (fd := _try_lock_line(directory, name, mode)) is None:
+        fd = _open_line(directory, name)
         locking = asyncio.get_running_loop().run_in_executor(None, fcntl.flock, fd, mode)
         try:
             await asyncio.shield(locking)
@@ -272,10 +272,11 @@ def _names(fd: int) -> list[str]:
     return text.split("\n")[:-1]
 
 
-def _rewrite(path: str, names: list[str]) -> None:
+def _rewrite(directory: Directory, name: str, names: list[str]) -> None:
     """Replace the line file's names; the caller holds its exclusive lock."""
     data = "".join(f"{name}\n" for name in names).encode("ascii")
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)  # not O_APPEND: written from the start
+    # not O_APPEND: written from the start
+    fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=directory.fd)
     try:
         # Write, then cut to length: never truncate to zero, which makes ext4
         # flush the file to disk on close (its rewrite-in-place heuristic).
@@ -285,15 +286,15 @@ def _rewrite(path: str, names: list[str]) -> None:
         os.close(fd)
 
 
-def _unlink(path: str) -> None:
+def _unlink(directory: Directory, name: str) -> None:
     try:
-        os.unlink(path)
+        os.unlink(name, dir_fd=directory.fd)
     except FileNotFoundError:
         pass
 
 
-def _alive(path: str) -> bool:
-    fd, _ = _probe(path)
+def _alive(directory: Directory, name: str) -> bool:
+    fd, _ = _probe(directory.fd, name)
     if fd is None:
         return False
     os.close(fd)
@@ -304,15 +305,18 @@ def _alive(path: str) -> bool:
 class FileGrant:
     """The turn on one key granted by a :class:`FileBackend`, while it lasts."""
 
-    __slots__ = ("_fd", "_line", "_ticket", "key", "token")
+    __slots__ = ("_directory", "_fd", "_line", "_ticket", "key", "token")
 
-    def __init__(self, key: Hashable, token: int, fd: int, ticket: str, line: str) -> None:
+    def __init__(
+        self, key: Hashable, token: int, fd: int, directory: Directory, ticket: str, line: str
+    ) -> None:
         #: The key held.
         self.key = key
         #: The fencing token: one above the previous holder's while the key's
         #: line is busy, and the wall clock in nanoseconds when it starts anew.
         self.token = token
         self._fd = fd  # the writer end of this grant's ticket: open while it holds
+        self._directory = directory  # where its ticket and line file are
         self._ticket = ticket
         self._line = line
 
@@ -352,28 +356,34 @@ class FileBackend:
     fencing tokens that survive the wall clock being set back while a key is
     idle.
 
+    Shared directories: a directory that others may write to is refused,
+    unless it has the sticky bit (as ``/tmp`` has); the files then go to
+    ``inturn-<uid>``, an owner-only subdirectory of this user's in it. No
+    file is ever opened through a symbolic link. If the directory is
+    removed, the next turn makes it again, with the same checks.
+
     :param directory: where the line files live, created owner-only (mode
         0700) if missing. Every process that shares the lines must use the
         same directory. Default: ``inturn-<uid>`` in the system's temporary
         directory.
     :raises RuntimeError: the platform is not POSIX.
-    :raises PermissionError: the directory belongs to another user, or is a
-        symbolic link.
+    :raises PermissionError: the directory belongs to another user, is a
+        symbolic link, or may be written by others and has no sticky bit.
     :raises NotADirectoryError: the path exists and is not a directory.
     """
 
-    __slots__ = ("_directory", "_root")
+    __slots__ = ("_given", "_where")
 
     def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
         _check_platform()
         path = _default_directory() if directory is None else Path(directory)
-        self._directory = _prepare(path.absolute())
-        self._root = str(self._directory)
+        self._given = path.absolute()  # found again, with the same checks, if removed
+        self._where = Directory.open(self._given)
 
     @property
     def directory(self) -> Path:
-        """The directory holding the line files."""
-        return self._directory
+        """The directory holding the line files (``inturn-<uid>`` in a sticky one)."""
+        return self._where.path
 
     def order(self, keys: tuple[Hashable, ...]) -> tuple[Hashable, ...]:
         """Sort keys into the order every process computes (by their portable names).
@@ -382,9 +392,11 @@ class FileBackend:
         """
         return order_portable(keys)
 
-    def _line_of(self, key: Hashable) -> tuple[str, str]:
-        digest = hashlib.sha256(portable_name(key)).hexdigest()
-        return digest, os.path.join(self._root, digest + _LINE)
+    def _found_again(self, lost: Directory) -> Directory:
+        """The directory, made and checked again: lost was removed."""
+        if self._where is lost:
+            self._where = Directory.open(self._given)
+        return self._where
 
     async def acquire(self, key: Hashable, timeout: float | None) -> FileGrant:
         """Queue in key's line file and wait until every ticket before ours has left.
@@ -394,37 +406,46 @@ class FileBackend:
         """
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
-        digest, line = self._line_of(key)
+        digest = hashlib.sha256(portable_name(key)).hexdigest()
+        line = digest + _LINE
         name = f"{digest}.{os.getpid()}.{secrets.token_hex(6)}{_TICKET}"
-        ticket = os.path.join(self._root, name)
-        os.mkfifo(ticket, 0o600)
+        where = self._where
+        while True:
+            try:
+                os.mkfifo(name, 0o600, dir_fd=where.fd)
+            except FileNotFoundError:
+                where = self._found_again(where)  # the directory was removed
+            else:
+                break
         try:
-            fd = os.open(ticket, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+            fd = os.open(name, _OPEN_TICKET, dir_fd=where.fd)
         except BaseException:
-            _unlink(ticket)
+            _unlink(where, name)
             raise
         _OPEN_TICKETS.add(fd)
         try:
-            line_fd = await _lock_line(line, fcntl.LOCK_SH)
+            line_fd = await _lock_line(where, line, fcntl.LOCK_SH)
             try:
                 os.write(line_fd, f"{name}\n".encode("ascii"))  # one append: atomic
                 names = _names(line_fd)
             finally:
                 os.close(line_fd)
-            token = await self._wait_behind(names[: names.index(name)], deadline, key)
+            token = await self._wait_behind(where, names[: names.index(name)], deadline, key)
         except BaseException:
             # Leave the line: with no writer, the tickets behind skip this one.
             _OPEN_TICKETS.discard(fd)
             os.close(fd)
-            _unlink(ticket)
+            _unlink(where, name)
             raise
-        return FileGrant(key, token, fd, ticket, line)
+        return FileGrant(key, token, fd, where, name, line)
 
-    async def _wait_behind(self, before: list[str], deadline: float | None, key: Hashable) -> int:
+    async def _wait_behind(
+        self, where: Directory, before: list[str], deadline: float | None, key: Hashable
+    ) -> int:
         """Wait until no ticket of before has a writer; return the fencing token to hold with."""
         loop = asyncio.get_running_loop()
         for earlier in reversed(before):
-            fd, data = _probe(os.path.join(self._root, earlier))
+            fd, data = _probe(where.fd, earlier)
             if fd is not None:
                 try:
                     if deadline is not None and loop.time() >= deadline:
@@ -454,43 +475,43 @@ class FileBackend:
                 os.write(fd, _HANDED + str(grant.token).encode("ascii"))
             finally:
                 os.close(fd)  # no writer now: whoever waits on this ticket goes on
-                _unlink(grant._ticket)
-            self._tidy(grant._line, os.path.basename(grant._ticket))
+                _unlink(grant._directory, grant._ticket)
+            self._tidy(grant._directory, grant._line, grant._ticket)
         done.set_result(None)
         return done
 
-    def _tidy(self, line: str, own: str) -> None:
+    def _tidy(self, where: Directory, line: str, own: str) -> None:
         """Delete the line file if nobody is in line any more; compact it if it grew long.
 
         Best effort: if another process holds the line file's lock, it is
         left for a later release (whoever holds that lock is in line).
         """
         assert fcntl is not None
-        fd = _try_lock_line(line, fcntl.LOCK_SH)
+        fd = _try_lock_line(where, line, fcntl.LOCK_SH)
         if fd is None:
             return
         try:
             names = _names(fd)
             behind = names[names.index(own) + 1 :] if own in names else names
             # The newest first: in a busy line, the first one looked at is alive.
-            someone = any(_alive(os.path.join(self._root, n)) for n in reversed(behind))
+            someone = any(_alive(where, n) for n in reversed(behind))
         finally:
             os.close(fd)
         if someone and len(names) <= _COMPACT_AT:
             return
-        fd = _try_lock_line(line, fcntl.LOCK_EX)
+        fd = _try_lock_line(where, line, fcntl.LOCK_EX)
         if fd is None:
             return
         try:
             names = _names(fd)
-            alive = [n for n in names if _alive(os.path.join(self._root, n))]
+            alive = [n for n in names if _alive(where, n)]
             for name in names:
                 if name not in alive:
-                    _unlink(os.path.join(self._root, name))  # left by one that died
+                    _unlink(where, name)  # left by one that died
             if alive:
-                _rewrite(line, alive)
+                _rewrite(where, line, alive)
             else:
-                os.unlink(line)  # under its lock: see _lock_line's check
+                os.unlink(line, dir_fd=where.fd)  # under its lock: see _lock_line's check
         finally:
             os.close(fd)
 
@@ -502,9 +523,10 @@ class FileBackend:
         operators and tests: the answer may be stale by the time it returns.
         """
         assert fcntl is not None
-        _, line = self._line_of(key)
+        where = self._where
+        line = hashlib.sha256(portable_name(key)).hexdigest() + _LINE
         try:
-            fd = os.open(line, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(line, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=where.fd)
         except FileNotFoundError:
             return ()
         try:
@@ -512,12 +534,10 @@ class FileBackend:
             names = _names(fd)
         finally:
             os.close(fd)
-        return tuple(
-            int(name.split(".")[1]) for name in names if _alive(os.path.join(self._root, name))
-        )
+        return tuple(int(name.split(".")[1]) for name in names if _alive(where, name))
 
     async def aclose(self) -> None:
         """Nothing to close: every grant's files are closed by its release."""
 
     def __repr__(self) -> str:
-        return f"FileBackend({self._root!r})"
+        return f"FileBackend({str(self.directory)!r})"
