@@ -16,11 +16,13 @@ How a line is kept (every step is a plain file operation; nothing polls):
   process's files), the FIFO has none, and never gets one back. A reader
   of the FIFO sees end of file at that moment.
 - Each key has a *line file*, ``<digest>.line``, named by the SHA-256 of
-  the key (never the key itself, so no key can name a file outside the
-  directory): the names of the key's tickets, in arrival order, one per
-  line. A process queues by appending its ticket's name to it (one
-  ``O_APPEND`` write, under a shared ``flock``, so arrivals never wait for
-  each other) and reading the names before its own.
+  the key's portable name (never the key itself, so no key can name a
+  file outside the directory): the key's tickets, in arrival order, one
+  record per line (``_linefile.py`` has the format). A process queues
+  under a shared ``flock`` of the line file, so arrivals never wait for
+  each other: it appends a mark that its ticket is coming, makes the
+  FIFO, appends the ticket (each one ``O_APPEND`` write), and reads the
+  tickets before its own.
 - A process holds the key once every ticket before its own has no writer.
   It waits, in its event loop, for end of file on the nearest one that
   still has one. A holder that releases writes ``H<token>`` into its ticket
@@ -28,9 +30,12 @@ How a line is kept (every step is a plain file operation; nothing polls):
   is done too, and takes the key at once, with the next fencing token. If
   the ticket closed without that (its owner gave up or died), the waiter
   looks further back.
-- After releasing, a holder tidies up: if no ticket behind it is still in
-  line, it deletes the line file and the FIFOs it lists, under an
-  exclusive ``flock``; a long line file is compacted the same way.
+- After releasing (or giving up), a process tidies up: if no ticket behind
+  its own is still in line, or the file grew long, it finds which tickets
+  have no writer and removes their FIFOs, under the shared lock; then,
+  under the exclusive lock, for a few system calls only, it deletes the
+  line file if nobody is left in it, or writes the tickets still in line
+  over the old records and cuts the file to them.
 
 Why two processes never hold a key at once: a process holds only when
 every earlier ticket in the line has no writer, and a holder keeps its
@@ -39,6 +44,16 @@ changes by appending, or, under the exclusive lock, by dropping tickets
 that have no writer. A process that locked a line file checks that it is
 still the file at that path before it trusts it, so two processes never
 work on two different line files for one key.
+
+Why a crash at any instruction leaves every line usable, and every file
+removed by a later turn on the key: a FIFO is made only after the mark
+that it is coming, so a process killed while queueing leaves a mark that
+the next tidy under the exclusive lock, where nobody can be queueing,
+reads as "died here" (the FIFO, if made, is removed). A ticket left by a
+killed process has no writer, so it is skipped like one that left, and
+tidied. A compaction killed between its write and its cut leaves records
+that read back right (see ``_linefile.py``), and its write is never
+longer than the kernel does at once.
 
 Every file is opened relative to the directory's descriptor and never
 through a symbolic link (see ``_directory.py`` for which directories are
@@ -52,7 +67,7 @@ import asyncio
 import errno
 import hashlib
 import os
-import secrets
+import stat
 import sys
 import tempfile
 import time
@@ -63,6 +78,19 @@ from typing import final
 from .._keys import order_portable, portable_name
 from ._base import Grant
 from ._directory import Directory
+from ._linefile import (
+    joined,
+    joining,
+    line_name,
+    new_ticket,
+    parse,
+    pid_of,
+    pipe_name,
+    read_records,
+    record_of,
+    render,
+    ticket_of,
+)
 
 __all__ = ("FileBackend", "FileGrant")
 
@@ -71,14 +99,14 @@ if sys.platform == "win32":  # pragma: no cover - checked at construction
 else:
     import fcntl
 
-_TICKET = ".t"
-_LINE = ".line"
 #: What a releasing holder writes into its ticket: H, then its token.
 _HANDED = b"H"
-#: Compact a line file whose names outnumber this (dead tickets pile up in a busy line).
-_COMPACT_AT = 64
-#: Bytes read from a line file at once.
-_READ = 65536
+#: Compact a line file with more records than this (dead tickets pile up in a busy line).
+_COMPACT_AT = 128
+#: The kernel copies a write into a file page by page, and a process killed
+#: meanwhile stops between two pages: a compaction writes its tickets only
+#: where they fit between two page boundaries, so that they are written whole or not at all.
+_PAGE = 4096 if sys.platform == "win32" else os.sysconf("SC_PAGE_SIZE")
 #: Tries at a line file's lock before waiting for it in a thread (see _flock_soon).
 _FLOCK_TRIES = 16
 #: How a line file is opened: for appending, made if missing, never through a link.
@@ -88,23 +116,24 @@ _OPEN_TICKET = os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 #: How a ticket is looked at: read, without waiting for a writer, never through a link.
 _OPEN_PROBE = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 
-# The writer ends of the tickets this process holds open. A child forked
-# while a ticket is open closes its copies at once: otherwise the ticket
-# would keep a writer, and its line would wait for the child to exit.
-_OPEN_TICKETS: set[int] = set()
+# The files this process holds open for its turns: the writer ends of its
+# tickets, and its line files. A child forked meanwhile closes its copies
+# at once: otherwise a ticket would keep a writer, and its line would wait
+# for the child to exit (and a line file's lock could outlive its user).
+_OPEN: set[int] = set()
 
 
-def _close_inherited_tickets() -> None:
-    for fd in _OPEN_TICKETS:
+def _close_inherited() -> None:
+    for fd in _OPEN:
         try:
             os.close(fd)
         except OSError:  # pragma: no cover - closed by the child's own code already
             pass
-    _OPEN_TICKETS.clear()
+    _OPEN.clear()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_close_inherited_tickets)
+    os.register_at_fork(after_in_child=_close_inherited)
 
 
 def _check_platform() -> None:
@@ -147,6 +176,14 @@ def _probe(directory: int, name: str) -> tuple[int | None, bytes]:
     return None, data
 
 
+def _alive(directory: int, name: str) -> bool:
+    fd, _ = _probe(directory, name)
+    if fd is None:
+        return False
+    os.close(fd)
+    return True
+
+
 async def _until_closed(fd: int, deadline: float | None, key: Hashable) -> bytes:
     """Wait in the event loop until ticket fd reports end of file; return what it carried."""
     loop = asyncio.get_running_loop()
@@ -164,9 +201,7 @@ async def _until_closed(fd: int, deadline: float | None, key: Hashable) -> bytes
 
     def expire() -> None:
         if not done.done():
-            done.set_exception(
-                TimeoutError(f"inturn: the turn for key {key!r} was not reached in time")
-            )
+            done.set_exception(_missed(key))
 
     loop.add_reader(fd, readable)
     timer = None if deadline is None else loop.call_at(deadline, expire)
@@ -178,20 +213,24 @@ async def _until_closed(fd: int, deadline: float | None, key: Hashable) -> bytes
             timer.cancel()
 
 
-def _still_there(fd: int) -> bool:
-    """Whether the file open at fd is still in the directory (its last user did not delete it).
+def _missed(key: Hashable) -> TimeoutError:
+    return TimeoutError(f"inturn: the turn for key {key!r} was not reached in time")
+
+
+def _unlinked(fd: int) -> bool:
+    """Whether the file open at fd is in the directory no more (its last user deleted it).
 
     A line file only ever leaves its path by being deleted (never renamed
     or replaced), so one that still has a name has the name it was opened by.
     """
-    return os.fstat(fd).st_nlink > 0
+    return os.fstat(fd).st_nlink == 0
 
 
-def _flock_soon(fd: int, mode: int) -> None:
+def _flock_soon(fd: int, mode: int) -> bool:
     """flock fd in mode if that takes no longer than its holder's few system calls.
 
     Yields the CPU between a few tries, so that a holder on this core can
-    finish; raises BlockingIOError if the lock is still held after them.
+    finish; False if the lock is still held after them.
     """
     assert fcntl is not None
     for _ in range(_FLOCK_TRIES):
@@ -200,8 +239,27 @@ def _flock_soon(fd: int, mode: int) -> None:
         except BlockingIOError:
             os.sched_yield()
         else:
-            return
-    fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            return True
+    try:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+async def _lock(fd: int, mode: int) -> None:
+    """flock fd in mode; if it stays taken, wait for it in a thread (never in the event loop)."""
+    assert fcntl is not None
+    if _flock_soon(fd, mode):
+        return
+    # The thread locks a copy of fd (one lock for both): if the caller gives
+    # up and closes fd, the copy is closed once the thread is done.
+    copy = os.dup(fd)
+    locking = asyncio.get_running_loop().run_in_executor(None, fcntl.flock, copy, mode)
+    try:
+        await asyncio.shield(locking)
+    finally:
+        locking.add_done_callback(lambda _: os.close(copy))
 
 
 def _open_line(directory: Directory, name: str) -> int:
@@ -217,98 +275,54 @@ def _open_line(directory: Directory, name: str) -> int:
         raise
 
 
-def _try_lock_line(directory: Directory, name: str, mode: int) -> int | None:
-    """Open the line file name (creating it) and flock it in mode; return its fd.
-
-    Others hold the lock for a few system calls, so it is only tried, a few
-    times (see _flock_soon): None if it is still taken.
-    """
-    while True:
-        fd = _open_line(directory, name)
-        try:
-            _flock_soon(fd, mode)
-        except BaseException as error:
-            os.close(fd)
-            if isinstance(error, BlockingIOError):
-                return None
-            raise
-        if _still_there(fd):
-            return fd
-        os.close(fd)  # deleted by its last user meanwhile: start again
+def _check_regular(directory: Directory, name: str, info: os.stat_result) -> None:
+    if not stat.S_ISREG(info.st_mode):
+        raise PermissionError(
+            f"inturn: the line file {directory.path / name} is not a regular file: another "
+            "process of this user put it there. Remove it"
+        )
 
 
-async def _lock_line(directory: Directory, name: str, mode: int) -> int:
-    """As _try_lock_line, but if the lock stays taken, wait for it in a thread.
+def _rewrite(fd: int, key: bytes | None, tickets: list[str]) -> bool:
+    """Write tickets over the line file's records and cut it to them, if the write is whole.
 
-    So the event loop never waits on the blocking call.
+    The caller holds the exclusive lock. False if the tickets would straddle
+    a page boundary (see _PAGE): the file is then left as it is.
     """
     assert fcntl is not None
-    while (fd := _try_lock_line(directory, name, mode)) is None:
-        fd = _open_line(directory, name)
-        locking = asyncio.get_running_loop().run_in_executor(None, fcntl.flock, fd, mode)
-        try:
-            await asyncio.shield(locking)
-        except BaseException:
-            # Cancelled while the thread waits: it still gets the lock
-            # some day; closing the fd then lets it go.
-            locking.add_done_callback(lambda _, fd=fd: os.close(fd))  # type: ignore[misc]
-            raise
-        if _still_there(fd):
-            return fd
-        os.close(fd)  # deleted by its last user meanwhile: start again
-    return fd
+    data = render(key, tickets)
+    first = len(render(key, []))  # where the tickets start: the key's record stays as it was
+    if first // _PAGE != (len(data) - 1) // _PAGE:
+        return False
+    fcntl.fcntl(fd, fcntl.F_SETFL, 0)  # not O_APPEND: written from the start
+    os.pwrite(fd, data, 0)
+    # Cut after writing, never to zero first: ext4 flushes a file cut to zero on close.
+    os.ftruncate(fd, len(data))
+    return True
 
 
-def _names(fd: int) -> list[str]:
-    """The ticket names in the line file, in order (a last line still being written is left out)."""
-    chunks = []
-    offset = 0
-    while chunk := os.pread(fd, _READ, offset):
-        chunks.append(chunk)
-        offset += len(chunk)
-        if len(chunk) < _READ:  # the end (an append since is not ours to see)
-            break
-    text = b"".join(chunks).decode("ascii")
-    return text.split("\n")[:-1]
-
-
-def _rewrite(directory: Directory, name: str, names: list[str]) -> None:
-    """Replace the line file's names; the caller holds its exclusive lock."""
-    data = "".join(f"{name}\n" for name in names).encode("ascii")
-    # not O_APPEND: written from the start
-    fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=directory.fd)
+def _unlink(directory: int, name: str) -> None:
     try:
-        # Write, then cut to length: never truncate to zero, which makes ext4
-        # flush the file to disk on close (its rewrite-in-place heuristic).
-        os.pwrite(fd, data, 0)
-        os.ftruncate(fd, len(data))
-    finally:
-        os.close(fd)
-
-
-def _unlink(directory: Directory, name: str) -> None:
-    try:
-        os.unlink(name, dir_fd=directory.fd)
+        os.unlink(name, dir_fd=directory)
     except FileNotFoundError:
         pass
-
-
-def _alive(directory: Directory, name: str) -> bool:
-    fd, _ = _probe(directory.fd, name)
-    if fd is None:
-        return False
-    os.close(fd)
-    return True
 
 
 @final
 class FileGrant:
     """The turn on one key granted by a :class:`FileBackend`, while it lasts."""
 
-    __slots__ = ("_directory", "_fd", "_line", "_ticket", "key", "token")
+    __slots__ = ("_digest", "_fd", "_line_fd", "_ticket", "_where", "key", "token")
 
     def __init__(
-        self, key: Hashable, token: int, fd: int, directory: Directory, ticket: str, line: str
+        self,
+        key: Hashable,
+        token: int,
+        fd: int,
+        line_fd: int,
+        where: Directory,
+        digest: str,
+        ticket: str,
     ) -> None:
         #: The key held.
         self.key = key
@@ -316,9 +330,10 @@ class FileGrant:
         #: line is busy, and the wall clock in nanoseconds when it starts anew.
         self.token = token
         self._fd = fd  # the writer end of this grant's ticket: open while it holds
-        self._directory = directory  # where its ticket and line file are
+        self._line_fd = line_fd  # its line file, as it queued in it (not locked)
+        self._where = where  # the directory of both
+        self._digest = digest
         self._ticket = ticket
-        self._line = line
 
     @property
     def lost(self) -> bool:
@@ -342,7 +357,10 @@ class FileBackend:
       (its queue sends one at a time per key, in its own FIFO order).
     - Crash safety from the kernel: a process killed while holding a key
       (SIGKILL included) releases it at once, and one killed while waiting is
-      skipped; nothing needs a lease or a clean-up to recover.
+      skipped; nothing needs a lease or a clean-up to recover. A process
+      killed at any instruction of queueing, releasing or tidying leaves
+      every line usable and loses nobody's turn; what it leaves behind is
+      removed by the next turn that tidies the key's line.
     - Waiting costs no CPU and never blocks the event loop: a waiter sleeps
       in the loop until the kernel reports that the ticket before it
       closed. Timeouts and cancellation take effect at once.
@@ -406,52 +424,94 @@ class FileBackend:
         """
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
-        digest = hashlib.sha256(portable_name(key)).hexdigest()
-        line = digest + _LINE
-        name = f"{digest}.{os.getpid()}.{secrets.token_hex(6)}{_TICKET}"
-        where = self._where
-        while True:
-            try:
-                os.mkfifo(name, 0o600, dir_fd=where.fd)
-            except FileNotFoundError:
-                where = self._found_again(where)  # the directory was removed
-            else:
-                break
+        name = portable_name(key)
+        digest = hashlib.sha256(name).hexdigest()
+        ticket = new_ticket()
+        where, line_fd, fd, records = await self._join(name, digest, ticket)
         try:
-            fd = os.open(name, _OPEN_TICKET, dir_fd=where.fd)
-        except BaseException:
-            _unlink(where, name)
-            raise
-        _OPEN_TICKETS.add(fd)
-        try:
-            line_fd = await _lock_line(where, line, fcntl.LOCK_SH)
-            try:
-                os.write(line_fd, f"{name}\n".encode("ascii"))  # one append: atomic
-                names = _names(line_fd)
-            finally:
-                os.close(line_fd)
-            token = await self._wait_behind(where, names[: names.index(name)], deadline, key)
+            before = records[: records.index(record_of(ticket))]
+            token = await self._wait_behind(where.fd, digest, before, deadline, key)
         except BaseException:
             # Leave the line: with no writer, the tickets behind skip this one.
-            _OPEN_TICKETS.discard(fd)
+            _OPEN.discard(fd)
             os.close(fd)
-            _unlink(where, name)
+            _unlink(where.fd, pipe_name(digest, ticket))
+            try:
+                self._tidy(where, digest, ticket, line_fd)
+            except OSError:
+                pass  # best effort: the caller learns why it left, not why tidying failed
             raise
-        return FileGrant(key, token, fd, where, name, line)
+        return FileGrant(key, token, fd, line_fd, where, digest, ticket)
+
+    async def _join(
+        self, name: bytes, digest: str, ticket: str
+    ) -> tuple[Directory, int, int, list[str]]:
+        """Queue ticket in the line file of the key named name.
+
+        Returns the directory, the line file's fd (unlocked), the ticket's
+        writer fd, and the line file's records as they were once it was in.
+        """
+        assert fcntl is not None
+        where = self._where
+        line = line_name(digest)
+        pipe = pipe_name(digest, ticket)
+        while True:
+            try:
+                line_fd = _open_line(where, line)
+            except FileNotFoundError:
+                where = self._found_again(where)  # the directory was removed
+                continue
+            fd = -1
+            made = False
+            try:
+                await _lock(line_fd, fcntl.LOCK_SH)
+                info = os.fstat(line_fd)
+                if info.st_nlink == 0:  # deleted by its last user meanwhile: open it again
+                    os.close(line_fd)
+                    continue
+                _check_regular(where, line, info)
+                # The mark first, then the FIFO: a crash between leaves a mark, not a stray FIFO.
+                os.write(line_fd, joining(ticket, name if info.st_size == 0 else None))
+                os.mkfifo(pipe, 0o600, dir_fd=where.fd)
+                made = True
+                fd = os.open(pipe, _OPEN_TICKET, dir_fd=where.fd)
+                _OPEN.add(fd)
+                os.write(line_fd, joined(ticket))  # one append: atomic
+                records = read_records(line_fd)
+                fcntl.flock(line_fd, fcntl.LOCK_UN)
+            except BaseException as error:
+                if fd >= 0:
+                    _OPEN.discard(fd)
+                    os.close(fd)
+                if made:
+                    _unlink(where.fd, pipe)
+                os.close(line_fd)
+                if isinstance(error, FileNotFoundError) and where.gone():
+                    where = self._found_again(where)
+                    continue
+                raise
+            _OPEN.add(line_fd)
+            return where, line_fd, fd, records
 
     async def _wait_behind(
-        self, where: Directory, before: list[str], deadline: float | None, key: Hashable
+        self,
+        directory: int,
+        digest: str,
+        before: list[str],
+        deadline: float | None,
+        key: Hashable,
     ) -> int:
-        """Wait until no ticket of before has a writer; return the fencing token to hold with."""
+        """Wait until no ticket listed in before has a writer; return the token to hold with."""
         loop = asyncio.get_running_loop()
-        for earlier in reversed(before):
-            fd, data = _probe(where.fd, earlier)
+        for record in reversed(before):
+            ticket = ticket_of(record)
+            if ticket is None:
+                continue  # the key, a mark, or a piece that a crash left
+            fd, data = _probe(directory, pipe_name(digest, ticket))
             if fd is not None:
                 try:
                     if deadline is not None and loop.time() >= deadline:
-                        raise TimeoutError(
-                            f"inturn: the turn for key {key!r} was not reached in time"
-                        )
+                        raise _missed(key)
                     data += await _until_closed(fd, deadline, key)
                 finally:
                     os.close(fd)
@@ -470,50 +530,73 @@ class FileBackend:
         done = asyncio.get_running_loop().create_future()
         fd, grant._fd = grant._fd, -1
         if fd >= 0:
-            _OPEN_TICKETS.discard(fd)
+            where, digest, ticket = grant._where, grant._digest, grant._ticket
+            _OPEN.discard(fd)
             try:
                 os.write(fd, _HANDED + str(grant.token).encode("ascii"))
             finally:
                 os.close(fd)  # no writer now: whoever waits on this ticket goes on
-                _unlink(grant._directory, grant._ticket)
-            self._tidy(grant._directory, grant._line, grant._ticket)
+                _unlink(where.fd, pipe_name(digest, ticket))
+            self._tidy(where, digest, ticket, grant._line_fd)
         done.set_result(None)
         return done
 
-    def _tidy(self, where: Directory, line: str, own: str) -> None:
-        """Delete the line file if nobody is in line any more; compact it if it grew long.
+    def _tidy(self, where: Directory, digest: str, own: str, fd: int) -> None:
+        """Drop the tickets that left from the line file, or delete it if nobody is in line.
 
-        Best effort: if another process holds the line file's lock, it is
-        left for a later release (whoever holds that lock is in line).
+        Done when no ticket behind own is in line any more, or the file grew
+        long. fd is the line file as own queued in it; it is closed here.
+        Best effort, and never waits: if another process holds the line
+        file's lock, it is left for a later tidy (whoever holds that lock is in line).
         """
         assert fcntl is not None
-        fd = _try_lock_line(where, line, fcntl.LOCK_SH)
-        if fd is None:
-            return
+        _OPEN.discard(fd)
         try:
-            names = _names(fd)
-            behind = names[names.index(own) + 1 :] if own in names else names
-            # The newest first: in a busy line, the first one looked at is alive.
-            someone = any(_alive(where, n) for n in reversed(behind))
+            if not _flock_soon(fd, fcntl.LOCK_SH) or _unlinked(fd):
+                return  # (if deleted, its last user removed own's FIFO too)
+            records = read_records(fd)
+            mine = record_of(own)
+            behind = records[records.index(mine) + 1 :] if mine in records else records
+            if len(records) <= _COMPACT_AT and self._anyone_in(where.fd, digest, behind):
+                return
+            left = self._left(where.fd, digest, parse(records).tickets, own)
+            # Not atomic: the shared lock is let go first, so the file is read again.
+            if not _flock_soon(fd, fcntl.LOCK_EX) or _unlinked(fd):
+                return
+            records = read_records(fd)
+            found = parse(records)
+            for ticket in found.unfinished:  # its process died queueing
+                _unlink(where.fd, pipe_name(digest, ticket))
+            staying = [ticket for ticket in found.tickets if ticket not in left]
+            if not staying:
+                os.unlink(line_name(digest), dir_fd=where.fd)  # under the lock: see _join's check
+            elif len(staying) + (found.key is not None) < len(records):
+                _rewrite(fd, found.key, staying)
         finally:
             os.close(fd)
-        if someone and len(names) <= _COMPACT_AT:
-            return
-        fd = _try_lock_line(where, line, fcntl.LOCK_EX)
-        if fd is None:
-            return
-        try:
-            names = _names(fd)
-            alive = [n for n in names if _alive(where, n)]
-            for name in names:
-                if name not in alive:
-                    _unlink(where, name)  # left by one that died
-            if alive:
-                _rewrite(where, line, alive)
-            else:
-                os.unlink(line, dir_fd=where.fd)  # under its lock: see _lock_line's check
-        finally:
-            os.close(fd)
+
+    @staticmethod
+    def _anyone_in(directory: int, digest: str, records: list[str]) -> bool:
+        """Whether a ticket listed in records is still in line (the newest looked at first)."""
+        # In a busy line, the first one looked at is there.
+        for record in reversed(records):
+            ticket = ticket_of(record)
+            if ticket is not None and _alive(directory, pipe_name(digest, ticket)):
+                return True
+        return False
+
+    @staticmethod
+    def _left(directory: int, digest: str, tickets: list[str], own: str) -> set[str]:
+        """The tickets that have left the line (own among them); their FIFOs are removed.
+
+        A ticket that has no writer never gets one back, so what left stays gone.
+        """
+        left = {own}
+        for ticket in tickets:
+            if ticket != own and not _alive(directory, pipe := pipe_name(digest, ticket)):
+                left.add(ticket)
+                _unlink(directory, pipe)
+        return left
 
     def line(self, key: Hashable) -> tuple[int, ...]:
         """The process ids in key's line, in turn order, as the line file has them now.
@@ -522,19 +605,21 @@ class FileBackend:
         process appears once per queue that waits for the key. For
         operators and tests: the answer may be stale by the time it returns.
         """
-        assert fcntl is not None
         where = self._where
-        line = hashlib.sha256(portable_name(key)).hexdigest() + _LINE
+        digest = hashlib.sha256(portable_name(key)).hexdigest()
         try:
-            fd = os.open(line, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=where.fd)
+            fd = os.open(
+                line_name(digest), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=where.fd
+            )
         except FileNotFoundError:
             return ()
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH)  # others hold it for a few system calls
-            names = _names(fd)
+            tickets = parse(read_records(fd)).tickets
         finally:
             os.close(fd)
-        return tuple(int(name.split(".")[1]) for name in names if _alive(where, name))
+        return tuple(
+            pid_of(ticket) for ticket in tickets if _alive(where.fd, pipe_name(digest, ticket))
+        )
 
     async def aclose(self) -> None:
         """Nothing to close: every grant's files are closed by its release."""
