@@ -25,12 +25,12 @@ read back in their order.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 from dataclasses import dataclass, field
 
 __all__ = (
     "Records",
-    "is_ticket",
     "joined",
     "joining",
     "line_name",
@@ -49,7 +49,8 @@ _PIPE = ".t"
 _TICKET = "T"
 _JOINING = "?"
 _KEY = "K"
-_HEX = frozenset("0123456789abcdef")
+#: A ticket: a process id, a dot, 48 random bits in hex.
+_A_TICKET = re.compile(r"[0-9]{1,10}\.[0-9a-f]{12}")
 #: Bytes read from a line file at once.
 _READ = 65536
 
@@ -69,22 +70,10 @@ def pipe_name(digest: str, ticket: str) -> str:
     return f"{digest}.{ticket}{_PIPE}"
 
 
-def is_ticket(text: str) -> bool:
-    """Whether text is a ticket: ``<pid>.<12 hex digits>``."""
-    pid, _, tail = text.partition(".")
-    return (
-        0 < len(pid) <= 10
-        and pid.isascii()
-        and pid.isdigit()
-        and len(tail) == 12
-        and _HEX.issuperset(tail)
-    )
-
-
 def ticket_of(record: str) -> str | None:
     """The ticket that record lists in line; None for any other record."""
-    if record.startswith(_TICKET) and is_ticket(ticket := record[1:]):
-        return ticket
+    if record.startswith(_TICKET) and _A_TICKET.fullmatch(record, 1):
+        return record[1:]
     return None
 
 
@@ -146,7 +135,7 @@ def parse(records: list[str]) -> Records:
                 except ValueError:
                     pass  # a torn piece
         elif record.startswith(_JOINING):
-            if is_ticket(record[1:]):
+            if _A_TICKET.fullmatch(record, 1):
                 marked[record[1:]] = None
         elif (ticket := ticket_of(record)) is not None:
             tickets[ticket] = None

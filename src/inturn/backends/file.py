@@ -437,7 +437,7 @@ class FileBackend:
             os.close(fd)
             _unlink(where.fd, pipe_name(digest, ticket))
             try:
-                self._tidy(where, digest, ticket, line_fd)
+                self._tidy(where, digest, ticket, line_fd, held=False)
             except OSError:
                 pass  # best effort: the caller learns why it left, not why tidying failed
             raise
@@ -537,17 +537,19 @@ class FileBackend:
             finally:
                 os.close(fd)  # no writer now: whoever waits on this ticket goes on
                 _unlink(where.fd, pipe_name(digest, ticket))
-            self._tidy(where, digest, ticket, grant._line_fd)
+            self._tidy(where, digest, ticket, grant._line_fd, held=True)
         done.set_result(None)
         return done
 
-    def _tidy(self, where: Directory, digest: str, own: str, fd: int) -> None:
+    def _tidy(self, where: Directory, digest: str, own: str, fd: int, held: bool) -> None:
         """Drop the tickets that left from the line file, or delete it if nobody is in line.
 
         Done when no ticket behind own is in line any more, or the file grew
         long. fd is the line file as own queued in it; it is closed here.
-        Best effort, and never waits: if another process holds the line
-        file's lock, it is left for a later tidy (whoever holds that lock is in line).
+        held: own held the key, so every ticket listed before it had left by
+        then (and what left stays gone). Best effort, and never waits: if
+        another process holds the line file's lock, it is left for a later
+        tidy (whoever holds that lock is in line).
         """
         assert fcntl is not None
         _OPEN.discard(fd)
@@ -556,10 +558,21 @@ class FileBackend:
                 return  # (if deleted, its last user removed own's FIFO too)
             records = read_records(fd)
             mine = record_of(own)
-            behind = records[records.index(mine) + 1 :] if mine in records else records
-            if len(records) <= _COMPACT_AT and self._anyone_in(where.fd, digest, behind):
-                return
-            left = self._left(where.fd, digest, parse(records).tickets, own)
+            known = records.index(mine) if held and mine in records else 0
+            gone = {own}
+            # The newest first: in a busy line, the first one looked at is there.
+            for record in reversed(records[known:]):
+                ticket = ticket_of(record)
+                if ticket is None or ticket in gone:
+                    continue
+                if not _alive(where.fd, pipe_name(digest, ticket)):
+                    gone.add(ticket)
+                elif len(records) <= _COMPACT_AT:
+                    return
+            gone.update(filter(None, map(ticket_of, records[:known])))
+            gone.discard(own)  # (its FIFO is removed already)
+            for ticket in gone:
+                _unlink(where.fd, pipe_name(digest, ticket))
             # Not atomic: the shared lock is let go first, so the file is read again.
             if not _flock_soon(fd, fcntl.LOCK_EX) or _unlinked(fd):
                 return
@@ -567,36 +580,13 @@ class FileBackend:
             found = parse(records)
             for ticket in found.unfinished:  # its process died queueing
                 _unlink(where.fd, pipe_name(digest, ticket))
-            staying = [ticket for ticket in found.tickets if ticket not in left]
+            staying = [t for t in found.tickets if t not in gone and t != own]
             if not staying:
                 os.unlink(line_name(digest), dir_fd=where.fd)  # under the lock: see _join's check
             elif len(staying) + (found.key is not None) < len(records):
                 _rewrite(fd, found.key, staying)
         finally:
             os.close(fd)
-
-    @staticmethod
-    def _anyone_in(directory: int, digest: str, records: list[str]) -> bool:
-        """Whether a ticket listed in records is still in line (the newest looked at first)."""
-        # In a busy line, the first one looked at is there.
-        for record in reversed(records):
-            ticket = ticket_of(record)
-            if ticket is not None and _alive(directory, pipe_name(digest, ticket)):
-                return True
-        return False
-
-    @staticmethod
-    def _left(directory: int, digest: str, tickets: list[str], own: str) -> set[str]:
-        """The tickets that have left the line (own among them); their FIFOs are removed.
-
-        A ticket that has no writer never gets one back, so what left stays gone.
-        """
-        left = {own}
-        for ticket in tickets:
-            if ticket != own and not _alive(directory, pipe := pipe_name(digest, ticket)):
-                left.add(ticket)
-                _unlink(directory, pipe)
-        return left
 
     def line(self, key: Hashable) -> tuple[int, ...]:
         """The process ids in key's line, in turn order, as the line file has them now.
