@@ -157,7 +157,6 @@ async def between_two_turns(server: Worker, step: int, backend: FileBackend) -> 
 # -- a process frozen while it holds a line file's lock -------------------------------------
 
 
-@pytest.mark.xfail(reason="the wait for a line file's lock has no deadline (fixed next)")
 async def test_a_frozen_holder_of_the_line_files_lock_defeats_no_timeout(
     directory: Path, workers: list[Worker]
 ) -> None:

@@ -107,8 +107,10 @@ _COMPACT_AT = 128
 #: meanwhile stops between two pages: a compaction writes its tickets only
 #: where they fit between two page boundaries, so that they are written whole or not at all.
 _PAGE = 4096 if sys.platform == "win32" else os.sysconf("SC_PAGE_SIZE")
-#: Tries at a line file's lock before waiting for it in a thread (see _flock_soon).
+#: Tries at a line file's lock, yielding the CPU between them, before waiting on a timer.
 _FLOCK_TRIES = 16
+#: The first and the longest pause between two tries at a line file's lock that stays taken.
+_LOCK_PAUSES = (0.001, 0.05)
 #: How a line file is opened: for appending, made if missing, never through a link.
 _OPEN_LINE = os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
 #: How a ticket's owner opens it: as its writer (O_RDWR: without waiting for a reader).
@@ -247,19 +249,37 @@ def _flock_soon(fd: int, mode: int) -> bool:
     return True
 
 
-async def _lock(fd: int, mode: int) -> None:
-    """flock fd in mode; if it stays taken, wait for it in a thread (never in the event loop)."""
+async def _lock(fd: int, mode: int, deadline: float | None, key: Hashable) -> None:
+    """flock fd in mode, in the event loop, by deadline at the latest; never blocks a thread.
+
+    Holders keep a line file's lock for a few system calls, so it is tried
+    a few times first (see _flock_soon). If it is still taken, its holder
+    was descheduled or stopped inside them. The kernel tells nobody when a
+    flock is let go, and a thread blocked in flock() could be neither
+    bounded nor cancelled (and would keep its process from exiting), so the
+    lock is tried again on the loop's timer, every millisecond at first,
+    then less and less often, up to every 50 ms.
+
+    :raises TimeoutError: the lock was still taken at deadline.
+    """
     assert fcntl is not None
     if _flock_soon(fd, mode):
         return
-    # The thread locks a copy of fd (one lock for both): if the caller gives
-    # up and closes fd, the copy is closed once the thread is done.
-    copy = os.dup(fd)
-    locking = asyncio.get_running_loop().run_in_executor(None, fcntl.flock, copy, mode)
-    try:
-        await asyncio.shield(locking)
-    finally:
-        locking.add_done_callback(lambda _: os.close(copy))
+    loop = asyncio.get_running_loop()
+    pause, longest = _LOCK_PAUSES
+    while True:
+        if deadline is not None:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise _missed(key)
+            pause = min(pause, left)
+        await asyncio.sleep(pause)
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pause = min(pause * 2, longest)
+        else:
+            return
 
 
 def _open_line(directory: Directory, name: str) -> int:
@@ -427,7 +447,7 @@ class FileBackend:
         name = portable_name(key)
         digest = hashlib.sha256(name).hexdigest()
         ticket = new_ticket()
-        where, line_fd, fd, records = await self._join(name, digest, ticket)
+        where, line_fd, fd, records = await self._join(key, name, digest, ticket, deadline)
         try:
             before = records[: records.index(record_of(ticket))]
             token = await self._wait_behind(where.fd, digest, before, deadline, key)
@@ -444,9 +464,9 @@ class FileBackend:
         return FileGrant(key, token, fd, line_fd, where, digest, ticket)
 
     async def _join(
-        self, name: bytes, digest: str, ticket: str
+        self, key: Hashable, name: bytes, digest: str, ticket: str, deadline: float | None
     ) -> tuple[Directory, int, int, list[str]]:
-        """Queue ticket in the line file of the key named name.
+        """Queue ticket in the line file of key, whose portable name is name.
 
         Returns the directory, the line file's fd (unlocked), the ticket's
         writer fd, and the line file's records as they were once it was in.
@@ -464,7 +484,7 @@ class FileBackend:
             fd = -1
             made = False
             try:
-                await _lock(line_fd, fcntl.LOCK_SH)
+                await _lock(line_fd, fcntl.LOCK_SH, deadline, key)
                 info = os.fstat(line_fd)
                 if info.st_nlink == 0:  # deleted by its last user meanwhile: open it again
                     os.close(line_fd)
