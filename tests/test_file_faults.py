@@ -286,7 +286,6 @@ async def test_a_directory_replaced_by_a_link_is_refused_on_the_next_turn(
 # -- what the backend trusts, and what it detects ------------------------------------------------
 
 
-@pytest.mark.xfail(reason="not detected yet (fixed next)")
 async def test_a_line_file_deleted_under_its_holder_is_reported(
     backend: FileBackend, directory: Path
 ) -> None:
@@ -305,7 +304,6 @@ async def test_a_line_file_deleted_under_its_holder_is_reported(
     assert files(directory) == []
 
 
-@pytest.mark.xfail(reason="not detected yet (fixed next)")
 async def test_a_line_file_replaced_under_a_holding_process_is_reported(
     directory: Path, backend: FileBackend, workers: list[Worker]
 ) -> None:

@@ -222,8 +222,8 @@ def _missed(key: Hashable) -> TimeoutError:
 def _unlinked(fd: int) -> bool:
     """Whether the file open at fd is in the directory no more (its last user deleted it).
 
-    A line file only ever leaves its path by being deleted (never renamed
-    or replaced), so one that still has a name has the name it was opened by.
+    The backend only ever deletes a line file or a ticket (never renames or
+    replaces one), so one that still has a name has the name it was opened by.
     """
     return os.fstat(fd).st_nlink == 0
 
@@ -332,7 +332,7 @@ def _unlink(directory: int, name: str) -> None:
 class FileGrant:
     """The turn on one key granted by a :class:`FileBackend`, while it lasts."""
 
-    __slots__ = ("_digest", "_fd", "_line_fd", "_ticket", "_where", "key", "token")
+    __slots__ = ("_digest", "_fd", "_line_fd", "_lost", "_ticket", "_where", "key", "token")
 
     def __init__(
         self,
@@ -354,11 +354,23 @@ class FileGrant:
         self._where = where  # the directory of both
         self._digest = digest
         self._ticket = ticket
+        self._lost = False  # (once released) whether its files were gone at the release
 
     @property
     def lost(self) -> bool:
-        """Always ``False``: the kernel keeps a file turn for as long as its process lives."""
-        return False
+        """Whether the grant's line file or ticket was deleted (or replaced) while it held.
+
+        The kernel keeps a file turn for as long as its process lives, so
+        this is ``False`` unless something outside the backend removed its
+        files: another process of this user, or a cleaner of the directory.
+        Another process may then have been given the key meanwhile, and the
+        turn raises :exc:`~inturn.LeaseLost` when it ends. Found from the
+        link counts of the files the grant keeps open, a system call each;
+        a line file truncated or edited in place is not detected.
+        """
+        if self._fd < 0:
+            return self._lost
+        return _unlinked(self._fd) or _unlinked(self._line_fd)
 
     def __repr__(self) -> str:
         held = "held" if self._fd >= 0 else "released"
@@ -393,6 +405,12 @@ class FileBackend:
     sharing a network file system (use the Redis backend across hosts); and
     fencing tokens that survive the wall clock being set back while a key is
     idle.
+
+    What it trusts: the directory is its own. Another process of this user
+    that deletes, replaces or edits the files of a busy line can let two
+    processes hold its key at once. A holder whose line file or ticket was
+    deleted or replaced finds out (``turn.lease_lost``, then
+    :exc:`~inturn.LeaseLost`); a line file edited in place goes unnoticed.
 
     Shared directories: a directory that others may write to is refused,
     unless it has the sticky bit (as ``/tmp`` has); the files then go to
@@ -553,6 +571,7 @@ class FileBackend:
             where, digest, ticket = grant._where, grant._digest, grant._ticket
             _OPEN.discard(fd)
             try:
+                grant._lost = _unlinked(fd) or _unlinked(grant._line_fd)
                 os.write(fd, _HANDED + str(grant.token).encode("ascii"))
             finally:
                 os.close(fd)  # no writer now: whoever waits on this ticket goes on
