@@ -75,10 +75,11 @@ from collections.abc import Awaitable, Hashable
 from pathlib import Path
 from typing import final
 
-from .._keys import order_portable, portable_name
+from .._keys import order_portable, portable_key, portable_name
 from ._base import Grant
 from ._directory import Directory
 from ._linefile import (
+    Records,
     joined,
     joining,
     line_name,
@@ -91,6 +92,8 @@ from ._linefile import (
     render,
     ticket_of,
 )
+from ._lines import HolderInfo, LineInfo, WaiterInfo
+from ._tickets import alive, peek, probe, until_closed
 
 __all__ = ("FileBackend", "FileGrant")
 
@@ -113,10 +116,10 @@ _FLOCK_TRIES = 16
 _LOCK_PAUSES = (0.001, 0.05)
 #: How a line file is opened: for appending, made if missing, never through a link.
 _OPEN_LINE = os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+#: How a line file is read by whoever is not in its line: never through a link.
+_OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 #: How a ticket's owner opens it: as its writer (O_RDWR: without waiting for a reader).
 _OPEN_TICKET = os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
-#: How a ticket is looked at: read, without waiting for a writer, never through a link.
-_OPEN_PROBE = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 
 # The files this process holds open for its turns: the writer ends of its
 # tickets, and its line files. A child forked meanwhile closes its copies
@@ -148,71 +151,6 @@ def _check_platform() -> None:
 
 def _default_directory() -> Path:
     return Path(tempfile.gettempdir()) / f"inturn-{os.geteuid()}"
-
-
-def _probe(directory: int, name: str) -> tuple[int | None, bytes]:
-    """Open ticket FIFO name for reading: (fd, data) if its owner is still in line.
-
-    The fd is None if the ticket is gone or has no writer (its owner left or
-    died), or is not a FIFO of ours but a symbolic link; data is what the
-    owner wrote into it (``H<token>`` on release). An fd that is returned
-    reports end of file when the owner leaves.
-    """
-    try:
-        fd = os.open(name, _OPEN_PROBE, dir_fd=directory)
-    except FileNotFoundError:
-        return None, b""
-    except OSError as error:
-        if error.errno == errno.ELOOP:
-            return None, b""  # a link in place of a ticket: not one of ours
-        raise
-    data = b""
-    try:
-        # Read at once: with no writer this is end of file (and Linux would
-        # not report a hang-up for a writer that left before the open).
-        while chunk := os.read(fd, 64):
-            data += chunk
-    except BlockingIOError:
-        return fd, data  # a writer holds it open: its owner is in line
-    os.close(fd)
-    return None, data
-
-
-def _alive(directory: int, name: str) -> bool:
-    fd, _ = _probe(directory, name)
-    if fd is None:
-        return False
-    os.close(fd)
-    return True
-
-
-async def _until_closed(fd: int, deadline: float | None, key: Hashable) -> bytes:
-    """Wait in the event loop until ticket fd reports end of file; return what it carried."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[bytes] = loop.create_future()
-    data = bytearray()
-
-    def readable() -> None:
-        try:
-            while chunk := os.read(fd, 64):
-                data.extend(chunk)
-        except BlockingIOError:
-            return  # data, and the owner is still there
-        if not done.done():
-            done.set_result(bytes(data))
-
-    def expire() -> None:
-        if not done.done():
-            done.set_exception(_missed(key))
-
-    loop.add_reader(fd, readable)
-    timer = None if deadline is None else loop.call_at(deadline, expire)
-    try:
-        return await done
-    finally:
-        loop.remove_reader(fd)
-        if timer is not None:
-            timer.cancel()
 
 
 def _missed(key: Hashable) -> TimeoutError:
@@ -319,6 +257,51 @@ def _rewrite(fd: int, key: bytes | None, tickets: list[str]) -> bool:
     # Cut after writing, never to zero first: ext4 flushes a file cut to zero on close.
     os.ftruncate(fd, len(data))
     return True
+
+
+def _read_line(directory: int, digest: str) -> Records | None:
+    """The records of digest's line file, read without its lock; None if there is none."""
+    try:
+        fd = os.open(
+            line_name(digest), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=directory
+        )
+    except OSError as error:
+        if error.errno in (errno.ENOENT, errno.ELOOP):
+            return None
+        raise
+    try:
+        return parse(read_records(fd))
+    finally:
+        os.close(fd)
+
+
+def _in_line(directory: int, digest: str, tickets: list[str]) -> list[tuple[str, os.stat_result]]:
+    """The tickets still in line, with the stat of each one's FIFO, in turn order."""
+    return [
+        (ticket, info)
+        for ticket in tickets
+        if (info := peek(directory, pipe_name(digest, ticket))) is not None
+    ]
+
+
+def _snapshot(directory: int, digest: str, now: float) -> LineInfo | None:
+    """Digest's line as it is: None if nobody is in it, or it does not record its key."""
+    found = _read_line(directory, digest)
+    if found is None or found.key is None:
+        return None
+    here = _in_line(directory, digest, found.tickets)
+    if not here:
+        return None
+    try:
+        key = portable_key(found.key)
+    except ValueError:
+        return None  # (not a key this backend wrote)
+    (first, since), *rest = here
+    return LineInfo(
+        key,
+        HolderInfo(None, pid_of(first), now - since.st_mtime),
+        tuple(WaiterInfo(None, pid_of(ticket), now - info.st_mtime) for ticket, info in rest),
+    )
 
 
 def _unlink(directory: int, name: str) -> None:
@@ -468,7 +451,9 @@ class FileBackend:
         where, line_fd, fd, records = await self._join(key, name, digest, ticket, deadline)
         try:
             before = records[: records.index(record_of(ticket))]
-            token = await self._wait_behind(where.fd, digest, before, deadline, key)
+            token, waited = await self._wait_behind(where.fd, digest, before, deadline, key)
+            if waited:
+                os.utime(fd)  # the ticket's time is when its turn began: for inspect
         except BaseException:
             # Leave the line: with no writer, the tickets behind skip this one.
             _OPEN.discard(fd)
@@ -538,25 +523,30 @@ class FileBackend:
         before: list[str],
         deadline: float | None,
         key: Hashable,
-    ) -> int:
-        """Wait until no ticket listed in before has a writer; return the token to hold with."""
+    ) -> tuple[int, bool]:
+        """Wait until no ticket listed in before has a writer.
+
+        Returns the token to hold with, and whether there was anyone to wait for.
+        """
         loop = asyncio.get_running_loop()
+        waited = False
         for record in reversed(before):
             ticket = ticket_of(record)
             if ticket is None:
                 continue  # the key, a mark, or a piece that a crash left
-            fd, data = _probe(directory, pipe_name(digest, ticket))
+            fd, data = probe(directory, pipe_name(digest, ticket))
             if fd is not None:
+                waited = True
                 try:
                     if deadline is not None and loop.time() >= deadline:
                         raise _missed(key)
-                    data += await _until_closed(fd, deadline, key)
+                    data += await until_closed(fd, deadline, lambda: _missed(key))
                 finally:
                     os.close(fd)
             if data.startswith(_HANDED):
                 # It held the key, so every ticket before it has left too.
-                return max(int(data[1:]) + 1, time.time_ns())
-        return time.time_ns()
+                return max(int(data[1:]) + 1, time.time_ns()), waited
+        return time.time_ns(), waited
 
     def release(self, grant: Grant) -> Awaitable[None]:
         """Hand the key on (close grant's ticket), then tidy the line file up.
@@ -604,7 +594,7 @@ class FileBackend:
                 ticket = ticket_of(record)
                 if ticket is None or ticket in gone:
                     continue
-                if not _alive(where.fd, pipe_name(digest, ticket)):
+                if not alive(where.fd, pipe_name(digest, ticket)):
                     gone.add(ticket)
                 elif len(records) <= _COMPACT_AT:
                     return
@@ -633,22 +623,36 @@ class FileBackend:
         The first holds the key (or is being handed it); the rest wait. A
         process appears once per queue that waits for the key. For
         operators and tests: the answer may be stale by the time it returns.
+        Takes no lock and nothing from a ticket: it never waits, and never
+        disturbs the line.
         """
         where = self._where
         digest = hashlib.sha256(portable_name(key)).hexdigest()
-        try:
-            fd = os.open(
-                line_name(digest), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=where.fd
-            )
-        except FileNotFoundError:
+        found = _read_line(where.fd, digest)
+        if found is None:
             return ()
-        try:
-            tickets = parse(read_records(fd)).tickets
-        finally:
-            os.close(fd)
-        return tuple(
-            pid_of(ticket) for ticket in tickets if _alive(where.fd, pipe_name(digest, ticket))
-        )
+        return tuple(pid_of(ticket) for ticket, _ in _in_line(where.fd, digest, found.tickets))
+
+    async def lines(self) -> list[LineInfo]:
+        """A snapshot of every line in the directory, from its files alone, sorted by key.
+
+        Each line's key is as the user gave it; its holder (the first
+        ticket still in line: it holds the key, or is being handed it) and
+        its waiters in turn order, by process id. ``held_for`` counts from
+        when the holder's turn began, ``waiting_for`` from when the waiter
+        queued. Like :meth:`line`, it never waits and never disturbs a
+        line. Left out: lines that nobody is in any more (what a crash
+        left, for the key's next turn to remove), and a line whose file
+        does not record its key (only one edited by another process).
+        """
+        where = self._where
+        now = time.time()
+        found = []
+        for name in os.listdir(where.fd):
+            digest = name.partition(".")[0]
+            if name == line_name(digest) and (line := _snapshot(where.fd, digest, now)):
+                found.append(line)
+        return sorted(found, key=lambda line: portable_name(line.key))
 
     async def aclose(self) -> None:
         """Nothing to close: every grant's files are closed by its release."""

@@ -60,8 +60,9 @@ from dataclasses import dataclass
 from typing import Any, Final, final
 
 from .._errors import BackendUnavailable
-from .._keys import order_portable, portable_name
+from .._keys import order_portable, portable_key, portable_name
 from ._base import Grant
+from ._lines import HolderInfo, LineInfo, WaiterInfo
 
 try:
     import redis.asyncio as aioredis
@@ -641,36 +642,6 @@ class RedisGrant:
         return f"<RedisGrant key={self.key!r} token={self.token}{lost}>"
 
 
-@dataclass(frozen=True)
-class HolderInfo:
-    """Who holds a line's key: see :meth:`RedisBackend.lines`."""
-
-    host: str
-    pid: int
-    held_for: float  #: seconds since the key was granted
-    token: int
-    lease_left: float  #: seconds until the lease runs out unless renewed
-
-
-@dataclass(frozen=True)
-class WaiterInfo:
-    """One waiter of a line, in turn order: see :meth:`RedisBackend.lines`."""
-
-    host: str
-    pid: int
-    waiting_for: float  #: seconds since it joined the line
-    lease_left: float
-
-
-@dataclass(frozen=True)
-class LineInfo:
-    """A snapshot of one key's line: see :meth:`RedisBackend.lines`."""
-
-    key: str  #: the key, as the portable name that identifies it (``s:order-17``)
-    holder: HolderInfo | None
-    waiters: tuple[WaiterInfo, ...]
-
-
 @dataclass
 class _Member:
     """One of this process's members of a line: a waiter, then a holder."""
@@ -1223,7 +1194,7 @@ class RedisBackend:
                 held_for = (now - int(line["since"])) / 1000
                 holder = HolderInfo(host, pid, held_for, int(line["token"]), left)
             waiters = tuple(WaiterInfo(*about(member)) for member in waiting)
-            found.append(LineInfo(line.get("key", "?"), holder, waiters))
+            found.append(LineInfo(portable_key(line.get("key", "s:?")), holder, waiters))
         return sorted(found, key=lambda line: line.key)
 
     def __repr__(self) -> str:
