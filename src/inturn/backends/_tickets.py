@@ -4,7 +4,9 @@ While its owner waits or holds, a ticket has a writer; once the owner
 releases, gives up, or dies (even by SIGKILL: the kernel closes a dead
 process's files), it has none, and never gets one back. A reader of the
 pipe sees end of file at that moment. A releasing holder writes its
-hand-off (``H<token>``) into its ticket before closing it.
+*hand-off* (``H`` and its token, in one write, so it is read whole) into
+its ticket before closing it: its work is done, and whoever waits on it
+may go on at once.
 
 Every ticket is opened relative to its directory's descriptor, never
 through a symbolic link; a link in place of a ticket counts as a ticket
@@ -20,7 +22,7 @@ import struct
 import sys
 from collections.abc import Callable
 
-__all__ = ("alive", "peek", "probe", "until_closed")
+__all__ = ("alive", "hand_off", "handed", "peek", "probe", "until_left")
 
 if sys.platform != "win32":  # (the file backend refuses other platforms at construction)
     import fcntl
@@ -30,6 +32,17 @@ if sys.platform != "win32":  # (the file backend refuses other platforms at cons
 _OPEN = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 #: Errors of opening a ticket that mean it is not there: gone, or a link in its place.
 _ABSENT = (errno.ENOENT, errno.ELOOP)
+_HANDED = b"H"
+
+
+def hand_off(token: int) -> bytes:
+    """What a releasing holder writes into its ticket: its work is done, at token."""
+    return _HANDED + str(token).encode("ascii")
+
+
+def handed(data: bytes) -> int | None:
+    """The token of the hand-off that data (read from a ticket) carries, if it does."""
+    return int(data[1:]) if data.startswith(_HANDED) else None
 
 
 def _open(directory: int, name: str) -> int | None:
@@ -96,10 +109,12 @@ def peek(directory: int, name: str) -> os.stat_result | None:
         os.close(fd)
 
 
-async def until_closed(
+async def until_left(
     fd: int, deadline: float | None, expired: Callable[[], BaseException]
 ) -> bytes:
-    """Wait in the event loop until ticket fd reports end of file; return what it carried.
+    """Wait in the event loop until ticket fd's owner left; return what it carried.
+
+    Done at its hand-off, or at end of file (its owner gave up or died).
 
     :raises: expired() at deadline (the loop's clock), if it comes first.
     """
@@ -112,7 +127,8 @@ async def until_closed(
             while chunk := os.read(fd, 64):
                 data.extend(chunk)
         except BlockingIOError:
-            return  # data, and the owner is still there
+            if not data.startswith(_HANDED):
+                return  # the owner is still in line
         if not done.done():
             done.set_result(bytes(data))
 

@@ -23,13 +23,13 @@ How a line is kept (every step is a plain file operation; nothing polls):
   each other: it appends a mark that its ticket is coming, makes the
   FIFO, appends the ticket (each one ``O_APPEND`` write), and reads the
   tickets before its own.
-- A process holds the key once every ticket before its own has no writer.
-  It waits, in its event loop, for end of file on the nearest one that
-  still has one. A holder that releases writes ``H<token>`` into its ticket
-  before closing it: whoever waits on it then knows every earlier ticket
-  is done too, and takes the key at once, with the next fencing token. If
-  the ticket closed without that (its owner gave up or died), the waiter
-  looks further back.
+- A process holds the key once every ticket before its own has no writer,
+  or has handed the key on. It waits, in its event loop, on the nearest one
+  that still has a writer. A holder that releases writes ``H<token>`` into
+  its ticket, then closes it: whoever waits on it takes the key as soon as
+  it reads that, with the next fencing token (the holder held, so every
+  earlier ticket is done too). If the ticket closed without it (its owner
+  gave up or died), the waiter looks further back.
 - After releasing (or giving up), a process tidies up: if no ticket behind
   its own is still in line, or the file grew long, it finds which tickets
   have no writer and removes their FIFOs, under the shared lock; then,
@@ -93,7 +93,7 @@ from ._linefile import (
     ticket_of,
 )
 from ._lines import HolderInfo, LineInfo, WaiterInfo
-from ._tickets import alive, peek, probe, until_closed
+from ._tickets import alive, hand_off, handed, peek, probe, until_left
 
 __all__ = ("FileBackend", "FileGrant")
 
@@ -102,8 +102,6 @@ if sys.platform == "win32":  # pragma: no cover - checked at construction
 else:
     import fcntl
 
-#: What a releasing holder writes into its ticket: H, then its token.
-_HANDED = b"H"
 #: Compact a line file with more records than this (dead tickets pile up in a busy line).
 _COMPACT_AT = 128
 #: The kernel copies a write into a file page by page, and a process killed
@@ -536,16 +534,18 @@ class FileBackend:
                 continue  # the key, a mark, or a piece that a crash left
             fd, data = probe(directory, pipe_name(digest, ticket))
             if fd is not None:
-                waited = True
                 try:
-                    if deadline is not None and loop.time() >= deadline:
-                        raise _missed(key)
-                    data += await until_closed(fd, deadline, lambda: _missed(key))
+                    if handed(data) is None:  # (else it is handing the key on already)
+                        waited = True
+                        if deadline is not None and loop.time() >= deadline:
+                            raise _missed(key)
+                        data += await until_left(fd, deadline, lambda: _missed(key))
                 finally:
                     os.close(fd)
-            if data.startswith(_HANDED):
+            token = handed(data)
+            if token is not None:
                 # It held the key, so every ticket before it has left too.
-                return max(int(data[1:]) + 1, time.time_ns()), waited
+                return max(token + 1, time.time_ns()), waited
         return time.time_ns(), waited
 
     def release(self, grant: Grant) -> Awaitable[None]:
@@ -561,10 +561,11 @@ class FileBackend:
             where, digest, ticket = grant._where, grant._digest, grant._ticket
             _OPEN.discard(fd)
             try:
+                # Before the hand-off: once it is written, the next holder may tidy both away.
                 grant._lost = _unlinked(fd) or _unlinked(grant._line_fd)
-                os.write(fd, _HANDED + str(grant.token).encode("ascii"))
+                os.write(fd, hand_off(grant.token))  # whoever waits on this ticket goes on
             finally:
-                os.close(fd)  # no writer now: whoever waits on this ticket goes on
+                os.close(fd)
                 _unlink(where.fd, pipe_name(digest, ticket))
             self._tidy(where, digest, ticket, grant._line_fd, held=True)
         done.set_result(None)
