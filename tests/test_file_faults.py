@@ -322,3 +322,56 @@ async def test_a_line_file_replaced_under_a_holding_process_is_reported(
 
 if sys.platform != "linux":  # pragma: no cover
     pytestmark = pytest.mark.skip(reason="reads process states from /proc")
+
+
+# -- forks, threads, an event loop per turn ----------------------------------------------------
+
+
+async def test_forked_processes_and_threads_with_a_loop_per_turn_lose_no_update(
+    directory: Path, tmp_path: Path, workers: list[Worker]
+) -> None:
+    # Two processes each fork a child that keeps their backend, and each of
+    # the four runs three threads that take every turn in a fresh event loop.
+    counter = tmp_path / "counter"
+    counter.write_text("0")
+    workers += [
+        await Worker.start(spec(directory), "share", "k", str(counter), "20", "3", name=str(i))
+        for i in range(2)
+    ]
+    for worker in workers:
+        await worker.expect("done")
+        assert await worker.finish() == 0
+    assert counter.read_text() == str(2 * 2 * 3 * 20)
+    assert files(directory) == []
+
+
+async def test_a_key_of_a_megabyte_takes_turns_and_shows_short(backend: FileBackend) -> None:
+    key = "k" * 2**20
+    first, second = KeyedQueue(backend=backend), KeyedQueue(backend=backend)
+    gate = asyncio.Event()
+    holder = asyncio.create_task(first.run(key, gate.wait))
+    await until(lambda: backend.line(key) == (os.getpid(),), "the holder took the key")
+    follower = asyncio.create_task(second.run(key, lambda: "second"))
+    await until(lambda: backend.line(key) == (os.getpid(),) * 2, "the second one queued")
+    (line,) = await backend.lines()
+    assert line.key == key
+    assert len(line.waiters) == 1
+    gate.set()
+    await holder
+    assert await follower == "second"
+    assert files(backend.directory) == []
+
+
+async def test_a_holder_whose_directory_is_removed_is_told_and_the_next_turn_works(
+    directory: Path, backend: FileBackend, workers: list[Worker]
+) -> None:
+    holder = await Worker.start(spec(directory), "hold", "k")
+    workers.append(holder)
+    await holder.expect("holding")
+    shutil.rmtree(directory)  # a tmp cleaner
+    await holder.go()
+    await holder.expect("lease-lost")
+    await holder.expect("raised")
+    assert await KeyedQueue(backend=backend).run("k", lambda: "again") == "again"
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+    assert files(directory) == []

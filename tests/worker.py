@@ -23,8 +23,17 @@ the test drives it step by step:
   tidies the line file, and this process stops itself (SIGSTOP) right after
   it takes the line file's exclusive lock; print ``released`` once it goes on.
 
-And a fork server for crashes at every step (file backend), with no event
-loop of its own so that every child starts clean:
+Two commands run without an event loop of their own. One shares a queue
+between processes and threads (file backend):
+
+- ``share KEY COUNTER N THREADS``: make a backend, fork a child that keeps
+  it, and in both run THREADS threads, each doing N increments of COUNTER
+  under KEY, each in an event loop and a queue of its own (``asyncio.run()``
+  per increment) on that one backend; print ``done`` once every increment
+  of both is done, or ``failed`` if one raised.
+
+The other is a fork server for crashes at every step (file backend), so
+that every child starts clean:
 
 - ``crash-each KEY [compact]``: for each stdin line ``N``, fork a child that
   takes KEY and releases it (printing ``holding`` and ``released``) but
@@ -41,6 +50,7 @@ import asyncio
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -201,11 +211,46 @@ def crash_each(spec: str, key: str, compact: bool) -> None:
             say("ended", "exit", os.waitstatus_to_exitcode(status))
 
 
+def share(spec: str, key: str, counter: str, n: int, threads: int) -> None:
+    """The ``share`` command (see the module docstring)."""
+    backend = make_backend(spec)
+
+    async def increment() -> None:
+        value = read_counter(counter)
+        await asyncio.sleep(0)  # others run here: a lost update, were it not for the key
+        write_counter(counter, value + 1)
+
+    failures: list[BaseException] = []
+
+    def increments() -> None:
+        try:
+            for _ in range(n):
+                # (a queue serves one event loop at a time; the backend, any)
+                asyncio.run(KeyedQueue(backend=backend).run(key, increment))
+        except BaseException as error:
+            failures.append(error)
+            raise
+
+    child = os.fork()
+    runners = [threading.Thread(target=increments) for _ in range(threads)]
+    for runner in runners:
+        runner.start()
+    for runner in runners:
+        runner.join()
+    if child == 0:  # pragma: no cover - the child
+        os._exit(1 if failures else 0)
+    _, status = os.waitpid(child, 0)
+    say("done" if not failures and os.waitstatus_to_exitcode(status) == 0 else "failed")
+
+
 def run_command(command: str, args: tuple[str, ...], spec: str) -> Callable[[], None] | None:
     """The commands that run without an event loop of this process's own."""
     if command == "crash-each":
         key, *flags = args
         return lambda: crash_each(spec, key, "compact" in flags)
+    if command == "share":
+        key, counter, n, threads = args
+        return lambda: share(spec, key, counter, int(n), int(threads))
     return None
 
 
