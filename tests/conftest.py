@@ -25,6 +25,12 @@ def recorder() -> Recorder:
     return Recorder()
 
 
+@pytest.fixture
+def directory(tmp_path: Path) -> Path:
+    """A file backend's directory of this test's own, not made yet."""
+    return tmp_path / "lines"
+
+
 @pytest.fixture(scope="session")
 def redis_urls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """The servers of this session by kind ("redis", "valkey", "redis-cluster"): each one's URL.

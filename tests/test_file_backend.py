@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from file_checks import files, spec
 from inturn import KeyedQueue, current_turn
 from inturn.backends import Backend
 from inturn.backends import file as file_backend
@@ -25,21 +26,8 @@ from helpers import checkpoints, settle
 
 
 @pytest.fixture
-def directory(tmp_path: Path) -> Path:
-    return tmp_path / "lines"
-
-
-@pytest.fixture
 def backend(directory: Path) -> FileBackend:
     return FileBackend(directory)
-
-
-def spec(directory: Path) -> str:
-    return f"file:{directory}"
-
-
-def files(directory: Path) -> list[str]:
-    return sorted(os.listdir(directory))
 
 
 # -- several queues on one directory ----------------------------------------------------
@@ -200,19 +188,30 @@ async def test_several_keys_are_taken_in_one_order_by_every_queue(backend: FileB
 # -- real processes -------------------------------------------------------------------------
 
 
-async def test_no_lost_update_across_four_processes(
-    directory: Path, tmp_path: Path, workers: list[Worker]
+@pytest.mark.parametrize(
+    ("command", "each"),
+    [
+        (["increment", "150"], 150),
+        # Each forks a child that keeps its backend, and each of the eight
+        # runs three threads that take every turn in a fresh event loop.
+        (["share", "20", "3"], 2 * 3 * 20),
+    ],
+    ids=["processes", "forks-and-threads"],
+)
+async def test_no_lost_update_across_processes(
+    directory: Path, tmp_path: Path, workers: list[Worker], command: list[str], each: int
 ) -> None:
     counter = tmp_path / "counter"
     counter.write_text("0")
+    name, *counts = command
     workers += [
-        await Worker.start(spec(directory), "increment", "k", str(counter), "150", name=str(i))
+        await Worker.start(spec(directory), name, "k", str(counter), *counts, name=str(i))
         for i in range(4)
     ]
     for worker in workers:
         await worker.expect("done")
         assert await worker.finish() == 0
-    assert counter.read_text() == "600"
+    assert counter.read_text() == str(4 * each)
     assert files(directory) == []
 
 

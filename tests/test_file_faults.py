@@ -9,18 +9,16 @@ deterministic point, never a timing.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import shutil
 import signal
 import stat
-import sys
 from pathlib import Path
 
 import pytest
 
+from file_checks import files, line_file, spec
 from inturn import KeyedQueue, LeaseLost
-from inturn._keys import portable_name
 from inturn.backends.file import FileBackend
 from processes import Worker, stopped, until
 
@@ -28,25 +26,8 @@ from helpers import PATIENCE, unavailable
 
 
 @pytest.fixture
-def directory(tmp_path: Path) -> Path:
-    return tmp_path / "lines"
-
-
-@pytest.fixture
 def backend(directory: Path) -> FileBackend:
     return FileBackend(directory)
-
-
-def spec(directory: Path) -> str:
-    return f"file:{directory}"
-
-
-def files(directory: Path) -> list[str]:
-    return sorted(os.listdir(directory))
-
-
-def digest(key: str | bytes | int) -> str:
-    return hashlib.sha256(portable_name(key)).hexdigest()
 
 
 #: Another user: files are given to it with chown, which needs root.
@@ -103,7 +84,7 @@ def plant_dead_tickets(directory: Path, key: str) -> None:
     pids = [10 ** len(str(os.getpid())), *(7 * 10**n for n in range(10))]
     records = "".join(f"T{pid}.{n:012x}\n" for n, pid in enumerate(pids))
     directory.mkdir(mode=0o700, exist_ok=True)
-    (directory / f"{digest(key)}.line").write_text(records)
+    line_file(directory, key).write_text(records)
 
 
 async def test_a_crash_at_any_step_between_two_turns_loses_no_turn(
@@ -218,7 +199,7 @@ async def test_a_link_planted_in_a_shared_directory_is_never_followed(tmp_path: 
     os.chmod(shared, 0o1777)
     precious = tmp_path / "precious"
     precious.write_text("mine\n")
-    planted = shared / f"{digest('k')}.line"
+    planted = line_file(shared, "k")
     planted.symlink_to(precious)
     os.lchown(planted, NOBODY, NOBODY)  # planted by another user
     async with KeyedQueue(backend=FileBackend(shared)).keyed("k"):
@@ -248,7 +229,7 @@ async def test_a_symbolic_link_in_the_directory_is_never_followed(
 ) -> None:
     precious = tmp_path / "precious"
     precious.write_text("mine\n")
-    (backend.directory / f"{digest('k')}.line").symlink_to(precious)
+    line_file(backend.directory, "k").symlink_to(precious)
     with pytest.raises(OSError, match="symbolic link"):
         async with KeyedQueue(backend=backend).keyed("k"):
             pass
@@ -295,7 +276,7 @@ async def test_a_line_file_deleted_under_its_holder_is_reported(
     async def hold() -> None:
         async with queue.keyed("k") as turn:
             seen.append(turn.lease_lost)
-            os.unlink(directory / f"{digest('k')}.line")  # another process of this user
+            os.unlink(line_file(directory, "k"))  # another process of this user
             seen.append(turn.lease_lost)
 
     with pytest.raises(LeaseLost):
@@ -304,14 +285,19 @@ async def test_a_line_file_deleted_under_its_holder_is_reported(
     assert files(directory) == []
 
 
-async def test_a_line_file_replaced_under_a_holding_process_is_reported(
-    directory: Path, backend: FileBackend, workers: list[Worker]
+@pytest.mark.parametrize("removed", ["line file", "directory"])
+async def test_a_holding_process_whose_files_are_removed_is_told(
+    directory: Path, backend: FileBackend, workers: list[Worker], removed: str
 ) -> None:
     holder = await Worker.start(spec(directory), "hold", "k")
     workers.append(holder)
     await holder.expect("holding")
-    os.unlink(directory / f"{digest('k')}.line")
-    async with KeyedQueue(backend=backend).keyed("k", timeout=0):  # outside the guarantee
+    if removed == "line file":
+        os.unlink(line_file(directory, "k"))  # another process of this user
+    else:
+        shutil.rmtree(directory)  # a tmp cleaner
+    # Outside the guarantee: another process takes the key at once.
+    async with KeyedQueue(backend=backend).keyed("k", timeout=0):
         pass
     await holder.go()
     await holder.expect("lease-lost")
@@ -320,29 +306,7 @@ async def test_a_line_file_replaced_under_a_holding_process_is_reported(
     assert files(directory) == []
 
 
-if sys.platform != "linux":  # pragma: no cover
-    pytestmark = pytest.mark.skip(reason="reads process states from /proc")
-
-
-# -- forks, threads, an event loop per turn ----------------------------------------------------
-
-
-async def test_forked_processes_and_threads_with_a_loop_per_turn_lose_no_update(
-    directory: Path, tmp_path: Path, workers: list[Worker]
-) -> None:
-    # Two processes each fork a child that keeps their backend, and each of
-    # the four runs three threads that take every turn in a fresh event loop.
-    counter = tmp_path / "counter"
-    counter.write_text("0")
-    workers += [
-        await Worker.start(spec(directory), "share", "k", str(counter), "20", "3", name=str(i))
-        for i in range(2)
-    ]
-    for worker in workers:
-        await worker.expect("done")
-        assert await worker.finish() == 0
-    assert counter.read_text() == str(2 * 2 * 3 * 20)
-    assert files(directory) == []
+# -- keys of any size ---------------------------------------------------------------------------
 
 
 async def test_a_key_of_a_megabyte_takes_turns_and_shows_short(backend: FileBackend) -> None:
@@ -360,18 +324,3 @@ async def test_a_key_of_a_megabyte_takes_turns_and_shows_short(backend: FileBack
     await holder
     assert await follower == "second"
     assert files(backend.directory) == []
-
-
-async def test_a_holder_whose_directory_is_removed_is_told_and_the_next_turn_works(
-    directory: Path, backend: FileBackend, workers: list[Worker]
-) -> None:
-    holder = await Worker.start(spec(directory), "hold", "k")
-    workers.append(holder)
-    await holder.expect("holding")
-    shutil.rmtree(directory)  # a tmp cleaner
-    await holder.go()
-    await holder.expect("lease-lost")
-    await holder.expect("raised")
-    assert await KeyedQueue(backend=backend).run("k", lambda: "again") == "again"
-    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
-    assert files(directory) == []

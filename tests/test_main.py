@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from file_checks import spec
 from inturn import KeyedQueue
 from inturn.__main__ import format_lines, main, show_key
 from inturn.backends import HolderInfo, LineInfo, WaiterInfo
@@ -87,22 +88,16 @@ async def test_inspect_shows_redis_keys_of_every_kind(redis_url: str) -> None:
     assert sorted(map(repr, (line.key for line in lines))) == ["'1'", "1", "b'1'"]
 
 
-@pytest.fixture
-def directory(tmp_path: Path) -> Path:
-    return tmp_path / "lines"
-
-
 async def test_inspect_shows_a_directorys_lines_to_another_process(
     directory: Path, workers: list[Worker]
 ) -> None:
     backend = FileBackend(directory)
-    spec = f"file:{directory}"
-    holder = await Worker.start(spec, "hold", "order-17", name="holder")
+    holder = await Worker.start(spec(directory), "hold", "order-17", name="holder")
     workers.append(holder)
     await holder.expect("holding")
     waiters: list[Worker] = []
     for name in ("w0", "w1"):
-        waiters.append(await Worker.start(spec, "hold", "order-17", name=name))
+        waiters.append(await Worker.start(spec(directory), "hold", "order-17", name=name))
         workers.append(waiters[-1])
         queued = len(waiters) + 1
         await until(lambda n=queued: len(backend.line("order-17")) == n, f"{name} queued")

@@ -82,6 +82,13 @@ def write_counter(path: str, value: int) -> None:
         file.write(str(value))
 
 
+async def increment(counter: str) -> None:
+    """Add one to the integer in the file counter: a lost update if two run at once."""
+    value = read_counter(counter)
+    await asyncio.sleep(0)  # others run here: a lost update, were it not for the key
+    write_counter(counter, value + 1)
+
+
 def say(*words: object) -> None:
     print(*words, flush=True)
 
@@ -214,19 +221,13 @@ def crash_each(spec: str, key: str, compact: bool) -> None:
 def share(spec: str, key: str, counter: str, n: int, threads: int) -> None:
     """The ``share`` command (see the module docstring)."""
     backend = make_backend(spec)
-
-    async def increment() -> None:
-        value = read_counter(counter)
-        await asyncio.sleep(0)  # others run here: a lost update, were it not for the key
-        write_counter(counter, value + 1)
-
     failures: list[BaseException] = []
 
     def increments() -> None:
         try:
             for _ in range(n):
                 # (a queue serves one event loop at a time; the backend, any)
-                asyncio.run(KeyedQueue(backend=backend).run(key, increment))
+                asyncio.run(KeyedQueue(backend=backend).run(key, increment, counter))
         except BaseException as error:
             failures.append(error)
             raise
@@ -270,14 +271,8 @@ async def main(spec: str, command: str, *args: str) -> None:
             say("released")
     elif command == "increment":
         key, counter, n = args
-
-        async def increment() -> None:
-            value = read_counter(counter)
-            await asyncio.sleep(0)  # others run here: a lost update, were it not for the key
-            write_counter(counter, value + 1)
-
         for _ in range(int(n)):
-            await queue.run(key, increment)
+            await queue.run(key, increment, counter)
         say("done")
     elif command == "increment-redis":
         import redis.asyncio as aioredis
