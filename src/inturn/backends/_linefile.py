@@ -84,8 +84,7 @@ def pid_of(ticket: str) -> int:
 
 def joining(ticket: str, key: bytes | None) -> bytes:
     """The record that ticket is about to be made (after key's, if given)."""
-    head = b"" if key is None else f"{_KEY}{key.hex()}\n".encode("ascii")
-    return head + f"{_JOINING}{ticket}\n".encode("ascii")
+    return _key_record(key) + f"{_JOINING}{ticket}\n".encode("ascii")
 
 
 def record_of(ticket: str) -> str:
@@ -146,5 +145,8 @@ def parse(records: list[str]) -> Records:
 
 def render(key: bytes | None, tickets: list[str]) -> bytes:
     """A line file's whole content: key's record, if given, then tickets in order."""
-    head = b"" if key is None else f"{_KEY}{key.hex()}\n".encode("ascii")
-    return head + "".join(f"{_TICKET}{ticket}\n" for ticket in tickets).encode("ascii")
+    return _key_record(key) + "".join(f"{_TICKET}{ticket}\n" for ticket in tickets).encode("ascii")
+
+
+def _key_record(key: bytes | None) -> bytes:
+    return b"" if key is None else f"{_KEY}{key.hex()}\n".encode("ascii")

@@ -102,7 +102,8 @@ if sys.platform == "win32":  # pragma: no cover - checked at construction
 else:
     import fcntl
 
-#: Compact a line file with more records than this (dead tickets pile up in a busy line).
+#: Compact a line file with more records than this (two per turn: a busy line's
+#: file grows, as the tickets that left are only dropped by a compaction).
 _COMPACT_AT = 128
 #: The kernel copies a write into a file page by page, and a process killed
 #: meanwhile stops between two pages: a compaction writes its tickets only
@@ -239,30 +240,28 @@ def _check_regular(directory: Directory, name: str, info: os.stat_result) -> Non
         )
 
 
-def _rewrite(fd: int, key: bytes | None, tickets: list[str]) -> bool:
+def _rewrite(fd: int, key: bytes | None, tickets: list[str]) -> None:
     """Write tickets over the line file's records and cut it to them, if the write is whole.
 
-    The caller holds the exclusive lock. False if the tickets would straddle
-    a page boundary (see _PAGE): the file is then left as it is.
+    The caller holds the exclusive lock. If the tickets would straddle a
+    page boundary (see _PAGE), the file is left as it is (and is compacted
+    once the line is shorter).
     """
     assert fcntl is not None
     data = render(key, tickets)
     first = len(render(key, []))  # where the tickets start: the key's record stays as it was
     if first // _PAGE != (len(data) - 1) // _PAGE:
-        return False
+        return
     fcntl.fcntl(fd, fcntl.F_SETFL, 0)  # not O_APPEND: written from the start
     os.pwrite(fd, data, 0)
     # Cut after writing, never to zero first: ext4 flushes a file cut to zero on close.
     os.ftruncate(fd, len(data))
-    return True
 
 
 def _read_line(directory: int, digest: str) -> Records | None:
     """The records of digest's line file, read without its lock; None if there is none."""
     try:
-        fd = os.open(
-            line_name(digest), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=directory
-        )
+        fd = os.open(line_name(digest), _OPEN_READ, dir_fd=directory)
     except OSError as error:
         if error.errno in (errno.ENOENT, errno.ELOOP):
             return None
@@ -297,8 +296,8 @@ def _snapshot(directory: int, digest: str, now: float) -> LineInfo | None:
     (first, since), *rest = here
     return LineInfo(
         key,
-        HolderInfo(None, pid_of(first), now - since.st_mtime),
-        tuple(WaiterInfo(None, pid_of(ticket), now - info.st_mtime) for ticket, info in rest),
+        HolderInfo(None, pid_of(first), max(0.0, now - since.st_mtime)),
+        tuple(WaiterInfo(None, pid_of(t), max(0.0, now - info.st_mtime)) for t, info in rest),
     )
 
 
@@ -375,8 +374,12 @@ class FileBackend:
       every line usable and loses nobody's turn; what it leaves behind is
       removed by the next turn that tidies the key's line.
     - Waiting costs no CPU and never blocks the event loop: a waiter sleeps
-      in the loop until the kernel reports that the ticket before it
-      closed. Timeouts and cancellation take effect at once.
+      in the loop until the ticket before it hands the key on, or the
+      kernel reports that it closed. Timeouts and cancellation take effect
+      at once, and no thread is ever left waiting. The only other wait is
+      for a line file's lock, held for a few system calls: a process frozen
+      inside them (SIGSTOP, a debugger) delays the others, who give up at
+      their deadline.
     - Files are named by a digest of the key, so any ``str``, ``bytes`` or
       ``int`` key is safe, however long and whatever it contains. A line's
       files are deleted by its last holder (tickets of crashed processes by
