@@ -143,6 +143,9 @@ def _own_subdirectory(parent: int, parent_path: Path) -> int:
         os.mkdir(path.name, 0o700, dir_fd=parent)
     except FileExistsError:
         pass  # ours from before, or someone else's: checked below
+    except OSError as error:
+        message = f"inturn: cannot create {path} for lines: {error}"
+        raise OSError(error.errno, message) from None
     fd = _open_directory(path, parent)
     try:
         _check_private(path, os.fstat(fd))

@@ -7,7 +7,9 @@
 
     downloads = KeyedQueue(backend=FileBackend("/var/run/myapp/inturn"))
 
-How a line is kept (every step is a plain file operation; nothing polls):
+How a line is kept (every step is a plain file operation; nothing polls,
+but the rare wait for a line file's lock that its holder keeps for longer
+than its few system calls: see _lock):
 
 - A *ticket* is a FIFO (named pipe), ``<digest>.<pid>.<random>.t``, that
   its owner keeps open for writing from the moment it queues until it
