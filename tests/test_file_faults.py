@@ -45,7 +45,7 @@ async def ended(server: Worker) -> list[str]:
         words = await server.report()
         if words[0] == "ended":
             return words[1:]
-        assert words[0] in ("holding", "released"), words
+        assert words[0] in ("holding", "released", "timeout"), words
 
 
 # -- a crash at every step ---------------------------------------------------------------
@@ -133,6 +133,34 @@ async def between_two_turns(server: Worker, step: int, backend: FileBackend) -> 
     await follower  # a TimeoutError here is a lost turn
     assert turns == ["second"]
     return await outcome
+
+
+async def test_a_crash_at_any_step_of_giving_up_loses_no_turn(
+    directory: Path, backend: FileBackend, workers: list[Worker]
+) -> None:
+    # The victim times out behind a holder of this process: it leaves the
+    # line, and tidies it, as a turn that is not reached does.
+    server = await Worker.start(spec(directory), "crash-each", "k", "impatient")
+    workers.append(server)
+    queue = KeyedQueue(backend=backend)
+    step = 0
+    while True:
+        step += 1
+        gate = asyncio.Event()
+        holder = asyncio.create_task(queue.run("k", gate.wait))
+        await until(lambda: backend.line("k") == (os.getpid(),), "the holder took the key")
+        await server.send(str(step))
+        await server.expect("forked")
+        outcome = await ended(server)
+        assert outcome in (["killed"], ["exit", "0"]), outcome
+        gate.set()
+        await holder
+        async with queue.keyed("k", timeout=PATIENCE):
+            pass
+        assert files(directory) == [], f"left behind by a crash before step {step}"
+        if outcome == ["exit", "0"]:
+            break
+    assert step > 5
 
 
 # -- a process frozen while it holds a line file's lock -------------------------------------

@@ -35,8 +35,10 @@ between processes and threads (file backend):
 The other is a fork server for crashes at every step (file backend), so
 that every child starts clean:
 
-- ``crash-each KEY [compact]``: for each stdin line ``N``, fork a child that
-  takes KEY and releases it (printing ``holding`` and ``released``) but
+- ``crash-each KEY [compact] [impatient]``: for each stdin line ``N``, fork
+  a child that takes KEY and releases it (printing ``holding`` and
+  ``released``; with ``impatient``, it takes it with ``timeout=0``, and
+  prints ``timeout`` if it is not free) but
   kills itself with SIGKILL just before the N-th call of the file backend
   that changes what other processes see (see :class:`Tripwire`); print
   ``forked PID`` before the child starts, then ``ended killed`` or
@@ -176,19 +178,23 @@ def file_module() -> ModuleType:
     return file
 
 
-async def victim(spec: str, key: str, step: int, compact: bool) -> None:
+async def victim(spec: str, key: str, step: int, flags: list[str]) -> None:
     """Take key and release it, killed just before the step-th watched call."""
     queue = KeyedQueue(backend=make_backend(spec))
     module = file_module()
-    if compact:
+    if "compact" in flags:
         module._COMPACT_AT = 0  # type: ignore[attr-defined]
     Tripwire(kill_before=step).install(module)
-    async with queue.keyed(key):
-        say("holding")
-    say("released")
+    try:
+        async with queue.keyed(key, timeout=0 if "impatient" in flags else None):
+            say("holding")
+    except TimeoutError:
+        say("timeout")
+    else:
+        say("released")
 
 
-def crash_each(spec: str, key: str, compact: bool) -> None:
+def crash_each(spec: str, key: str, flags: list[str]) -> None:
     """The fork server of ``crash-each`` (see the module docstring)."""
     while line := read_line_unbuffered():
         go_read, go_write = os.pipe()
@@ -198,7 +204,7 @@ def crash_each(spec: str, key: str, compact: bool) -> None:
             os.read(go_read, 1)  # until the parent has said which pid it is
             code = 0
             try:
-                asyncio.run(victim(spec, key, int(line), compact))
+                asyncio.run(victim(spec, key, int(line), flags))
             except BaseException:
                 import traceback
 
@@ -248,7 +254,7 @@ def run_command(command: str, args: tuple[str, ...], spec: str) -> Callable[[], 
     """The commands that run without an event loop of this process's own."""
     if command == "crash-each":
         key, *flags = args
-        return lambda: crash_each(spec, key, "compact" in flags)
+        return lambda: crash_each(spec, key, flags)
     if command == "share":
         key, counter, n, threads = args
         return lambda: share(spec, key, counter, int(n), int(threads))
