@@ -39,6 +39,12 @@ def namespace() -> str:
     return f"t-{uuid.uuid4().hex[:12]}"
 
 
+@pytest.fixture
+def directory(tmp_path: Path) -> Path:
+    """A file backend's directory of this test's own, not made yet."""
+    return tmp_path / "lines"
+
+
 @pytest.fixture(scope="session")
 def redis_urls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """The servers of this session by kind ("redis", "valkey", "redis-cluster"): each one's URL.

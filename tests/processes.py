@@ -54,8 +54,12 @@ class Worker:
 
     async def go(self) -> None:
         """Let the worker past its wait for a stdin line."""
+        await self.send("go")
+
+    async def send(self, line: str) -> None:
+        """Write line to the worker's stdin."""
         assert self.process.stdin is not None
-        self.process.stdin.write(b"go\n")
+        self.process.stdin.write(line.encode() + b"\n")
         await self.process.stdin.drain()
 
     async def release(self) -> None:
@@ -92,6 +96,12 @@ async def until(predicate: Callable[[], bool], what: str) -> None:
         if loop.time() > deadline:
             raise AssertionError(f"never reached: {what}")
         await asyncio.sleep(0.001)
+
+
+def stopped(pid: int) -> bool:
+    """Whether process pid is stopped (SIGSTOP): its state in /proc is T."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
 async def first_to_hold(workers: list[Worker]) -> Worker:

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from file_checks import files, spec
 from inturn import KeyedQueue, current_turn
 from inturn.backends import Backend
 from inturn.backends import file as file_backend
@@ -25,21 +26,8 @@ from helpers import checkpoints, settle
 
 
 @pytest.fixture
-def directory(tmp_path: Path) -> Path:
-    return tmp_path / "lines"
-
-
-@pytest.fixture
 def backend(directory: Path) -> FileBackend:
     return FileBackend(directory)
-
-
-def spec(directory: Path) -> str:
-    return f"file:{directory}"
-
-
-def files(directory: Path) -> list[str]:
-    return sorted(os.listdir(directory))
 
 
 # -- several queues on one directory ----------------------------------------------------
@@ -200,19 +188,30 @@ async def test_several_keys_are_taken_in_one_order_by_every_queue(backend: FileB
 # -- real processes -------------------------------------------------------------------------
 
 
-async def test_no_lost_update_across_four_processes(
-    directory: Path, tmp_path: Path, workers: list[Worker]
+@pytest.mark.parametrize(
+    ("command", "each"),
+    [
+        (["increment", "150"], 150),
+        # Each forks a child that keeps its backend, and each of the eight
+        # runs three threads that take every turn in a fresh event loop.
+        (["share", "20", "3"], 2 * 3 * 20),
+    ],
+    ids=["processes", "forks-and-threads"],
+)
+async def test_no_lost_update_across_processes(
+    directory: Path, tmp_path: Path, workers: list[Worker], command: list[str], each: int
 ) -> None:
     counter = tmp_path / "counter"
     counter.write_text("0")
+    name, *counts = command
     workers += [
-        await Worker.start(spec(directory), "increment", "k", str(counter), "150", name=str(i))
+        await Worker.start(spec(directory), name, "k", str(counter), *counts, name=str(i))
         for i in range(4)
     ]
     for worker in workers:
         await worker.expect("done")
         assert await worker.finish() == 0
-    assert counter.read_text() == "600"
+    assert counter.read_text() == str(4 * each)
     assert files(directory) == []
 
 
@@ -331,6 +330,15 @@ async def test_hostile_keys_make_no_file_outside_the_directory(tmp_path: Path, k
         assert all(len(name) < 100 and "/" not in name for name in names)
     assert files(directory) == []
     assert sorted(os.listdir(tmp_path)) == ["lines"]
+
+
+async def test_an_int_key_of_any_size_works(backend: FileBackend) -> None:
+    queue = KeyedQueue(backend=backend)
+    huge = 10**5000  # beyond what int() and str() convert by default
+    assert await queue.run(huge, lambda: "huge") == "huge"
+    async with queue.keyed(huge, -huge, huge + 1, "x") as turn:
+        assert set(turn.keys) == {huge, -huge, huge + 1, "x"}
+    assert files(backend.directory) == []
 
 
 async def test_keys_of_other_types_are_refused_with_a_type_error(backend: FileBackend) -> None:

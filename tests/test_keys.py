@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import pytest
 
-from inturn._keys import compile_key, order_keys
+from inturn._keys import compile_key, order_keys, order_portable, portable_key, portable_name
 
 
 def test_order_drops_duplicates_and_is_stable() -> None:
@@ -68,3 +69,50 @@ def test_missing_argument_raises_pythons_type_error() -> None:
     extract, _ = compile_key(f, "stock-{product_id}", None)
     with pytest.raises(TypeError, match="missing a required argument: 'product_id'"):
         extract((), {})
+
+
+# -- keys shared between processes: their portable names ------------------------------------
+
+
+PORTABLE = ["", "k", "é/𝄞", "\ud800", b"", b"\0\xff", 0, 1, -1, True, 10**602, -(10**602)]
+HUGE = [2**2000, 2**2000 - 1, 10**5000, -(10**5000), 10**5000 + 1]
+
+
+@pytest.mark.parametrize("key", [*PORTABLE, *HUGE], ids=lambda key: type(key).__name__)
+def test_a_portable_name_turns_back_into_its_key(key: Any) -> None:
+    name = portable_name(key)
+    assert isinstance(name, bytes)
+    back = portable_key(name)
+    assert back == key
+    assert type(back) is (int if isinstance(key, bool) else type(key))
+    if not isinstance(key, bytes):  # (its text, as Redis keeps it)
+        assert portable_key(name.decode("utf-8", "surrogatepass")) == key
+
+
+def test_portable_names_are_distinct_and_keep_str_bytes_and_int_apart() -> None:
+    big = [key for key in HUGE if key > 0]
+    keys = ["1", b"1", 1, "", b"", 0, -1, *big, *(-key for key in big)]
+    assert len({portable_name(key) for key in keys}) == len(keys)
+    assert portable_name(True) == portable_name(1)
+    assert len(order_portable([*keys, *reversed(keys)])) == len(keys)
+
+
+def test_an_int_of_any_size_has_one_name_whatever_the_process_allows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    names = [portable_name(key) for key in HUGE]
+    monkeypatch.setattr(sys, "set_int_max_str_digits", sys.set_int_max_str_digits)
+    for limit in (640, 0, 100_000):
+        sys.set_int_max_str_digits(limit)
+        try:
+            assert [portable_name(key) for key in HUGE] == names
+            assert [portable_key(name) for name in names] == HUGE
+        finally:
+            sys.set_int_max_str_digits(4300)
+    assert portable_name(12345) == b"i:12345"  # as it always was: older processes agree
+
+
+@pytest.mark.parametrize("name", [b"", b"x:1", b"i:", b"i:12a", b"i:x", b"i:x-1", b"i: 1", "q"])
+def test_what_is_no_portable_name_is_refused(name: bytes | str) -> None:
+    with pytest.raises(ValueError, match="not the portable name"):
+        portable_key(name)

@@ -1,14 +1,26 @@
-"""python -m inturn: the demo."""
+"""python -m inturn: the demo, and inspect for the Redis and the file backends."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import re
+import signal
 import subprocess
 import sys
+import uuid
+from pathlib import Path
 
 import pytest
 
-from inturn.__main__ import main
+from file_checks import spec
+from inturn import KeyedQueue
+from inturn.__main__ import format_lines, main, show_key
+from inturn.backends import HolderInfo, LineInfo, WaiterInfo
+from inturn.backends.file import FileBackend
+from processes import Worker, until
+
+from helpers import PATIENCE
 
 
 def test_demo_loses_updates_without_inturn_and_none_with_it() -> None:
@@ -34,3 +46,170 @@ def test_demo_rejects_nonsense(capsys: pytest.CaptureFixture[str]) -> None:
 def test_demo_in_process(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--tasks", "50", "--keys", "1"]) == 0
     assert "0 updates lost" in capsys.readouterr().out
+
+
+# -- inspect -------------------------------------------------------------------------------
+
+
+async def test_inspect_shows_a_redis_key_as_the_user_gave_it(
+    redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from inturn.backends.redis import RedisBackend
+
+    namespace = f"t-{uuid.uuid4().hex[:12]}"
+    backend = RedisBackend.from_url(redis_url, namespace=namespace)
+    try:
+        async with KeyedQueue(backend=backend).keyed("hot"):
+            await asyncio.get_running_loop().run_in_executor(
+                None, main, ["inspect", "--redis", redis_url, "--namespace", namespace]
+            )
+    finally:
+        await backend.aclose()
+    out = capsys.readouterr().out
+    assert "\n  'hot'\n" in out
+    assert "s:hot" not in out
+
+
+async def test_inspect_shows_redis_keys_of_every_kind(redis_url: str) -> None:
+    from inturn.backends.redis import RedisBackend
+
+    backend = RedisBackend.from_url(redis_url, namespace=f"t-{uuid.uuid4().hex[:12]}")
+    try:
+        async with KeyedQueue(backend=backend).keyed("1", b"1", 1, b"\xff\xfe"):
+            lines = await backend.lines()
+    finally:
+        await backend.aclose()
+    # every kind, and bytes that are not UTF-8, come back as they were given
+    assert {line.key for line in lines} == {"1", b"1", 1, b"\xff\xfe"}
+    assert len(lines) == 4
+
+
+async def test_inspect_shows_a_directorys_lines_to_another_process(
+    directory: Path, workers: list[Worker]
+) -> None:
+    backend = FileBackend(directory)
+    holder = await Worker.start(spec(directory), "hold", "order-17", name="holder")
+    workers.append(holder)
+    await holder.expect("holding")
+    waiters: list[Worker] = []
+    for name in ("w0", "w1"):
+        waiters.append(await Worker.start(spec(directory), "hold", "order-17", name=name))
+        workers.append(waiters[-1])
+        queued = len(waiters) + 1
+        await until(lambda n=queued: len(backend.line("order-17")) == n, f"{name} queued")
+    out = inspect(["--dir", str(directory)])
+    assert out.startswith(f"directory {str(directory)!r}: 1 active line\n  'order-17'\n")
+    assert re.search(rf"\n    held by pid {holder.pid} for \d+\.\d s\n", out)
+    assert re.search(rf"\n    1\. pid {waiters[0].pid} waiting \d+\.\d s\n", out)
+    assert re.search(rf"\n    2\. pid {waiters[1].pid} waiting \d+\.\d s\n", out)
+    await holder.release()
+    for worker in waiters:
+        await worker.expect("holding")
+        await worker.release()
+    assert inspect(["--dir", str(directory)]) == f"directory {str(directory)!r}: no active lines\n"
+
+
+def inspect(arguments: list[str]) -> str:
+    """What ``python -m inturn inspect ARGUMENTS`` prints, run in a process of its own."""
+    result = subprocess.run(
+        [sys.executable, "-m", "inturn", "inspect", *arguments],
+        capture_output=True,
+        text=True,
+        timeout=PATIENCE,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+async def test_inspect_watch_refreshes_until_interrupted(directory: Path) -> None:
+    backend = FileBackend(directory)
+    async with KeyedQueue(backend=backend).keyed(b"hot"):
+        command = ["-m", "inturn", "inspect", "--dir", str(directory), "--watch", "0.01"]
+        watcher = await asyncio.create_subprocess_exec(
+            sys.executable,
+            *command,
+            stdout=asyncio.subprocess.PIPE,
+            # as a terminal's ^C does, whatever this test's own process ignores
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+        assert watcher.stdout is not None
+        seen = 0
+        while seen < 3:  # three reports: it refreshes
+            line = await asyncio.wait_for(watcher.stdout.readline(), PATIENCE)
+            assert line, "inspect --watch ended by itself"
+            seen += line.decode().strip() == "b'hot'"
+        watcher.send_signal(signal.SIGINT)
+        assert await asyncio.wait_for(watcher.wait(), PATIENCE) == 0
+
+
+async def test_lines_show_every_key_as_the_user_gave_it(directory: Path) -> None:
+    backend = FileBackend(directory)
+    keys = ("1", b"1", 1, 10**5000, -7, "é\0/\n", b"\xff" * 200)
+    async with KeyedQueue(backend=backend).keyed(*keys):
+        lines = await backend.lines()
+    assert [line.key for line in lines] == list(backend.order(keys))
+    for line in lines:
+        assert line.holder is not None
+        assert (line.holder.host, line.holder.pid) == (None, os.getpid())
+        assert (line.holder.token, line.holder.lease_left) == (None, None)
+        assert line.waiters == ()
+    shown = format_lines(lines, "here").split("\n")
+    assert shown[0] == "here: 7 active lines"
+    keys_shown = [text[2:] for text in shown if text.startswith("  ") and text[2] != " "]
+    # in the order of their portable names: bytes, then int, then str
+    assert keys_shown[0] == "b'1'"
+    assert keys_shown[1].startswith("b'\\xff\\xff")
+    assert keys_shown[1].endswith("…")
+    assert keys_shown[2:4] == ["-7", "1"]
+    assert keys_shown[4].startswith("0x31e2")
+    assert keys_shown[4].endswith("…")
+    assert keys_shown[5:] == ["'1'", "'é\\x00/\\n'"]
+    assert all(len(text) <= 120 for text in keys_shown)
+    assert await backend.lines() == []
+
+
+def test_format_lines_shows_what_each_backend_knows() -> None:
+    lines = [
+        LineInfo("a", HolderInfo("web-1", 10, 1.25, 77, 9.5), (WaiterInfo("web-2", 11, 0.5, 8.0),)),
+        LineInfo(b"b", None, (WaiterInfo(None, 12, 2.0),)),
+    ]
+    assert format_lines(lines, "namespace 'ns'") == (
+        "namespace 'ns': 2 active lines\n"
+        "  'a'\n"
+        "    held by web-1 pid 10 for 1.2 s, token 77, lease 9.5 s left\n"
+        "    1. web-2 pid 11 waiting 0.5 s, lease 8.0 s left\n"
+        "  b'b'\n"
+        "    held by nobody (being handed over)\n"
+        "    1. pid 12 waiting 2.0 s"
+    )
+    assert format_lines([], "directory '/x'") == "directory '/x': no active lines"
+    assert show_key("1") == "'1'"
+    assert show_key(b"1") == "b'1'"
+    assert show_key(1) == "1"
+    assert show_key(-(10**5000)).startswith("-0x")
+
+
+@pytest.mark.parametrize(
+    ("arguments", "complaint"),
+    [
+        ([], "one of the arguments --redis --dir is required"),
+        (["--redis", "redis://x", "--dir", "/x"], "not allowed with argument"),
+        (["--dir", "/x", "--namespace", "n"], "--namespace goes with --redis"),
+    ],
+)
+def test_inspect_takes_one_place(
+    arguments: list[str], complaint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["inspect", *arguments])
+    assert complaint in capsys.readouterr().err
+
+
+def test_inspect_of_a_missing_directory_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit:
+        main(["inspect", "--dir", str(tmp_path / "nowhere")])
+    assert exit.value.code == 1
+    assert "there is no directory" in capsys.readouterr().err
+    assert not (tmp_path / "nowhere").exists()

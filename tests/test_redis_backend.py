@@ -78,7 +78,7 @@ async def test_the_line_in_redis_shows_the_holder_and_the_waiters_in_order(
     await waiting(a, 1)
     third = asyncio.create_task(KeyedQueue(backend=c).run("k", lambda: "c"))
     line = await waiting(a, 2)
-    assert line.key == "s:k"
+    assert line.key == "k"
     assert line.holder is not None
     assert line.holder.pid == os.getpid()
     assert 0 < line.holder.lease_left <= LEASE
@@ -663,7 +663,7 @@ async def test_inspect_prints_the_live_lines(
     )
     out = capsys.readouterr().out
     assert f"namespace {namespace!r}: 1 active line" in out
-    assert "s:order-17" in out
+    assert "'order-17'" in out
     assert f"held by {os.uname().nodename} pid {os.getpid()}" in out
     assert "    1. " in out
     gate.set()

@@ -14,12 +14,44 @@ the test drives it step by step:
 - ``fork-hold KEY``: take KEY, fork a child that keeps every inherited file
   open and waits; print ``forked PID``; wait for a stdin line; release;
   print ``released``; wait for a stdin line; end the child.
-- ``fork-increment KEY COUNTER N CHILDREN WHEN``: make one queue at module
-  level, as a preforking server does; if WHEN is ``after``, use it once
-  (``asyncio.run``) before forking; fork CHILDREN children, and each of them
-  and this process run ``increment-redis`` N times, each in an event loop of
-  its own; print ``done ERRORS`` with the errors any of them met (``-``:
-  none).
+- ``try KEY SECONDS``: take KEY with ``timeout=SECONDS``; print ``holding``
+  and release at once, or print ``timeout``; then exit.
+- ``try-cancel KEY``: start taking KEY in a task, cancel it after one pass
+  of the event loop; print ``cancelled`` (or ``holding`` if it got the key
+  that fast); then exit.
+- ``freeze-in-tidy KEY`` (file backend): take KEY and release it; the release
+  tidies the line file, and this process stops itself (SIGSTOP) right after
+  it takes the line file's exclusive lock; print ``released`` once it goes on.
+
+Three commands run without an event loop of their own. One shares a queue
+between processes and threads (file backend):
+
+- ``share KEY COUNTER N THREADS``: make a backend, fork a child that keeps
+  it, and in both run THREADS threads, each doing N increments of COUNTER
+  under KEY, each in an event loop and a queue of its own (``asyncio.run()``
+  per increment) on that one backend; print ``done`` once every increment
+  of both is done, or ``failed`` if one raised.
+
+One forks after making the queue, as a preforking server does (Redis):
+
+- ``fork-increment KEY COUNTER N CHILDREN WHEN``: make one queue; if WHEN
+  is ``after``, use it once (``asyncio.run``) before forking; fork CHILDREN
+  children, and each of them and this process run ``increment-redis`` N
+  times, each in an event loop of its own; print ``done ERRORS`` with the
+  errors any of them met (``-``: none).
+
+The last is a fork server for crashes at every step (file backend), so
+that every child starts clean:
+
+- ``crash-each KEY [compact] [impatient]``: for each stdin line ``N``, fork
+  a child that takes KEY and releases it (printing ``holding`` and
+  ``released``; with ``impatient``, it takes it with ``timeout=0``, and
+  prints ``timeout`` if it is not free) but
+  kills itself with SIGKILL just before the N-th call of the file backend
+  that changes what other processes see (see :class:`Tripwire`); print
+  ``forked PID`` before the child starts, then ``ended killed`` or
+  ``ended exit CODE``. With ``compact``, the child's release compacts the
+  line file whenever someone is left in line behind it.
 """
 
 from __future__ import annotations
@@ -28,6 +60,9 @@ import asyncio
 import os
 import signal
 import sys
+import threading
+from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 from inturn import KeyedQueue, LeaseLost
@@ -57,12 +92,184 @@ def write_counter(path: str, value: int) -> None:
         file.write(str(value))
 
 
+async def increment(counter: str) -> None:
+    """Add one to the integer in the file counter: a lost update if two run at once."""
+    value = read_counter(counter)
+    await asyncio.sleep(0)  # others run here: a lost update, were it not for the key
+    write_counter(counter, value + 1)
+
+
 def say(*words: object) -> None:
     print(*words, flush=True)
 
 
 async def read_line() -> str:
     return await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+
+
+def read_line_unbuffered() -> str:
+    """A stdin line, read a byte at a time: nothing is read ahead for a forked child to share."""
+    line = b""
+    while (byte := os.read(0, 1)) and byte != b"\n":
+        line += byte
+    return line.decode()
+
+
+# -- faults at a chosen step of the file backend ---------------------------------------------
+
+#: The calls of the file backend that change what another process can see
+#: (files, their contents, open ends of tickets, locks): a crash between
+#: two of them is a crash at any instruction, as far as other processes can tell.
+STEPS = {
+    "os": {"open", "close", "write", "pwrite", "ftruncate", "unlink", "mkfifo", "mkdir", "utime"},
+    "fcntl": {"flock"},
+}
+
+
+class Tripwire:
+    """Stands in for the os and fcntl modules inside inturn.backends.file, in this process.
+
+    Every call named in STEPS goes through :meth:`before` and :meth:`after`,
+    which count it and may signal this process: SIGKILL just before call
+    number ``kill_before``, SIGSTOP just after the first exclusive ``flock``
+    that succeeded (``stop_on_exclusive``). The calls themselves are the real ones.
+    """
+
+    def __init__(self, kill_before: int = 0, stop_on_exclusive: bool = False) -> None:
+        self.calls = 0
+        self.kill_before = kill_before
+        self.stop_on_exclusive = stop_on_exclusive
+
+    def install(self, module: ModuleType) -> None:
+        for name, watched in STEPS.items():
+            setattr(module, name, _Watched(getattr(module, name), watched, self))
+
+    def before(self, name: str, args: tuple[Any, ...]) -> None:
+        self.calls += 1
+        if self.calls == self.kill_before:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def after(self, name: str, args: tuple[Any, ...]) -> None:
+        import fcntl
+
+        if self.stop_on_exclusive and name == "flock" and args[1] & fcntl.LOCK_EX:
+            self.stop_on_exclusive = False
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
+class _Watched:
+    """A module whose functions in names report to a Tripwire around each call."""
+
+    def __init__(self, module: Any, names: set[str], tripwire: Tripwire) -> None:
+        self._module = module
+        self._names = names
+        self._tripwire = tripwire
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(self._module, name)
+        if name not in self._names:
+            return real
+        tripwire = self._tripwire
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            tripwire.before(name, args)
+            result = real(*args, **kwargs)
+            tripwire.after(name, args)
+            return result
+
+        return call
+
+
+def file_module() -> ModuleType:
+    from inturn.backends import file
+
+    return file
+
+
+async def victim(spec: str, key: str, step: int, flags: list[str]) -> None:
+    """Take key and release it, killed just before the step-th watched call."""
+    queue = KeyedQueue(backend=make_backend(spec))
+    module = file_module()
+    if "compact" in flags:
+        module._COMPACT_AT = 0  # type: ignore[attr-defined]
+    Tripwire(kill_before=step).install(module)
+    try:
+        async with queue.keyed(key, timeout=0 if "impatient" in flags else None):
+            say("holding")
+    except TimeoutError:
+        say("timeout")
+    else:
+        say("released")
+
+
+def crash_each(spec: str, key: str, flags: list[str]) -> None:
+    """The fork server of ``crash-each`` (see the module docstring)."""
+    while line := read_line_unbuffered():
+        go_read, go_write = os.pipe()
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the child
+            os.close(go_write)
+            os.read(go_read, 1)  # until the parent has said which pid it is
+            code = 0
+            try:
+                asyncio.run(victim(spec, key, int(line), flags))
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+                code = 1
+            finally:
+                sys.stdout.flush()
+                os._exit(code)
+        os.close(go_read)
+        say("forked", child)
+        os.write(go_write, b"g")
+        os.close(go_write)
+        _, status = os.waitpid(child, 0)
+        if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
+            say("ended", "killed")
+        else:
+            say("ended", "exit", os.waitstatus_to_exitcode(status))
+
+
+def share(spec: str, key: str, counter: str, n: int, threads: int) -> None:
+    """The ``share`` command (see the module docstring)."""
+    backend = make_backend(spec)
+    failures: list[BaseException] = []
+
+    def increments() -> None:
+        try:
+            for _ in range(n):
+                # (a queue serves one event loop at a time; the backend, any)
+                asyncio.run(KeyedQueue(backend=backend).run(key, increment, counter))
+        except BaseException as error:
+            failures.append(error)
+            raise
+
+    child = os.fork()
+    runners = [threading.Thread(target=increments) for _ in range(threads)]
+    for runner in runners:
+        runner.start()
+    for runner in runners:
+        runner.join()
+    if child == 0:  # pragma: no cover - the child
+        os._exit(1 if failures else 0)
+    _, status = os.waitpid(child, 0)
+    say("done" if not failures and os.waitstatus_to_exitcode(status) == 0 else "failed")
+
+
+def run_command(command: str, args: tuple[str, ...], spec: str) -> Callable[[], None] | None:
+    """The commands that run without an event loop of this process's own."""
+    if command == "crash-each":
+        key, *flags = args
+        return lambda: crash_each(spec, key, flags)
+    if command == "share":
+        key, counter, n, threads = args
+        return lambda: share(spec, key, counter, int(n), int(threads))
+    if command == "fork-increment":
+        key, counter, n, children, when = args
+        return lambda: fork_increment(spec, key, counter, n, children, when)
+    return None
 
 
 async def main(spec: str, command: str, *args: str) -> None:
@@ -81,14 +288,8 @@ async def main(spec: str, command: str, *args: str) -> None:
             say("released")
     elif command == "increment":
         key, counter, n = args
-
-        async def increment() -> None:
-            value = read_counter(counter)
-            await asyncio.sleep(0)  # others run here: a lost update, were it not for the key
-            write_counter(counter, value + 1)
-
         for _ in range(int(n)):
-            await queue.run(key, increment)
+            await queue.run(key, increment, counter)
         say("done")
     elif command == "increment-redis":
         import redis.asyncio as aioredis
@@ -122,6 +323,33 @@ async def main(spec: str, command: str, *args: str) -> None:
         await read_line()
         os.kill(child, signal.SIGTERM)
         await asyncio.get_running_loop().run_in_executor(None, os.waitpid, child, 0)
+    elif command == "try":
+        key, seconds = args
+        try:
+            async with queue.keyed(key, timeout=float(seconds)):
+                say("holding")
+        except TimeoutError:
+            say("timeout")
+    elif command == "try-cancel":
+        (key,) = args
+
+        async def take() -> None:
+            async with queue.keyed(key):
+                say("holding")
+
+        task = asyncio.create_task(take())
+        await asyncio.sleep(0)  # one pass: the task is waiting, wherever it waits
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            say("cancelled")
+    elif command == "freeze-in-tidy":
+        (key,) = args
+        async with queue.keyed(key):
+            say("holding")
+            Tripwire(stop_on_exclusive=True).install(file_module())
+        say("released")
     else:
         raise SystemExit(f"unknown command {command!r}")
     await queue.aclose()
@@ -177,7 +405,9 @@ def fork_increment(spec: str, key: str, counter: str, n: str, children: str, whe
 
 
 if __name__ == "__main__":
-    if sys.argv[2] == "fork-increment":
-        fork_increment(sys.argv[1], *sys.argv[3:])
+    spec, command, *rest = sys.argv[1:]
+    server = run_command(command, tuple(rest), spec)
+    if server is not None:
+        server()
     else:
-        asyncio.run(main(*sys.argv[1:]))
+        asyncio.run(main(spec, command, *rest))

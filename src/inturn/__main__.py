@@ -1,14 +1,23 @@
-"""The command line: ``python -m inturn demo``, ``python -m inturn inspect --redis URL``."""
+"""The command line: ``python -m inturn demo``, and ``inspect`` of Redis or of a directory.
+
+::
+
+    python -m inturn demo
+    python -m inturn inspect --redis URL [--namespace NAME] [--watch]
+    python -m inturn inspect --dir PATH [--watch]
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Protocol
 
 from . import BackendUnavailable, KeyedQueue
+from .backends import LineInfo
 
 __all__ = ("main",)
 
@@ -70,37 +79,74 @@ async def demo(tasks: int = 1000, keys: int = 4) -> tuple[dict[str, int], dict[s
     return unsafe, safe
 
 
-def format_lines(lines: Sequence[Any], namespace: str) -> str:
-    """Render RedisBackend.lines() for people: one block per key, holder then waiters."""
+#: The longest a key is shown: a longer one is cut short, with an ellipsis.
+_KEY_SHOWN = 120
+
+
+def show_key(key: str | bytes | int) -> str:
+    """A key as Python writes it: 'a str' quoted, b'bytes' with its b, an int bare.
+
+    So "1", b"1" and 1 never look alike. An int too long for decimal
+    (beyond what ``str()`` converts) is written in hexadecimal (``0x...``);
+    a key longer than 120 characters is cut short, with an ellipsis.
+    """
+    if isinstance(key, int) and key.bit_length() > 4 * _KEY_SHOWN:
+        shown = f"{'-' if key < 0 else ''}0x{abs(key):x}"  # any size, without a str() limit
+    else:
+        shown = repr(key)
+    return shown if len(shown) <= _KEY_SHOWN else shown[: _KEY_SHOWN - 1] + "…"
+
+
+def _who(host: str | None, pid: int) -> str:
+    return f"pid {pid}" if host is None else f"{host} pid {pid}"
+
+
+def _lease(left: float | None) -> str:
+    return "" if left is None else f", lease {left:.1f} s left"
+
+
+def format_lines(lines: Sequence[LineInfo], where: str) -> str:
+    """Render a backend's ``lines()`` for people: one block per key, holder then waiters.
+
+    where names the place of the lines (``namespace 'shop'``, ``directory
+    '/run/app'``). Keys are shown by :func:`show_key`; a host, token or
+    lease is shown where the backend knows it (Redis), not on the file backend.
+    """
     if not lines:
-        return f"namespace {namespace!r}: no active lines"
-    out = [f"namespace {namespace!r}: {len(lines)} active line{'s' if len(lines) != 1 else ''}"]
+        return f"{where}: no active lines"
+    out = [f"{where}: {len(lines)} active line{'s' if len(lines) != 1 else ''}"]
     for line in lines:
-        out.append(f"  {line.key}")
+        out.append(f"  {show_key(line.key)}")
         if line.holder is None:
             out.append("    held by nobody (being handed over)")
         else:
             h = line.holder
+            token = "" if h.token is None else f", token {h.token}"
             out.append(
-                f"    held by {h.host} pid {h.pid} for {h.held_for:.1f} s, token {h.token}, "
-                f"lease {h.lease_left:.1f} s left"
+                f"    held by {_who(h.host, h.pid)} for {h.held_for:.1f} s{token}"
+                f"{_lease(h.lease_left)}"
             )
         for place, w in enumerate(line.waiters, 1):
             out.append(
-                f"    {place}. {w.host} pid {w.pid} waiting {w.waiting_for:.1f} s, "
-                f"lease {w.lease_left:.1f} s left"
+                f"    {place}. {_who(w.host, w.pid)} waiting {w.waiting_for:.1f} s"
+                f"{_lease(w.lease_left)}"
             )
     return "\n".join(out)
 
 
-async def inspect_redis(url: str, namespace: str, watch: float | None) -> None:
-    """Print the live lines of a namespace; with watch, again every watch seconds."""
-    from .backends.redis import RedisBackend
+class _Lines(Protocol):
+    """A backend that can show its lines (RedisBackend, FileBackend)."""
 
-    backend = RedisBackend.from_url(url, namespace=namespace)
+    async def lines(self) -> list[LineInfo]: ...
+
+    async def aclose(self) -> None: ...
+
+
+async def inspect_lines(backend: _Lines, where: str, watch: float | None) -> None:
+    """Print the live lines of backend; with watch, again every watch seconds."""
     try:
         while True:
-            report = format_lines(await backend.lines(), namespace)
+            report = format_lines(await backend.lines(), where)
             if watch is None:
                 print(report)
                 return
@@ -110,6 +156,21 @@ async def inspect_redis(url: str, namespace: str, watch: float | None) -> None:
         await backend.aclose()
 
 
+def _open_lines(options: argparse.Namespace) -> tuple[_Lines, str]:
+    """The backend that inspect looks at, and how to name where its lines are."""
+    if options.redis is not None:
+        from .backends.redis import RedisBackend
+
+        namespace = options.namespace or "inturn"
+        return RedisBackend.from_url(options.redis, namespace=namespace), f"namespace {namespace!r}"
+    from .backends.file import FileBackend
+
+    if not os.path.isdir(options.dir):
+        raise FileNotFoundError(f"inturn: there is no directory {options.dir}")
+    backend = FileBackend(options.dir)
+    return backend, f"directory {str(backend.directory)!r}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m inturn", description="inturn's command line")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -117,10 +178,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_demo.add_argument("--tasks", type=int, default=1000, help="increments (default 1000)")
     run_demo.add_argument("--keys", type=int, default=4, help="counters (default 4)")
     inspect = commands.add_parser(
-        "inspect", help="show who holds and who waits for each key of a Redis namespace"
+        "inspect",
+        help="show who holds and who waits for each key: in a Redis namespace, "
+        "or in a file backend's directory",
     )
-    inspect.add_argument("--redis", required=True, metavar="URL", help="redis://host:port/db")
-    inspect.add_argument("--namespace", default="inturn", help="the backend's namespace")
+    where = inspect.add_mutually_exclusive_group(required=True)
+    where.add_argument(
+        "--redis", metavar="URL", help="a Redis backend's server: redis://host:port/db"
+    )
+    where.add_argument("--dir", metavar="PATH", help="a file backend's directory, as given to it")
+    inspect.add_argument(
+        "--namespace", default=None, help="the Redis backend's namespace (default: inturn)"
+    )
     inspect.add_argument(
         "--watch",
         type=float,
@@ -132,11 +201,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     options = parser.parse_args(argv)
     if options.command == "inspect":
+        if options.dir is not None and options.namespace is not None:
+            parser.error("--namespace goes with --redis")
         try:
-            asyncio.run(inspect_redis(options.redis, options.namespace, options.watch))
+            backend, place = _open_lines(options)
+            asyncio.run(inspect_lines(backend, place, options.watch))
         except KeyboardInterrupt:
             pass
-        except BackendUnavailable as error:
+        except (BackendUnavailable, OSError) as error:
             parser.exit(1, f"{error}\n")
         return 0
     if options.tasks < 1 or options.keys < 1:

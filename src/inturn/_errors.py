@@ -51,7 +51,8 @@ class LeaseLost(InturnError):
     processes may have been given the key while this work still ran. The
     work's own result is then withheld and this error raised instead, after
     the work finished; ``turn.lease_lost`` turns true as soon as the loss is
-    known, so long work can check it and stop early.
+    known, so long work can check it and stop early. The file backend raises
+    it when the files that kept the turn were deleted under it.
     """
 
 

@@ -20,6 +20,7 @@ __all__ = (
     "compile_key",
     "order_keys",
     "order_portable",
+    "portable_key",
     "portable_name",
     "unhashable",
 )
@@ -37,6 +38,11 @@ KeyFunction: TypeAlias = Callable[[tuple[Any, ...], dict[str, Any]], Any]
 _MISSING: Final = inspect.Parameter.empty
 _POSITIONAL: Final = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 _FIELD_ROOT: Final = re.compile(r"[^.\[]*")
+#: An int of at most this many bits is named in decimal: 603 digits at most,
+#: under any limit ``sys.set_int_max_str_digits()`` can set (640 at least),
+#: so every process names it alike. A larger one is named in hexadecimal,
+#: which has no such limit.
+_DECIMAL_BITS: Final = 2000
 
 
 def unhashable(key: object) -> TypeError:
@@ -71,19 +77,50 @@ def portable_name(key: Hashable) -> bytes:
     """The bytes that name key's line outside this process, the same in every process.
 
     Only ``str``, ``bytes`` and ``int`` keys (``bool`` counts as ``int``, as
-    in process ``True == 1``) have one; the type is part of the name, so
-    ``1`` and ``"1"`` stay different lines, as they are in process.
+    in process ``True == 1``) have one, whatever their size; the type is part
+    of the name, so ``1`` and ``"1"`` stay different lines, as they are in
+    process. Distinct keys have distinct names, and :func:`portable_key`
+    turns a name back into its key.
     """
     if isinstance(key, str):
         return b"s:" + key.encode("utf-8", "surrogatepass")
     if isinstance(key, bytes):
         return b"b:" + key
     if isinstance(key, int):
-        return b"i:%d" % key
+        if key.bit_length() <= _DECIMAL_BITS:
+            return b"i:%d" % key
+        return b"i:-x%x" % -key if key < 0 else b"i:x%x" % key
     raise TypeError(
         f"inturn: key {key!r} ({type(key).__name__}) cannot name a line shared between "
         "processes; use a str, bytes or int key (for example f'order-{order_id}')"
     )
+
+
+def portable_key(name: bytes | str) -> str | bytes | int:
+    """The key that :func:`portable_name` gave name: the key as the user gave it.
+
+    A ``bool`` comes back as the ``int`` it equals. name may also be the
+    name as text (its UTF-8 decoding).
+
+    :raises ValueError: name is not a portable name.
+    """
+    if isinstance(name, str):
+        name = name.encode("utf-8", "surrogatepass")
+    kind, rest = name[:2], name[2:]
+    if kind == b"s:":
+        return rest.decode("utf-8", "surrogatepass")
+    if kind == b"b:":
+        return rest
+    if kind == b"i:":
+        sign, digits = (-1, rest[1:]) if rest.startswith(b"-") else (1, rest)
+        hexadecimal = digits.startswith(b"x")
+        digits = digits[1:] if hexadecimal else digits
+        if digits.isalnum() and digits.isascii():
+            try:
+                return sign * int(digits, 16 if hexadecimal else 10)
+            except ValueError:
+                pass
+    raise ValueError(f"inturn: {name[:80]!r} is not the portable name of a key")
 
 
 def order_portable(keys: Iterable[Hashable]) -> tuple[Hashable, ...]:

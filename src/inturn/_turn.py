@@ -197,8 +197,9 @@ class Turn:
         A shared backend covers each holder with a lease that a heartbeat
         renews; if it ran out (the backend was unreachable, or the process
         was frozen past it), another process may hold a key of this turn by
-        now. Long work can check this and stop early. Always ``False`` in
-        process: an in-process turn cannot be lost.
+        now. On the file backend, the turn is lost if the line's files were
+        deleted under it. Long work can check this and stop early. Always
+        ``False`` in process: an in-process turn cannot be lost.
         """
         shared = self._shared
         if shared is None:
@@ -446,7 +447,8 @@ class Turn:
             if lost:
                 what = ", ".join(f"{grant.key!r} (token {grant.token})" for grant in lost)
                 message = (
-                    f"inturn: the lease on {what} ran out while the work held it; "
+                    f"inturn: the backend could no longer vouch for the turn on {what} while "
+                    "the work held it (a lease ran out, or the line's files were deleted); "
                     "another process may have held the key meanwhile"
                 )
                 if error is None:

@@ -9,7 +9,9 @@ given a backend that shares them with other processes::
 
 This package holds what every backend has in common: the :class:`Backend`
 protocol and the :class:`Grant` it hands out for one key, the :class:`Turn`
-a holder is given, and the in-process :class:`LocalBackend`. Each backend
+a holder is given, the in-process :class:`LocalBackend`, and the snapshots
+of shared lines that ``lines()`` of the Redis and the file backends returns
+(:class:`LineInfo`, :class:`HolderInfo`, :class:`WaiterInfo`). Each backend
 that shares lines lives in a public module of its own
 (``inturn.backends.file``, ``inturn.backends.redis``), imported only by
 those who use it.
@@ -20,6 +22,9 @@ from __future__ import annotations
 from .._turn import Turn as Turn
 from ._base import Backend as Backend
 from ._base import Grant as Grant
+from ._lines import HolderInfo as HolderInfo
+from ._lines import LineInfo as LineInfo
+from ._lines import WaiterInfo as WaiterInfo
 from ._local import LocalBackend as LocalBackend
 
-__all__ = ("Backend", "Grant", "LocalBackend", "Turn")
+__all__ = ("Backend", "Grant", "HolderInfo", "LineInfo", "LocalBackend", "Turn", "WaiterInfo")

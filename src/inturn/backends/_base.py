@@ -24,7 +24,7 @@ class Grant(Protocol):
 
     @property
     def lost(self) -> bool:
-        """Whether the backend can no longer vouch for this grant (its lease ran out)."""
+        """Whether the backend can no longer vouch for this grant (its lease ran out, say)."""
         ...
 
 

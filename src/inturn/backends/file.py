@@ -7,7 +7,9 @@
 
     downloads = KeyedQueue(backend=FileBackend("/var/run/myapp/inturn"))
 
-How a line is kept (every step is a plain file operation; nothing polls):
+How a line is kept (every step is a plain file operation; nothing polls,
+but the rare wait for a line file's lock that its holder keeps for longer
+than its few system calls: see _lock):
 
 - A *ticket* is a FIFO (named pipe), ``<digest>.<pid>.<random>.t``, that
   its owner keeps open for writing from the moment it queues until it
@@ -16,21 +18,26 @@ How a line is kept (every step is a plain file operation; nothing polls):
   process's files), the FIFO has none, and never gets one back. A reader
   of the FIFO sees end of file at that moment.
 - Each key has a *line file*, ``<digest>.line``, named by the SHA-256 of
-  the key (never the key itself, so no key can name a file outside the
-  directory): the names of the key's tickets, in arrival order, one per
-  line. A process queues by appending its ticket's name to it (one
-  ``O_APPEND`` write, under a shared ``flock``, so arrivals never wait for
-  each other) and reading the names before its own.
-- A process holds the key once every ticket before its own has no writer.
-  It waits, in its event loop, for end of file on the nearest one that
-  still has one. A holder that releases writes ``H<token>`` into its ticket
-  before closing it: whoever waits on it then knows every earlier ticket
-  is done too, and takes the key at once, with the next fencing token. If
-  the ticket closed without that (its owner gave up or died), the waiter
-  looks further back.
-- After releasing, a holder tidies up: if no ticket behind it is still in
-  line, it deletes the line file and the FIFOs it lists, under an
-  exclusive ``flock``; a long line file is compacted the same way.
+  the key's portable name (never the key itself, so no key can name a
+  file outside the directory): the key's tickets, in arrival order, one
+  record per line (``_linefile.py`` has the format). A process queues
+  under a shared ``flock`` of the line file, so arrivals never wait for
+  each other: it appends a mark that its ticket is coming, makes the
+  FIFO, appends the ticket (each one ``O_APPEND`` write), and reads the
+  tickets before its own.
+- A process holds the key once every ticket before its own has no writer,
+  or has handed the key on. It waits, in its event loop, on the nearest one
+  that still has a writer. A holder that releases writes ``H<token>`` into
+  its ticket, then closes it: whoever waits on it takes the key as soon as
+  it reads that, with the next fencing token (the holder held, so every
+  earlier ticket is done too). If the ticket closed without it (its owner
+  gave up or died), the waiter looks further back.
+- After releasing (or giving up), a process tidies up: if no ticket behind
+  its own is still in line, or the file grew long, it finds which tickets
+  have no writer and removes their FIFOs, under the shared lock; then,
+  under the exclusive lock, for a few system calls only, it deletes the
+  line file if nobody is left in it, or writes the tickets still in line
+  over the old records and cuts the file to them.
 
 Why two processes never hold a key at once: a process holds only when
 every earlier ticket in the line has no writer, and a holder keeps its
@@ -39,14 +46,29 @@ changes by appending, or, under the exclusive lock, by dropping tickets
 that have no writer. A process that locked a line file checks that it is
 still the file at that path before it trusts it, so two processes never
 work on two different line files for one key.
+
+Why a crash at any instruction leaves every line usable, and every file
+removed by a later turn on the key: a FIFO is made only after the mark
+that it is coming, so a process killed while queueing leaves a mark that
+the next tidy under the exclusive lock, where nobody can be queueing,
+reads as "died here" (the FIFO, if made, is removed). A ticket left by a
+killed process has no writer, so it is skipped like one that left, and
+tidied. A compaction killed between its write and its cut leaves records
+that read back right (see ``_linefile.py``), and its write is never
+longer than the kernel does at once.
+
+Every file is opened relative to the directory's descriptor and never
+through a symbolic link (see ``_directory.py`` for which directories are
+accepted); if the directory is removed, the next turn makes it again,
+with the same checks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import os
-import secrets
 import stat
 import sys
 import tempfile
@@ -55,8 +77,25 @@ from collections.abc import Awaitable, Hashable
 from pathlib import Path
 from typing import final
 
-from .._keys import order_portable, portable_name
+from .._keys import order_portable, portable_key, portable_name
 from ._base import Grant
+from ._directory import Directory
+from ._linefile import (
+    Records,
+    joined,
+    joining,
+    line_name,
+    new_ticket,
+    parse,
+    pid_of,
+    pipe_name,
+    read_records,
+    record_of,
+    render,
+    ticket_of,
+)
+from ._lines import HolderInfo, LineInfo, WaiterInfo
+from ._tickets import alive, hand_off, handed, peek, probe, until_left
 
 __all__ = ("FileBackend", "FileGrant")
 
@@ -65,34 +104,46 @@ if sys.platform == "win32":  # pragma: no cover - checked at construction
 else:
     import fcntl
 
-_TICKET = ".t"
-_LINE = ".line"
-#: What a releasing holder writes into its ticket: H, then its token.
-_HANDED = b"H"
-#: Compact a line file whose names outnumber this (dead tickets pile up in a busy line).
-_COMPACT_AT = 64
-#: Bytes read from a line file at once.
-_READ = 65536
-#: Tries at a line file's lock before waiting for it in a thread (see _flock_soon).
+#: Compact a line file with more records than this (two per turn: a busy line's
+#: file grows, as the tickets that left are only dropped by a compaction).
+_COMPACT_AT = 128
+#: The kernel copies a write into a file page by page, and a process killed
+#: meanwhile stops between two pages: a compaction writes its tickets only
+#: where they fit between two page boundaries, so that they are written whole or not at all.
+_PAGE = 4096 if sys.platform == "win32" else os.sysconf("SC_PAGE_SIZE")
+#: Tries at a line file's lock, yielding the CPU between them, before waiting on a timer.
 _FLOCK_TRIES = 16
+#: The first and the longest pause between two tries at a line file's lock that stays taken.
+_LOCK_PAUSES = (0.001, 0.05)
+#: A ticket's time (inspect's "held for") is when it queued, unless its turn
+#: came later than this (seconds): then it is set to when the turn began.
+#: So the holder's time is right to 0.05 s, at no cost to a turn that came soon.
+_LATE = 0.05
+#: How a line file is opened: for appending, made if missing, never through a link.
+_OPEN_LINE = os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+#: How a line file is read by whoever is not in its line: never through a link.
+_OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: How a ticket's owner opens it: as its writer (O_RDWR: without waiting for a reader).
+_OPEN_TICKET = os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 
-# The writer ends of the tickets this process holds open. A child forked
-# while a ticket is open closes its copies at once: otherwise the ticket
-# would keep a writer, and its line would wait for the child to exit.
-_OPEN_TICKETS: set[int] = set()
+# The files this process holds open for its turns: the writer ends of its
+# tickets, and its line files. A child forked meanwhile closes its copies
+# at once: otherwise a ticket would keep a writer, and its line would wait
+# for the child to exit (and a line file's lock could outlive its user).
+_OPEN: set[int] = set()
 
 
-def _close_inherited_tickets() -> None:
-    for fd in _OPEN_TICKETS:
+def _close_inherited() -> None:
+    for fd in _OPEN:
         try:
             os.close(fd)
         except OSError:  # pragma: no cover - closed by the child's own code already
             pass
-    _OPEN_TICKETS.clear()
+    _OPEN.clear()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_close_inherited_tickets)
+    os.register_at_fork(after_in_child=_close_inherited)
 
 
 def _check_platform() -> None:
@@ -107,219 +158,217 @@ def _default_directory() -> Path:
     return Path(tempfile.gettempdir()) / f"inturn-{os.geteuid()}"
 
 
-def _prepare(directory: Path) -> Path:
-    """Create directory owner-only if missing; refuse one that is not ours."""
-    try:
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-    except FileExistsError:
-        pass  # a file, not a directory: refused below
-    try:
-        info = os.lstat(directory)
-    except OSError as error:
-        raise OSError(error.errno, f"inturn: cannot use {directory} for lines: {error}") from None
-    if stat.S_ISLNK(info.st_mode):
-        raise PermissionError(
-            f"inturn: {directory} is a symbolic link; give FileBackend the real directory "
-            f"({os.path.realpath(directory)}), so nobody can swap the link"
-        )
-    if not stat.S_ISDIR(info.st_mode):
-        raise NotADirectoryError(f"inturn: {directory} exists and is not a directory")
-    if info.st_uid != os.geteuid():
-        raise PermissionError(
-            f"inturn: {directory} belongs to uid {info.st_uid}, not to this user "
-            f"(uid {os.geteuid()}); whoever owns it could break or fake the lines. "
-            "Use a directory of your own"
-        )
-    return directory
+def _missed(key: Hashable) -> TimeoutError:
+    return TimeoutError(f"inturn: the turn for key {key!r} was not reached in time")
 
 
-def _probe(path: str) -> tuple[int | None, bytes]:
-    """Open ticket FIFO path for reading: (fd, data) if its owner is still in line.
+def _unlinked(fd: int) -> bool:
+    """Whether the file open at fd is in the directory no more (its last user deleted it).
 
-    The fd is None if the ticket is gone or has no writer (its owner left or
-    died); data is what the owner wrote into it (``H<token>`` on release).
-    An fd that is returned reports end of file when the owner leaves.
+    The backend only ever deletes a line file or a ticket (never renames or
+    replaces one), so one that still has a name has the name it was opened by.
     """
+    return os.fstat(fd).st_nlink == 0
+
+
+def _flock_now(fd: int, mode: int) -> bool:
+    """flock fd in mode if nobody holds it in a way that excludes that; never waits."""
+    assert fcntl is not None
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None, b""
-    data = b""
-    try:
-        # Read at once: with no writer this is end of file (and Linux would
-        # not report a hang-up for a writer that left before the open).
-        while chunk := os.read(fd, 64):
-            data += chunk
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
     except BlockingIOError:
-        return fd, data  # a writer holds it open: its owner is in line
-    os.close(fd)
-    return None, data
+        return False
+    return True
 
 
-async def _until_closed(fd: int, deadline: float | None, key: Hashable) -> bytes:
-    """Wait in the event loop until ticket fd reports end of file; return what it carried."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[bytes] = loop.create_future()
-    data = bytearray()
-
-    def readable() -> None:
-        try:
-            while chunk := os.read(fd, 64):
-                data.extend(chunk)
-        except BlockingIOError:
-            return  # data, and the owner is still there
-        if not done.done():
-            done.set_result(bytes(data))
-
-    def expire() -> None:
-        if not done.done():
-            done.set_exception(
-                TimeoutError(f"inturn: the turn for key {key!r} was not reached in time")
-            )
-
-    loop.add_reader(fd, readable)
-    timer = None if deadline is None else loop.call_at(deadline, expire)
-    try:
-        return await done
-    finally:
-        loop.remove_reader(fd)
-        if timer is not None:
-            timer.cancel()
-
-
-def _still_there(fd: int) -> bool:
-    """Whether the file open at fd is still in the directory (its last user did not delete it).
-
-    A line file only ever leaves its path by being deleted (never renamed
-    or replaced), so one that still has a name has the name it was opened by.
-    """
-    return os.fstat(fd).st_nlink > 0
-
-
-def _flock_soon(fd: int, mode: int) -> None:
+def _flock_soon(fd: int, mode: int) -> bool:
     """flock fd in mode if that takes no longer than its holder's few system calls.
 
     Yields the CPU between a few tries, so that a holder on this core can
-    finish; raises BlockingIOError if the lock is still held after them.
+    finish; False if the lock is still held after them.
     """
-    assert fcntl is not None
     for _ in range(_FLOCK_TRIES):
-        try:
-            fcntl.flock(fd, mode | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.sched_yield()
-        else:
-            return
-    fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        if _flock_now(fd, mode):
+            return True
+        os.sched_yield()
+    return _flock_now(fd, mode)
 
 
-def _open_line(path: str) -> int:
-    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+async def _lock(fd: int, mode: int, deadline: float | None, key: Hashable) -> None:
+    """flock fd in mode, in the event loop, by deadline at the latest; never blocks a thread.
 
+    Holders keep a line file's lock for a few system calls, so it is tried
+    a few times first (see _flock_soon). If it is still taken, its holder
+    was descheduled or stopped inside them. The kernel tells nobody when a
+    flock is let go, and a thread blocked in flock() could be neither
+    bounded nor cancelled (and would keep its process from exiting), so the
+    lock is tried again on the loop's timer, every millisecond at first,
+    then less and less often, up to every 50 ms.
 
-def _try_lock_line(path: str, mode: int) -> int | None:
-    """Open the line file at path (creating it) and flock it in mode; return its fd.
-
-    Others hold the lock for a few system calls, so it is only tried, a few
-    times (see _flock_soon): None if it is still taken.
-    """
-    while True:
-        fd = _open_line(path)
-        try:
-            _flock_soon(fd, mode)
-        except BaseException as error:
-            os.close(fd)
-            if isinstance(error, BlockingIOError):
-                return None
-            raise
-        if _still_there(fd):
-            return fd
-        os.close(fd)  # deleted by its last user meanwhile: start again
-
-
-async def _lock_line(path: str, mode: int) -> int:
-    """As _try_lock_line, but if the lock stays taken, wait for it in a thread.
-
-    So the event loop never waits on the blocking call.
+    :raises TimeoutError: the lock was still taken at deadline.
     """
     assert fcntl is not None
-    while (fd := _try_lock_line(path, mode)) is None:
-        fd = _open_line(path)
-        locking = asyncio.get_running_loop().run_in_executor(None, fcntl.flock, fd, mode)
-        try:
-            await asyncio.shield(locking)
-        except BaseException:
-            # Cancelled while the thread waits: it still gets the lock
-            # some day; closing the fd then lets it go.
-            locking.add_done_callback(lambda _, fd=fd: os.close(fd))  # type: ignore[misc]
-            raise
-        if _still_there(fd):
-            return fd
-        os.close(fd)  # deleted by its last user meanwhile: start again
-    return fd
+    if _flock_soon(fd, mode):
+        return
+    loop = asyncio.get_running_loop()
+    pause, longest = _LOCK_PAUSES
+    while True:
+        if deadline is not None:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise _missed(key)
+            pause = min(pause, left)
+        await asyncio.sleep(pause)
+        if _flock_now(fd, mode):
+            return
+        pause = min(pause * 2, longest)
 
 
-def _names(fd: int) -> list[str]:
-    """The ticket names in the line file, in order (a last line still being written is left out)."""
-    chunks = []
-    offset = 0
-    while chunk := os.pread(fd, _READ, offset):
-        chunks.append(chunk)
-        offset += len(chunk)
-        if len(chunk) < _READ:  # the end (an append since is not ours to see)
-            break
-    text = b"".join(chunks).decode("ascii")
-    return text.split("\n")[:-1]
-
-
-def _rewrite(path: str, names: list[str]) -> None:
-    """Replace the line file's names; the caller holds its exclusive lock."""
-    data = "".join(f"{name}\n" for name in names).encode("ascii")
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)  # not O_APPEND: written from the start
+def _open_line(directory: Directory, name: str) -> int:
+    """Open (making it if missing) the line file name in directory."""
     try:
-        # Write, then cut to length: never truncate to zero, which makes ext4
-        # flush the file to disk on close (its rewrite-in-place heuristic).
-        os.pwrite(fd, data, 0)
-        os.ftruncate(fd, len(data))
+        return os.open(name, _OPEN_LINE, 0o600, dir_fd=directory.fd)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise PermissionError(
+                f"inturn: the line file {directory.path / name} is a symbolic link, which "
+                "inturn never follows: another process of this user put it there. Remove it"
+            ) from None
+        raise
+
+
+def _check_regular(directory: Directory, name: str, info: os.stat_result) -> None:
+    if not stat.S_ISREG(info.st_mode):
+        raise PermissionError(
+            f"inturn: the line file {directory.path / name} is not a regular file: another "
+            "process of this user put it there. Remove it"
+        )
+
+
+def _rewrite(fd: int, key: bytes | None, tickets: list[str]) -> None:
+    """Write tickets over the line file's records and cut it to them, if the write is whole.
+
+    The caller holds the exclusive lock. If the tickets would straddle a
+    page boundary (see _PAGE), the file is left as it is (and is compacted
+    once the line is shorter).
+    """
+    assert fcntl is not None
+    data = render(key, tickets)
+    first = len(render(key, []))  # where the tickets start: the key's record stays as it was
+    if first // _PAGE != (len(data) - 1) // _PAGE:
+        return
+    fcntl.fcntl(fd, fcntl.F_SETFL, 0)  # not O_APPEND: written from the start
+    os.pwrite(fd, data, 0)
+    # Cut after writing, never to zero first: ext4 flushes a file cut to zero on close.
+    os.ftruncate(fd, len(data))
+
+
+def _read_line(directory: int, digest: str) -> Records | None:
+    """The records of digest's line file, read without its lock; None if there is none."""
+    try:
+        fd = os.open(line_name(digest), _OPEN_READ, dir_fd=directory)
+    except OSError as error:
+        if error.errno in (errno.ENOENT, errno.ELOOP):
+            return None
+        raise
+    try:
+        return parse(read_records(fd))
     finally:
         os.close(fd)
 
 
-def _unlink(path: str) -> None:
+def _in_line(directory: int, digest: str, tickets: list[str]) -> list[tuple[str, os.stat_result]]:
+    """The tickets still in line, with the stat of each one's FIFO, in turn order."""
+    return [
+        (ticket, info)
+        for ticket in tickets
+        if (info := peek(directory, pipe_name(digest, ticket))) is not None
+    ]
+
+
+def _snapshot(directory: int, digest: str, now: float) -> LineInfo | None:
+    """Digest's line as it is: None if nobody is in it, or it does not record its key."""
+    found = _read_line(directory, digest)
+    if found is None or found.key is None:
+        return None
+    here = _in_line(directory, digest, found.tickets)
+    if not here:
+        return None
     try:
-        os.unlink(path)
+        key = portable_key(found.key)
+    except ValueError:
+        return None  # (not a key this backend wrote)
+    (first, since), *rest = here
+    return LineInfo(
+        key,
+        HolderInfo(None, pid_of(first), max(0.0, now - since.st_mtime)),
+        tuple(WaiterInfo(None, pid_of(t), max(0.0, now - info.st_mtime)) for t, info in rest),
+    )
+
+
+def _unlink(directory: int, name: str) -> None:
+    try:
+        os.unlink(name, dir_fd=directory)
     except FileNotFoundError:
         pass
 
 
-def _alive(path: str) -> bool:
-    fd, _ = _probe(path)
-    if fd is None:
-        return False
-    os.close(fd)
-    return True
+def _remove(directory: int, name: str) -> None:
+    """Delete ticket FIFO name if it is still there (most are: their owners removed them).
+
+    Looked up first: a lookup takes no lock of the directory, where a
+    deletion, even of nothing, waits for every other process's.
+    """
+    try:
+        os.stat(name, dir_fd=directory, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    _unlink(directory, name)
 
 
 @final
 class FileGrant:
     """The turn on one key granted by a :class:`FileBackend`, while it lasts."""
 
-    __slots__ = ("_fd", "_line", "_ticket", "key", "token")
+    __slots__ = ("_digest", "_fd", "_line_fd", "_lost", "_ticket", "_where", "key", "token")
 
-    def __init__(self, key: Hashable, token: int, fd: int, ticket: str, line: str) -> None:
+    def __init__(
+        self,
+        key: Hashable,
+        token: int,
+        fd: int,
+        line_fd: int,
+        where: Directory,
+        digest: str,
+        ticket: str,
+    ) -> None:
         #: The key held.
         self.key = key
         #: The fencing token: one above the previous holder's while the key's
         #: line is busy, and the wall clock in nanoseconds when it starts anew.
         self.token = token
         self._fd = fd  # the writer end of this grant's ticket: open while it holds
+        self._line_fd = line_fd  # its line file, as it queued in it (not locked)
+        self._where = where  # the directory of both
+        self._digest = digest
         self._ticket = ticket
-        self._line = line
+        self._lost = False  # (once released) whether its files were gone at the release
 
     @property
     def lost(self) -> bool:
-        """Always ``False``: the kernel keeps a file turn for as long as its process lives."""
-        return False
+        """Whether the grant's line file or ticket was deleted (or replaced) while it held.
+
+        The kernel keeps a file turn for as long as its process lives, so
+        this is ``False`` unless something outside the backend removed its
+        files: another process of this user, or a cleaner of the directory.
+        Another process may then have been given the key meanwhile, and the
+        turn raises :exc:`~inturn.LeaseLost` when it ends. Found from the
+        link counts of the files the grant keeps open, a system call each;
+        a line file truncated or edited in place is not detected.
+        """
+        if self._fd < 0:
+            return self._lost
+        return _unlinked(self._fd) or _unlinked(self._line_fd)
 
     def __repr__(self) -> str:
         held = "held" if self._fd >= 0 else "released"
@@ -338,10 +387,17 @@ class FileBackend:
       (its queue sends one at a time per key, in its own FIFO order).
     - Crash safety from the kernel: a process killed while holding a key
       (SIGKILL included) releases it at once, and one killed while waiting is
-      skipped; nothing needs a lease or a clean-up to recover.
+      skipped; nothing needs a lease or a clean-up to recover. A process
+      killed at any instruction of queueing, releasing or tidying leaves
+      every line usable and loses nobody's turn; what it leaves behind is
+      removed by the next turn that tidies the key's line.
     - Waiting costs no CPU and never blocks the event loop: a waiter sleeps
-      in the loop until the kernel reports that the ticket before it
-      closed. Timeouts and cancellation take effect at once.
+      in the loop until the ticket before it hands the key on, or the
+      kernel reports that it closed. Timeouts and cancellation take effect
+      at once, and no thread is ever left waiting. The only other wait is
+      for a line file's lock, held for a few system calls: a process frozen
+      inside them (SIGSTOP, a debugger) delays the others, who give up at
+      their deadline.
     - Files are named by a digest of the key, so any ``str``, ``bytes`` or
       ``int`` key is safe, however long and whatever it contains. A line's
       files are deleted by its last holder (tickets of crashed processes by
@@ -352,28 +408,40 @@ class FileBackend:
     fencing tokens that survive the wall clock being set back while a key is
     idle.
 
+    What it trusts: the directory is its own. Another process of this user
+    that deletes, replaces or edits the files of a busy line can let two
+    processes hold its key at once. A holder whose line file or ticket was
+    deleted or replaced finds out (``turn.lease_lost``, then
+    :exc:`~inturn.LeaseLost`); a line file edited in place goes unnoticed.
+
+    Shared directories: a directory that others may write to is refused,
+    unless it has the sticky bit (as ``/tmp`` has); the files then go to
+    ``inturn-<uid>``, an owner-only subdirectory of this user's in it. No
+    file is ever opened through a symbolic link. If the directory is
+    removed, the next turn makes it again, with the same checks.
+
     :param directory: where the line files live, created owner-only (mode
         0700) if missing. Every process that shares the lines must use the
         same directory. Default: ``inturn-<uid>`` in the system's temporary
         directory.
     :raises RuntimeError: the platform is not POSIX.
-    :raises PermissionError: the directory belongs to another user, or is a
-        symbolic link.
+    :raises PermissionError: the directory belongs to another user, is a
+        symbolic link, or may be written by others and has no sticky bit.
     :raises NotADirectoryError: the path exists and is not a directory.
     """
 
-    __slots__ = ("_directory", "_root")
+    __slots__ = ("_given", "_where")
 
     def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
         _check_platform()
         path = _default_directory() if directory is None else Path(directory)
-        self._directory = _prepare(path.absolute())
-        self._root = str(self._directory)
+        self._given = path.absolute()  # found again, with the same checks, if removed
+        self._where = Directory.open(self._given)
 
     @property
     def directory(self) -> Path:
-        """The directory holding the line files."""
-        return self._directory
+        """The directory holding the line files (``inturn-<uid>`` in a sticky one)."""
+        return self._where.path
 
     def order(self, keys: tuple[Hashable, ...]) -> tuple[Hashable, ...]:
         """Sort keys into the order every process computes (by their portable names).
@@ -382,9 +450,11 @@ class FileBackend:
         """
         return order_portable(keys)
 
-    def _line_of(self, key: Hashable) -> tuple[str, str]:
-        digest = hashlib.sha256(portable_name(key)).hexdigest()
-        return digest, os.path.join(self._root, digest + _LINE)
+    def _found_again(self, lost: Directory) -> Directory:
+        """The directory, made and checked again: lost was removed."""
+        if self._where is lost:
+            self._where = Directory.open(self._given)
+        return self._where
 
     async def acquire(self, key: Hashable, timeout: float | None) -> FileGrant:
         """Queue in key's line file and wait until every ticket before ours has left.
@@ -393,50 +463,106 @@ class FileBackend:
             this process's ticket left the line.
         """
         loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        digest, line = self._line_of(key)
-        name = f"{digest}.{os.getpid()}.{secrets.token_hex(6)}{_TICKET}"
-        ticket = os.path.join(self._root, name)
-        os.mkfifo(ticket, 0o600)
+        begun = loop.time()
+        deadline = None if timeout is None else begun + timeout
+        name = portable_name(key)
+        digest = hashlib.sha256(name).hexdigest()
+        ticket = new_ticket()
+        where, line_fd, fd, records = await self._join(key, name, digest, ticket, deadline)
         try:
-            fd = os.open(ticket, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
-        except BaseException:
-            _unlink(ticket)
-            raise
-        _OPEN_TICKETS.add(fd)
-        try:
-            line_fd = await _lock_line(line, fcntl.LOCK_SH)
-            try:
-                os.write(line_fd, f"{name}\n".encode("ascii"))  # one append: atomic
-                names = _names(line_fd)
-            finally:
-                os.close(line_fd)
-            token = await self._wait_behind(names[: names.index(name)], deadline, key)
+            before = records[: records.index(record_of(ticket))]
+            token = await self._wait_behind(where.fd, digest, before, deadline, key)
+            if loop.time() - begun > _LATE:
+                os.utime(fd)  # the ticket's time is when its turn began: for inspect
         except BaseException:
             # Leave the line: with no writer, the tickets behind skip this one.
-            _OPEN_TICKETS.discard(fd)
+            _OPEN.discard(fd)
             os.close(fd)
-            _unlink(ticket)
+            _unlink(where.fd, pipe_name(digest, ticket))
+            try:
+                self._tidy(where, digest, ticket, line_fd, held=False)
+            except OSError:
+                pass  # best effort: the caller learns why it left, not why tidying failed
             raise
-        return FileGrant(key, token, fd, ticket, line)
+        return FileGrant(key, token, fd, line_fd, where, digest, ticket)
 
-    async def _wait_behind(self, before: list[str], deadline: float | None, key: Hashable) -> int:
-        """Wait until no ticket of before has a writer; return the fencing token to hold with."""
+    async def _join(
+        self, key: Hashable, name: bytes, digest: str, ticket: str, deadline: float | None
+    ) -> tuple[Directory, int, int, list[str]]:
+        """Queue ticket in the line file of key, whose portable name is name.
+
+        Returns the directory, the line file's fd (unlocked), the ticket's
+        writer fd, and the line file's records as they were once it was in.
+        """
+        assert fcntl is not None
+        where = self._where
+        line = line_name(digest)
+        pipe = pipe_name(digest, ticket)
+        while True:
+            try:
+                line_fd = _open_line(where, line)
+            except FileNotFoundError:
+                where = self._found_again(where)  # the directory was removed
+                continue
+            fd = -1
+            made = False
+            try:
+                await _lock(line_fd, fcntl.LOCK_SH, deadline, key)
+                info = os.fstat(line_fd)
+                if info.st_nlink == 0:  # deleted by its last user meanwhile: open it again
+                    os.close(line_fd)
+                    continue
+                _check_regular(where, line, info)
+                # The mark first, then the FIFO: a crash between leaves a mark, not a stray FIFO.
+                os.write(line_fd, joining(ticket, name if info.st_size == 0 else None))
+                os.mkfifo(pipe, 0o600, dir_fd=where.fd)
+                made = True
+                fd = os.open(pipe, _OPEN_TICKET, dir_fd=where.fd)
+                _OPEN.add(fd)
+                os.write(line_fd, joined(ticket))  # one append: atomic
+                records = read_records(line_fd)
+                fcntl.flock(line_fd, fcntl.LOCK_UN)
+            except BaseException as error:
+                if fd >= 0:
+                    _OPEN.discard(fd)
+                    os.close(fd)
+                if made:
+                    _unlink(where.fd, pipe)
+                os.close(line_fd)
+                if isinstance(error, FileNotFoundError) and where.gone():
+                    where = self._found_again(where)
+                    continue
+                raise
+            _OPEN.add(line_fd)
+            return where, line_fd, fd, records
+
+    async def _wait_behind(
+        self,
+        directory: int,
+        digest: str,
+        before: list[str],
+        deadline: float | None,
+        key: Hashable,
+    ) -> int:
+        """Wait until no ticket listed in before has a writer; return the token to hold with."""
         loop = asyncio.get_running_loop()
-        for earlier in reversed(before):
-            fd, data = _probe(os.path.join(self._root, earlier))
+        for record in reversed(before):
+            ticket = ticket_of(record)
+            if ticket is None:
+                continue  # the key, a mark, or a piece that a crash left
+            fd, data = probe(directory, pipe_name(digest, ticket))
             if fd is not None:
                 try:
-                    if deadline is not None and loop.time() >= deadline:
-                        raise TimeoutError(
-                            f"inturn: the turn for key {key!r} was not reached in time"
-                        )
-                    data += await _until_closed(fd, deadline, key)
+                    if handed(data) is None:  # (else it is handing the key on already)
+                        if deadline is not None and loop.time() >= deadline:
+                            raise _missed(key)
+                        data += await until_left(fd, deadline, lambda: _missed(key))
                 finally:
                     os.close(fd)
-            if data.startswith(_HANDED):
+            token = handed(data)
+            if token is not None:
                 # It held the key, so every ticket before it has left too.
-                return max(int(data[1:]) + 1, time.time_ns())
+                return max(token + 1, time.time_ns())
         return time.time_ns()
 
     def release(self, grant: Grant) -> Awaitable[None]:
@@ -449,48 +575,68 @@ class FileBackend:
         done = asyncio.get_running_loop().create_future()
         fd, grant._fd = grant._fd, -1
         if fd >= 0:
-            _OPEN_TICKETS.discard(fd)
+            where, digest, ticket = grant._where, grant._digest, grant._ticket
+            _OPEN.discard(fd)
             try:
-                os.write(fd, _HANDED + str(grant.token).encode("ascii"))
+                # Before the hand-off: once it is written, the next holder may tidy both away.
+                grant._lost = _unlinked(fd) or _unlinked(grant._line_fd)
+                os.write(fd, hand_off(grant.token))  # whoever waits on this ticket goes on
             finally:
-                os.close(fd)  # no writer now: whoever waits on this ticket goes on
-                _unlink(grant._ticket)
-            self._tidy(grant._line, os.path.basename(grant._ticket))
+                os.close(fd)
+                _unlink(where.fd, pipe_name(digest, ticket))
+            self._tidy(where, digest, ticket, grant._line_fd, held=True)
         done.set_result(None)
         return done
 
-    def _tidy(self, line: str, own: str) -> None:
-        """Delete the line file if nobody is in line any more; compact it if it grew long.
+    def _tidy(self, where: Directory, digest: str, own: str, fd: int, held: bool) -> None:
+        """Drop the tickets that left from the line file, or delete it if nobody is in line.
 
-        Best effort: if another process holds the line file's lock, it is
-        left for a later release (whoever holds that lock is in line).
+        Done when no ticket behind own is in line any more, or the file grew
+        long. fd is the line file as own queued in it; it is closed here.
+        held: own held the key, so every ticket listed before it had left by
+        then (and what left stays gone). Best effort: if another process
+        holds the line file's lock, it is queueing or tidying, and a later
+        tidy does what is left; only a file grown long is worth a few tries.
         """
         assert fcntl is not None
-        fd = _try_lock_line(line, fcntl.LOCK_SH)
-        if fd is None:
-            return
+        _OPEN.discard(fd)
         try:
-            names = _names(fd)
-            behind = names[names.index(own) + 1 :] if own in names else names
-            # The newest first: in a busy line, the first one looked at is alive.
-            someone = any(_alive(os.path.join(self._root, n)) for n in reversed(behind))
-        finally:
-            os.close(fd)
-        if someone and len(names) <= _COMPACT_AT:
-            return
-        fd = _try_lock_line(line, fcntl.LOCK_EX)
-        if fd is None:
-            return
-        try:
-            names = _names(fd)
-            alive = [n for n in names if _alive(os.path.join(self._root, n))]
-            for name in names:
-                if name not in alive:
-                    _unlink(os.path.join(self._root, name))  # left by one that died
-            if alive:
-                _rewrite(line, alive)
-            else:
-                os.unlink(line)  # under its lock: see _lock_line's check
+            if not _flock_now(fd, fcntl.LOCK_SH):
+                return
+            # (If its last user deleted the file meanwhile, nobody is behind
+            # own in it: that is found below, under the exclusive lock.)
+            records = read_records(fd)
+            mine = record_of(own)
+            # Whose leaving is not known yet: if own held the key, those behind it.
+            behind = records[records.index(mine) + 1 :] if held and mine in records else records
+            long = len(records) > _COMPACT_AT
+            gone = {own}
+            # The newest first: in a busy line, the first one looked at is there.
+            for record in reversed(behind):
+                ticket = ticket_of(record)
+                if ticket is None or ticket in gone:
+                    continue
+                if not alive(where.fd, pipe_name(digest, ticket)):
+                    gone.add(ticket)
+                elif not long:
+                    return
+            # Not atomic: the shared lock is let go first, so the file is read again.
+            if not (_flock_soon if long else _flock_now)(fd, fcntl.LOCK_EX) or _unlinked(fd):
+                return
+            records = read_records(fd)
+            found = parse(records)
+            if held and own in found.tickets:
+                gone.update(found.tickets[: found.tickets.index(own)])
+            # A process killed between two of its calls may have left its FIFO:
+            # it goes before its record, so that no FIFO outlives the record of it.
+            for ticket in (*found.unfinished, *gone):
+                if ticket != own:  # (its FIFO is removed already)
+                    _remove(where.fd, pipe_name(digest, ticket))
+            staying = [ticket for ticket in found.tickets if ticket not in gone]
+            if not staying:
+                os.unlink(line_name(digest), dir_fd=where.fd)  # under the lock: see _join's check
+            elif len(staying) + (found.key is not None) < len(records):
+                _rewrite(fd, found.key, staying)
         finally:
             os.close(fd)
 
@@ -500,24 +646,39 @@ class FileBackend:
         The first holds the key (or is being handed it); the rest wait. A
         process appears once per queue that waits for the key. For
         operators and tests: the answer may be stale by the time it returns.
+        Takes no lock and nothing from a ticket: it never waits, and never
+        disturbs the line.
         """
-        assert fcntl is not None
-        _, line = self._line_of(key)
-        try:
-            fd = os.open(line, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
+        where = self._where
+        digest = hashlib.sha256(portable_name(key)).hexdigest()
+        found = _read_line(where.fd, digest)
+        if found is None:
             return ()
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH)  # others hold it for a few system calls
-            names = _names(fd)
-        finally:
-            os.close(fd)
-        return tuple(
-            int(name.split(".")[1]) for name in names if _alive(os.path.join(self._root, name))
-        )
+        return tuple(pid_of(ticket) for ticket, _ in _in_line(where.fd, digest, found.tickets))
+
+    async def lines(self) -> list[LineInfo]:
+        """A snapshot of every line in the directory, from its files alone, sorted by key.
+
+        Each line's key is as the user gave it; its holder (the first
+        ticket still in line: it holds the key, or is being handed it) and
+        its waiters in turn order, by process id. ``held_for`` counts from
+        when the holder's turn began, ``waiting_for`` from when the waiter
+        queued. Like :meth:`line`, it never waits and never disturbs a
+        line. Left out: lines that nobody is in any more (what a crash
+        left, for the key's next turn to remove), and a line whose file
+        does not record its key (only one edited by another process).
+        """
+        where = self._where
+        now = time.time()
+        found = []
+        for name in os.listdir(where.fd):
+            digest = name.partition(".")[0]
+            if name == line_name(digest) and (line := _snapshot(where.fd, digest, now)):
+                found.append(line)
+        return sorted(found, key=lambda line: portable_name(line.key))
 
     async def aclose(self) -> None:
         """Nothing to close: every grant's files are closed by its release."""
 
     def __repr__(self) -> str:
-        return f"FileBackend({self._root!r})"
+        return f"FileBackend({str(self.directory)!r})"

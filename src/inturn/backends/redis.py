@@ -52,12 +52,12 @@ import socket
 import threading
 import weakref
 from collections.abc import Hashable
-from dataclasses import dataclass
 from typing import Any, final
 
 from .._errors import BackendUnavailable
-from .._keys import order_portable, portable_name
+from .._keys import order_portable, portable_key, portable_name
 from ._base import Grant
+from ._lines import HolderInfo, LineInfo, WaiterInfo
 
 try:
     import redis.asyncio as aioredis
@@ -88,36 +88,6 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-@dataclass(frozen=True)
-class HolderInfo:
-    """Who holds a line's key: see :meth:`RedisBackend.lines`."""
-
-    host: str
-    pid: int
-    held_for: float  #: seconds since the key was granted
-    token: int
-    lease_left: float  #: seconds until the lease runs out unless renewed
-
-
-@dataclass(frozen=True)
-class WaiterInfo:
-    """One waiter of a line, in turn order: see :meth:`RedisBackend.lines`."""
-
-    host: str
-    pid: int
-    waiting_for: float  #: seconds since it joined the line
-    lease_left: float
-
-
-@dataclass(frozen=True)
-class LineInfo:
-    """A snapshot of one key's line: see :meth:`RedisBackend.lines`."""
-
-    key: str  #: the key, as the portable name that identifies it (``s:order-17``)
-    holder: HolderInfo | None
-    waiters: tuple[WaiterInfo, ...]
 
 
 @final
@@ -355,7 +325,8 @@ class RedisBackend:
             found = [await self._line(session, name) for name in names]
         except (*UNREACHABLE, ResponseError) as error:
             raise BackendUnavailable(f"inturn: {describe(error)}") from error
-        return sorted((line for line in found if line is not None), key=lambda line: line.key)
+        lines = [line for line in found if line is not None]
+        return sorted(lines, key=lambda line: portable_name(line.key))
 
     async def _line(self, session: Session, name: bytes | str) -> LineInfo | None:
         """The line whose ``line`` key is name, as LineInfo; None if it emptied meanwhile."""
@@ -363,9 +334,11 @@ class RedisBackend:
         now_text, line_flat, waiting, lease_flat, info_flat = await session.look(
             [prefix + part for part in ("line", "q", "lease", "info")]
         )
+        if not line_flat:
+            return None  # emptied meanwhile
+        fields = dict(zip(line_flat[::2], line_flat[1::2], strict=True))
+        given: bytes | str = fields.get(b"key") or fields.get("key") or b"s:?"  # (str: decoded)
         line = _pairs(line_flat)
-        if not line:
-            return None
         now = int(now_text)
         leases = {member: float(score) for member, score in _pairs(lease_flat).items()}
         info = _pairs(info_flat)
@@ -381,7 +354,7 @@ class RedisBackend:
             held_for = (now - int(line["since"])) / 1000
             holder = HolderInfo(host, pid, held_for, int(line["token"]), left)
         waiters = tuple(WaiterInfo(*about(_text(member))) for member in waiting)
-        return LineInfo(line.get("key", "?"), holder, waiters)
+        return LineInfo(portable_key(given), holder, waiters)
 
     def __repr__(self) -> str:
         return f"RedisBackend({self._client!r}, namespace={self._namespace!r})"

@@ -1,0 +1,152 @@
+"""A line file's records: how a key's line is written down, and read back whatever a crash left.
+
+A ticket is ``<pid>.<12 hex digits>``; its named pipe is
+``<digest>.<ticket>.t`` beside the line file. A line file holds one record
+per text line, in ASCII, each starting with a letter found nowhere else in
+a record:
+
+- ``T<ticket>``: a ticket in line, in arrival order.
+- ``?<ticket>``: a ticket about to be made. Its process holds the file's
+  shared lock from before this record until after the ticket's own record,
+  so under the exclusive lock a ``?`` record without its ticket's record
+  means that process died joining: its pipe, if made, is removed.
+- ``K<hex digits>``: the key's portable name, written by whoever found the
+  file empty, for ``inspect``.
+
+A compaction writes the new records over the old ones from the start,
+then cuts the file to their length. A process killed between the two
+leaves the old records' tail behind the new ones: it starts with a cut-off
+piece, which lacks the starting letter and is skipped, and then lists
+tickets that are listed before (a ticket counts once, where it is first
+listed) or that have left. Whatever the cut, the tickets still in line are
+read back in their order.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+from dataclasses import dataclass, field
+
+__all__ = (
+    "Records",
+    "joined",
+    "joining",
+    "line_name",
+    "new_ticket",
+    "parse",
+    "pid_of",
+    "pipe_name",
+    "read_records",
+    "record_of",
+    "render",
+    "ticket_of",
+)
+
+_LINE = ".line"
+_PIPE = ".t"
+_TICKET = "T"
+_JOINING = "?"
+_KEY = "K"
+#: A ticket: a process id, a dot, 48 random bits in hex.
+_A_TICKET = re.compile(r"[0-9]{1,10}\.[0-9a-f]{12}")
+#: Bytes read from a line file at once.
+_READ = 65536
+
+
+def line_name(digest: str) -> str:
+    """The line file of the key whose portable name has this SHA-256 digest."""
+    return digest + _LINE
+
+
+def new_ticket() -> str:
+    """A ticket for this process: its pid and 48 random bits, unique in every line."""
+    return f"{os.getpid()}.{secrets.token_hex(6)}"
+
+
+def pipe_name(digest: str, ticket: str) -> str:
+    """The named pipe of ticket in the line of digest."""
+    return f"{digest}.{ticket}{_PIPE}"
+
+
+def ticket_of(record: str) -> str | None:
+    """The ticket that record lists in line; None for any other record."""
+    if record.startswith(_TICKET) and _A_TICKET.fullmatch(record, 1):
+        return record[1:]
+    return None
+
+
+def pid_of(ticket: str) -> int:
+    """The process id in ticket."""
+    return int(ticket.partition(".")[0])
+
+
+def joining(ticket: str, key: bytes | None) -> bytes:
+    """The record that ticket is about to be made (after key's, if given)."""
+    return _key_record(key) + f"{_JOINING}{ticket}\n".encode("ascii")
+
+
+def record_of(ticket: str) -> str:
+    """The record that lists ticket in line."""
+    return _TICKET + ticket
+
+
+def joined(ticket: str) -> bytes:
+    """The record of ticket, in line, as written."""
+    return f"{_TICKET}{ticket}\n".encode("ascii")
+
+
+def read_records(fd: int) -> list[str]:
+    """The complete records of the line file open at fd (one being written is left out)."""
+    chunks = []
+    offset = 0
+    while chunk := os.pread(fd, _READ, offset):
+        chunks.append(chunk)
+        offset += len(chunk)
+        if len(chunk) < _READ:  # the end (an append since is not ours to see)
+            break
+    return b"".join(chunks).decode("latin-1").split("\n")[:-1]
+
+
+@dataclass
+class Records:
+    """A line file's records, read back."""
+
+    #: The key's portable name, if the file records it.
+    key: bytes | None = None
+    #: Tickets, in line order, each once.
+    tickets: list[str] = field(default_factory=list)
+    #: Tickets with a ``?`` record and no record of their own.
+    unfinished: list[str] = field(default_factory=list)
+
+
+def parse(records: list[str]) -> Records:
+    """Read the records of a line file back (see the module docstring for what is skipped)."""
+    found = Records()
+    tickets: dict[str, None] = {}
+    marked: dict[str, None] = {}
+    for record in records:
+        if record.startswith(_KEY):
+            if found.key is None:
+                try:
+                    found.key = bytes.fromhex(record[1:])
+                except ValueError:
+                    pass  # a torn piece
+        elif record.startswith(_JOINING):
+            if _A_TICKET.fullmatch(record, 1):
+                marked[record[1:]] = None
+        elif (ticket := ticket_of(record)) is not None:
+            tickets[ticket] = None
+    found.tickets = list(tickets)
+    found.unfinished = [ticket for ticket in marked if ticket not in tickets]
+    return found
+
+
+def render(key: bytes | None, tickets: list[str]) -> bytes:
+    """A line file's whole content: key's record, if given, then tickets in order."""
+    return _key_record(key) + "".join(f"{_TICKET}{ticket}\n" for ticket in tickets).encode("ascii")
+
+
+def _key_record(key: bytes | None) -> bytes:
+    return b"" if key is None else f"{_KEY}{key.hex()}\n".encode("ascii")

@@ -1,0 +1,51 @@
+"""Snapshots of shared lines, for people: who holds each key, and who waits for it, in order.
+
+What ``lines()`` of a backend that shares lines returns (the Redis and the
+file backends), and what ``python -m inturn inspect`` shows. A field that a
+backend does not know is ``None``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ("HolderInfo", "LineInfo", "WaiterInfo")
+
+
+@dataclass(frozen=True)
+class HolderInfo:
+    """Who holds a line's key."""
+
+    #: Its host's name; None on the file backend (every process is on this host).
+    host: str | None
+    pid: int
+    #: Seconds since it was granted the key.
+    held_for: float
+    #: Its fencing token, where the backend records it (Redis).
+    token: int | None = None
+    #: Seconds until its lease runs out unless renewed, where there is a lease (Redis).
+    lease_left: float | None = None
+
+
+@dataclass(frozen=True)
+class WaiterInfo:
+    """One waiter of a line, in turn order."""
+
+    #: Its host's name; None on the file backend.
+    host: str | None
+    pid: int
+    #: Seconds since it joined the line.
+    waiting_for: float
+    #: Seconds until its lease runs out unless renewed, where there is a lease (Redis).
+    lease_left: float | None = None
+
+
+@dataclass(frozen=True)
+class LineInfo:
+    """A snapshot of one key's line."""
+
+    #: The key, as the user gave it.
+    key: str | bytes | int
+    #: None while the key is being handed over.
+    holder: HolderInfo | None
+    waiters: tuple[WaiterInfo, ...]

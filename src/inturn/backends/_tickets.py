@@ -1,0 +1,146 @@
+"""Tickets: named pipes whose writer end is their owner's place in a line.
+
+While its owner waits or holds, a ticket has a writer; once the owner
+releases, gives up, or dies (even by SIGKILL: the kernel closes a dead
+process's files), it has none, and never gets one back. A reader of the
+pipe sees end of file at that moment. A releasing holder writes its
+*hand-off* (``H`` and its token, in one write, so it is read whole) into
+its ticket before closing it: its work is done, and whoever waits on it
+may go on at once.
+
+Every ticket is opened relative to its directory's descriptor, never
+through a symbolic link; a link in place of a ticket counts as a ticket
+that left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import struct
+import sys
+from collections.abc import Callable
+
+__all__ = ("alive", "hand_off", "handed", "peek", "probe", "until_left")
+
+if sys.platform != "win32":  # (the file backend refuses other platforms at construction)
+    import fcntl
+    import termios
+
+#: How a ticket is looked at: read, without waiting for a writer, never through a link.
+_OPEN = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+#: Errors of opening a ticket that mean it is not there: gone, or a link in its place.
+_ABSENT = (errno.ENOENT, errno.ELOOP)
+_HANDED = b"H"
+
+
+def hand_off(token: int) -> bytes:
+    """What a releasing holder writes into its ticket: its work is done, at token."""
+    return _HANDED + str(token).encode("ascii")
+
+
+def handed(data: bytes) -> int | None:
+    """The token of the hand-off that data (read from a ticket) carries, if it does."""
+    return int(data[1:]) if data.startswith(_HANDED) else None
+
+
+def _open(directory: int, name: str) -> int | None:
+    try:
+        return os.open(name, _OPEN, dir_fd=directory)
+    except OSError as error:
+        if error.errno in _ABSENT:
+            return None
+        raise
+
+
+def probe(directory: int, name: str) -> tuple[int | None, bytes]:
+    """Open ticket name for reading: (fd, data) if its owner is still in line.
+
+    The fd is None if the ticket is gone or has no writer (its owner left or
+    died); data is what the owner wrote into it. An fd that is returned
+    reports end of file when the owner leaves. Takes what it reads: the
+    ticket's reader behind it may then miss the hand-off, and look further
+    back, which is safe.
+    """
+    fd = _open(directory, name)
+    if fd is None:
+        return None, b""
+    data = b""
+    try:
+        # Read at once: with no writer this is end of file (and Linux would
+        # not report a hang-up for a writer that left before the open).
+        while chunk := os.read(fd, 64):
+            data += chunk
+    except BlockingIOError:
+        return fd, data  # a writer holds it open: its owner is in line
+    os.close(fd)
+    return None, data
+
+
+def alive(directory: int, name: str) -> bool:
+    """Whether ticket name's owner is still in line."""
+    fd, _ = probe(directory, name)
+    if fd is None:
+        return False
+    os.close(fd)
+    return True
+
+
+def peek(directory: int, name: str) -> os.stat_result | None:
+    """The stat of ticket name if its owner is still in line, else None; takes nothing.
+
+    A ticket with something to read carries its owner's hand-off: it has
+    left, or is leaving. Only one with nothing to read is read from, to
+    tell a writer (in line) from none (left).
+    """
+    fd = _open(directory, name)
+    if fd is None:
+        return None
+    try:
+        if struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0]:
+            return None
+        try:
+            os.read(fd, 1)  # end of file: no writer
+        except BlockingIOError:
+            return os.fstat(fd)
+        return None
+    finally:
+        os.close(fd)
+
+
+async def until_left(
+    fd: int, deadline: float | None, expired: Callable[[], BaseException]
+) -> bytes:
+    """Wait in the event loop until ticket fd's owner left; return what it carried.
+
+    Done at its hand-off, or at end of file (its owner gave up or died).
+
+    :raises: expired() at deadline (the loop's clock), if it comes first.
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[bytes] = loop.create_future()
+    data = bytearray()
+
+    def readable() -> None:
+        try:
+            while chunk := os.read(fd, 64):
+                data.extend(chunk)
+        except BlockingIOError:
+            if not data.startswith(_HANDED):
+                return  # the owner is still in line
+        if not done.done():
+            done.set_result(bytes(data))
+
+    def expire() -> None:
+        if not done.done():
+            done.set_exception(expired())
+
+    loop.add_reader(fd, readable)
+    timer = None if deadline is None else loop.call_at(deadline, expire)
+    try:
+        return await done
+    finally:
+        loop.remove_reader(fd)
+        if timer is not None:
+            timer.cancel()
