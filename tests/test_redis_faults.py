@@ -22,6 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
+import signal
+import threading
+import time
 import uuid
 import warnings
 from collections.abc import AsyncIterator, Iterator
@@ -33,6 +37,7 @@ from redis.asyncio.sentinel import Sentinel
 
 from faults import Proxy
 from inturn import BackendUnavailable, KeyedQueue, LeaseLost, Turn
+from inturn.backends import _redis_takeover
 from inturn.backends.redis import RedisBackend
 from processes import Worker
 from redis_checks import BackendFactory, waiting
@@ -446,6 +451,347 @@ async def test_a_dropped_connection_under_renewals_leaves_no_unretrieved_error(
     gc.collect()
     await asyncio.sleep(0)
     assert "never retrieved" not in caplog.text
+
+
+async def clients(url: str) -> list[dict[str, Any]]:
+    """The server's clients now (CLIENT LIST), seen by a client of the test's own."""
+    side = aioredis.Redis.from_url(url)
+    try:
+        return list(await side.client_list())
+    finally:
+        await side.aclose()
+
+
+def asyncio_problems(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """What asyncio logged (at ERROR) so far: never retrieved, destroyed pending, callbacks."""
+    gc.collect()
+    return [r.getMessage().split("\n")[0] for r in caplog.records if r.name == "asyncio"]
+
+
+# -- found by an adversarial review -----------------------------------------------------------
+
+
+# -- a waiter frozen past its lease runs its work while another process holds the key ---
+
+
+async def test_a_waiter_frozen_past_its_lease_never_runs_while_another_holds(
+    own_redis: Server,
+    namespace: str,
+    make_backend: BackendFactory,
+    workers: list[Worker],
+) -> None:
+    # A waiter frozen (SIGSTOP, a paused VM, a blocked loop) past its lease, whose grant
+    # then waits in its socket while a third process takes the key, must not run its work.
+    a, c = make_backend(), make_backend()
+    gate = asyncio.Event()
+    holder = await held(KeyedQueue(backend=a), "k", gate)
+    frozen = await Worker.start(f"redis:{own_redis.url}#{namespace}#{LEASE}", "hold", "k")
+    workers.append(frozen)
+    await waiting(a, 1)
+    os.kill(frozen.pid, signal.SIGSTOP)
+    try:
+        gate.set()  # the key passes to the frozen waiter: its grant waits in its socket
+        await within(LEASE, holder)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + PATIENCE
+        while True:  # until Redis shows the frozen holder's lease run out
+            lines = await a.lines()
+            if lines and lines[0].holder is not None and lines[0].holder.lease_left < 0:
+                break
+            assert loop.time() < deadline, lines
+            await asyncio.sleep(0.01)
+        gate2 = asyncio.Event()
+        third = await held(KeyedQueue(backend=c), "k", gate2)  # a valid lease, a valid holder
+    finally:
+        os.kill(frozen.pid, signal.SIGCONT)
+    try:
+        assert frozen.process.stdout is not None
+        line = await asyncio.wait_for(frozen.process.stdout.readline(), PATIENCE)
+        # expected: the worker fails (BackendUnavailable) and says nothing; found: "holding <token>"
+        assert line == b"", f"the frozen waiter ran its work while another held the key: {line!r}"
+    finally:
+        gate2.set()
+        await within(LEASE, third)
+
+
+# -- a connection closed right after redis-py's handshake wedges the session for good ---
+
+
+class CutAfterHandshake(Proxy):
+    """A proxy that closes its nth connection right after redis-py's handshake is answered.
+
+    As when Redis drops a client (CLIENT KILL, a restart, an idle timeout, a load balancer)
+    the moment it is set up: the FIN follows the last handshake reply.
+    """
+
+    def __init__(self, target_port: int, nth: int) -> None:
+        super().__init__(target_port)
+        self.nth = nth
+        self.accepted = 0
+        self._targets: set[int] = set()
+        self._cut: set[int] = set()
+
+    def _accept(self) -> None:
+        before = {id(pipe) for pipe in self._pipes.values()}
+        super()._accept()
+        for pipe in set(self._pipes.values()):
+            if id(pipe) not in before:
+                self.accepted += 1
+                if self.accepted == self.nth:
+                    self._targets.add(id(pipe))
+
+    def _read(self, sock: Any) -> None:
+        pipe = self._pipes[sock]
+        super()._read(sock)
+        if id(pipe) in self._targets:
+            # the handshake's last command is CLIENT SETINFO LIB-VER; cut once it is answered
+            if sock is pipe.client and b"LIB-VER" in pipe.to_server:
+                pipe.armed = True  # type: ignore[attr-defined]
+            elif sock is pipe.server and getattr(pipe, "armed", False) and pipe.to_client:
+                self._cut.add(id(pipe))
+
+    def _flush(self) -> None:
+        super()._flush()
+        for pipe in list(set(self._pipes.values())):
+            if id(pipe) in self._cut and not pipe.to_client:
+                self._drop(pipe)  # an orderly close: the client reads EOF
+
+
+async def test_a_connection_dropped_just_after_its_handshake_does_not_wedge_the_session(
+    own_redis: Server, make_backend: BackendFactory
+) -> None:
+    # The link's connection closed by the peer just after redis-py's handshake (its reader
+    # saw the end before the takeover): the session must not wait forever for its greeting.
+    proxy = CutAfterHandshake(own_redis.port, nth=2).start()  # 1: the subscription; 2: the Link
+    try:
+        queue = KeyedQueue(backend=make_backend(url=proxy.url))
+        outcomes: list[str] = []
+        for _ in range(4):
+            try:
+                outcomes.append(await within(LEASE, queue.run("k", lambda: "ran")))
+            except BackendUnavailable as error:
+                outcomes.append(f"BackendUnavailable: {error}")
+        # the first call may fail with the dropped connection; the next ones must get through
+        assert "ran" in outcomes[1:], outcomes
+    finally:
+        proxy.close()
+
+
+# -- the public-API path with decode_responses=True never subscribes ---------------------
+
+
+async def test_the_public_api_path_works_with_decode_responses(
+    make_backend: BackendFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Through redis-py's public API, a client with decode_responses=True works too.
+    monkeypatch.setattr(_redis_takeover, "ENABLED", False)
+    a = make_backend(decode_responses=True)
+    b = make_backend(decode_responses=True)
+    assert await within(LEASE, KeyedQueue(backend=a).run("k", lambda: "ran")) == "ran"
+    gate = asyncio.Event()
+    holder = await held(KeyedQueue(backend=a), "k", gate)
+    follower = asyncio.create_task(KeyedQueue(backend=b).run("k", lambda: "next"))
+    await waiting(a, 1)
+    gate.set()
+    await within(LEASE, holder)
+    assert await within(LEASE, follower) == "next"
+
+
+# -- the public-API writer task outlives its connection -----------------------------------
+
+
+async def test_the_public_api_writer_ends_with_its_connection(
+    make_backend: BackendFactory,
+    server: aioredis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Through redis-py's public API, under connection kills: no task outlives its
+    # connection (redis-py may swallow the writer's cancellation on Python 3.10/3.11).
+    monkeypatch.setattr(_redis_takeover, "ENABLED", False)
+    queue = KeyedQueue(backend=make_backend(lease=2.0))
+    stop = asyncio.Event()
+
+    async def loop_on(key: str) -> None:
+        while not stop.is_set():
+            try:
+                await queue.run(key, lambda: None)
+            except BackendUnavailable:
+                pass
+
+    runners = [asyncio.create_task(loop_on(f"k{i}")) for i in range(16)]
+    try:
+        for _ in range(150):  # the kills are paced, not ordered: each lands mid-traffic
+            await asyncio.sleep(0.01)
+            await server.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+            if asyncio_problems(caplog):
+                break
+    finally:
+        stop.set()
+        await within(PATIENCE, asyncio.gather(*runners))
+    assert asyncio_problems(caplog) == []
+
+
+# -- closing the backend while an enqueue is in flight: a future never retrieved ---------
+
+
+async def test_closing_while_an_enqueue_is_in_flight_logs_nothing_never_retrieved(
+    make_backend: BackendFactory, proxy: Proxy, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Closing while an enqueue gets no answer: the place is given up, nothing is logged.
+    backend = make_backend(url=proxy.url)
+    queue = KeyedQueue(backend=backend)
+    await queue.run("warm", lambda: None)
+    proxy.freeze()  # the enqueue is written and gets no answer
+    waiter = asyncio.create_task(queue.run("k", lambda: None))
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    await within(LEASE, backend.aclose())
+    with pytest.raises(BackendUnavailable, match="closed"):
+        await within(LEASE, waiter)
+    proxy.thaw()
+    del waiter
+    assert asyncio_problems(caplog) == []
+
+
+# -- a holder cancelled while its release is on its way: the release callback raises -----
+
+
+async def test_cancelling_a_holder_during_its_release_raises_in_no_callback(
+    make_backend: BackendFactory, proxy: Proxy, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A holder cancelled while its release is on its way: the release goes on, quietly.
+    queue = KeyedQueue(backend=make_backend(url=proxy.url))
+    await queue.run("warm", lambda: None)
+    frozen = asyncio.Event()
+
+    async def work() -> None:
+        proxy.freeze()  # the release that follows waits for its answer
+        frozen.set()
+
+    holder = asyncio.create_task(queue.run("k", work))
+    await within(LEASE, frozen.wait())
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    holder.cancel()  # e.g. an outer asyncio.timeout() running out during the release
+    with pytest.raises(asyncio.CancelledError):
+        await holder
+    proxy.thaw()
+    assert await within(LEASE, queue.run("k", lambda: "again")) == "again"  # released
+    assert asyncio_problems(caplog) == []
+
+
+# -- a refused subscription leaves a task that reconnects forever, after aclose() too -----
+
+
+async def test_a_refused_subscription_leaves_nothing_running_after_aclose(
+    make_backend: BackendFactory, server: aioredis.Redis, own_redis: Server
+) -> None:
+    # A user without +subscribe: the refused inbox leaves no task reconnecting.
+    user = f"u{uuid.uuid4().hex[:8]}"
+    await server.acl_setuser(
+        user,
+        enabled=True,
+        passwords=["+pw"],
+        keys=["*"],
+        channels=["*"],
+        commands=["+@all", "-subscribe"],
+    )
+    backend = make_backend(url=own_redis.url.replace("redis://", f"redis://{user}:pw@"))
+    with pytest.raises(BackendUnavailable, match="permission"):
+        await within(1, KeyedQueue(backend=backend, timeout=1).run("k", lambda: None))
+    await within(LEASE, backend.aclose())
+    left = [t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("inturn-")]
+    assert left == []
+
+
+# -- loops that end without asyncio.run's clean-up, and lines() in a loop per job ---------
+
+
+def test_asyncio_run_of_lines_leaves_no_connection(own_redis: Server, namespace: str) -> None:
+    # lines() in a loop of its own (a health check) leaves no connection behind.
+    backend = RedisBackend.from_url(own_redis.url, namespace=namespace, lease=LEASE)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        before = len(asyncio.run(clients(own_redis.url)))
+        asyncio.run(backend.lines())
+        gc.collect()
+        after = len(asyncio.run(clients(own_redis.url)))
+        asyncio.run(backend.aclose())
+        gc.collect()
+    assert after <= before, f"{after - before} Redis connection(s) left by asyncio.run(lines())"
+    assert [str(w.message) for w in caught] == []
+
+
+@pytest.mark.parametrize("how", ["closed-without-shutdown_asyncgens", "abandoned"])
+def test_a_loop_that_ends_without_asyncio_run_leaves_no_connection(
+    own_redis: Server, namespace: str, how: str
+) -> None:
+    # A loop closed without shutdown_asyncgens(), or abandoned with its thread: its share
+    # is closed at the backend's next use from another loop, or by aclose(); only the last
+    # one's connections stay until then, and nothing warns.
+    backend = RedisBackend.from_url(own_redis.url, namespace=namespace, lease=LEASE)
+    before = len(asyncio.run(clients(own_redis.url)))
+
+    def job() -> None:
+        loop = asyncio.new_event_loop()
+        loop.run_until_complete(KeyedQueue(backend=backend).run("k", lambda: None))
+        if how == "closed-without-shutdown_asyncgens":
+            loop.close()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            thread = threading.Thread(target=job)
+            thread.start()
+            thread.join(PATIENCE)
+        gc.collect()
+        after_jobs = len(asyncio.run(clients(own_redis.url)))
+        asyncio.run(backend.aclose())
+        gc.collect()
+        after_close = len(asyncio.run(clients(own_redis.url)))
+    assert after_jobs <= before + 2  # the last job's link and subscription, no more
+    assert after_close <= before
+    # (the abandoned loops themselves warn as they are collected: they are the test's)
+    assert [str(w.message) for w in caught if "unclosed event loop" not in str(w.message)] == []
+
+
+# -- timeout=0 (a try-lock) takes a whole lease on a partition -----------------------------
+
+
+async def test_a_try_lock_ends_within_its_timeout_on_a_partition(
+    make_backend: BackendFactory, proxy: Proxy
+) -> None:
+    # timeout=0 on a partition: one round trip at most (a tenth of the lease), not a lease.
+    lease = 6.0
+    queue = KeyedQueue(backend=make_backend(url=proxy.url, lease=lease), timeout=0)
+    await queue.run("warm", lambda: None)
+    proxy.freeze()
+    began = time.monotonic()
+    try:
+        with pytest.raises((TimeoutError, BackendUnavailable)):
+            await within(lease, queue.run("k", lambda: None))
+        took = time.monotonic() - began
+    finally:
+        proxy.thaw()
+    assert took < SLACK, f"a try-lock took {took:.1f} s (lease {lease:g} s)"
+
+
+# -- lines() shows another namespace's lines ----------------------------------------------
+
+
+async def test_lines_shows_only_the_lines_of_its_own_namespace(
+    own_redis: Server, namespace: str
+) -> None:
+    # Namespace 'app' does not list the lines of 'app:eu'.
+    mine = RedisBackend.from_url(own_redis.url, namespace=namespace, lease=LEASE)
+    other = RedisBackend.from_url(own_redis.url, namespace=namespace + ":eu", lease=LEASE)
+    try:
+        async with KeyedQueue(backend=other).keyed("theirs"):
+            assert [line.key for line in await mine.lines()] == []
+    finally:
+        await mine.aclose()
+        await other.aclose()
 
 
 @pytest.fixture(autouse=True)

@@ -1,18 +1,24 @@
-"""The current task, cheaply: every turn asks for it on the hot path."""
+"""The only place that touches asyncio's privates.
+
+The current task, cheaply (every turn asks for it on the hot path), and
+what is left of a backend's share of an event loop that will never run
+again (closed without ``shutdown_asyncgens()``, or abandoned with its
+thread): its sockets closed and its tasks let go, without the loop.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import sys
+from typing import Any
 
-__all__ = ("current_task",)
+__all__ = ("abandon_task", "abandon_transport", "current_task")
 
 if sys.version_info >= (3, 12):
     from asyncio import current_task  # implemented in C: cheap
 else:  # pragma: no cover - depends on the interpreter
     from asyncio.tasks import _current_tasks  # type: ignore[attr-defined]
     from collections.abc import Callable
-    from typing import Any
 
     # Before 3.12, asyncio.current_task() is Python, with argument handling
     # around this same lookup. (Caching the loop per thread to skip
@@ -24,3 +30,22 @@ else:  # pragma: no cover - depends on the interpreter
     ) -> asyncio.Task[Any] | None:
         """Return the task running in this thread's event loop, or None."""
         return _get(_loop())
+
+
+def abandon_transport(transport: asyncio.BaseTransport | None) -> None:
+    """Close a transport's socket without its event loop, which will never run again.
+
+    ``transport.close()`` would need the loop to finish closing; the socket
+    is closed here at once, and the transport no longer holds it (so it
+    neither warns nor closes a reused descriptor when collected).
+    """
+    sock = getattr(transport, "_sock", None)
+    if sock is not None:
+        transport._sock = None  # type: ignore[union-attr]
+        sock.close()
+
+
+def abandon_task(task: asyncio.Future[Any] | None) -> None:
+    """Let a task of a loop that will never run again go, with no "destroyed but pending" log."""
+    if task is not None and not task.done():
+        task._log_destroy_pending = False  # type: ignore[attr-defined]

@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import secrets
+import threading
 import time
 import typing
 from collections.abc import AsyncGenerator, Awaitable, Callable, Hashable, Sequence
@@ -29,6 +30,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .._errors import BackendUnavailable
 from .._keys import portable_name
+from .._tasks import abandon_task
 from ._redis_errors import UNREACHABLE, demoted, describe, unavailable
 from ._redis_scripts import ENQUEUE, HELLO, LEAVE, LOOK, RENEW, SCRIPTS, Script
 from ._redis_wire import Call, Inbox, Link
@@ -191,11 +193,14 @@ class Session:
         "members",
         "ready",
         "server",
+        "thread",
     )
 
     def __init__(self, config: Config, loop: asyncio.AbstractEventLoop) -> None:
         self.config = config
         self.loop = loop
+        #: The thread the loop runs in: once it has ended, the loop never runs again.
+        self.thread = threading.current_thread()
         self.id = secrets.token_hex(8)
         self.channel = config.channels + self.id
         self.info = f"{config.host} {os.getpid()}"
@@ -277,34 +282,66 @@ class Session:
 
     async def _begin(self) -> None:
         config = self.config
+        await self.guard()
+        inbox = self.inbox = Inbox(
+            config.make,
+            self.channel,
+            self._heard,
+            self._kick.set,
+            min(1.0, config.lease / 10),
+            config.lease,
+        )
         try:
             if self._cluster is not None:
                 await config.client.initialize()  # a RedisCluster learns its nodes first
-            inbox = Inbox(
-                config.make,
-                self.channel,
-                self._heard,
-                self._kick.set,
-                min(1.0, config.lease / 10),
-                config.lease,
-            )
             await inbox.open()
-            self.inbox = inbox
             if self.link is not None:
-                await self.link.open()
+                greeting = self.link.open()
             else:
-                call = self._cluster_call(HELLO, (), (self.channel,))
-                call.future.add_done_callback(self._greeted)
-                await call.future
+                greeting = self._cluster_call(HELLO, (), (self.channel,)).future
+                greeting.add_done_callback(self._greeted)
+            await self._greeting_answered(greeting)
         except Exception as error:
-            if self.inbox is not None:
-                inbox, self.inbox = self.inbox, None
-                await inbox.aclose()
+            self.inbox = None
+            await inbox.aclose()
             raise unavailable(error) from error
-        self._guard = _guard(self)
-        await self._guard.asend(None)
         self._run_heartbeat()
         self.ready = True
+
+    async def _greeting_answered(self, greeting: asyncio.Future[Any]) -> None:
+        """Wait for the greeting's answer, a lease at most (the heartbeat, which drops a link
+        that does not answer, runs only once the session started)."""
+        lease = self.config.lease
+        await asyncio.wait((greeting,), timeout=lease)
+        if not greeting.done():
+            if self.link is not None:
+                self.link.drop()
+            greeting.add_done_callback(_consume)
+            raise RedisTimeoutError(f"no answer to the greeting within {lease:g} s")
+        greeting.result()
+
+    async def guard(self) -> None:
+        """Have this session closed when its event loop shuts down (once; see _guard)."""
+        if self._guard is None and not self.closing:
+            self._guard = _guard(self)
+            await self._guard.asend(None)
+
+    def abandon(self) -> None:
+        """Close this session's connections without its event loop, which will never run again.
+
+        For a loop closed without ``shutdown_asyncgens()``, or left behind by
+        a thread that ended. Its members lose their places when their leases
+        run out (nothing renews them).
+        """
+        self.closing = True
+        self.ready = False
+        for task in (self._starting, self._beat, *self._cleanups):
+            abandon_task(task)
+        if self.link is not None:
+            self.link.abandon()
+        if self.inbox is not None:
+            self.inbox.abandon()
+        self.members.clear()
 
     async def close(self) -> None:
         """Leave every line this session waits in, stop its heartbeat and close its connections.
@@ -369,10 +406,14 @@ class Session:
         lease = self.config.lease
         deadline = None if timeout is None else loop.time() + timeout
         # Redis answers (connected, subscribed, enqueued) by the caller's
-        # deadline if that comes first, else within about a lease: the link's
-        # connecting is bounded so, and the heartbeat drops a link that leaves
-        # a call unanswered longer (a cluster's calls get a timer of their own)
-        late = deadline if timeout is not None and 0 < timeout < lease else None
+        # deadline if that comes first, but gets one round trip, up to a tenth
+        # of the lease, however short the timeout (0: a try-lock); else within
+        # about a lease: the link's connecting is bounded so, and the heartbeat
+        # drops a link that leaves a call unanswered longer (a cluster's calls
+        # get a timer of their own)
+        late = None
+        if timeout is not None and timeout < lease:
+            late = loop.time() + max(timeout, lease / 10)
         if not self.ready:
             if late is not None:
                 await self.start(late, _late(key))
@@ -408,6 +449,7 @@ class Session:
             else:
                 assert member.waiting is not None
                 token = await _wait(member.waiting, deadline, key)
+            _still_valid(member)
         except BaseException:
             # Cancelled, timed out, or Redis failed: give the place up. The
             # call to leave goes after the enqueue (even one still in flight);
@@ -446,10 +488,11 @@ class Session:
                 logger.warning(
                     "inturn: could not release %r in Redis: %s; it frees itself within %g s",
                     member.key,
-                    describe(error),
+                    error if isinstance(error, BackendUnavailable) else describe(error),
                     self.config.lease,
                 )
-            done.set_result(None)
+            if not done.done():  # (its awaiter may have cancelled it: the release goes on)
+                done.set_result(None)
 
         leave.add_done_callback(answered)
         return done
@@ -490,12 +533,12 @@ class Session:
 
     async def _leave_after(self, enqueue: Call, member: Member, member_id: str) -> None:
         """Leave the line once the enqueue call has finished (whatever its outcome)."""
+        enqueue.future.add_done_callback(_consume)
         if self.link is None:  # a cluster's calls are not in order: wait for the enqueue
             await asyncio.wait((enqueue.future,))
-        enqueue.future.add_done_callback(_consume)
         leave = self._leave(member, member_id).future
+        leave.add_done_callback(_consume)
         await asyncio.wait((leave,))
-        _consume(leave)
 
     def _detach(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -594,9 +637,9 @@ class Session:
         futures = [call.future for call in calls]
         if not futures:
             return
-        done, pending = await asyncio.wait(futures, timeout=limit)
-        for future in pending:
+        for future in futures:  # (whatever becomes of this wait: the heartbeat may be cancelled)
             future.add_done_callback(_consume)
+        done, _ = await asyncio.wait(futures, timeout=limit)
         problem: BaseException | None = None
         now = time.monotonic()
         for (member_id, member), call in zip(members, calls, strict=True):
@@ -692,6 +735,22 @@ class _Kick:
 def _settle(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
+
+
+def _still_valid(member: Member) -> None:
+    """Check a member just granted still has its lease.
+
+    :raises ~inturn.BackendUnavailable: this process was frozen, or its loop
+        blocked, past the lease meanwhile: Redis may have given the turn to
+        another since (the grant's message waited in the socket). The work
+        must not run on it.
+    """
+    if member.lapsed:
+        raise BackendUnavailable(
+            f"inturn: the place in Redis of this waiter for {member.key!r} may be gone (this "
+            "process was frozen, or its event loop blocked, for longer than the lease); "
+            "the work did not run"
+        )
 
 
 def _expire(future: asyncio.Future[Any], error: Callable[[], BaseException]) -> None:

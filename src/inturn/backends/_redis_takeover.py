@@ -20,23 +20,38 @@ import contextlib
 import os
 from typing import Any
 
-__all__ = ("ENABLED", "forget", "transport_of")
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+__all__ = ("ENABLED", "forget", "transport_of", "writer_transport")
 
 #: Whether to take connections over at all (else: always redis-py's public API).
 ENABLED = os.environ.get("INTURN_REDIS_WIRE", "fast") != "public"
 
 
 def transport_of(connection: Any) -> asyncio.Transport | str:
-    """The transport under a connected redis-py connection, or why it cannot be taken over."""
+    """The transport under a connected redis-py connection, or why it cannot be taken over.
+
+    :raises ConnectionError: the connection closed while redis-py set it up
+        (its reader saw the end: a taken-over transport would never say so).
+    """
     writer = getattr(connection, "_writer", None)
+    reader = getattr(connection, "_reader", None)
     if not isinstance(writer, asyncio.StreamWriter):
         return f"its _writer is {type(writer).__name__}, not an asyncio.StreamWriter"
+    if not isinstance(reader, asyncio.StreamReader):
+        return f"its _reader is {type(reader).__name__}, not an asyncio.StreamReader"
     transport = writer.transport
-    if not isinstance(transport, asyncio.Transport) or transport.is_closing():
+    if not isinstance(transport, asyncio.Transport):
         return f"its transport is {transport!r}"
-    if not hasattr(connection, "_reader"):
-        return "it has no _reader"
+    if transport.is_closing() or reader.at_eof():
+        raise RedisConnectionError("Redis closed the connection as it was set up")
     return transport
+
+
+def writer_transport(connection: Any) -> asyncio.BaseTransport | None:
+    """The transport of a redis-py connection (to close it without its loop), if it has one."""
+    writer = getattr(connection, "_writer", None)
+    return writer.transport if isinstance(writer, asyncio.StreamWriter) else None
 
 
 def forget(connection: Any) -> None:

@@ -34,6 +34,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .._errors import BackendUnavailable
+from .._tasks import abandon_task, abandon_transport
 from . import _redis_takeover as takeover
 from ._redis_errors import demoted
 from ._redis_scripts import HELLO, SCRIPTS, Script
@@ -53,6 +54,7 @@ class _Carrier(Protocol):
     def write(self, data: bytes) -> None: ...
     def abort(self) -> None: ...
     async def close(self) -> None: ...
+    def abandon(self) -> None: ...
 
 
 #: Whether the warning that the takeover is off has been logged (once per process).
@@ -78,7 +80,12 @@ async def _connect(
             ) from None
         raise
     if takeover.ENABLED:
-        transport = takeover.transport_of(connection)
+        try:
+            transport = takeover.transport_of(connection)
+        except RedisConnectionError:
+            with contextlib.suppress(Exception):
+                await connection.disconnect(nowait=True)
+            raise
         if not isinstance(transport, str):
             return _TakenOver(connection, transport, listener)
         global _warned
@@ -176,6 +183,12 @@ class _TakenOver(asyncio.Protocol):
             self._transport.close()
         await asyncio.wait((self._closed,), timeout=1.0)
 
+    def abandon(self) -> None:
+        """Close the connection without its event loop, which will never run again."""
+        transport, self._transport = self._transport, None
+        abandon_transport(transport)
+        takeover.forget(self._connection)
+
 
 class _Public:
     """A connection carried through redis-py's public API: a writer and a reader task.
@@ -184,7 +197,16 @@ class _Public:
     messages are pushes); else redis-py deals with them and they never reach it.
     """
 
-    __slots__ = ("_connection", "_listener", "_outgoing", "_pushes", "_reader", "_wake", "_writer")
+    __slots__ = (
+        "_connection",
+        "_listener",
+        "_outgoing",
+        "_pushes",
+        "_reader",
+        "_stopped",
+        "_wake",
+        "_writer",
+    )
 
     #: Seconds a read waits before it looks again (so no socket_timeout ends an idle connection).
     POLL = 3600.0
@@ -196,6 +218,9 @@ class _Public:
         self._pushes = pushes
         self._outgoing: deque[bytes] = deque()
         self._wake = asyncio.Event()
+        # NOTE: the writer ends on this, not only on cancel(): redis-py's
+        # send_packed_command may swallow a cancellation (Python 3.10, 3.11)
+        self._stopped = False  # the connection is gone, or going
         self._reader = loop.create_task(self._read(), name="inturn-redis-read")
         self._writer = loop.create_task(self._write(), name="inturn-redis-write")
 
@@ -206,10 +231,10 @@ class _Public:
     async def _write(self) -> None:
         outgoing, wake = self._outgoing, self._wake
         try:
-            while True:
+            while not self._stopped:
                 await wake.wait()
                 wake.clear()
-                while outgoing:
+                while outgoing and not self._stopped:
                     data = b"".join(outgoing)
                     outgoing.clear()
                     await self._connection.send_packed_command(data, check_health=False)
@@ -223,8 +248,12 @@ class _Public:
         try:
             while True:
                 try:
+                    # raw bytes, as this process's own parser gives (decode_responses aside)
                     reply = await connection.read_response(
-                        timeout=self.POLL, disconnect_on_error=False, push_request=self._pushes
+                        disable_decoding=True,
+                        timeout=self.POLL,
+                        disconnect_on_error=False,
+                        push_request=self._pushes,
                     )
                 except ResponseError as refusal:  # an error reply: the answer to a call
                     got(refusal)
@@ -233,21 +262,40 @@ class _Public:
                     break
                 got(reply)
         except asyncio.CancelledError:
-            error = _lost(None)
+            if not self._stopped:
+                # not by abort() or close(): the loop is ending (asyncio.run cancels
+                # every task), and the session closes with it (see close()); the
+                # writer ends too, even if redis-py swallowed its own cancellation
+                self._stopped = True
+                self._wake.set()
+                raise
         except Exception as problem:
             error = problem
-        finally:
-            self._writer.cancel()
-            with contextlib.suppress(Exception):
-                await connection.disconnect(nowait=True)
-            self._listener.gone(error)
+        # (a GeneratorExit, when abandoned with its loop and collected, skips all this)
+        self._stopped = True
+        self._wake.set()
+        self._writer.cancel()
+        with contextlib.suppress(Exception):
+            await connection.disconnect(nowait=True)
+        self._listener.gone(error)
 
     def abort(self) -> None:
+        self._stopped = True
         self._reader.cancel()
 
     async def close(self) -> None:
-        self._reader.cancel()
+        self.abort()
         await asyncio.wait((self._reader, self._writer), timeout=1.0)
+        with contextlib.suppress(Exception):  # (a reader cancelled by its loop's end did not)
+            await self._connection.disconnect(nowait=True)
+
+    def abandon(self) -> None:
+        """Close the connection without its event loop, which will never run again."""
+        self._stopped = True
+        abandon_transport(takeover.writer_transport(self._connection))
+        takeover.forget(self._connection)
+        abandon_task(self._reader)
+        abandon_task(self._writer)
 
 
 # -- the Link --------------------------------------------------------------------------
@@ -442,6 +490,19 @@ class Link:
             if call is not None:
                 _fail(call.future, error)
 
+    def drop(self) -> None:
+        """Drop the connection (the calls on it fail); the next call connects anew."""
+        if self._carrier is not None:
+            self._carrier.abort()
+
+    def abandon(self) -> None:
+        """Close the connection without its event loop, which will never run again."""
+        self._closed = True
+        abandon_task(self._connecting)
+        carrier, self._carrier = self._carrier, None
+        if carrier is not None:
+            carrier.abandon()
+
     def stale(self, limit: float) -> bool:
         """Drop the connection if its oldest unanswered call was written over limit s ago.
 
@@ -505,6 +566,7 @@ class Inbox:
         "_confirmed",
         "_limit",
         "_make",
+        "_opening",
         "_pause",
         "_pinged",
         "_reopening",
@@ -533,6 +595,7 @@ class Inbox:
         self._confirmed: asyncio.Future[None] | None = None
         self._reopening: asyncio.Task[None] | None = None
         self._closing = False
+        self._opening = False  # open() is under way: it deals with a connection lost meanwhile
         self._pinged: float | None = None  # monotonic time of the oldest unanswered ping
         #: time.monotonic() when the connection last said anything.
         self.heard_at = 0.0
@@ -545,23 +608,27 @@ class Inbox:
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._limit
-        carrier = await _connect(self._make, self, self._limit, True)
-        confirmed = self._confirmed = loop.create_future()
-        self._carrier = carrier
-        self._pinged = None
-        self.heard_at = time.monotonic()
-        carrier.write(self._command)
+        self._opening = True
         try:
-            await asyncio.wait_for(confirmed, max(0.0, deadline - loop.time()))
-        except BaseException as error:
-            if self._carrier is carrier:  # refused, or cancelled: not dropped
-                self._carrier = None
-                await carrier.close()
-            if isinstance(error, asyncio.TimeoutError):
-                raise RedisTimeoutError(
-                    f"Redis did not confirm the subscription within {self._limit:g} s"
-                ) from None
-            raise
+            carrier = await _connect(self._make, self, self._limit, True)
+            confirmed = self._confirmed = loop.create_future()
+            self._carrier = carrier
+            self._pinged = None
+            self.heard_at = time.monotonic()
+            carrier.write(self._command)
+            try:
+                await asyncio.wait_for(confirmed, max(0.0, deadline - loop.time()))
+            except BaseException as error:
+                if self._carrier is carrier:  # refused, or cancelled: not dropped
+                    self._carrier = None
+                    await carrier.close()
+                if isinstance(error, asyncio.TimeoutError):
+                    raise RedisTimeoutError(
+                        f"Redis did not confirm the subscription within {self._limit:g} s"
+                    ) from None
+                raise
+        finally:
+            self._opening = False
 
     def got(self, reply: Any) -> None:
         self.heard_at = time.monotonic()
@@ -585,7 +652,7 @@ class Inbox:
     def gone(self, error: BaseException) -> None:
         self._carrier = None
         _fail(self._confirmed, error)
-        if self._closing or self._reopening is not None:
+        if self._closing or self._opening or self._reopening is not None:
             return
         logger.warning("inturn: Redis subscription interrupted (%s); reconnecting", error)
         self._subscribed()  # the heartbeat catches up on grants missed meanwhile
@@ -633,6 +700,14 @@ class Inbox:
                 "inturn: the Redis subscription said nothing for %g s; reconnecting", self._limit
             )
             carrier.abort()
+
+    def abandon(self) -> None:
+        """Close the connection without its event loop, which will never run again."""
+        self._closing = True
+        abandon_task(self._reopening)
+        carrier, self._carrier = self._carrier, None
+        if carrier is not None:
+            carrier.abandon()
 
     async def aclose(self) -> None:
         """Unsubscribe for good: close the connection, stop reopening it."""

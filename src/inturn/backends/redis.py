@@ -52,7 +52,7 @@ import socket
 import threading
 import weakref
 from collections.abc import Hashable
-from typing import Any, final
+from typing import Any, Final, final
 
 from .._errors import BackendUnavailable
 from .._keys import order_portable, portable_key, portable_name
@@ -241,8 +241,10 @@ class RedisBackend:
         with self._lock:
             session = self._sessions.get(loop)
             if session is None or session.closing:
-                for other in [other for other in self._sessions if other.is_closed()]:
-                    del self._sessions[other]  # its loop ended without closing it
+                for other, old in list(self._sessions.items()):
+                    if _ended(old):  # its loop ended without closing it
+                        del self._sessions[other]
+                        old.abandon()
                 if self._config.client is not None and self._sessions:
                     raise RuntimeError(
                         "inturn: a RedisBackend on a RedisCluster client serves one event loop "
@@ -274,9 +276,13 @@ class RedisBackend:
         for session in sessions:
             if session.loop is loop:
                 await session.close()
+            elif _ended(session):
+                session.abandon()
             elif session.loop.is_running():  # another thread's loop: close it there
                 closing = asyncio.run_coroutine_threadsafe(session.close(), session.loop)
                 await asyncio.wait((asyncio.wrap_future(closing),), timeout=session.config.lease)
+            # (else a loop that waits to run again in a thread that lives: it closes
+            # its session when it shuts down)
         if self._owns_client:
             await self._client.aclose()
 
@@ -320,8 +326,10 @@ class RedisBackend:
         :raises ~inturn.BackendUnavailable: Redis could not be reached, or refused.
         """
         session = self._session()
+        await session.guard()  # (a loop that only looks, asyncio.run(lines()), closes it too)
         try:
-            names = await session.scan(f"inturn:{{{self._namespace}:*}}:line")
+            # the digest's 40 hex digits: not a namespace that begins with this one and ':'
+            names = await session.scan(f"inturn:{{{self._namespace}:{_DIGEST}}}:line")
             found = [await self._line(session, name) for name in names]
         except (*UNREACHABLE, ResponseError) as error:
             raise BackendUnavailable(f"inturn: {describe(error)}") from error
@@ -358,6 +366,16 @@ class RedisBackend:
 
     def __repr__(self) -> str:
         return f"RedisBackend({self._client!r}, namespace={self._namespace!r})"
+
+
+#: A SCAN pattern for the 40 hex digits of a key's digest.
+_DIGEST: Final = "[0-9a-f]" * 40
+
+
+def _ended(session: Session) -> bool:
+    """Whether session's loop will never run again: closed, or idle in a thread that ended."""
+    loop = session.loop
+    return loop.is_closed() or (not loop.is_running() and not session.thread.is_alive())
 
 
 def _connector(client: Any) -> Any:
