@@ -54,6 +54,27 @@ async def test_two_queues_on_one_directory_exclude_each_other(backend: FileBacke
     assert files(backend.directory) == []
 
 
+async def test_a_release_gives_up_the_cpu_only_to_someone_behind_it(
+    backend: FileBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The next holder's work holds up the whole line: a release with
+    # someone queued behind it lets that one run first; alone, it never
+    # gives its CPU away (a busy server's uncontended keys pay nothing).
+    yields: list[None] = []
+    monkeypatch.setattr(file_backend.os, "sched_yield", lambda: yields.append(None))
+    first, second = KeyedQueue(backend=backend), KeyedQueue(backend=backend)
+    await first.run("k", asyncio.sleep, 0)
+    assert yields == []
+
+    gate = asyncio.Event()
+    a = asyncio.create_task(first.run("k", gate.wait))
+    await until(lambda: len(backend.line("k")) == 1, "the first queue holds the key")
+    b = asyncio.create_task(second.run("k", asyncio.sleep, 0))
+    await until(lambda: len(backend.line("k")) == 2, "the second queue waits in the line file")
+    gate.set()
+    await asyncio.gather(a, b)
+    assert len(yields) == 1  # the first release, with the second behind it; not the second's
+
 async def test_turns_go_in_registration_order_across_queues(backend: FileBackend) -> None:
     queues = [KeyedQueue(backend=backend) for _ in range(5)]
     gate = asyncio.Event()

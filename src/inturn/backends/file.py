@@ -31,7 +31,10 @@ than its few system calls: see _lock):
   its ticket, then closes it: whoever waits on it takes the key as soon as
   it reads that, with the next fencing token (the holder held, so every
   earlier ticket is done too). If the ticket closed without it (its owner
-  gave up or died), the waiter looks further back.
+  gave up or died), the waiter looks further back. A holder that finds
+  its line file grown past its own record (someone queued behind it)
+  then yields its CPU: the next holder's work holds up the line, its own
+  tidy and next turn do not.
 - After releasing (or giving up), a process tidies up: if no ticket behind
   its own is still in line, or the file grew long, it finds which tickets
   have no writer and removes their FIFOs, under the shared lock; then,
@@ -330,7 +333,17 @@ def _remove(directory: int, name: str) -> None:
 class FileGrant:
     """The turn on one key granted by a :class:`FileBackend`, while it lasts."""
 
-    __slots__ = ("_digest", "_fd", "_line_fd", "_lost", "_ticket", "_where", "key", "token")
+    __slots__ = (
+        "_digest",
+        "_end",
+        "_fd",
+        "_line_fd",
+        "_lost",
+        "_ticket",
+        "_where",
+        "key",
+        "token",
+    )
 
     def __init__(
         self,
@@ -341,6 +354,7 @@ class FileGrant:
         where: Directory,
         digest: str,
         ticket: str,
+        end: int,
     ) -> None:
         #: The key held.
         self.key = key
@@ -352,6 +366,7 @@ class FileGrant:
         self._where = where  # the directory of both
         self._digest = digest
         self._ticket = ticket
+        self._end = end  # where its record ends in the line file: later ones are written past it
         self._lost = False  # (once released) whether its files were gone at the release
 
     @property
@@ -468,7 +483,7 @@ class FileBackend:
         name = portable_name(key)
         digest = hashlib.sha256(name).hexdigest()
         ticket = new_ticket()
-        where, line_fd, fd, records = await self._join(key, name, digest, ticket, deadline)
+        where, line_fd, fd, records, end = await self._join(key, name, digest, ticket, deadline)
         try:
             before = records[: records.index(record_of(ticket))]
             token = await self._wait_behind(where.fd, digest, before, deadline, key)
@@ -484,15 +499,16 @@ class FileBackend:
             except OSError:
                 pass  # best effort: the caller learns why it left, not why tidying failed
             raise
-        return FileGrant(key, token, fd, line_fd, where, digest, ticket)
+        return FileGrant(key, token, fd, line_fd, where, digest, ticket, end)
 
     async def _join(
         self, key: Hashable, name: bytes, digest: str, ticket: str, deadline: float | None
-    ) -> tuple[Directory, int, int, list[str]]:
+    ) -> tuple[Directory, int, int, list[str], int]:
         """Queue ticket in the line file of key, whose portable name is name.
 
         Returns the directory, the line file's fd (unlocked), the ticket's
-        writer fd, and the line file's records as they were once it was in.
+        writer fd, the line file's records as they were once it was in, and
+        the offset where its record ends.
         """
         assert fcntl is not None
         where = self._where
@@ -520,6 +536,7 @@ class FileBackend:
                 fd = os.open(pipe, _OPEN_TICKET, dir_fd=where.fd)
                 _OPEN.add(fd)
                 os.write(line_fd, joined(ticket))  # one append: atomic
+                end = os.lseek(line_fd, 0, os.SEEK_CUR)
                 records = read_records(line_fd)
                 fcntl.flock(line_fd, fcntl.LOCK_UN)
             except BaseException as error:
@@ -534,7 +551,7 @@ class FileBackend:
                     continue
                 raise
             _OPEN.add(line_fd)
-            return where, line_fd, fd, records
+            return where, line_fd, fd, records, end
 
     async def _wait_behind(
         self,
@@ -579,11 +596,19 @@ class FileBackend:
             _OPEN.discard(fd)
             try:
                 # Before the hand-off: once it is written, the next holder may tidy both away.
-                grant._lost = _unlinked(fd) or _unlinked(grant._line_fd)
+                line = os.fstat(grant._line_fd)
+                grant._lost = line.st_nlink == 0 or _unlinked(fd)
                 os.write(fd, hand_off(grant.token))  # whoever waits on this ticket goes on
             finally:
                 os.close(fd)
                 _unlink(where.fd, pipe_name(digest, ticket))
+            if line.st_size > grant._end:
+                # Someone queued behind this grant, and was most likely just
+                # handed the key: let it have this CPU first. Its work holds
+                # up the whole line; this process's tidy and next turn do
+                # not. (A no-op on an idle CPU; on a busy one, 8 processes
+                # on 2 cores, it is worth 10% of a line's turns per second.)
+                os.sched_yield()
             self._tidy(where, digest, ticket, grant._line_fd, held=True)
         done.set_result(None)
         return done
