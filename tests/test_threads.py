@@ -759,3 +759,52 @@ def test_a_task_woken_by_a_thread_is_the_holder_from_its_first_step(
         return await task
 
     assert asyncio.run(main()) == "reentered"
+
+
+def test_a_queue_with_a_backend_serves_a_loop_of_another_thread_once_the_first_is_gone(
+    tmp_path: Any, pool: ThreadPoolExecutor
+) -> None:
+    """One ``asyncio.run()`` per job, each in a pool thread: the case of RQ or Celery threads.
+
+    The first job's thread lives on after its loop closed; a later job's
+    loop, in another thread, is served all the same.
+    """
+    from inturn.backends.file import FileBackend
+
+    queue = KeyedQueue(backend=FileBackend(tmp_path))
+
+    async def job(n: int) -> int:
+        return await queue.run("k", lambda: asyncio.sleep(0, n))
+
+    first_closed = threading.Event()
+    let_go = threading.Event()
+
+    def first() -> int:
+        result = asyncio.run(job(1))
+        first_closed.set()
+        assert let_go.wait(PATIENCE)  # this thread is alive, its loop closed
+        return result
+
+    done = pool.submit(first)
+    assert first_closed.wait(PATIENCE)
+    assert pool.submit(lambda: asyncio.run(job(2))).result(PATIENCE) == 2
+    let_go.set()
+    assert done.result(PATIENCE) == 1
+    assert queue.stats().completed == 2
+
+
+def test_a_second_open_loop_on_a_queue_with_a_backend_is_told_which_loop_is_open(
+    tmp_path: Any,
+) -> None:
+    from inturn.backends.file import FileBackend
+
+    queue = KeyedQueue(backend=FileBackend(tmp_path))
+
+    async def job() -> str:
+        return await queue.run("k", lambda: asyncio.sleep(0, "ran"))
+
+    with loop_thread() as loop:
+        assert in_loop(loop, job()).result(PATIENCE) == "ran"
+        with pytest.raises(RuntimeError, match=r"still open.*its own queue"):
+            asyncio.run(job())
+    assert asyncio.run(job()) == "ran"  # the first loop is closed now

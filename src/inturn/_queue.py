@@ -205,6 +205,13 @@ class _Drain:
 
 
 @final
+def _gone(loop: asyncio.AbstractEventLoop, thread: int) -> bool:
+    """Whether loop, last run in thread, can run no step any more: closed, or its thread ended."""
+    if loop.is_closed():
+        return True
+    return not loop.is_running() and all(t.ident != thread for t in threading.enumerate())
+
+
 class _Settling:
     """The switch of a queue to shared mode, until its solo loop is between steps.
 
@@ -1139,13 +1146,18 @@ class KeyedQueue:
 
         ``loop`` is the caller's running loop, ``None`` for a thread. The
         first loop to come makes the queue solo, and so does a later loop of
-        the solo loop's thread (the earlier one is not running then); a
-        thread, or a loop in another thread, switches it to shared for good.
+        the solo loop's thread (the earlier one is not running then), or of
+        any thread once the solo loop is gone (see _gone); a thread, or a
+        loop in another thread while the solo loop may still run, switches
+        it to shared for good.
         """
         with self._arrival:
             if not self._shared:
                 here = get_ident()
-                if loop is not None and (self._solo is None or self._solo_thread == here):
+                solo = self._solo
+                if loop is not None and (
+                    solo is None or self._solo_thread == here or _gone(solo, self._solo_thread)
+                ):
                     self._solo = loop
                     self._solo_thread = here
                     self._owner = loop if self._open and self._plain else None
@@ -1153,10 +1165,10 @@ class KeyedQueue:
                 if self._backend is not None:
                     raise RuntimeError(
                         f"inturn: this queue's backend ({self._backend!r}) serves the tasks "
-                        "of one event loop at a time, and another loop in another thread, "
-                        "or a thread, called it; give each loop or thread its own queue"
+                        f"of one event loop at a time, and {solo!r}, which used it first, is "
+                        "still open in another thread; close that loop first (asyncio.run() "
+                        "does when it returns), or give each loop its own queue"
                     )
-                solo = self._solo
                 self._owner = self._solo = None
                 self._shared = True
                 if solo is not None and self._solo_thread != here:
