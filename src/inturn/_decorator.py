@@ -14,6 +14,7 @@ from typing_extensions import ParamSpec
 from ._keys import KeySpec, KeysSpec, compile_key
 from ._queue import _check_hold, _check_timeout, _Unset
 from ._tasks import current_task as _current_task
+from ._tasks import outside_asyncio
 
 if TYPE_CHECKING:
     from ._queue import KeyedQueue
@@ -208,7 +209,10 @@ def _coalescing(start: _Start) -> _Start:
     flights: dict[Hashable, _Flight] = {}
 
     async def coalesced(key: Hashable, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        task = _current_task()
+        try:
+            task = _current_task()
+        except RuntimeError:
+            raise outside_asyncio("a queue_by_key(coalesce=True) function") from None
         while (flight := flights.get(key)) is not None:
             if flight.task is task:  # a reentrant call: run it inside the turn
                 return await start(key, args, kwargs)

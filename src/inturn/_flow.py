@@ -10,6 +10,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, final, overload
 
 from ._tasks import current_task as _current_task
+from ._tasks import outside_asyncio
 
 if sys.version_info < (3, 11):  # pragma: no cover - depends on the interpreter
     from exceptiongroup import BaseExceptionGroup
@@ -197,7 +198,10 @@ class Batch:
     async def __aenter__(self) -> Batch:
         if self._parent is not None:
             raise RuntimeError("inturn: this batch was entered already; make one per block")
-        task = _current_task()
+        try:
+            task = _current_task()
+        except RuntimeError:
+            raise outside_asyncio("batch()") from None
         if task is None:
             raise RuntimeError("inturn: a batch is for inside an asyncio task")
         self._parent = task

@@ -19,6 +19,7 @@ from ._errors import QueueClosed, QueueFull
 from ._flow import Batch, Handle, QueueStats, _unawaited, failures
 from ._keys import KeySpec, KeysSpec, order_keys, unhashable
 from ._tasks import current_task as _current_task
+from ._tasks import outside_asyncio, running_loop
 from ._turn import Turn
 from .backends._base import Backend
 from .backends._local import LocalBackend
@@ -204,7 +205,6 @@ class _Drain:
             self.finish()
 
 
-@final
 def _gone(loop: asyncio.AbstractEventLoop, thread: int) -> bool:
     """Whether loop, last run in thread, can run no step any more: closed, or its thread ended."""
     if loop.is_closed():
@@ -212,6 +212,7 @@ def _gone(loop: asyncio.AbstractEventLoop, thread: int) -> bool:
     return not loop.is_running() and all(t.ident != thread for t in threading.enumerate())
 
 
+@final
 class _Settling:
     """The switch of a queue to shared mode, until its solo loop is between steps.
 
@@ -668,7 +669,10 @@ class KeyedQueue:
         :raises TypeError: ``key`` is unhashable or ``fn`` is not callable.
         """
         # The hot path of the library: every line of it is measured.
-        task = _current_task()
+        try:
+            task = _current_task()
+        except RuntimeError:
+            raise outside_asyncio("run()") from None
         lines = self._lines
         try:
             line = lines.get(key)
@@ -907,7 +911,7 @@ class KeyedQueue:
             raise QueueClosed(
                 f"inturn: the queue is closed; the work for key {key!r} was not queued"
             )
-        loop = asyncio.get_running_loop()
+        loop = running_loop("submit()")
         slots = self._slots
         if slots is None:
             task = loop.create_task(
@@ -1732,8 +1736,8 @@ class KeyedQueue:
             errors of :meth:`submit`'s work that failed and that nobody
             awaited (each is raised once; a batch's are its own).
         """
+        loop = running_loop("drain()")
         await asyncio.sleep(0)  # let tasks created before this call submit their work
-        loop = asyncio.get_running_loop()
         future = loop.create_future()
         # their tasks end just after they leave the lines: wait for that too
         submitted = [h._task for h in self._handles if h._task.get_loop() is loop]
@@ -1786,6 +1790,7 @@ class KeyedQueue:
 
     async def aclose(self) -> None:
         """Close the queue, wait for the work already in it (:meth:`drain`), close the backend."""
+        running_loop("aclose()")
         self.close()
         await self.drain()
         if self._backend is not None:

@@ -3,7 +3,8 @@
 The current task, cheaply (every turn asks for it on the hot path), and
 what is left of a backend's share of an event loop that will never run
 again (closed without ``shutdown_asyncgens()``, or abandoned with its
-thread): its sockets closed and its tasks let go, without the loop.
+thread): its sockets closed and its tasks let go, without the loop. Also
+the one wording of a call made where no asyncio loop runs (under trio).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import asyncio
 import sys
 from typing import Any
 
-__all__ = ("abandon_task", "abandon_transport", "current_task")
+__all__ = ("abandon_task", "abandon_transport", "current_task", "outside_asyncio", "running_loop")
 
 if sys.version_info >= (3, 12):
     from asyncio import current_task  # implemented in C: cheap
@@ -30,6 +31,27 @@ else:  # pragma: no cover - depends on the interpreter
     ) -> asyncio.Task[Any] | None:
         """Return the task running in this thread's event loop, or None."""
         return _get(_loop())
+
+
+def outside_asyncio(what: str) -> RuntimeError:
+    """The error of a call of what where no asyncio event loop runs (under trio, for example)."""
+    return RuntimeError(
+        f"inturn: {what} needs a running asyncio event loop, and none runs here: inturn's "
+        "async API runs on asyncio only, not under trio (or anyio's trio backend). Call it "
+        "from a coroutine that asyncio runs (asyncio.run(), or anyio with backend='asyncio'), "
+        "or from plain code in a thread with run_sync() or `with keyed(...)`; nothing was queued"
+    )
+
+
+def running_loop(what: str) -> asyncio.AbstractEventLoop:
+    """The running event loop, for a call of what.
+
+    :raises RuntimeError: no asyncio event loop runs here (see outside_asyncio).
+    """
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        raise outside_asyncio(what) from None
 
 
 def abandon_transport(transport: asyncio.BaseTransport | None) -> None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, final
 
 from ._errors import HoldTimeout, LeaseLost
 from ._tasks import current_task as _current_task
+from ._tasks import outside_asyncio
 
 if TYPE_CHECKING:
     from ._queue import KeyedQueue
@@ -212,7 +213,10 @@ class Turn:
         if self._task is not None:
             raise RuntimeError("inturn: this keyed() turn is already entered; make one per block")
         queue = self._queue
-        task = _current_task()
+        try:
+            task = _current_task()
+        except RuntimeError:
+            raise outside_asyncio("keyed()") from None
         keys = self.keys
         backend = queue._backend
         if backend is not None:
