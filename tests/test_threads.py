@@ -808,3 +808,38 @@ def test_a_second_open_loop_on_a_queue_with_a_backend_is_told_which_loop_is_open
         with pytest.raises(RuntimeError, match=r"still open.*its own queue"):
             asyncio.run(job())
     assert asyncio.run(job()) == "ran"  # the first loop is closed now
+
+
+def test_a_coalesced_call_from_a_loop_in_another_thread_gets_the_result() -> None:
+    """coalesce=True across event loops in threads: the joiner is woken in its own loop."""
+    queue = KeyedQueue()
+    calls: list[int] = []
+    entered = threading.Event()
+    gate = threading.Event()
+
+    @queue.queue_by_key(key="k", coalesce=True)
+    async def refresh() -> int:
+        calls.append(1)
+        entered.set()
+        await asyncio.get_running_loop().run_in_executor(None, gate.wait, PATIENCE)
+        return len(calls)
+
+    joined = threading.Event()
+
+    async def join_and_step() -> asyncio.Task[int]:
+        joiner = asyncio.create_task(refresh())
+        joiner.add_done_callback(lambda _: joined.set())
+        await asyncio.sleep(0)  # a checkpoint: the task has run its first step, and joined
+        return joiner
+
+    with loop_thread() as first, loop_thread() as second:
+        leader = in_loop(first, refresh())
+        assert entered.wait(PATIENCE)
+        joiner = in_loop(second, join_and_step()).result(PATIENCE)
+        assert not joiner.done()
+        gate.set()
+        assert leader.result(PATIENCE) == 1
+        # Nothing else wakes the second loop: the end of the flight must.
+        assert joined.wait(PATIENCE), "the joiner's loop was never woken"
+        assert joiner.result() == 1
+    assert calls == [1]  # one run, whose result both callers got

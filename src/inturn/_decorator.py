@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
 from collections.abc import Callable, Coroutine, Hashable
 from types import FunctionType
 from typing import TYPE_CHECKING, Any, Concatenate, Final, Protocol, TypeVar, final, overload
@@ -14,7 +15,7 @@ from typing_extensions import ParamSpec
 from ._keys import KeySpec, KeysSpec, compile_key
 from ._queue import _check_hold, _check_timeout, _Unset
 from ._tasks import current_task as _current_task
-from ._tasks import outside_asyncio
+from ._tasks import in_loop_of, outside_asyncio
 
 if TYPE_CHECKING:
     from ._queue import KeyedQueue
@@ -175,7 +176,11 @@ def _queued_type(call: Callable[..., Any]) -> type[_Queued]:
 
 @final
 class _Flight:
-    """A call of a coalescing function that is in flight, and who joined it."""
+    """A call of a coalescing function that is in flight, and who joined it.
+
+    Its joiners may wait in other event loops (of other threads): each is
+    woken in its own loop.
+    """
 
     __slots__ = ("joiners", "task")
 
@@ -183,21 +188,26 @@ class _Flight:
         self.task = task
         self.joiners: list[asyncio.Future[Any]] = []
 
-    async def join(self) -> Any:
-        joiner: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    def join(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[Any]:
+        joiner: asyncio.Future[Any] = loop.create_future()
         self.joiners.append(joiner)
-        return await joiner
+        return joiner
 
     def finish(self, error: BaseException | None, result: Any) -> None:
+        """Wake every joiner with the call's outcome; call once nobody can join any more."""
         for joiner in self.joiners:
-            if joiner.done():  # that joiner was cancelled
-                continue
-            if error is None:
-                joiner.set_result(result)
-            elif isinstance(error, asyncio.CancelledError | KeyboardInterrupt | SystemExit):
-                joiner.set_result(_RERUN)
-            else:
-                joiner.set_exception(error)
+            in_loop_of(joiner, _settle, joiner, error, result)
+
+
+def _settle(joiner: asyncio.Future[Any], error: BaseException | None, result: Any) -> None:
+    if joiner.done():  # that joiner was cancelled
+        return
+    if error is None:
+        joiner.set_result(result)
+    elif isinstance(error, asyncio.CancelledError | KeyboardInterrupt | SystemExit):
+        joiner.set_result(_RERUN)
+    else:
+        joiner.set_exception(error)
 
 
 #: What a joiner gets when the call it joined did not finish (was cancelled).
@@ -205,28 +215,46 @@ _RERUN: Final = object()
 
 
 def _coalescing(start: _Start) -> _Start:
-    """Wrap start so that a call joins an in-flight call with the same key."""
+    """Wrap start so that a call joins an in-flight call with the same key.
+
+    The calls in flight are shared by every event loop and thread that calls
+    the function: looking one up and joining it, and ending one, happen
+    under one lock, so that a call either joins a flight before it ends (and
+    is woken by its end) or finds none and starts its own.
+    """
     flights: dict[Hashable, _Flight] = {}
+    lock = threading.Lock()
 
     async def coalesced(key: Hashable, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:
             task = _current_task()
         except RuntimeError:
             raise outside_asyncio("a queue_by_key(coalesce=True) function") from None
-        while (flight := flights.get(key)) is not None:
-            if flight.task is task:  # a reentrant call: run it inside the turn
-                return await start(key, args, kwargs)
-            outcome = await flight.join()
+        loop = task.get_loop() if task is not None else asyncio.get_running_loop()
+        while True:
+            with lock:
+                flight = flights.get(key)
+                if flight is None:
+                    flight = flights[key] = _Flight(task)
+                    break
+                if flight.task is task:  # a reentrant call: run it inside the turn
+                    flight = None
+                    break
+                joiner = flight.join(loop)
+            outcome = await joiner
             if outcome is not _RERUN:
                 return outcome
-        flight = flights[key] = _Flight(task)
+        if flight is None:
+            return await start(key, args, kwargs)
         try:
             result = await start(key, args, kwargs)
         except BaseException as error:
-            del flights[key]
+            with lock:
+                del flights[key]
             flight.finish(error, None)
             raise
-        del flights[key]
+        with lock:
+            del flights[key]
         flight.finish(None, result)
         return result
 

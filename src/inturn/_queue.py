@@ -19,6 +19,7 @@ from ._errors import QueueClosed, QueueFull
 from ._flow import Batch, Handle, QueueStats, _unawaited, failures
 from ._keys import KeySpec, KeysSpec, order_keys, unhashable
 from ._tasks import current_task as _current_task
+from ._tasks import in_loop_of as _soon
 from ._tasks import outside_asyncio, running_loop
 from ._turn import Turn
 from .backends._base import Backend
@@ -115,22 +116,6 @@ def _outcome(future: asyncio.Future[Any], error: BaseException | None, result: A
         future.exception()  # the holder's own caller gets the error; don't log it again
     else:  # cancelled, or interrupted
         future.cancel()
-
-
-def _soon(future: asyncio.Future[Any], callback: Callable[..., None], *args: Any) -> bool:
-    """Call callback(*args) in future's loop: now if it runs this code, else from its thread.
-
-    Return False if that loop is closed, so nothing will ever run there again.
-    """
-    loop = future.get_loop()
-    if loop is asyncio._get_running_loop():
-        callback(*args)
-        return True
-    try:
-        loop.call_soon_threadsafe(callback, *args)
-    except RuntimeError:  # closed: nobody awaits the future any more
-        return False
-    return True
 
 
 def _refuse_coroutine(fn: object, result: CoroutineType[Any, Any, Any]) -> NoReturn:

@@ -4,22 +4,30 @@ The current task, cheaply (every turn asks for it on the hot path), and
 what is left of a backend's share of an event loop that will never run
 again (closed without ``shutdown_asyncgens()``, or abandoned with its
 thread): its sockets closed and its tasks let go, without the loop. Also
-the one wording of a call made where no asyncio loop runs (under trio).
+a call made in a future's own loop from any thread, and the one wording of
+a call made where no asyncio loop runs (under trio).
 """
 
 from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ("abandon_task", "abandon_transport", "current_task", "outside_asyncio", "running_loop")
+__all__ = (
+    "abandon_task",
+    "abandon_transport",
+    "current_task",
+    "in_loop_of",
+    "outside_asyncio",
+    "running_loop",
+)
 
 if sys.version_info >= (3, 12):
     from asyncio import current_task  # implemented in C: cheap
 else:  # pragma: no cover - depends on the interpreter
     from asyncio.tasks import _current_tasks  # type: ignore[attr-defined]
-    from collections.abc import Callable
 
     # Before 3.12, asyncio.current_task() is Python, with argument handling
     # around this same lookup. (Caching the loop per thread to skip
@@ -31,6 +39,22 @@ else:  # pragma: no cover - depends on the interpreter
     ) -> asyncio.Task[Any] | None:
         """Return the task running in this thread's event loop, or None."""
         return _get(_loop())
+
+
+def in_loop_of(future: asyncio.Future[Any], callback: Callable[..., None], *args: Any) -> bool:
+    """Call callback(*args) in future's loop: now if it runs this code, else from its thread.
+
+    Return False if that loop is closed, so nothing will ever run there again.
+    """
+    loop = future.get_loop()
+    if loop is asyncio._get_running_loop():
+        callback(*args)
+        return True
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:  # closed: nobody awaits the future any more
+        return False
+    return True
 
 
 def outside_asyncio(what: str) -> RuntimeError:
