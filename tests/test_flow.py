@@ -590,6 +590,56 @@ async def test_submit_returns_a_handle_to_the_queued_work() -> None:
     assert second.cancel() is False  # done: nothing to cancel
 
 
+async def test_a_handle_answers_as_an_asyncio_future_does(
+    loop_errors: list[dict[str, Any]],
+) -> None:
+    queue = KeyedQueue()
+    gate = asyncio.Event()
+    seen: list[tuple[str, inturn.Handle[Any]]] = []
+    ok = await queue.submit("k", lambda: gate.wait())
+    failing = await queue.submit("k", fail, ValueError("boom"))
+    cancelled = await queue.submit("k", lambda: None)
+    for name, handle in (("ok", ok), ("failing", failing), ("cancelled", cancelled)):
+        handle.add_done_callback(lambda h, name=name: seen.append((name, h)))
+    failing.add_done_callback(lambda h: seen.append(("failing again", h)))
+    assert failing.remove_done_callback(seen.append) == 0  # never added
+    with pytest.raises(asyncio.InvalidStateError):
+        ok.result()
+    with pytest.raises(asyncio.InvalidStateError):
+        ok.exception()
+    cancelled.cancel()
+    gate.set()
+    await settle(lambda: len(seen) == 4)
+    assert ok.result() is True
+    assert ok.exception() is None
+    assert isinstance(failing.exception(), ValueError)
+    with pytest.raises(ValueError, match="boom"):
+        failing.result()
+    with pytest.raises(asyncio.CancelledError):
+        cancelled.result()
+    with pytest.raises(asyncio.CancelledError):
+        cancelled.exception()
+    # each callback got its handle, in its loop, once
+    assert sorted(name for name, _ in seen) == ["cancelled", "failing", "failing again", "ok"]
+    handles = {"ok": ok, "failing": failing, "failing again": failing, "cancelled": cancelled}
+    assert all(handle is handles[name] for name, handle in seen)
+    # the error was retrieved through the handle: neither drain nor asyncio reports it
+    await queue.drain(raise_errors=True)
+    assert never_retrieved(loop_errors) == []
+
+
+async def test_a_removed_done_callback_is_not_called() -> None:
+    queue = KeyedQueue()
+    seen: list[inturn.Handle[Any]] = []
+    handle = await queue.submit("k", lambda: "done")
+    handle.add_done_callback(seen.append)
+    handle.add_done_callback(seen.append)
+    assert handle.remove_done_callback(seen.append) == 2
+    assert await handle == "done"
+    await checkpoints()
+    assert seen == []
+
+
 async def test_submits_for_one_key_run_in_submission_order() -> None:
     queue = KeyedQueue()
     recorder = Recorder()

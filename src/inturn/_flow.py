@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import sys
 from collections.abc import Awaitable, Callable, Generator, Hashable, Mapping
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ class Handle(Generic[R]):
     exception was never retrieved".
     """
 
-    __slots__ = ("_awaited", "_task", "key")
+    __slots__ = ("_awaited", "_callbacks", "_task", "key")
 
     #: The key the work was submitted under.
     key: Hashable
@@ -49,6 +50,9 @@ class Handle(Generic[R]):
         self._task = task
         self.key = key
         self._awaited = False  # whether someone awaited the outcome (so got its error)
+        # add_done_callback's callbacks, each with what the task calls instead (made on first use)
+        self._callbacks: list[tuple[Callable[[Handle[R]], object], Callable[..., object]]] | None
+        self._callbacks = None
 
         def finished(task: asyncio.Task[R]) -> None:
             # task.exception() also marks the error as retrieved: never logged
@@ -72,6 +76,63 @@ class Handle(Generic[R]):
     def cancelled(self) -> bool:
         """Whether the work was cancelled (before its turn, or while it ran)."""
         return self._task.cancelled()
+
+    def result(self) -> R:
+        """The work's result, as :meth:`asyncio.Future.result`: raise its error if it failed.
+
+        :raises asyncio.InvalidStateError: the work has not finished.
+        :raises asyncio.CancelledError: the work was cancelled.
+        """
+        task = self._task
+        if task.done() and not task.cancelled():
+            self._awaited = True  # its error, if any, reaches this caller
+        return task.result()
+
+    def exception(self) -> BaseException | None:
+        """The work's error, or None if it returned, as :meth:`asyncio.Future.exception`.
+
+        An error read here counts as retrieved: no batch or
+        ``drain(raise_errors=True)`` raises it again.
+
+        :raises asyncio.InvalidStateError: the work has not finished.
+        :raises asyncio.CancelledError: the work was cancelled.
+        """
+        task = self._task
+        if task.done() and not task.cancelled():
+            self._awaited = True
+        return task.exception()
+
+    def add_done_callback(
+        self, fn: Callable[[Handle[R]], object], *, context: contextvars.Context | None = None
+    ) -> None:
+        """Call ``fn(handle)`` once the work has finished, in the loop it runs in.
+
+        As :meth:`asyncio.Future.add_done_callback`: scheduled with
+        ``call_soon`` (at once if it has finished already), in ``context``
+        or a copy of the current one. Reading the outcome is up to ``fn``:
+        an error it does not read with :meth:`result` or :meth:`exception`
+        is still raised by the batch or by ``drain(raise_errors=True)``.
+        """
+
+        def call(_: object) -> None:
+            fn(self)
+
+        if self._callbacks is None:
+            self._callbacks = []
+        self._callbacks.append((fn, call))
+        self._task.add_done_callback(call, context=context)
+
+    def remove_done_callback(self, fn: Callable[[Handle[R]], object]) -> int:
+        """Remove every registration of ``fn`` by :meth:`add_done_callback`; return how many."""
+        kept = []
+        removed = 0
+        for added, call in self._callbacks or ():
+            if added == fn:
+                removed += self._task.remove_done_callback(call)
+            else:
+                kept.append((added, call))
+        self._callbacks = kept
+        return removed
 
     def cancel(self, msg: object = None) -> bool:
         """Cancel the work: it leaves its line, or is cancelled at its next ``await``.

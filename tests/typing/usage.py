@@ -146,6 +146,10 @@ async def flow_control_is_typed() -> None:
     assert_type(handle, inturn.Handle[int])
     assert_type(await handle, int)
     assert_type(handle.cancel(), bool)
+    assert_type(handle.result(), int)
+    assert_type(handle.exception(), BaseException | None)
+    handle.add_done_callback(lambda done: assert_type(done, inturn.Handle[int]))
+    assert_type(handle.remove_done_callback(print), int)
     async with flow.batch(on_error="cancel") as batch:
         assert_type(batch, inturn.Batch)
         assert_type(await batch.submit("k", fetch, "sku"), inturn.Handle[int])
