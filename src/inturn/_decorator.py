@@ -12,8 +12,10 @@ from typing import TYPE_CHECKING, Any, Concatenate, Final, Protocol, TypeVar, fi
 import wrapt
 from typing_extensions import ParamSpec
 
+from ._checks import Unset as _Unset
+from ._checks import check_hold as _check_hold
+from ._checks import check_timeout as _check_timeout
 from ._keys import KeySpec, KeysSpec, compile_key
-from ._queue import _check_hold, _check_timeout, _Unset
 from ._tasks import current_task as _current_task
 from ._tasks import in_loop_of, outside_asyncio
 

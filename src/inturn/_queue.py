@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import math
 import threading
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Hashable
@@ -15,9 +14,20 @@ from time import monotonic as _monotonic
 from types import CoroutineType, MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, Literal, NoReturn, TypeVar, final, overload
 
+from ._checks import UNSET, check_count, check_hold, check_timeout
+from ._checks import Unset as _Unset
 from ._errors import QueueClosed, QueueFull
 from ._flow import Batch, Handle, QueueStats, _unawaited, failures
 from ._keys import KeySpec, KeysSpec, order_keys, unhashable
+from ._line import Drain as _Drain
+from ._line import Gate as _Gate
+from ._line import Line as _Line
+from ._line import ThreadWaiter as _ThreadWaiter
+from ._line import Waiter as _Waiter
+from ._line import held_by as _held_by
+from ._line import resolve as _resolve
+from ._line import wake as _wake
+from ._stats import Tally as _Tally
 from ._tasks import current_task as _current_task
 from ._tasks import in_loop_of as _soon
 from ._tasks import outside_asyncio, running_loop
@@ -38,54 +48,6 @@ R = TypeVar("R")
 W = TypeVar("W")
 
 
-@final
-class _Unset:
-    """The type of :data:`UNSET`."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "UNSET"
-
-
-#: The default of per-call ``timeout=`` arguments: use the queue's timeout.
-#: (``None`` means no time limit.)
-UNSET: Final = _Unset()
-
-
-def _check_seconds(name: str, value: float | None, *, zero: bool) -> float | None:
-    """A time limit in seconds, or None (also for infinity); ``zero``: 0 is allowed."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"inturn: {name} must be a number of seconds or None, got {value!r}")
-    if math.isnan(value) or value < 0 or (value == 0 and not zero):
-        bound = ">= 0" if zero else "> 0"
-        raise ValueError(f"inturn: {name} must be {bound} seconds or None, got {value!r}")
-    return None if math.isinf(value) else float(value)
-
-
-def _check_timeout(timeout: float | None) -> float | None:
-    return _check_seconds("timeout", timeout, zero=True)
-
-
-def _check_hold(max_hold: float | None) -> float | None:
-    return _check_seconds("max_hold", max_hold, zero=False)
-
-
-def _check_count(name: str, value: int | None, none: bool, least: int = 1) -> int | None:
-    """A count of at least ``least``; None allowed if ``none``."""
-    if value is None and none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"inturn: {name} must be an int{' or None' if none else ''}, got {value!r}")
-    if value < least:
-        raise ValueError(
-            f"inturn: {name} must be >= {least}{' or None' if none else ''}, got {value!r}"
-        )
-    return value
-
-
 def _expire(waiter: asyncio.Future[None], key: Hashable, timeout: float) -> None:
     if not waiter.done():
         waiter.set_exception(_missed(key, timeout))
@@ -98,11 +60,6 @@ def _expire_slot(waiter: asyncio.Future[None], queue: KeyedQueue, timeout: float
 
 def _missed(key: Hashable, timeout: float) -> TimeoutError:
     return TimeoutError(f"inturn: the turn for key {key!r} was not reached within {timeout:g} s")
-
-
-def _resolve(future: asyncio.Future[Any]) -> None:
-    if not future.done():
-        future.set_result(None)
 
 
 def _outcome(future: asyncio.Future[Any], error: BaseException | None, result: Any) -> None:
@@ -126,68 +83,8 @@ def _refuse_coroutine(fn: object, result: CoroutineType[Any, Any, Any]) -> NoRet
     )
 
 
-def _held_by(line: Any, holder: object) -> bool:
-    """Whether line (a bare holder, a _Line, a _Gate or None) is held by holder."""
-    return line is not None and (
-        line is holder
-        or (type(line) is _Line and line.holder is holder)
-        or (type(line) is _Gate and holder in line.holders)
-    )
-
-
 #: What a solo queue's changes of its lines hold instead of the lock.
 _UNLOCKED: Final = nullcontext()
-
-
-@final
-class _ThreadWaiter:
-    """A thread waiting in a line: it blocks on a lock that the hand-off releases.
-
-    Quacks like the futures of waiting tasks where a line looks at its
-    waiters: ``done()`` once it left, ``cancel()`` to leave.
-    """
-
-    __slots__ = ("left", "lock")
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.lock.acquire()
-        self.left = False
-
-    def done(self) -> bool:
-        return self.left
-
-    def cancel(self) -> None:
-        self.left = True
-
-
-#: What waits in a line: a task's future, or a thread.
-_Waiter = asyncio.Future[None] | _ThreadWaiter
-
-
-def _wake(waiter: _Waiter) -> bool:
-    """Hand the turn to waiter, from any thread; False if it can never take it."""
-    if type(waiter) is _ThreadWaiter:
-        waiter.lock.release()
-        return True
-    return _soon(waiter, _resolve, waiter)
-
-
-@final
-class _Drain:
-    """One drain() call: a mark at the tail of every line that was active."""
-
-    __slots__ = ("finish", "remaining")
-
-    def __init__(self, remaining: int, finish: Callable[[], object]) -> None:
-        self.remaining = remaining  # marks not yet reached
-        self.finish = finish  # called once every mark is reached
-
-    def reached(self) -> None:
-        """Count one mark as reached: everything ahead of it in its line has left."""
-        self.remaining -= 1
-        if not self.remaining:
-            self.finish()
 
 
 def _gone(loop: asyncio.AbstractEventLoop, thread: int) -> bool:
@@ -224,178 +121,6 @@ class _Settling:
                 self.done.set()
 
 
-class _Waiting:
-    """What both kinds of line have: a FIFO of waiters."""
-
-    __slots__ = ("waiters", "waiting")
-
-    def __init__(self) -> None:
-        # FIFO of waiter futures and drain marks. A done future is a waiter
-        # that left (cancelled or timed out) and is skipped at hand-off.
-        self.waiters: deque[_Waiter | _Drain] = deque()
-        # How many futures in `waiters` are not done: the live waiters.
-        self.waiting = 0
-
-    def compact(self) -> None:
-        """Drop waiters that left, once they outnumber the live ones."""
-        if len(self.waiters) > 2 * self.waiting + 16:
-            self.waiters = deque(w for w in self.waiters if type(w) is _Drain or not w.done())
-
-
-@final
-class _Line(_Waiting):
-    """A key's line once anyone but its holder has looked at it.
-
-    While one task holds a key and nobody else asked about it, the queue maps
-    the key straight to that task: no object is made on the uncontended path.
-    """
-
-    __slots__ = ("holder", "watchers")
-
-    def __init__(self, holder: object) -> None:
-        # (_Waiting's fields set here: a call less on the contended path)
-        self.waiters: deque[_Waiter | _Drain] = deque()
-        self.waiting = 0
-        # The holding task; between a hand-off and the new holder waking up,
-        # the waiter future that was handed the turn. Never None.
-        self.holder = holder
-        # Futures from current(), resolved with the holder's outcome.
-        self.watchers: list[asyncio.Future[Any]] | None = None
-
-
-@final
-class _Gate(_Waiting):
-    """A FIFO line for one of a bounded number of places at once.
-
-    The running slots of a queue with ``max_running``, or a key's line on a
-    queue with ``concurrency`` above 1. A holder that leaves hands its place
-    to exactly the next live waiter. On a shared queue, the caller of every
-    method holds the queue's lock.
-    """
-
-    __slots__ = ("free", "handed", "holders", "marks", "producers", "size", "unplaced")
-
-    def __init__(self, size: int) -> None:
-        super().__init__()
-        self.size = size  # how many places
-        # Places nobody holds. NOTE: > 0 with live waiters only while a
-        # handed place is unsettled (see `handed`); a place that frees goes
-        # to the head of the line first.
-        self.free = size
-        # Who holds a place: tasks and threads; between a hand-off and the
-        # new holder waking up, the waiter that was handed it.
-        self.holders: set[object] = set()
-        # Places handed to waiters that have not woken up yet. NOTE: while
-        # any is, nobody takes a free place directly: a newcomer would start
-        # before a waiter that was ahead of it. It waits, and is handed the
-        # place when that waiter settles.
-        self.handed = 0
-        # Drain marks that reached the head, each with the holders it still
-        # waits for (those that held a place when it got there).
-        self.marks: list[tuple[_Drain, set[object]]] | None = None
-        # Producers blocked in submit(), with their keys, and the works
-        # submitted whose tasks have not started (the slots only).
-        self.producers: deque[tuple[asyncio.Future[None], Hashable]] | None = None
-        self.unplaced = 0
-
-    def enter(self, holder: object) -> bool | None:
-        """Take a free place for holder: False if taken now, True if it holds one, None if not."""
-        if holder in self.holders:
-            return True
-        if self.free and not self.handed:
-            self.free -= 1
-            self.holders.add(holder)
-            return False
-        return None
-
-    def settle(self, waiter: _Waiter, holder: object, shared: bool) -> None:
-        """Record holder in the place its waiter was handed; hand on a place that waited for it."""
-        self.holders.discard(waiter)
-        self.holders.add(holder)
-        self.handed -= 1
-        if self.marks is not None:
-            for _, remaining in self.marks:
-                if waiter in remaining:
-                    remaining.discard(waiter)
-                    remaining.add(holder)
-        if self.free and not self.handed and self._hand(shared):
-            self.free -= 1
-
-    def leave(self, holder: object, shared: bool) -> None:
-        """End holder's place: hand it to the next live waiter, or free it."""
-        self.holders.remove(holder)
-        if self.marks is not None:
-            self._passed(holder)
-        if not self._hand(shared):
-            self.free += 1
-            self.wake_producer()
-
-    def wake_producer(self) -> None:
-        """Wake the first producer waiting in submit() for a slot, if any."""
-        producers = self.producers
-        while producers:
-            producer, _ = producers.popleft()
-            if not producer.done():
-                _soon(producer, _resolve, producer)
-                return
-
-    def _hand(self, shared: bool) -> bool:
-        """Hand a place to the next live waiter; False if there is none."""
-        waiters = self.waiters
-        while waiters:
-            waiter = waiters.popleft()
-            if type(waiter) is _Drain:
-                self.mark(waiter)
-            elif not waiter.done():
-                self.waiting -= 1
-                self.holders.add(waiter)  # the waiter's before it is woken, as in _Line
-                self.handed += 1
-                if shared:
-                    if not _wake(waiter):  # its loop is closed: its task is gone
-                        self.holders.discard(waiter)
-                        self.handed -= 1
-                        continue
-                else:
-                    waiter.set_result(None)  # type: ignore[union-attr]
-                return True
-        return False
-
-    def drop(self, waiter: _Waiter, shared: bool) -> None:
-        """Take a waiter that was interrupted out of the line, passing on a place it was handed."""
-        if waiter in self.holders:  # handed, never settled
-            self.handed -= 1
-            self.leave(waiter, shared)
-        else:
-            waiter.cancel()  # so that the hand-off skips it
-            self.waiting -= 1
-            self.compact()
-
-    def mark(self, drain: _Drain) -> None:
-        """A drain mark reached the head: it waits for the present holders to leave."""
-        if not self.holders:
-            drain.reached()
-        elif self.marks is None:
-            self.marks = [(drain, set(self.holders))]
-        else:
-            self.marks.append((drain, set(self.holders)))
-
-    def _passed(self, holder: object) -> None:
-        assert self.marks is not None
-        still = []
-        for drain, remaining in self.marks:
-            remaining.discard(holder)
-            if remaining:
-                still.append((drain, remaining))
-            else:
-                drain.reached()
-        self.marks = still or None
-
-    @property
-    def idle(self) -> bool:
-        """Whether nobody holds or waits for a place (the line may go)."""
-        return not self.holders and not self.waiting
-
-
 @final
 class _Placing:
     """A submitted work, until its task started (and took a slot, or lined up for one)."""
@@ -419,41 +144,6 @@ class _Placing:
                 slots.unplaced -= 1
             if slots.producers and slots.free > slots.unplaced:
                 self.queue._next_producer(slots)
-
-
-@final
-class _Tally:
-    """What a queue counts for stats(): how its turns ended, and their times."""
-
-    __slots__ = ("cancelled", "completed", "failed", "held", "timed_out", "waited")
-
-    def __init__(self) -> None:
-        self.completed = 0
-        self.failed = 0
-        self.timed_out = 0
-        self.cancelled = 0
-        self.waited = 0.0  # seconds from submission to start, summed
-        self.held = 0.0  # seconds from start to end, summed
-
-    def ended(self, error: BaseException | None, cut: bool) -> None:
-        """Count a turn that ended: cut by its max_hold, or by error (None: completed)."""
-        if error is None:
-            self.completed += 1
-        elif cut:
-            self.timed_out += 1
-        elif isinstance(error, Exception):
-            self.failed += 1
-        else:
-            self.cancelled += 1
-
-    def missed(self, error: BaseException) -> None:
-        """Count a turn that was never reached: timed out, cancelled or failed while waiting."""
-        if isinstance(error, TimeoutError):
-            self.timed_out += 1
-        elif isinstance(error, Exception):
-            self.failed += 1
-        else:
-            self.cancelled += 1
 
 
 @final
@@ -581,8 +271,8 @@ class KeyedQueue:
         # about the key; key -> _Line otherwise. A key is here exactly while
         # it is active.
         self._lines: dict[Hashable, Any] = {}
-        self._timeout = _check_timeout(timeout)
-        self._max_pending = _check_count("max_pending", max_pending, none=True, least=0)
+        self._timeout = check_timeout(timeout)
+        self._max_pending = check_count("max_pending", max_pending, none=True, least=0)
         self._open = True
         self._tokens = itertools.count(1)
         if backend is None or isinstance(backend, LocalBackend):
@@ -594,14 +284,14 @@ class KeyedQueue:
                 f"inturn: backend= takes a backend from inturn.backends (LocalBackend, "
                 f"FileBackend, RedisBackend) or None, got {backend!r}"
             )
-        max_running = _check_count("max_running", max_running, none=True)
-        self._concurrency: int = _check_count("concurrency", concurrency, none=False)  # type: ignore[assignment]
+        max_running = check_count("max_running", max_running, none=True)
+        self._concurrency: int = check_count("concurrency", concurrency, none=False)  # type: ignore[assignment]
         if self._concurrency > 1 and self._backend is not None:
             raise ValueError(
                 f"inturn: concurrency={concurrency} needs the in-process lines; "
                 f"{self._backend!r} grants one holder per key"
             )
-        self._max_hold = _check_hold(max_hold)
+        self._max_hold = check_hold(max_hold)
         # The running slots, with max_running.
         self._slots = None if max_running is None else _Gate(max_running)
         self._tally = _Tally()
@@ -821,8 +511,8 @@ class KeyedQueue:
             unless its current task holds the keys already.
         :raises TypeError: on ``with`` entry, with a ``max_hold``.
         """
-        limit = self._timeout if timeout is UNSET else _check_timeout(timeout)  # type: ignore[arg-type]
-        hold = self._max_hold if max_hold is UNSET else _check_hold(max_hold)  # type: ignore[arg-type]
+        limit = self._timeout if timeout is UNSET else check_timeout(timeout)  # type: ignore[arg-type]
+        hold = self._max_hold if max_hold is UNSET else check_hold(max_hold)  # type: ignore[arg-type]
         if len(keys) == 1 and self._backend is None:
             try:
                 hash(keys[0])
@@ -1750,7 +1440,7 @@ class KeyedQueue:
 
         :raises RuntimeError: called inside a running event loop (use :meth:`drain`).
         """
-        limit = _check_timeout(timeout)
+        limit = check_timeout(timeout)
         if asyncio._get_running_loop() is not None:
             raise RuntimeError(
                 "inturn: drain_sync() would freeze the running event loop; "

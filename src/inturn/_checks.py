@@ -1,0 +1,56 @@
+"""Settings checked once, at the call that gives them: one wording for each kind of mistake."""
+
+from __future__ import annotations
+
+import math
+from typing import Final, final
+
+__all__ = ("UNSET", "Unset", "check_count", "check_hold", "check_seconds", "check_timeout")
+
+
+@final
+class Unset:
+    """The type of :data:`UNSET`."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+#: The default of per-call ``timeout=`` arguments: use the queue's timeout.
+#: (``None`` means no time limit.)
+UNSET: Final = Unset()
+
+
+def check_seconds(name: str, value: float | None, *, zero: bool) -> float | None:
+    """A time limit in seconds, or None (also for infinity); ``zero``: 0 is allowed."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"inturn: {name} must be a number of seconds or None, got {value!r}")
+    if math.isnan(value) or value < 0 or (value == 0 and not zero):
+        bound = ">= 0" if zero else "> 0"
+        raise ValueError(f"inturn: {name} must be {bound} seconds or None, got {value!r}")
+    return None if math.isinf(value) else float(value)
+
+
+def check_timeout(timeout: float | None) -> float | None:
+    return check_seconds("timeout", timeout, zero=True)
+
+
+def check_hold(max_hold: float | None) -> float | None:
+    return check_seconds("max_hold", max_hold, zero=False)
+
+
+def check_count(name: str, value: int | None, none: bool, least: int = 1) -> int | None:
+    """A count of at least ``least``; None allowed if ``none``."""
+    if value is None and none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"inturn: {name} must be an int{' or None' if none else ''}, got {value!r}")
+    if value < least:
+        raise ValueError(
+            f"inturn: {name} must be >= {least}{' or None' if none else ''}, got {value!r}"
+        )
+    return value

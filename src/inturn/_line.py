@@ -1,0 +1,268 @@
+"""The primitive under every line: a FIFO of waiters with one hand-off, one drop, one drain mark.
+
+A waiter is a task's future or a blocked thread (ThreadWaiter). A Line has
+one holder, a Gate up to N. Neither knows the key -> line map, the queue or
+its lock: on a shared queue, the caller of every method holds the lock, and
+``shared`` tells a hand-off that the waiter may live in another thread.
+Invariant: a place is given to a waiter before it is woken (the hand-off),
+so no newcomer can slip in between.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import Callable, Hashable
+from typing import Any, final
+
+from ._tasks import in_loop_of as _soon
+
+__all__ = (
+    "Drain",
+    "Gate",
+    "Line",
+    "ThreadWaiter",
+    "Waiter",
+    "Waiting",
+    "held_by",
+    "resolve",
+    "wake",
+)
+
+
+def resolve(future: asyncio.Future[Any]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def held_by(line: Any, holder: object) -> bool:
+    """Whether line (a bare holder, a Line, a Gate or None) is held by holder."""
+    return line is not None and (
+        line is holder
+        or (type(line) is Line and line.holder is holder)
+        or (type(line) is Gate and holder in line.holders)
+    )
+
+
+@final
+class ThreadWaiter:
+    """A thread waiting in a line: it blocks on a lock that the hand-off releases.
+
+    Quacks like the futures of waiting tasks where a line looks at its
+    waiters: ``done()`` once it left, ``cancel()`` to leave.
+    """
+
+    __slots__ = ("left", "lock")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.lock.acquire()
+        self.left = False
+
+    def done(self) -> bool:
+        return self.left
+
+    def cancel(self) -> None:
+        self.left = True
+
+
+#: What waits in a line: a task's future, or a thread.
+Waiter = asyncio.Future[None] | ThreadWaiter
+
+
+def wake(waiter: Waiter) -> bool:
+    """Hand the turn to waiter, from any thread; False if it can never take it."""
+    if type(waiter) is ThreadWaiter:
+        waiter.lock.release()
+        return True
+    return _soon(waiter, resolve, waiter)
+
+
+@final
+class Drain:
+    """One drain() call: a mark at the tail of every line that was active."""
+
+    __slots__ = ("finish", "remaining")
+
+    def __init__(self, remaining: int, finish: Callable[[], object]) -> None:
+        self.remaining = remaining  # marks not yet reached
+        self.finish = finish  # called once every mark is reached
+
+    def reached(self) -> None:
+        """Count one mark as reached: everything ahead of it in its line has left."""
+        self.remaining -= 1
+        if not self.remaining:
+            self.finish()
+
+
+class Waiting:
+    """What both kinds of line have: a FIFO of waiters."""
+
+    __slots__ = ("waiters", "waiting")
+
+    def __init__(self) -> None:
+        # FIFO of waiter futures and drain marks. A done future is a waiter
+        # that left (cancelled or timed out) and is skipped at hand-off.
+        self.waiters: deque[Waiter | Drain] = deque()
+        # How many futures in `waiters` are not done: the live waiters.
+        self.waiting = 0
+
+    def compact(self) -> None:
+        """Drop waiters that left, once they outnumber the live ones."""
+        if len(self.waiters) > 2 * self.waiting + 16:
+            self.waiters = deque(w for w in self.waiters if type(w) is Drain or not w.done())
+
+
+@final
+class Line(Waiting):
+    """A key's line once anyone but its holder has looked at it.
+
+    While one task holds a key and nobody else asked about it, the queue maps
+    the key straight to that task: no object is made on the uncontended path.
+    """
+
+    __slots__ = ("holder", "watchers")
+
+    def __init__(self, holder: object) -> None:
+        # (Waiting's fields set here: a call less on the contended path)
+        self.waiters: deque[Waiter | Drain] = deque()
+        self.waiting = 0
+        # The holding task; between a hand-off and the new holder waking up,
+        # the waiter future that was handed the turn. Never None.
+        self.holder = holder
+        # Futures from current(), resolved with the holder's outcome.
+        self.watchers: list[asyncio.Future[Any]] | None = None
+
+
+@final
+class Gate(Waiting):
+    """A FIFO line for one of a bounded number of places at once.
+
+    The running slots of a queue with ``max_running``, or a key's line on a
+    queue with ``concurrency`` above 1. A holder that leaves hands its place
+    to exactly the next live waiter. On a shared queue, the caller of every
+    method holds the queue's lock.
+    """
+
+    __slots__ = ("free", "handed", "holders", "marks", "producers", "size", "unplaced")
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size = size  # how many places
+        # Places nobody holds. NOTE: > 0 with live waiters only while a
+        # handed place is unsettled (see `handed`); a place that frees goes
+        # to the head of the line first.
+        self.free = size
+        # Who holds a place: tasks and threads; between a hand-off and the
+        # new holder waking up, the waiter that was handed it.
+        self.holders: set[object] = set()
+        # Places handed to waiters that have not woken up yet. NOTE: while
+        # any is, nobody takes a free place directly: a newcomer would start
+        # before a waiter that was ahead of it. It waits, and is handed the
+        # place when that waiter settles.
+        self.handed = 0
+        # Drain marks that reached the head, each with the holders it still
+        # waits for (those that held a place when it got there).
+        self.marks: list[tuple[Drain, set[object]]] | None = None
+        # Producers blocked in submit(), with their keys, and the works
+        # submitted whose tasks have not started (the slots only).
+        self.producers: deque[tuple[asyncio.Future[None], Hashable]] | None = None
+        self.unplaced = 0
+
+    def enter(self, holder: object) -> bool | None:
+        """Take a free place for holder: False if taken now, True if it holds one, None if not."""
+        if holder in self.holders:
+            return True
+        if self.free and not self.handed:
+            self.free -= 1
+            self.holders.add(holder)
+            return False
+        return None
+
+    def settle(self, waiter: Waiter, holder: object, shared: bool) -> None:
+        """Record holder in the place its waiter was handed; hand on a place that waited for it."""
+        self.holders.discard(waiter)
+        self.holders.add(holder)
+        self.handed -= 1
+        if self.marks is not None:
+            for _, remaining in self.marks:
+                if waiter in remaining:
+                    remaining.discard(waiter)
+                    remaining.add(holder)
+        if self.free and not self.handed and self._hand(shared):
+            self.free -= 1
+
+    def leave(self, holder: object, shared: bool) -> None:
+        """End holder's place: hand it to the next live waiter, or free it."""
+        self.holders.remove(holder)
+        if self.marks is not None:
+            self._passed(holder)
+        if not self._hand(shared):
+            self.free += 1
+            self.wake_producer()
+
+    def wake_producer(self) -> None:
+        """Wake the first producer waiting in submit() for a slot, if any."""
+        producers = self.producers
+        while producers:
+            producer, _ = producers.popleft()
+            if not producer.done():
+                _soon(producer, resolve, producer)
+                return
+
+    def _hand(self, shared: bool) -> bool:
+        """Hand a place to the next live waiter; False if there is none."""
+        waiters = self.waiters
+        while waiters:
+            waiter = waiters.popleft()
+            if type(waiter) is Drain:
+                self.mark(waiter)
+            elif not waiter.done():
+                self.waiting -= 1
+                self.holders.add(waiter)  # the waiter's before it is woken, as in Line
+                self.handed += 1
+                if shared:
+                    if not wake(waiter):  # its loop is closed: its task is gone
+                        self.holders.discard(waiter)
+                        self.handed -= 1
+                        continue
+                else:
+                    waiter.set_result(None)  # type: ignore[union-attr]
+                return True
+        return False
+
+    def drop(self, waiter: Waiter, shared: bool) -> None:
+        """Take a waiter that was interrupted out of the line, passing on a place it was handed."""
+        if waiter in self.holders:  # handed, never settled
+            self.handed -= 1
+            self.leave(waiter, shared)
+        else:
+            waiter.cancel()  # so that the hand-off skips it
+            self.waiting -= 1
+            self.compact()
+
+    def mark(self, drain: Drain) -> None:
+        """A drain mark reached the head: it waits for the present holders to leave."""
+        if not self.holders:
+            drain.reached()
+        elif self.marks is None:
+            self.marks = [(drain, set(self.holders))]
+        else:
+            self.marks.append((drain, set(self.holders)))
+
+    def _passed(self, holder: object) -> None:
+        assert self.marks is not None
+        still = []
+        for drain, remaining in self.marks:
+            remaining.discard(holder)
+            if remaining:
+                still.append((drain, remaining))
+            else:
+                drain.reached()
+        self.marks = still or None
+
+    @property
+    def idle(self) -> bool:
+        """Whether nobody holds or waits for a place (the line may go)."""
+        return not self.holders and not self.waiting
