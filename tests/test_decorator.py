@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
+import operator
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -406,6 +408,41 @@ def test_a_template_may_name_parameters_inside_a_format_spec(queue: KeyedQueue) 
         @queue.queue_by_key(key="k-{n:>{}}")
         async def work(n: int, width: int = 3) -> None:
             pass
+
+
+@pytest.mark.parametrize("key", ["stock-{id}", "stock", b"stock", 42, ("a", 1)])
+def test_a_key_by_position_is_refused_with_the_fix(queue: KeyedQueue, key: Any) -> None:
+    # By position, queue_by_key takes the function to decorate (README): a
+    # template there was taken as a key, against the docs and the type hints'
+    # intent; refusing it is the one reading that cannot surprise.
+    fix = re.escape(f"@queue_by_key(key={key!r})")
+    with pytest.raises(TypeError, match=rf"takes the function to decorate by position.*{fix}"):
+        queue.queue_by_key(key)
+    with pytest.raises(TypeError, match=fix):
+        inturn.queue_by_key(key)
+
+
+def double(n: int) -> int:
+    return 2 * n
+
+
+@pytest.mark.parametrize(
+    "callable_",
+    [functools.partial(double, 1), operator.itemgetter("id"), functools.cache(double), dict],
+)
+def test_a_callable_that_is_not_a_def_by_position_is_refused(
+    queue: KeyedQueue, callable_: Any
+) -> None:
+    # It was silently taken for a key function: `@queue_by_key` over a
+    # functools.cache'd def returned a decorator instead of a queued function.
+    with pytest.raises(TypeError, match=r"a key function goes in key=.*queue_by_key\(\)\(\.\.\.\)"):
+        queue.queue_by_key(callable_)
+
+
+def test_a_callable_that_is_not_a_def_is_decorated_by_the_called_form(queue: KeyedQueue) -> None:
+    cached = queue.queue_by_key()(functools.cache(double))
+    assert cached(2) == 4
+    assert queue.queue_by_key(key="d-{n}")(functools.cache(double)).key_of(3) == "d-3"
 
 
 def test_key_and_keys_together_are_refused(queue: KeyedQueue) -> None:
