@@ -513,6 +513,27 @@ async def test_a_call_missing_an_argument_fails_like_python_and_queues_nothing(
     assert queue.active_count == 0
 
 
+def test_a_call_that_does_not_fit_the_signature_names_the_function(queue: KeyedQueue) -> None:
+    # inspect's bare "missing a required argument: 'product_id'" named no function.
+    @queue.queue_by_key(key="stock-{product_id}")
+    def take(product_id: str) -> None:
+        pass
+
+    @queue.queue_by_key(key="{first}/{rest}")
+    async def spread(first: str, *rest: str) -> None:
+        pass
+
+    calls: list[tuple[Any, str]] = [
+        (lambda: take(), r"take\(\) missing a required argument: 'product_id'"),
+        (lambda: take("a", sku="b"), r"take\(\) got an unexpected keyword argument 'sku'"),
+        (lambda: spread(), r"spread\(\) missing a required argument: 'first'"),
+    ]
+    for call, message in calls:
+        with pytest.raises(TypeError, match=message):
+            call()
+    assert queue.active_count == 0
+
+
 async def test_an_unhashable_computed_key_is_a_clear_type_error(queue: KeyedQueue) -> None:
     @queue.queue_by_key(key=lambda args: args["tags"])
     async def work(tags: list[str]) -> None:

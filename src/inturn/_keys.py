@@ -170,9 +170,12 @@ class _Signature:
         """Map every parameter to its value in this call, defaults applied.
 
         Raises the ``TypeError`` Python itself would raise for a call that does
-        not fit the signature.
+        not fit the signature, naming the function as Python does.
         """
-        bound = self.signature.bind(*args, **kwargs)
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as error:
+            raise TypeError(f"{_describe(self.function)} {error}") from None
         bound.apply_defaults()
         return bound.arguments
 
