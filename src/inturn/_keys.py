@@ -367,41 +367,51 @@ def _template(sig: _Signature, template: str) -> KeyFunction | str:
     if not fields:
         return template.format()  # a constant, with any {{ }} escapes undone
     sig.check(names, f"key template {_shown(template)}")
-    (field, *others) = fields
-    if not others and field.source == f"{{{field.root}}}":
+    getters = [(name, sig.getter(name)) for name in names]
+
+    def failed(args: tuple[Any, ...], kwargs: dict[str, Any]) -> NoReturn:
+        # Called in an except clause, for its exception. Off the hot path, and
+        # without that exception as an argument: the hot closures carry one
+        # cell more than before, and no local more.
+        error = sys.exc_info()[1]
+        assert isinstance(error, Exception)
+        try:
+            values = {name: get(args, kwargs) for name, get in getters}
+        except TypeError as unfit:  # the call does not fit the signature: that was the error
+            raise unfit from None
+        field = fields[0] if len(fields) == 1 else _culprit(fields, values)
+        _fail(error, where, field, values)
+
+    if len(fields) == 1 and fields[0].source == f"{{{names[0]}}}":
         # The common 'prefix-{param}suffix' shape: no str.format machinery per call.
-        root = field.root
-        get = sig.getter(root)
+        ((root, get),) = getters
         prefix, suffix = texts
         index = sig.positions.get(root)
         if index is None:
 
             def key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-                value = get(args, kwargs)
                 try:
-                    return f"{prefix}{value}{suffix}"
-                except Exception as error:  # re-raised, clearer
-                    _fail(error, where, field, {root: value})
+                    return f"{prefix}{get(args, kwargs)}{suffix}"
+                except Exception:  # re-raised, clearer
+                    failed(args, kwargs)
 
             return key
 
         def key_at(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
             # passed by position, as most calls pass it: no second call
-            value = args[index] if len(args) > index else get(args, kwargs)
             try:
-                return f"{prefix}{value}{suffix}"
-            except Exception as error:  # re-raised, clearer
-                _fail(error, where, field, {root: value})
+                return f"{prefix}{args[index] if len(args) > index else get(args, kwargs)}{suffix}"
+            except Exception:  # re-raised, clearer
+                failed(args, kwargs)
 
         return key_at
-    getters = [(name, sig.getter(name)) for name in names]
 
     def format_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         values = {name: get(args, kwargs) for name, get in getters}
         try:
             return template.format_map(values)
-        except Exception as error:  # re-raised, clearer
-            _fail(error, where, _culprit(fields, values), values)
+        except Exception:  # re-raised, clearer
+            failed(args, kwargs)
 
     return format_key
 
