@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
+import operator
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -372,6 +375,76 @@ def test_a_positional_template_field_is_refused(queue: KeyedQueue) -> None:
                 pass
 
 
+@pytest.mark.parametrize(
+    "template",
+    ["k-{n!z}", "k-{n.}", "k-{n[0}", "k-{n[0]x}", "k-{n", "k-n}", "k-{n!r:d}", "k-{n:{n:{n}}}"],
+)
+def test_a_template_str_format_refuses_is_refused_at_decoration(
+    queue: KeyedQueue, template: str
+) -> None:
+    pattern = rf"key template {re.escape(repr(template))} of .*work\(\) is not a valid format"
+    with pytest.raises(ValueError, match=pattern):
+
+        @queue.queue_by_key(key=template)
+        async def work(n: int) -> None:
+            pass
+
+
+def test_a_template_may_name_parameters_inside_a_format_spec(queue: KeyedQueue) -> None:
+    @queue.queue_by_key(key="k-{n:>{width}}")
+    async def work(n: int, width: int = 3) -> None:
+        pass
+
+    assert work.key_of(7) == "k-  7"
+    assert work.key_of(7, 5) == "k-    7"
+    with pytest.raises(ValueError, match=r"names 'wide', but .*work\(\) has no parameter"):
+
+        @queue.queue_by_key(key="k-{n:>{wide}}")
+        async def work(n: int, width: int = 3) -> None:
+            pass
+
+    with pytest.raises(ValueError, match="positional field"):
+
+        @queue.queue_by_key(key="k-{n:>{}}")
+        async def work(n: int, width: int = 3) -> None:
+            pass
+
+
+@pytest.mark.parametrize("key", ["stock-{id}", "stock", b"stock", 42, ("a", 1)])
+def test_a_key_by_position_is_refused_with_the_fix(queue: KeyedQueue, key: Any) -> None:
+    # By position, queue_by_key takes the function to decorate (README): a
+    # template there was taken as a key, against the docs and the type hints'
+    # intent; refusing it is the one reading that cannot surprise.
+    fix = re.escape(f"@queue_by_key(key={key!r})")
+    with pytest.raises(TypeError, match=rf"takes the function to decorate by position.*{fix}"):
+        queue.queue_by_key(key)
+    with pytest.raises(TypeError, match=fix):
+        inturn.queue_by_key(key)
+
+
+def double(n: int) -> int:
+    return 2 * n
+
+
+@pytest.mark.parametrize(
+    "callable_",
+    [functools.partial(double, 1), operator.itemgetter("id"), functools.cache(double), dict],
+)
+def test_a_callable_that_is_not_a_def_by_position_is_refused(
+    queue: KeyedQueue, callable_: Any
+) -> None:
+    # It was silently taken for a key function: `@queue_by_key` over a
+    # functools.cache'd def returned a decorator instead of a queued function.
+    with pytest.raises(TypeError, match=r"a key function goes in key=.*queue_by_key\(\)\(\.\.\.\)"):
+        queue.queue_by_key(callable_)
+
+
+def test_a_callable_that_is_not_a_def_is_decorated_by_the_called_form(queue: KeyedQueue) -> None:
+    cached = queue.queue_by_key()(functools.cache(double))
+    assert cached(2) == 4
+    assert queue.queue_by_key(key="d-{n}")(functools.cache(double)).key_of(3) == "d-3"
+
+
 def test_key_and_keys_together_are_refused(queue: KeyedQueue) -> None:
     with pytest.raises(TypeError, match="not both"):
 
@@ -440,6 +513,27 @@ async def test_a_call_missing_an_argument_fails_like_python_and_queues_nothing(
     assert queue.active_count == 0
 
 
+def test_a_call_that_does_not_fit_the_signature_names_the_function(queue: KeyedQueue) -> None:
+    # inspect's bare "missing a required argument: 'product_id'" named no function.
+    @queue.queue_by_key(key="stock-{product_id}")
+    def take(product_id: str) -> None:
+        pass
+
+    @queue.queue_by_key(key="{first}/{rest}")
+    async def spread(first: str, *rest: str) -> None:
+        pass
+
+    calls: list[tuple[Any, str]] = [
+        (lambda: take(), r"take\(\) missing a required argument: 'product_id'"),
+        (lambda: take("a", sku="b"), r"take\(\) got an unexpected keyword argument 'sku'"),
+        (lambda: spread(), r"spread\(\) missing a required argument: 'first'"),
+    ]
+    for call, message in calls:
+        with pytest.raises(TypeError, match=message):
+            call()
+    assert queue.active_count == 0
+
+
 async def test_an_unhashable_computed_key_is_a_clear_type_error(queue: KeyedQueue) -> None:
     @queue.queue_by_key(key=lambda args: args["tags"])
     async def work(tags: list[str]) -> None:
@@ -447,6 +541,218 @@ async def test_an_unhashable_computed_key_is_a_clear_type_error(queue: KeyedQueu
 
     with pytest.raises(TypeError, match="unhashable"):
         await work(["a"])
+    assert queue.active_count == 0
+
+
+# -- a call whose arguments the template cannot format ------------------------------------------
+
+
+class Item:
+    """An argument with no ``sku``, and a ``__format__`` that takes no spec."""
+
+    def __format__(self, spec: str) -> str:
+        if spec:
+            raise ValueError(f"an Item takes no format spec, got {spec!r}")
+        return "item"
+
+
+class Broken:
+    """An argument whose ``__format__`` always raises."""
+
+    def __format__(self, spec: str) -> str:
+        raise ValueError("a Broken cannot be formatted")
+
+
+class NotLoaded(Exception):
+    """The user's own error, with state of its own."""
+
+    def __init__(self, what: object) -> None:
+        super().__init__(f"{what!r} is not loaded")
+        self.what = what
+
+
+class Lazy:
+    @property
+    def sku(self) -> str:
+        raise NotLoaded(self)
+
+
+class Undecodable:
+    def __format__(self, spec: str) -> str:
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
+
+UNFORMATTABLE = [
+    # (template, argument, the original's kind, the field, the original's message)
+    ("stock-{item.sku}", Item(), AttributeError, "{item.sku}", "object has no attribute 'sku'"),
+    ("order-{item[id]}", {}, KeyError, "{item[id]}", "'id'"),
+    ("line-{item[3]}", [0], IndexError, "{item[3]}", "list index out of range"),
+    ("row-{item[0]}", 7, TypeError, "{item[0]}", "not subscriptable"),
+    ("n-{item:05d}", "x", ValueError, "{item:05d}", "Unknown format code 'd'"),
+    ("n-{item:>3}", Item(), ValueError, "{item:>3}", "takes no format spec"),  # __format__ raised
+    ("n-{item}", Broken(), ValueError, "{item}", "cannot be formatted"),  # the one-field fast path
+]
+
+
+def check_template_failure(
+    error: BaseException | str, template: str, field: str, parameter: str, function: str
+) -> None:
+    """Check that error's message (or a note) names all that, and says the call did not run."""
+    message = error if isinstance(error, str) else error.args[0]  # str(KeyError) is a repr
+    assert f"key template {template!r}" in message
+    assert f"could not format {field} from parameter {parameter!r}" in message
+    assert f"of {function}()" in message
+    assert message.endswith("; the call did not run")
+
+
+@pytest.mark.parametrize(("template", "argument", "kind", "field", "original"), UNFORMATTABLE)
+async def test_a_template_the_arguments_cannot_format_fails_the_call_and_names_why(
+    queue: KeyedQueue,
+    template: str,
+    argument: Any,
+    kind: type[Exception],
+    field: str,
+    original: str,
+) -> None:
+    ran: list[object] = []
+
+    @queue.queue_by_key(key=template)
+    async def take(item: Any, n: int = 1) -> None:
+        ran.append(item)
+
+    with pytest.raises(kind) as caught:
+        take(argument)  # raised by the call itself: no coroutine, no line, no wait
+    check_template_failure(caught.value, template, field, "item", take.__qualname__)
+    assert type(caught.value) is kind  # an `except AttributeError:` still catches it
+    assert type(caught.value.__cause__) is kind
+    assert original in str(caught.value.__cause__)
+    assert original in str(caught.value)
+    assert ran == []
+    assert queue.active_count == 0
+
+
+@pytest.mark.parametrize(("template", "argument", "kind", "field", "original"), UNFORMATTABLE)
+def test_a_template_the_arguments_cannot_format_fails_a_plain_def_call(
+    queue: KeyedQueue,
+    template: str,
+    argument: Any,
+    kind: type[Exception],
+    field: str,
+    original: str,
+) -> None:
+    ran: list[object] = []
+
+    @queue.queue_by_key(key=template)
+    def take(item: Any, n: int = 1) -> None:
+        ran.append(item)
+
+    with pytest.raises(kind) as caught:
+        take(argument)
+    check_template_failure(caught.value, template, field, "item", take.__qualname__)
+    assert type(caught.value.__cause__) is kind
+    assert ran == []
+    assert queue.active_count == 0
+
+
+class Shelf:
+    queue = KeyedQueue()
+
+    def __init__(self, name: str | None = None) -> None:
+        if name is not None:
+            self.name = name
+
+    @queue.queue_by_key(key="{self.name}-{id}")
+    async def take(self, id: int) -> int:
+        return id
+
+    @queue.queue_by_key(key="{self.name}-{id}")
+    def put(self, id: int) -> int:
+        return id
+
+
+async def test_a_method_template_over_a_missing_attribute_of_self_names_self() -> None:
+    assert await Shelf("a").take(1) == 1
+    for call in (Shelf().take, Shelf().put, Shelf().take.key_of):
+        with pytest.raises(
+            AttributeError, match="'Shelf' object has no attribute 'name'"
+        ) as caught:
+            call(2)
+        name = "Shelf.put" if call.__name__ == "put" else "Shelf.take"
+        check_template_failure(caught.value, "{self.name}-{id}", "{self.name}", "self", name)
+    assert Shelf.queue.active_count == 0
+
+
+def test_a_template_names_the_field_that_failed_among_several(queue: KeyedQueue) -> None:
+    class Account:
+        id = 1
+
+    @queue.queue_by_key(key="{src.id}-{n}-{dst.id}")
+    def move(src: Any, dst: Any, n: int = 0) -> None:
+        pass
+
+    assert move.key_of(Account(), Account()) == "1-0-1"
+    with pytest.raises(AttributeError) as caught:
+        move(Account(), object())
+    check_template_failure(
+        caught.value, "{src.id}-{n}-{dst.id}", "{dst.id}", "dst", move.__qualname__
+    )
+
+    @queue.queue_by_key(keys=["acct-{src.id}", "acct-{dst.id}"])
+    def transfer(src: Any, dst: Any) -> None:
+        pass
+
+    with pytest.raises(AttributeError) as caught:
+        transfer(Account(), object())
+    check_template_failure(caught.value, "acct-{dst.id}", "{dst.id}", "dst", transfer.__qualname__)
+
+
+def test_a_template_over_var_args_that_lack_the_item(queue: KeyedQueue) -> None:
+    @queue.queue_by_key(key="{rest[0]}/{options[region]}")
+    def work(*rest: str, **options: str) -> None:
+        pass
+
+    assert work.key_of("a", region="eu") == "a/eu"
+    with pytest.raises(IndexError) as caught:
+        work(region="eu")
+    check_template_failure(
+        caught.value, "{rest[0]}/{options[region]}", "{rest[0]}", "rest", work.__qualname__
+    )
+    with pytest.raises(KeyError) as caught:
+        work("a")
+    check_template_failure(
+        caught.value,
+        "{rest[0]}/{options[region]}",
+        "{options[region]}",
+        "options",
+        work.__qualname__,
+    )
+
+
+@pytest.mark.parametrize(
+    ("template", "argument", "kind"),
+    [
+        ("stock-{item.sku}", Lazy(), NotLoaded),  # the user's own error, from a property
+        ("stock-{item}", Undecodable(), UnicodeDecodeError),  # a builtin that takes more
+    ],
+)
+async def test_an_error_that_cannot_be_rebuilt_propagates_itself_with_a_note(
+    queue: KeyedQueue, template: str, argument: Any, kind: type[Exception]
+) -> None:
+    ran: list[object] = []
+
+    @queue.queue_by_key(key=template)
+    async def take(item: Any) -> None:
+        ran.append(item)
+
+    with pytest.raises(kind) as caught:
+        take(argument)
+    if isinstance(caught.value, NotLoaded):
+        assert caught.value.what is argument  # the very error the user's code raised
+    assert caught.value.__cause__ is None
+    (note,) = caught.value.__notes__
+    field = template.removeprefix("stock-")
+    check_template_failure(note, template, field, "item", take.__qualname__)
+    assert ran == []
     assert queue.active_count == 0
 
 

@@ -15,7 +15,7 @@ from typing_extensions import ParamSpec
 from ._checks import Unset as _Unset
 from ._checks import check_hold as _check_hold
 from ._checks import check_timeout as _check_timeout
-from ._keys import KeySpec, KeysSpec, compile_key
+from ._keys import KeySpec, KeysSpec, _shown, compile_key
 from ._tasks import current_task as _current_task
 from ._tasks import in_loop_of, outside_asyncio
 
@@ -38,7 +38,14 @@ class QueuedFunction(Protocol[P, R_co]):
     """An ``async def`` function whose calls queue by key: what ``queue_by_key`` returns.
 
     Calling it returns a coroutine; the call is submitted to its key's line
-    when that coroutine starts running.
+    when that coroutine starts running. The key is computed by the call
+    itself: arguments the key template cannot format (a missing attribute
+    or item, a ``__format__`` that raises) raise there, and nothing runs.
+    The exception is of the original's kind: a new one of the same builtin
+    class (``AttributeError``, ``KeyError``...) naming the template, the
+    field, the parameter and the function, with the original as its
+    ``__cause__``; or the user's own exception itself, with those words as
+    a note.
     """
 
     @property
@@ -70,7 +77,9 @@ class SyncQueuedFunction(Protocol[P, R_co]):
     """A plain ``def`` function whose calls queue by key: what ``queue_by_key`` returns for it.
 
     Calling it blocks the calling thread until the key's turn, runs the
-    function, and returns its result (see ``KeyedQueue.run_sync``).
+    function, and returns its result (see ``KeyedQueue.run_sync``). Arguments
+    the key template cannot format raise before any wait, as for
+    :class:`QueuedFunction`.
     """
 
     @property
@@ -264,21 +273,37 @@ def _coalescing(start: _Start) -> _Start:
 
 
 def is_decoratable(obj: object) -> bool:
-    """Whether obj, passed by position, is what queue_by_key decorates (rather than a key).
+    """Whether obj, queue_by_key's argument by position, is a function to decorate.
 
-    Any function but a lambda; a lambda by position is refused: it is a key
-    function that belongs in ``key=``.
+    False for None (queue_by_key called with settings only). By position,
+    queue_by_key takes only the function to decorate, so anything else there
+    is refused with the fix: a key or template (it belongs in ``key=``), a
+    lambda or any callable that is not a ``def`` (a key function belongs in
+    ``key=``; another callable is decorated by ``queue_by_key()(...)``).
+
+    :raises TypeError: obj is neither None nor a function (other than a lambda).
     """
-    if isinstance(obj, classmethod | staticmethod):
-        obj = obj.__func__
-    if not isinstance(obj, FunctionType):
+    if obj is None:
         return False
-    if obj.__name__ == "<lambda>":
+    function = obj.__func__ if isinstance(obj, classmethod | staticmethod) else obj
+    if isinstance(function, FunctionType):
+        if function.__name__ == "<lambda>":
+            raise TypeError(
+                "inturn: queue_by_key() got a lambda by position; a key function goes in key=: "
+                "queue_by_key(key=lambda args: ...)"
+            )
+        return True
+    shown = _shown(obj)
+    if not callable(function):
         raise TypeError(
-            "inturn: queue_by_key() got a lambda by position; a key function goes in key=: "
-            "queue_by_key(key=lambda args: ...)"
+            "inturn: queue_by_key() takes the function to decorate by position, not a key; "
+            f"got {shown}: write @queue_by_key(key={shown})"
         )
-    return True
+    raise TypeError(
+        f"inturn: queue_by_key() takes a def or async def by position, and got {shown}: "
+        "a key function goes in key=, as in @queue_by_key(key=lambda args: ...); "
+        "another callable is decorated by the called form, queue_by_key()(...)"
+    )
 
 
 def _describe(obj: object) -> str:

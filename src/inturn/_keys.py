@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from string import Formatter
 from types import MappingProxyType
-from typing import Any, Final, TypeAlias
+from typing import Any, Final, NoReturn, TypeAlias, final
 
 __all__ = (
     "KeyFunction",
@@ -169,9 +170,12 @@ class _Signature:
         """Map every parameter to its value in this call, defaults applied.
 
         Raises the ``TypeError`` Python itself would raise for a call that does
-        not fit the signature.
+        not fit the signature, naming the function as Python does.
         """
-        bound = self.signature.bind(*args, **kwargs)
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as error:
+            raise TypeError(f"{_describe(self.function)} {error}") from None
         bound.apply_defaults()
         return bound.arguments
 
@@ -212,42 +216,204 @@ def _describe(function: Callable[..., Any]) -> str:
     return f"{getattr(function, '__qualname__', function)!s}()"
 
 
-def _template(sig: _Signature, template: str) -> KeyFunction | str:
-    """Compile a key template; return the key itself when it has no fields."""
-    texts: list[list[str]] = [[]]  # the literal text before, between and after the fields
-    roots: list[str] = []  # the parameter each field starts from
-    simple = True  # every field is a bare {param}: no attribute, index, conversion or spec
-    for text, field, spec, conversion in Formatter().parse(template):
-        texts[-1].append(text)
-        if field is None:
-            continue
-        root = _FIELD_ROOT.match(field).group()  # type: ignore[union-attr]  # always matches
-        if not root or root.isdigit():
-            raise ValueError(
-                f"inturn: key template {template!r} has a positional field {{{field}}}; "
-                "name the parameter instead, as in 'user-{user_id}'"
-            )
-        roots.append(root)
-        texts.append([])
-        simple = simple and field == root and not spec and conversion is None
-    if not roots:
-        return template.format()  # a constant, with any {{ }} escapes undone
-    sig.check(roots, f"key template {template!r}")
-    if simple and len(roots) == 1:
-        # The common 'prefix-{param}suffix' shape: no str.format machinery per call.
-        get = sig.getter(roots[0])
-        prefix, suffix = ("".join(part) for part in texts)
-        index = sig.positions.get(roots[0])
-        if index is None:
-            return lambda args, kwargs: f"{prefix}{get(args, kwargs)}{suffix}"
-        # passed by position, as most calls pass it: no second call
-        return lambda args, kwargs: (
-            f"{prefix}{args[index] if len(args) > index else get(args, kwargs)}{suffix}"
+def _shown(value: object, limit: int = 100) -> str:
+    """Return a repr of value for an error message: never raises, at most about limit long."""
+    try:
+        text = repr(value)
+    except Exception:  # a message must not fail
+        return f"<{type(value).__qualname__} with a failing repr>"
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
+@final
+class _Probe:
+    """Stands for every argument while a template is checked at decoration."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> _Probe:
+        return self
+
+    def __getitem__(self, key: object) -> _Probe:
+        return self
+
+    def __format__(self, spec: str) -> str:
+        return ""
+
+
+def _root(field: str, where: str) -> str:
+    """Return the parameter a template's field starts from; refuse a positional field."""
+    root = _FIELD_ROOT.match(field).group()  # type: ignore[union-attr]  # always matches
+    if not root or root.isdigit():
+        raise ValueError(
+            f"inturn: {where} has a positional field {{{field}}}; "
+            "name the parameter instead, as in 'user-{user_id}'"
         )
-    getters = [(name, sig.getter(name)) for name in dict.fromkeys(roots)]
-    return lambda args, kwargs: template.format_map(
-        {name: get(args, kwargs) for name, get in getters}
-    )
+    return root
+
+
+@final
+class _Field:
+    """One replacement field of a template, for naming it when a call cannot format it."""
+
+    __slots__ = ("root", "source")
+
+    def __init__(self, root: str, field: str, conversion: str | None, spec: str) -> None:
+        #: the parameter the field starts from
+        self.root = root
+        #: the field as written, alone: formats exactly what it did in the template
+        self.source = (
+            f"{{{field}{'!' + conversion if conversion else ''}{':' + spec if spec else ''}}}"
+        )
+
+
+def _parse(template: str, where: str) -> list[tuple[str, str | None, str, str | None]]:
+    """Return Formatter().parse(template) as a list, raising ValueError naming where."""
+    try:
+        return [
+            (text, field, spec or "", conv)
+            for text, field, spec, conv in Formatter().parse(template)
+        ]
+    except ValueError as error:
+        raise ValueError(f"inturn: {where} is not a valid format string: {error}") from None
+
+
+def _fields(template: str, where: str) -> tuple[list[str], list[_Field], list[str]]:
+    """Parse template into its literal texts, its fields and every parameter they name.
+
+    Raises ValueError, naming where, for a template str.format() refuses
+    whatever the arguments, and for a positional field.
+    """
+    texts = [""]  # the literal text before, between and after the fields
+    fields: list[_Field] = []
+    names: list[str] = []  # the fields' roots, then those of fields nested in their specs
+    for text, field, spec, conversion in _parse(template, where):
+        texts[-1] += text
+        if field is not None:
+            texts.append("")
+            fields.append(_Field(_root(field, where), field, conversion, spec))
+            names.append(fields[-1].root)
+            names.extend(
+                _root(inner, where) for _, inner, _, _ in _parse(spec, where) if inner is not None
+            )
+    try:
+        # What str.format() refuses whatever the arguments: a bad conversion, a
+        # malformed field name, a spec no str takes after !r, nesting too deep.
+        template.format_map(dict.fromkeys(names, _Probe()))
+    except ValueError as error:
+        raise ValueError(f"inturn: {where} is not a valid format string: {error}") from None
+    except Exception:  # depends on the arguments: their calls will tell
+        pass
+    return texts, fields, list(dict.fromkeys(names))
+
+
+def _fail(
+    error: Exception, where: str, field: _Field | None, values: Mapping[str, Any]
+) -> NoReturn:
+    """Raise for a call whose arguments a template could not format.
+
+    Raise a new exception of error's class from error when that class is a
+    builtin that takes a message; otherwise (the user's own error, raised in
+    a property or ``__format__``) re-raise error itself with a note.
+    """
+    if field is None:
+        what = "could not be formatted"
+    else:
+        kind = type(values[field.root]).__qualname__
+        what = f"could not format {field.source} from parameter {field.root!r} ({kind})"
+    about = f"inturn: {where} {what}"
+    if type(error).__module__ == "builtins":
+        try:
+            text = str(error)
+        except Exception:  # a message must not fail
+            text = "(its message failed)"
+        if len(text) > 300:
+            text = f"{text[:297]}..."
+        try:
+            clearer = type(error)(f"{about}: {type(error).__name__}: {text}; the call did not run")
+        except Exception:  # takes more than a message: keep the original
+            pass
+        else:
+            if isinstance(error, AttributeError):
+                clearer.name, clearer.obj = error.name, error.obj  # type: ignore[attr-defined]
+            raise clearer from error
+    note = f"{about}; the call did not run"
+    if sys.version_info >= (3, 11):
+        error.add_note(note)
+    else:  # where the exceptiongroup backport prints notes
+        error.__notes__ = [*getattr(error, "__notes__", ()), note]  # type: ignore[attr-defined]
+    raise error
+
+
+def _culprit(fields: list[_Field], values: Mapping[str, Any]) -> _Field | None:
+    """Find the first field that fails to format alone, as str.format() met them."""
+    for field in fields:
+        try:
+            field.source.format_map(values)
+        except Exception:
+            return field
+    return None  # formats now: the failure did not repeat
+
+
+def _template(sig: _Signature, template: str) -> KeyFunction | str:
+    """Compile a key template; return the key itself when it has no fields.
+
+    A call whose arguments the template cannot format (a missing attribute
+    or item, a value whose ``__format__`` raises) raises from :func:`_fail`;
+    a call that does not fit the signature raises Python's ``TypeError``.
+    """
+    where = f"key template {_shown(template)} of {_describe(sig.function)}"
+    texts, fields, names = _fields(template, where)
+    if not fields:
+        return template.format()  # a constant, with any {{ }} escapes undone
+    sig.check(names, f"key template {_shown(template)}")
+    getters = [(name, sig.getter(name)) for name in names]
+
+    def failed(args: tuple[Any, ...], kwargs: dict[str, Any]) -> NoReturn:
+        # Called in an except clause, for its exception. Off the hot path, and
+        # without that exception as an argument: the hot closures carry one
+        # cell more than before, and no local more.
+        error = sys.exc_info()[1]
+        assert isinstance(error, Exception)
+        try:
+            values = {name: get(args, kwargs) for name, get in getters}
+        except TypeError as unfit:  # the call does not fit the signature: that was the error
+            raise unfit from None
+        field = fields[0] if len(fields) == 1 else _culprit(fields, values)
+        _fail(error, where, field, values)
+
+    if len(fields) == 1 and fields[0].source == f"{{{names[0]}}}":
+        # The common 'prefix-{param}suffix' shape: no str.format machinery per call.
+        ((root, get),) = getters
+        prefix, suffix = texts
+        index = sig.positions.get(root)
+        if index is None:
+
+            def key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+                try:
+                    return f"{prefix}{get(args, kwargs)}{suffix}"
+                except Exception:  # re-raised, clearer
+                    failed(args, kwargs)
+
+            return key
+
+        def key_at(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+            # passed by position, as most calls pass it: no second call
+            try:
+                return f"{prefix}{args[index] if len(args) > index else get(args, kwargs)}{suffix}"
+            except Exception:  # re-raised, clearer
+                failed(args, kwargs)
+
+        return key_at
+
+    def format_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        values = {name: get(args, kwargs) for name, get in getters}
+        try:
+            return template.format_map(values)
+        except Exception:  # re-raised, clearer
+            failed(args, kwargs)
+
+    return format_key
 
 
 def _one(sig: _Signature, spec: KeySpec) -> KeyFunction | Hashable:
@@ -274,9 +440,24 @@ def compile_key(
 
     ``extract(args, kwargs)`` returns the call's key, or a tuple of its keys
     when ``several`` is true (``keys=``). Bad specs raise here, at decoration
-    time: a template naming a missing parameter or a positional field, both
-    ``key=`` and ``keys=``, or a ``keys=`` that is neither a callable nor an
-    iterable of keys.
+    time: a template naming a missing parameter (in a field or in a field's
+    format spec, as in ``'{n:>{width}}'``) or a positional field, a template
+    ``str.format()`` refuses whatever the arguments (a bad conversion, a
+    malformed field), both ``key=`` and ``keys=``, or a ``keys=`` that is
+    neither a callable nor an iterable of keys.
+
+    ``extract`` raises for a call that does not fit the function's signature
+    (Python's ``TypeError``), whatever a key function raises, and, for a
+    call whose arguments a template cannot format (a missing attribute or
+    item, a value whose ``__format__`` raises), an exception of the
+    original's kind, so that an ``except`` that caught it still does: a new
+    one of the same builtin class (``AttributeError``, ``KeyError``,
+    ``IndexError``, ``TypeError``, ``ValueError``...) whose message names
+    the template, the field, the parameter and the function and says the
+    call did not run, with the original as its ``__cause__``; or, for the
+    user's own exception class (raised by a property or a ``__format__``)
+    or a builtin that takes more than a message, the original itself, with
+    that sentence added as a note (:pep:`678`).
     """
     sig = _Signature(function)
     if keys is not None:
