@@ -714,7 +714,7 @@ class KeyedQueue:
     @overload
     def queue_by_key(
         self,
-        positional_key: str | bytes | int | None = None,
+        fn: None = None,
         /,
         *,
         key: KeySpec = None,
@@ -775,8 +775,9 @@ class KeyedQueue:
         :returns: the decorated function, with ``.queue`` (this queue) and
             ``.key_of(*args, **kwargs)`` (the key, or tuple of keys, a call
             with those arguments would use).
-        :raises TypeError: at decoration, a spec has the wrong type, a
-            lambda is passed by position (a key function goes in ``key=``),
+        :raises TypeError: at decoration, a spec has the wrong type, a key
+            or anything but a ``def`` is passed by position (a key or a key
+            function goes in ``key=``),
             a plain ``def`` is decorated with ``coalesce=True``, a
             ``max_hold``, or for a queue with a backend.
         :raises ValueError: at decoration, a template names a parameter the
@@ -791,12 +792,6 @@ class KeyedQueue:
                     f"not both; got {fn!r} by position"
                 )
             return decorate(self, fn, None, None, timeout, coalesce, max_hold)
-        if fn is not None:
-            if key is not None:
-                raise TypeError(
-                    f"inturn: queue_by_key() got a key both by position ({fn!r}) and key= ({key!r})"
-                )
-            key = fn
         return decorate(self, None, key, keys, timeout, coalesce, max_hold)
 
     # -- the lines --------------------------------------------------------------

@@ -41,6 +41,11 @@ async def by_function(src: str) -> None: ...
 async def transfer(src: str, dst: str) -> None: ...
 
 
+def a_key_by_position_is_a_type_error() -> None:
+    # (refused at run time too; the unused-ignore check makes this line fail if it type-checks)
+    queue.queue_by_key("stock-{id}")  # type: ignore[call-overload]
+
+
 class Repository:
     @queue.queue_by_key(key="row-{self.table}-{row_id}")
     async def update(self, row_id: int, value: str) -> bytes:
