@@ -18,6 +18,7 @@ __all__ = (
     "KeySpec",
     "KeysSpec",
     "compile_key",
+    "describe",
     "order_keys",
     "order_portable",
     "portable_key",
@@ -43,13 +44,60 @@ _FIELD_ROOT: Final = re.compile(r"[^.\[]*")
 #: so every process names it alike. A larger one is named in hexadecimal,
 #: which has no such limit.
 _DECIMAL_BITS: Final = 2000
+#: The most characters a value takes in a message (see :func:`describe`).
+SHOWN: Final = 200
+
+
+def describe(value: object, limit: int = SHOWN) -> str:
+    """Write value for a message as repr() does, but never fail and never flood.
+
+    Any hashable is a key, and a message about a key must not raise in its
+    place (from a timer callback, it would leave a waiter waiting forever).
+    A value whose repr() raises is written ``<module.Type object at 0x...>``
+    (a tuple's items each so, when one of them is to blame); an int too
+    long to write in full is written in hexadecimal, its leading digits
+    only, never converted whole to decimal (which ``str()`` refuses beyond
+    ``sys.get_int_max_str_digits()``); and whatever is longer than limit
+    characters is cut short, with an ellipsis. For people only: two values
+    may be written alike.
+    """
+    try:
+        shown = _shown(value, limit)
+    except Exception:  # even its type's name failed
+        shown = f"<object at {id(value):#x}>"
+    return shown if len(shown) <= limit else shown[: limit - 1] + "\N{HORIZONTAL ELLIPSIS}"
+
+
+def _shown(value: object, limit: int) -> str:
+    """describe() before the cut: may be longer than limit."""
+    kind = type(value)
+    if isinstance(value, int) and kind.__repr__ is int.__repr__:
+        bits = value.bit_length()
+        if bits > min(4 * limit, _DECIMAL_BITS):  # (a smaller one str() always converts)
+            digits = (bits + 3) // 4  # in hexadecimal
+            leading = abs(value) >> 4 * max(0, digits - limit)
+            return f"{'-' if value < 0 else ''}0x{leading:x}\N{HORIZONTAL ELLIPSIS}"
+    try:
+        return repr(value)
+    except Exception:
+        pass
+    if kind is tuple:
+        parts = []
+        length = 0
+        for item in value:  # type: ignore[attr-defined]  # a tuple
+            parts.append(describe(item, limit))
+            length += len(parts[-1]) + 2
+            if length > limit:
+                break
+        return f"({', '.join(parts)}{',' if len(parts) == 1 else ''})"
+    return f"<{kind.__module__}.{kind.__qualname__} object at {id(value):#x}>"
 
 
 def unhashable(key: object) -> TypeError:
     """Build the error for a key that cannot name a line."""
     return TypeError(
-        f"inturn: key {key!r} is unhashable ({type(key).__name__}); a key must be hashable, "
-        "for example a str, int, bytes, or a tuple of those"
+        f"inturn: key {describe(key)} is unhashable ({type(key).__name__}); a key must be "
+        "hashable, for example a str, int, bytes, or a tuple of those"
     )
 
 
@@ -91,7 +139,7 @@ def portable_name(key: Hashable) -> bytes:
             return b"i:%d" % key
         return b"i:-x%x" % -key if key < 0 else b"i:x%x" % key
     raise TypeError(
-        f"inturn: key {key!r} ({type(key).__name__}) cannot name a line shared between "
+        f"inturn: key {describe(key)} ({type(key).__name__}) cannot name a line shared between "
         "processes; use a str, bytes or int key (for example f'order-{order_id}')"
     )
 
@@ -262,7 +310,8 @@ def _one(sig: _Signature, spec: KeySpec) -> KeyFunction | Hashable:
         hash(spec)
     except TypeError:
         raise TypeError(
-            f"inturn: key= takes None, a str, a hashable constant or a callable; got {spec!r}"
+            "inturn: key= takes None, a str, a hashable constant or a callable; "
+            f"got {describe(spec)}"
         ) from None
     return spec
 
@@ -285,7 +334,7 @@ def compile_key(
         if isinstance(keys, str | bytes):
             raise TypeError(
                 f"inturn: keys= takes a list of keys or templates, not a single "
-                f"{type(keys).__name__} ({keys!r}); use key= for one key"
+                f"{type(keys).__name__} ({describe(keys)}); use key= for one key"
             )
         if callable(keys):
             mapping = sig.mapping()
@@ -293,7 +342,8 @@ def compile_key(
             return (lambda args, kwargs: tuple(several(mapping(args, kwargs)))), True
         if not isinstance(keys, Iterable):
             raise TypeError(
-                f"inturn: keys= takes a list of keys or templates, or a callable; got {keys!r}"
+                "inturn: keys= takes a list of keys or templates, or a callable; "
+                f"got {describe(keys)}"
             )
         parts = [_one(sig, spec) for spec in keys]
         if not parts:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal, NoReturn, TypeVar, final,
 
 from ._errors import QueueClosed, QueueFull
 from ._flow import Batch, Handle, QueueStats, _unawaited, failures
-from ._keys import KeySpec, KeysSpec, order_keys, unhashable
+from ._keys import KeySpec, KeysSpec, describe, order_keys, unhashable
 from ._tasks import current_task as _current_task
 from ._turn import Turn
 from .backends._base import Backend
@@ -56,10 +56,12 @@ def _check_seconds(name: str, value: float | None, *, zero: bool) -> float | Non
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"inturn: {name} must be a number of seconds or None, got {value!r}")
+        raise TypeError(
+            f"inturn: {name} must be a number of seconds or None, got {describe(value)}"
+        )
     if math.isnan(value) or value < 0 or (value == 0 and not zero):
         bound = ">= 0" if zero else "> 0"
-        raise ValueError(f"inturn: {name} must be {bound} seconds or None, got {value!r}")
+        raise ValueError(f"inturn: {name} must be {bound} seconds or None, got {describe(value)}")
     return None if math.isinf(value) else float(value)
 
 
@@ -76,10 +78,12 @@ def _check_count(name: str, value: int | None, none: bool, least: int = 1) -> in
     if value is None and none:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"inturn: {name} must be an int{' or None' if none else ''}, got {value!r}")
+        raise TypeError(
+            f"inturn: {name} must be an int{' or None' if none else ''}, got {describe(value)}"
+        )
     if value < least:
         raise ValueError(
-            f"inturn: {name} must be >= {least}{' or None' if none else ''}, got {value!r}"
+            f"inturn: {name} must be >= {least}{' or None' if none else ''}, got {describe(value)}"
         )
     return value
 
@@ -95,7 +99,9 @@ def _expire_slot(waiter: asyncio.Future[None], queue: KeyedQueue, timeout: float
 
 
 def _missed(key: Hashable, timeout: float) -> TimeoutError:
-    return TimeoutError(f"inturn: the turn for key {key!r} was not reached within {timeout:g} s")
+    return TimeoutError(
+        f"inturn: the turn for key {describe(key)} was not reached within {timeout:g} s"
+    )
 
 
 def _resolve(future: asyncio.Future[Any]) -> None:
@@ -135,7 +141,7 @@ def _soon(future: asyncio.Future[Any], callback: Callable[..., None], *args: Any
 def _refuse_coroutine(fn: object, result: CoroutineType[Any, Any, Any]) -> NoReturn:
     result.close()
     raise TypeError(
-        f"inturn: {fn!r} returned a coroutine, which a thread cannot await; "
+        f"inturn: {describe(fn)} returned a coroutine, which a thread cannot await; "
         "for async def functions use `await queue.run(...)`"
     )
 
@@ -673,7 +679,7 @@ class KeyedQueue:
             lines[key] = task  # uncontended: a dict insert, nothing allocated
         else:
             if not callable(fn):
-                raise TypeError(f"inturn: run() needs a callable, got {fn!r}")
+                raise TypeError(f"inturn: run() needs a callable, got {describe(fn)}")
             if task is None or task._loop is not self._owner:
                 # not the solo loop's: the first call, a closed or shared queue, a backend
                 return await self._run_keyed(
@@ -779,7 +785,7 @@ class KeyedQueue:
     ) -> Any:
         """Take the turns of keys for this thread, call fn, release: every sync call's path."""
         if not callable(fn):
-            raise TypeError(f"inturn: run_sync() needs a callable, got {fn!r}")
+            raise TypeError(f"inturn: run_sync() needs a callable, got {describe(fn)}")
         turn = Turn(self, self._ordered(keys), timeout, self._max_hold)
         turn.__enter__()
         try:
@@ -894,11 +900,11 @@ class KeyedQueue:
     ) -> Handle[Any]:
         """submit(): the handle goes to failed if it fails and nobody awaits it; track sees it."""
         if not callable(fn):
-            raise TypeError(f"inturn: submit() needs a callable, got {fn!r}")
+            raise TypeError(f"inturn: submit() needs a callable, got {describe(fn)}")
         keys = self._ordered((key,))
         if not self._open:
             raise QueueClosed(
-                f"inturn: the queue is closed; the work for key {key!r} was not queued"
+                f"inturn: the queue is closed; the work for key {describe(key)} was not queued"
             )
         loop = asyncio.get_running_loop()
         slots = self._slots
@@ -1102,13 +1108,14 @@ class KeyedQueue:
             if key is not None or keys is not None:
                 raise TypeError(
                     "inturn: queue_by_key() takes the function to decorate, or key=/keys=, "
-                    f"not both; got {fn!r} by position"
+                    f"not both; got {describe(fn)} by position"
                 )
             return decorate(self, fn, None, None, timeout, coalesce, max_hold)
         if fn is not None:
             if key is not None:
                 raise TypeError(
-                    f"inturn: queue_by_key() got a key both by position ({fn!r}) and key= ({key!r})"
+                    "inturn: queue_by_key() got a key both by position "
+                    f"({describe(fn)}) and key= ({describe(key)})"
                 )
             key = fn
         return decorate(self, None, key, keys, timeout, coalesce, max_hold)
@@ -1203,7 +1210,7 @@ class KeyedQueue:
             return True
         if not self._open:
             raise QueueClosed(
-                f"inturn: the queue is closed; the work for key {key!r} was not queued"
+                f"inturn: the queue is closed; the work for key {describe(key)} was not queued"
             )
         lines = self._lines
         if self._concurrency != 1:  # a _Gate per key
@@ -1218,13 +1225,13 @@ class KeyedQueue:
             lines[key] = line = _Line(line)
         if self._max_pending is not None and line.waiting >= self._max_pending:
             raise QueueFull(
-                f"inturn: key {key!r} already has {line.waiting} waiting "
+                f"inturn: key {describe(key)} already has {line.waiting} waiting "
                 f"(max_pending={self._max_pending}); the work was not queued"
             )
         if timeout is not None and timeout <= 0:
             self._tally.timed_out += 1
             raise TimeoutError(
-                f"inturn: the turn for key {key!r} was not free (timeout={timeout:g} s)"
+                f"inturn: the turn for key {describe(key)} was not free (timeout={timeout:g} s)"
             )
         return line  # type: ignore[no-any-return]
 
@@ -1789,7 +1796,7 @@ class KeyedQueue:
         shown = []
         for key, line in lines[:5]:
             waiting = line.waiting if type(line) is _Line or type(line) is _Gate else 0
-            shown.append(f"{key!r}: held, {waiting} waiting")
+            shown.append(f"{describe(key)}: held, {waiting} waiting")
         if len(lines) > 5:
             shown.append("...")
         state = "closed" if not self._open else "open"
