@@ -1,4 +1,4 @@
-"""Keys the README allows but that are awkward to show: a repr() that raises, a huge int.
+"""Keys the README allows but that are awkward: a repr() that raises, a huge int, a shared hash.
 
 Any hashable is a key, so every message that names a key must be built
 without failing (a repr() may raise; an int beyond ``sys.get_int_max_str_digits()``
@@ -8,15 +8,20 @@ cannot become a str) and without flooding (a repr may be megabytes).
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
 import threading
 from collections.abc import Hashable
+from decimal import Decimal
+from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from file_checks import line_file
-from inturn import HoldTimeout, KeyedQueue, LeaseLost, QueueClosed, QueueFull
+from inturn import HoldTimeout, KeyedQueue, LeaseLost, QueueClosed, QueueFull, _keys
+from inturn._keys import order_keys
 from inturn.backends.file import FileBackend
 
 from helpers import PATIENCE, settle, wait_until
@@ -243,3 +248,100 @@ def test_describe_never_raises_and_bounds_what_it_writes() -> None:
     assert describe(("a", Unshowable())).startswith("('a', <")
     assert describe(("a", HUGE)).startswith("('a', 0x")
     assert len(describe((HUGE, HUGE, HUGE))) <= 200
+
+
+# -- one total order for several keys -----------------------------------------------------
+
+
+class Twin:
+    """Distinct twins are unequal keys that share their type, hash and repr."""
+
+    def __hash__(self) -> int:
+        return 7
+
+    def __repr__(self) -> str:
+        return "Twin()"
+
+
+def _twins() -> tuple[tuple[Hashable, ...], tuple[Hashable, ...]]:
+    a, b = Twin(), Twin()
+    return (a, b), (b, a)
+
+
+def _colliding_numbers() -> tuple[tuple[Hashable, ...], tuple[Hashable, ...]]:
+    # 1 == Fraction(1): one line. Decimal(2**61) is another line with the same
+    # hash (numbers hash modulo 2**61 - 1), and its type sorts between theirs.
+    return (1, Decimal(2**61)), (Fraction(1), Decimal(2**61))
+
+
+@pytest.mark.parametrize("keys", [_twins, _colliding_numbers], ids=["twins", "numbers"])
+async def test_two_turns_on_the_same_keys_never_deadlock(
+    keys: Any,
+) -> None:
+    first_keys, second_keys = keys()
+    queue = KeyedQueue()
+    release = asyncio.Event()
+    # Hold both lines, so that each turn below waits at the first key of its order.
+    holder = await hold_all(queue, first_keys, release)
+    first = asyncio.create_task(enter(queue, first_keys))
+    await settle(lambda: sum(queue.stats().waiting.values()) == 1)
+    second = asyncio.create_task(enter(queue, second_keys))
+    await settle(lambda: sum(queue.stats().waiting.values()) == 2)
+    # Both lines are handed on at once. Taken in one order, the first turn
+    # gets both; in opposite orders, each gets one and waits for the other.
+    release.set()
+    await holder
+    await asyncio.wait_for(asyncio.gather(first, second), 5)
+    assert queue.active_count == 0
+
+
+async def hold_all(
+    queue: KeyedQueue, keys: tuple[Hashable, ...], release: asyncio.Event
+) -> asyncio.Task[None]:
+    held = asyncio.Event()
+
+    async def holder() -> None:
+        async with queue.keyed(*keys):
+            held.set()
+            await release.wait()
+
+    task = asyncio.create_task(holder())
+    await held.wait()
+    return task
+
+
+async def enter(queue: KeyedQueue, keys: tuple[Hashable, ...]) -> None:
+    async with queue.keyed(*keys):
+        pass
+
+
+def test_the_order_of_lines_sharing_a_hash_is_the_same_for_every_caller() -> None:
+    a, b, c = Twin(), Twin(), Twin()
+    ordered = order_keys([a, b, c, "x"])
+    assert order_keys([c, "x", b, a]) == ordered
+    assert order_keys([b, a]) == tuple(key for key in ordered if key in (a, b))
+    # equal keys are one line, in one place, whichever of them a caller names
+    d = Decimal(2**61)
+    assert order_keys([1, d]).index(1) == order_keys([Fraction(1), d]).index(Fraction(1))
+    assert order_keys([d, True]).index(True) == order_keys([1.0, d]).index(1.0)
+
+
+def test_ranks_of_lines_sharing_a_hash_are_kept_only_while_an_order_uses_them() -> None:
+    kept = order_keys([Twin(), Twin()])
+    for _ in range(1000):
+        order_keys([Twin(), Twin()])
+    gc.collect()
+    assert len(_keys._RANKS) == 2  # kept's two: no turn uses the others
+    twins = kept
+    del kept
+    gc.collect()
+    assert len(_keys._RANKS) == 2  # twins still uses them
+    del twins
+    gc.collect()
+    assert len(_keys._RANKS) == 0
+
+
+async def test_several_awkward_keys_are_ordered_without_their_repr() -> None:
+    queue = KeyedQueue()
+    async with queue.keyed(HUGE, Unshowable(), "x", HUGE + 1) as turn:
+        assert len(turn.keys) == 4

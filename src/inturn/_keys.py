@@ -7,11 +7,15 @@ decided here once, at decoration time; what runs per call is a small closure.
 from __future__ import annotations
 
 import inspect
+import itertools
 import re
+import threading
+import weakref
+from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from string import Formatter
 from types import MappingProxyType
-from typing import Any, Final, TypeAlias
+from typing import Any, Final, TypeAlias, final
 
 __all__ = (
     "KeyFunction",
@@ -101,24 +105,92 @@ def unhashable(key: object) -> TypeError:
     )
 
 
-def _order(key: Hashable) -> tuple[int, str, str, str]:
-    kind = type(key)
-    return (hash(key), kind.__module__, kind.__qualname__, repr(key))
+@final
+class _Rank:
+    """Where a line stands among the lines that share its hash (see :func:`order_keys`)."""
+
+    __slots__ = ("__weakref__", "value")
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+class _Ordered(tuple[Hashable, ...]):
+    """Keys in order, keeping alive the ranks their order used (see :func:`order_keys`)."""
+
+    ranks: list[_Rank]
+
+
+# line (any of its equal keys) -> its rank, while some order still uses it
+_RANKS: weakref.WeakValueDictionary[Hashable, _Rank] = weakref.WeakValueDictionary()
+_RANKING: Final = threading.Lock()  # makes finding or giving a rank one step
+_NEXT_RANK: Final = itertools.count()
 
 
 def order_keys(keys: Iterable[Hashable]) -> tuple[Hashable, ...]:
     """Drop duplicate keys and sort the rest into the queue's global order.
 
     Every holder of several keys takes them in this order, so two holders of
-    overlapping key sets can never wait for each other in a cycle. The order
-    is by ``hash()`` first, which equal keys share whatever their type
-    (``1 == 1.0 == True``), so the order is consistent with which line a key
-    names. It is fixed for the life of a process, not across processes.
+    overlapping key sets can never wait for each other in a cycle.
+
+    The invariant: two keys that name different lines (``a != b``) are put
+    the same way round by every call in this process, for as long as any
+    order that put them so is still in use (by a turn waiting for or
+    holding its keys); equal keys (``1 == 1.0 == True``) are one line, and
+    whichever of them a caller names stands in the same place. Keys are
+    sorted by ``hash()``, which equal keys share. Lines whose keys share a
+    hash are sorted by a rank each line gets on first sight, found by
+    equality (so ``1.0`` finds the rank of ``1``); never by type or repr(),
+    which differ between equal keys and coincide between unequal ones. The
+    tuple returned keeps its ranks alive (a turn keeps its tuple as its
+    ``keys``), and a rank no tuple keeps is dropped: no turn then relies on
+    it, so a new one cannot contradict a turn in progress. Fixed for the
+    life of a process, not across processes (see :func:`order_portable`).
+
+    :raises TypeError: a key is unhashable, or its ``==`` failed against a
+        key that shares its hash.
     """
     unique = dict.fromkeys(keys)  # raises TypeError for an unhashable key
     if len(unique) < 2:
         return tuple(unique)
-    return tuple(sorted(unique, key=_order))
+    if len(unique) == 2:  # the common case of several: a transfer between two accounts
+        first, second = unique
+        one, other = hash(first), hash(second)
+        if one != other:
+            return (first, second) if one < other else (second, first)
+        return _ranked([first, second])
+    by_hash = {hash(key): key for key in unique}
+    if len(by_hash) == len(unique):  # no two share a hash: the common case
+        return tuple(map(by_hash.__getitem__, sorted(by_hash)))
+    return _ranked(list(unique))
+
+
+def _ranked(keys: list[Hashable]) -> _Ordered:
+    """Sort keys, some of which share a hash, by hash and then by rank."""
+    hashes = [hash(key) for key in keys]
+    shared = {value for value, count in Counter(hashes).items() if count > 1}
+    ranks: list[_Rank] = []
+    places: list[tuple[int, int, int]] = []  # (hash, rank or -1, position in keys)
+    with _RANKING:
+        for at, (key, value) in enumerate(zip(keys, hashes, strict=True)):
+            if value not in shared:
+                places.append((value, -1, at))
+                continue
+            try:
+                rank = _RANKS.get(key)
+                if rank is None:
+                    rank = _RANKS[key] = _Rank(next(_NEXT_RANK))
+            except Exception as error:  # its == failed against a key ranked already
+                raise TypeError(
+                    f"inturn: key {describe(key)} cannot be told apart from the keys that "
+                    f"share its hash ({describe(error)}), so it has no place in the order "
+                    "of several keys; give it an __eq__ that does not fail"
+                ) from error
+            ranks.append(rank)
+            places.append((value, rank.value, at))
+    ordered = _Ordered(keys[at] for _, _, at in sorted(places))
+    ordered.ranks = ranks
+    return ordered
 
 
 def portable_name(key: Hashable) -> bytes:
