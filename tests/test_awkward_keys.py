@@ -345,3 +345,22 @@ async def test_several_awkward_keys_are_ordered_without_their_repr() -> None:
     queue = KeyedQueue()
     async with queue.keyed(HUGE, Unshowable(), "x", HUGE + 1) as turn:
         assert len(turn.keys) == 4
+
+
+class Touchy:
+    """A key whose == fails against a Twin: it cannot be placed among the twins."""
+
+    def __hash__(self) -> int:
+        return hash(Twin())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Touchy):
+            return self is other
+        raise RuntimeError(f"cannot compare with {type(other).__name__}")
+
+
+def test_a_key_whose_equality_fails_is_refused_with_a_type_error() -> None:
+    twins = order_keys([Twin(), Twin()])
+    with pytest.raises(TypeError, match=r"key <.*Touchy object at 0x.*cannot be told apart"):
+        order_keys([Touchy(), Touchy()])
+    assert len(twins) == 2
