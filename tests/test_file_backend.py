@@ -75,6 +75,7 @@ async def test_a_release_gives_up_the_cpu_only_to_someone_behind_it(
     await asyncio.gather(a, b)
     assert len(yields) == 1  # the first release, with the second behind it; not the second's
 
+
 async def test_turns_go_in_registration_order_across_queues(backend: FileBackend) -> None:
     queues = [KeyedQueue(backend=backend) for _ in range(5)]
     gate = asyncio.Event()
