@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 from . import BackendUnavailable, KeyedQueue
+from ._keys import describe
 from .backends import LineInfo
 
 __all__ = ("main",)
@@ -90,11 +91,7 @@ def show_key(key: str | bytes | int) -> str:
     (beyond what ``str()`` converts) is written in hexadecimal (``0x...``);
     a key longer than 120 characters is cut short, with an ellipsis.
     """
-    if isinstance(key, int) and key.bit_length() > 4 * _KEY_SHOWN:
-        shown = f"{'-' if key < 0 else ''}0x{abs(key):x}"  # any size, without a str() limit
-    else:
-        shown = repr(key)
-    return shown if len(shown) <= _KEY_SHOWN else shown[: _KEY_SHOWN - 1] + "…"
+    return describe(key, _KEY_SHOWN)
 
 
 def _who(host: str | None, pid: int) -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Final, final
 
+from ._keys import describe
+
 __all__ = ("UNSET", "Unset", "check_count", "check_hold", "check_seconds", "check_timeout")
 
 
@@ -28,10 +30,12 @@ def check_seconds(name: str, value: float | None, *, zero: bool) -> float | None
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"inturn: {name} must be a number of seconds or None, got {value!r}")
+        raise TypeError(
+            f"inturn: {name} must be a number of seconds or None, got {describe(value)}"
+        )
     if math.isnan(value) or value < 0 or (value == 0 and not zero):
         bound = ">= 0" if zero else "> 0"
-        raise ValueError(f"inturn: {name} must be {bound} seconds or None, got {value!r}")
+        raise ValueError(f"inturn: {name} must be {bound} seconds or None, got {describe(value)}")
     return None if math.isinf(value) else float(value)
 
 
@@ -48,9 +52,11 @@ def check_count(name: str, value: int | None, none: bool, least: int = 1) -> int
     if value is None and none:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"inturn: {name} must be an int{' or None' if none else ''}, got {value!r}")
+        raise TypeError(
+            f"inturn: {name} must be an int{' or None' if none else ''}, got {describe(value)}"
+        )
     if value < least:
         raise ValueError(
-            f"inturn: {name} must be >= {least}{' or None' if none else ''}, got {value!r}"
+            f"inturn: {name} must be >= {least}{' or None' if none else ''}, got {describe(value)}"
         )
     return value

@@ -15,7 +15,7 @@ from typing_extensions import ParamSpec
 from ._checks import Unset as _Unset
 from ._checks import check_hold as _check_hold
 from ._checks import check_timeout as _check_timeout
-from ._keys import KeySpec, KeysSpec, _shown, compile_key
+from ._keys import KeySpec, KeysSpec, compile_key, describe, function_name
 from ._tasks import current_task as _current_task
 from ._tasks import in_loop_of, outside_asyncio
 
@@ -293,7 +293,7 @@ def is_decoratable(obj: object) -> bool:
                 "queue_by_key(key=lambda args: ...)"
             )
         return True
-    shown = _shown(obj)
+    shown = describe(obj)
     if not callable(function):
         raise TypeError(
             "inturn: queue_by_key() takes the function to decorate by position, not a key; "
@@ -304,11 +304,6 @@ def is_decoratable(obj: object) -> bool:
         "a key function goes in key=, as in @queue_by_key(key=lambda args: ...); "
         "another callable is decorated by the called form, queue_by_key()(...)"
     )
-
-
-def _describe(obj: object) -> str:
-    name = getattr(obj, "__qualname__", None)
-    return f"{name}()" if name else repr(obj)
 
 
 def decorate(
@@ -335,7 +330,7 @@ def decorate(
         if hold is not None:
             raise TypeError(
                 f"inturn: max_hold={hold:g} s cannot cut a thread's turn short, and "
-                f"{_describe(target)} is a plain def (its calls block their thread); "
+                f"{function_name(target)} is a plain def (its calls block their thread); "
                 "decorate an async def, or leave max_hold out"
             )
         return _decorate_sync(queue, fn, kind, target, key, keys, limit, coalesce)
@@ -387,12 +382,13 @@ def _decorate_sync(
     """Apply queue_by_key to a plain def: its calls block their thread for the turn."""
     if queue._backend is not None:
         raise TypeError(
-            f"inturn: {_describe(target)} is a plain def, and this queue's backend "
+            f"inturn: {function_name(target)} is a plain def, and this queue's backend "
             f"({queue._backend!r}) serves async callers only; decorate an async def"
         )
     if coalesce:
         raise TypeError(
-            f"inturn: coalesce=True is for async def functions; {_describe(target)} is a plain def"
+            "inturn: coalesce=True is for async def functions; "
+            f"{function_name(target)} is a plain def"
         )
     extract, several = compile_key(target, key, keys)
     run_keyed = queue._run_keyed_sync

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, final, overload
 
+from ._keys import describe
 from ._tasks import current_task as _current_task
 from ._tasks import outside_asyncio
 
@@ -149,10 +150,10 @@ class Handle(Generic[R]):
         elif task.cancelled():
             state = "cancelled"
         elif task.exception() is not None:
-            state = f"failed: {task.exception()!r}"
+            state = f"failed: {describe(task.exception())}"
         else:
             state = "done"
-        return f"<Handle key={self.key!r} {state}>"
+        return f"<Handle key={describe(self.key)} {state}>"
 
 
 def failures(message: str, errors: list[BaseException]) -> BaseExceptionGroup[BaseException]:
@@ -184,7 +185,9 @@ class Batch:
 
     def __init__(self, queue: KeyedQueue, on_error: Literal["wait", "cancel"]) -> None:
         if on_error not in ("wait", "cancel"):
-            raise ValueError(f'inturn: on_error must be "wait" or "cancel", got {on_error!r}')
+            raise ValueError(
+                f'inturn: on_error must be "wait" or "cancel", got {describe(on_error)}'
+            )
         self._queue = queue
         self._on_error = on_error
         self._parent: asyncio.Task[Any] | None = None  # the task inside the block

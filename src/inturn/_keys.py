@@ -7,8 +7,12 @@ decided here once, at decoration time; what runs per call is a small closure.
 from __future__ import annotations
 
 import inspect
+import itertools
 import re
 import sys
+import threading
+import weakref
+from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from string import Formatter
 from types import MappingProxyType
@@ -19,6 +23,8 @@ __all__ = (
     "KeySpec",
     "KeysSpec",
     "compile_key",
+    "describe",
+    "function_name",
     "order_keys",
     "order_portable",
     "portable_key",
@@ -44,34 +50,149 @@ _FIELD_ROOT: Final = re.compile(r"[^.\[]*")
 #: so every process names it alike. A larger one is named in hexadecimal,
 #: which has no such limit.
 _DECIMAL_BITS: Final = 2000
+#: The most characters a value takes in a message (see :func:`describe`).
+SHOWN: Final = 200
+
+
+def describe(value: object, limit: int = SHOWN) -> str:
+    """Write value for a message as repr() does, but never fail and never flood.
+
+    Any hashable is a key, and a message about a key must not raise in its
+    place (from a timer callback, it would leave a waiter waiting forever).
+    A value whose repr() raises is written ``<module.Type object at 0x...>``
+    (a tuple's items each so, when one of them is to blame); an int too
+    long to write in full is written in hexadecimal, its leading digits
+    only, never converted whole to decimal (which ``str()`` refuses beyond
+    ``sys.get_int_max_str_digits()``); and whatever is longer than limit
+    characters is cut short, with an ellipsis. For people only: two values
+    may be written alike.
+    """
+    try:
+        shown = _shown(value, limit)
+    except Exception:  # even its type's name failed
+        shown = f"<object at {id(value):#x}>"
+    return shown if len(shown) <= limit else shown[: limit - 1] + "\N{HORIZONTAL ELLIPSIS}"
+
+
+def _shown(value: object, limit: int) -> str:
+    """describe() before the cut: may be longer than limit."""
+    kind = type(value)
+    if isinstance(value, int) and kind.__repr__ is int.__repr__:
+        bits = value.bit_length()
+        if bits > min(4 * limit, _DECIMAL_BITS):  # (a smaller one str() always converts)
+            digits = (bits + 3) // 4  # in hexadecimal
+            leading = abs(value) >> 4 * max(0, digits - limit)
+            return f"{'-' if value < 0 else ''}0x{leading:x}\N{HORIZONTAL ELLIPSIS}"
+    try:
+        return repr(value)
+    except Exception:
+        pass
+    if kind is tuple:
+        parts = []
+        length = 0
+        for item in value:  # type: ignore[attr-defined]  # a tuple
+            parts.append(describe(item, limit))
+            length += len(parts[-1]) + 2
+            if length > limit:
+                break
+        return f"({', '.join(parts)}{',' if len(parts) == 1 else ''})"
+    return f"<{kind.__module__}.{kind.__qualname__} object at {id(value):#x}>"
 
 
 def unhashable(key: object) -> TypeError:
     """Build the error for a key that cannot name a line."""
     return TypeError(
-        f"inturn: key {key!r} is unhashable ({type(key).__name__}); a key must be hashable, "
-        "for example a str, int, bytes, or a tuple of those"
+        f"inturn: key {describe(key)} is unhashable ({type(key).__name__}); a key must be "
+        "hashable, for example a str, int, bytes, or a tuple of those"
     )
 
 
-def _order(key: Hashable) -> tuple[int, str, str, str]:
-    kind = type(key)
-    return (hash(key), kind.__module__, kind.__qualname__, repr(key))
+@final
+class _Rank:
+    """Where a line stands among the lines that share its hash (see :func:`order_keys`)."""
+
+    __slots__ = ("__weakref__", "value")
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+class _Ordered(tuple[Hashable, ...]):
+    """Keys in order, keeping alive the ranks their order used (see :func:`order_keys`)."""
+
+    ranks: list[_Rank]
+
+
+# line (any of its equal keys) -> its rank, while some order still uses it
+_RANKS: weakref.WeakValueDictionary[Hashable, _Rank] = weakref.WeakValueDictionary()
+_RANKING: Final = threading.Lock()  # makes finding or giving a rank one step
+_NEXT_RANK: Final = itertools.count()
 
 
 def order_keys(keys: Iterable[Hashable]) -> tuple[Hashable, ...]:
     """Drop duplicate keys and sort the rest into the queue's global order.
 
     Every holder of several keys takes them in this order, so two holders of
-    overlapping key sets can never wait for each other in a cycle. The order
-    is by ``hash()`` first, which equal keys share whatever their type
-    (``1 == 1.0 == True``), so the order is consistent with which line a key
-    names. It is fixed for the life of a process, not across processes.
+    overlapping key sets can never wait for each other in a cycle.
+
+    The invariant: two keys that name different lines (``a != b``) are put
+    the same way round by every call in this process, for as long as any
+    order that put them so is still in use (by a turn waiting for or
+    holding its keys); equal keys (``1 == 1.0 == True``) are one line, and
+    whichever of them a caller names stands in the same place. Keys are
+    sorted by ``hash()``, which equal keys share. Lines whose keys share a
+    hash are sorted by a rank each line gets on first sight, found by
+    equality (so ``1.0`` finds the rank of ``1``); never by type or repr(),
+    which differ between equal keys and coincide between unequal ones. The
+    tuple returned keeps its ranks alive (a turn keeps its tuple as its
+    ``keys``), and a rank no tuple keeps is dropped: no turn then relies on
+    it, so a new one cannot contradict a turn in progress. Fixed for the
+    life of a process, not across processes (see :func:`order_portable`).
+
+    :raises TypeError: a key is unhashable, or its ``==`` failed against a
+        key that shares its hash.
     """
     unique = dict.fromkeys(keys)  # raises TypeError for an unhashable key
     if len(unique) < 2:
         return tuple(unique)
-    return tuple(sorted(unique, key=_order))
+    if len(unique) == 2:  # the common case of several: a transfer between two accounts
+        first, second = unique
+        one, other = hash(first), hash(second)
+        if one != other:
+            return (first, second) if one < other else (second, first)
+        return _ranked([first, second])
+    by_hash = {hash(key): key for key in unique}
+    if len(by_hash) == len(unique):  # no two share a hash: the common case
+        return tuple(map(by_hash.__getitem__, sorted(by_hash)))
+    return _ranked(list(unique))
+
+
+def _ranked(keys: list[Hashable]) -> _Ordered:
+    """Sort keys, some of which share a hash, by hash and then by rank."""
+    hashes = [hash(key) for key in keys]
+    shared = {value for value, count in Counter(hashes).items() if count > 1}
+    ranks: list[_Rank] = []
+    places: list[tuple[int, int, int]] = []  # (hash, rank or -1, position in keys)
+    with _RANKING:
+        for at, (key, value) in enumerate(zip(keys, hashes, strict=True)):
+            if value not in shared:
+                places.append((value, -1, at))
+                continue
+            try:
+                rank = _RANKS.get(key)
+                if rank is None:
+                    rank = _RANKS[key] = _Rank(next(_NEXT_RANK))
+            except Exception as error:  # its == failed against a key ranked already
+                raise TypeError(
+                    f"inturn: key {describe(key)} cannot be told apart from the keys that "
+                    f"share its hash ({describe(error)}), so it has no place in the order "
+                    "of several keys; give it an __eq__ that does not fail"
+                ) from error
+            ranks.append(rank)
+            places.append((value, rank.value, at))
+    ordered = _Ordered(keys[at] for _, _, at in sorted(places))
+    ordered.ranks = ranks
+    return ordered
 
 
 def portable_name(key: Hashable) -> bytes:
@@ -92,7 +213,7 @@ def portable_name(key: Hashable) -> bytes:
             return b"i:%d" % key
         return b"i:-x%x" % -key if key < 0 else b"i:x%x" % key
     raise TypeError(
-        f"inturn: key {key!r} ({type(key).__name__}) cannot name a line shared between "
+        f"inturn: key {describe(key)} ({type(key).__name__}) cannot name a line shared between "
         "processes; use a str, bytes or int key (for example f'order-{order_id}')"
     )
 
@@ -162,7 +283,7 @@ class _Signature:
             if name not in self.kinds:
                 have = ", ".join(self.kinds) or "none"
                 raise ValueError(
-                    f"inturn: {what} names {name!r}, but {_describe(self.function)} has no "
+                    f"inturn: {what} names {name!r}, but {function_name(self.function)} has no "
                     f"parameter of that name (its parameters: {have})"
                 )
 
@@ -175,7 +296,7 @@ class _Signature:
         try:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as error:
-            raise TypeError(f"{_describe(self.function)} {error}") from None
+            raise TypeError(f"{function_name(self.function)} {error}") from None
         bound.apply_defaults()
         return bound.arguments
 
@@ -212,17 +333,10 @@ class _Signature:
         )
 
 
-def _describe(function: Callable[..., Any]) -> str:
-    return f"{getattr(function, '__qualname__', function)!s}()"
-
-
-def _shown(value: object, limit: int = 100) -> str:
-    """Return a repr of value for an error message: never raises, at most about limit long."""
-    try:
-        text = repr(value)
-    except Exception:  # a message must not fail
-        return f"<{type(value).__qualname__} with a failing repr>"
-    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+def function_name(function: object) -> str:
+    """How a message names a function: its qualified name and ``()``, else describe() of it."""
+    name = getattr(function, "__qualname__", None)
+    return f"{name}()" if isinstance(name, str) else describe(function)
 
 
 @final
@@ -362,11 +476,11 @@ def _template(sig: _Signature, template: str) -> KeyFunction | str:
     or item, a value whose ``__format__`` raises) raises from :func:`_fail`;
     a call that does not fit the signature raises Python's ``TypeError``.
     """
-    where = f"key template {_shown(template)} of {_describe(sig.function)}"
+    where = f"key template {describe(template)} of {function_name(sig.function)}"
     texts, fields, names = _fields(template, where)
     if not fields:
         return template.format()  # a constant, with any {{ }} escapes undone
-    sig.check(names, f"key template {_shown(template)}")
+    sig.check(names, f"key template {describe(template)}")
     getters = [(name, sig.getter(name)) for name in names]
 
     def failed(args: tuple[Any, ...], kwargs: dict[str, Any]) -> NoReturn:
@@ -428,7 +542,8 @@ def _one(sig: _Signature, spec: KeySpec) -> KeyFunction | Hashable:
         hash(spec)
     except TypeError:
         raise TypeError(
-            f"inturn: key= takes None, a str, a hashable constant or a callable; got {spec!r}"
+            "inturn: key= takes None, a str, a hashable constant or a callable; "
+            f"got {describe(spec)}"
         ) from None
     return spec
 
@@ -466,7 +581,7 @@ def compile_key(
         if isinstance(keys, str | bytes):
             raise TypeError(
                 f"inturn: keys= takes a list of keys or templates, not a single "
-                f"{type(keys).__name__} ({keys!r}); use key= for one key"
+                f"{type(keys).__name__} ({describe(keys)}); use key= for one key"
             )
         if callable(keys):
             mapping = sig.mapping()
@@ -474,7 +589,8 @@ def compile_key(
             return (lambda args, kwargs: tuple(several(mapping(args, kwargs)))), True
         if not isinstance(keys, Iterable):
             raise TypeError(
-                f"inturn: keys= takes a list of keys or templates, or a callable; got {keys!r}"
+                "inturn: keys= takes a list of keys or templates, or a callable; "
+                f"got {describe(keys)}"
             )
         parts = [_one(sig, spec) for spec in keys]
         if not parts:

@@ -18,7 +18,7 @@ from ._checks import UNSET, check_count, check_hold, check_timeout
 from ._checks import Unset as _Unset
 from ._errors import QueueClosed, QueueFull
 from ._flow import Batch, Handle, QueueStats, _unawaited, failures
-from ._keys import KeySpec, KeysSpec, order_keys, unhashable
+from ._keys import KeySpec, KeysSpec, describe, order_keys, unhashable
 from ._line import Drain as _Drain
 from ._line import Gate as _Gate
 from ._line import Line as _Line
@@ -59,7 +59,9 @@ def _expire_slot(waiter: asyncio.Future[None], queue: KeyedQueue, timeout: float
 
 
 def _missed(key: Hashable, timeout: float) -> TimeoutError:
-    return TimeoutError(f"inturn: the turn for key {key!r} was not reached within {timeout:g} s")
+    return TimeoutError(
+        f"inturn: the turn for key {describe(key)} was not reached within {timeout:g} s"
+    )
 
 
 def _outcome(future: asyncio.Future[Any], error: BaseException | None, result: Any) -> None:
@@ -78,7 +80,7 @@ def _outcome(future: asyncio.Future[Any], error: BaseException | None, result: A
 def _refuse_coroutine(fn: object, result: CoroutineType[Any, Any, Any]) -> NoReturn:
     result.close()
     raise TypeError(
-        f"inturn: {fn!r} returned a coroutine, which a thread cannot await; "
+        f"inturn: {describe(fn)} returned a coroutine, which a thread cannot await; "
         "for async def functions use `await queue.run(...)`"
     )
 
@@ -359,7 +361,7 @@ class KeyedQueue:
             lines[key] = task  # uncontended: a dict insert, nothing allocated
         else:
             if not callable(fn):
-                raise TypeError(f"inturn: run() needs a callable, got {fn!r}")
+                raise TypeError(f"inturn: run() needs a callable, got {describe(fn)}")
             if task is None or task._loop is not self._owner:
                 # not the solo loop's: the first call, a closed or shared queue, a backend
                 return await self._run_keyed(
@@ -465,7 +467,7 @@ class KeyedQueue:
     ) -> Any:
         """Take the turns of keys for this thread, call fn, release: every sync call's path."""
         if not callable(fn):
-            raise TypeError(f"inturn: run_sync() needs a callable, got {fn!r}")
+            raise TypeError(f"inturn: run_sync() needs a callable, got {describe(fn)}")
         turn = Turn(self, self._ordered(keys), timeout, self._max_hold)
         turn.__enter__()
         try:
@@ -580,11 +582,11 @@ class KeyedQueue:
     ) -> Handle[Any]:
         """submit(): the handle goes to failed if it fails and nobody awaits it; track sees it."""
         if not callable(fn):
-            raise TypeError(f"inturn: submit() needs a callable, got {fn!r}")
+            raise TypeError(f"inturn: submit() needs a callable, got {describe(fn)}")
         keys = self._ordered((key,))
         if not self._open:
             raise QueueClosed(
-                f"inturn: the queue is closed; the work for key {key!r} was not queued"
+                f"inturn: the queue is closed; the work for key {describe(key)} was not queued"
             )
         loop = running_loop("submit()")
         slots = self._slots
@@ -789,7 +791,7 @@ class KeyedQueue:
             if key is not None or keys is not None:
                 raise TypeError(
                     "inturn: queue_by_key() takes the function to decorate, or key=/keys=, "
-                    f"not both; got {fn!r} by position"
+                    f"not both; got {describe(fn)} by position"
                 )
             return decorate(self, fn, None, None, timeout, coalesce, max_hold)
         return decorate(self, None, key, keys, timeout, coalesce, max_hold)
@@ -889,7 +891,7 @@ class KeyedQueue:
             return True
         if not self._open:
             raise QueueClosed(
-                f"inturn: the queue is closed; the work for key {key!r} was not queued"
+                f"inturn: the queue is closed; the work for key {describe(key)} was not queued"
             )
         lines = self._lines
         if self._concurrency != 1:  # a _Gate per key
@@ -904,13 +906,13 @@ class KeyedQueue:
             lines[key] = line = _Line(line)
         if self._max_pending is not None and line.waiting >= self._max_pending:
             raise QueueFull(
-                f"inturn: key {key!r} already has {line.waiting} waiting "
+                f"inturn: key {describe(key)} already has {line.waiting} waiting "
                 f"(max_pending={self._max_pending}); the work was not queued"
             )
         if timeout is not None and timeout <= 0:
             self._tally.timed_out += 1
             raise TimeoutError(
-                f"inturn: the turn for key {key!r} was not free (timeout={timeout:g} s)"
+                f"inturn: the turn for key {describe(key)} was not free (timeout={timeout:g} s)"
             )
         return line  # type: ignore[no-any-return]
 
@@ -1476,7 +1478,7 @@ class KeyedQueue:
         shown = []
         for key, line in lines[:5]:
             waiting = line.waiting if type(line) is _Line or type(line) is _Gate else 0
-            shown.append(f"{key!r}: held, {waiting} waiting")
+            shown.append(f"{describe(key)}: held, {waiting} waiting")
         if len(lines) > 5:
             shown.append("...")
         state = "closed" if not self._open else "open"

@@ -11,6 +11,7 @@ from types import MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Any, final
 
 from ._errors import HoldTimeout, LeaseLost
+from ._keys import describe
 from ._tasks import current_task as _current_task
 from ._tasks import outside_asyncio
 
@@ -92,7 +93,7 @@ class _Clock:
             return None  # cancelled from elsewhere too: that cancellation goes on
         if not isinstance(error, asyncio.CancelledError):
             return None  # the work caught the cancellation and ended by itself
-        what = ", ".join(map(repr, keys))
+        what = ", ".join(map(describe, keys))
         return HoldTimeout(
             f"inturn: the work held {what} longer than max_hold={self.limit:g} s "
             "and was cancelled; the next in line started after it finished"
@@ -449,7 +450,7 @@ class Turn:
                     failure = failure or problem
             lost = [grant for grant in grants if grant.lost]
             if lost:
-                what = ", ".join(f"{grant.key!r} (token {grant.token})" for grant in lost)
+                what = ", ".join(f"{describe(grant.key)} (token {grant.token})" for grant in lost)
                 message = (
                     f"inturn: the backend could no longer vouch for the turn on {what} while "
                     "the work held it (a lease ran out, or the line's files were deleted); "
@@ -468,9 +469,9 @@ class Turn:
 
     def __repr__(self) -> str:
         if self._task is None:
-            return f"<Turn keys={self.keys!r} not held>"
+            return f"<Turn keys={describe(self.keys)} not held>"
         lost = ", lease lost" if self.lease_lost else ""
-        return f"<Turn keys={self.keys!r} held, token {self.token}{lost}>"
+        return f"<Turn keys={describe(self.keys)} held, token {self.token}{lost}>"
 
 
 def _holder(turn: Turn | None, queue: KeyedQueue, key: Hashable) -> Turn | None:

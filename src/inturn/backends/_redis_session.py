@@ -29,6 +29,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .._errors import BackendUnavailable
+from .._keys import describe as show
 from .._keys import portable_name
 from .._tasks import abandon_task
 from ._redis_errors import UNREACHABLE, demoted, describe, unavailable
@@ -134,7 +135,7 @@ class RedisGrant:
 
     def __repr__(self) -> str:
         lost = " lost" if self.lost else ""
-        return f"<RedisGrant key={self.key!r} token={self.token}{lost}>"
+        return f"<RedisGrant key={show(self.key)} token={self.token}{lost}>"
 
 
 class _ClusterCalls:
@@ -486,8 +487,8 @@ class Session:
                 if demoted(error):  # a failover: what this server granted may be gone
                     member.lost = True
                 logger.warning(
-                    "inturn: could not release %r in Redis: %s; it frees itself within %g s",
-                    member.key,
+                    "inturn: could not release %s in Redis: %s; it frees itself within %g s",
+                    show(member.key),
                     error if isinstance(error, BackendUnavailable) else describe(error),
                     self.config.lease,
                 )
@@ -684,7 +685,7 @@ class Session:
         if member.grant is None and member.waiting is not None and not member.waiting.done():
             member.waiting.set_exception(
                 BackendUnavailable(
-                    f"inturn: the place in Redis of this waiter for {member.key!r} is gone "
+                    f"inturn: the place in Redis of this waiter for {show(member.key)} is gone "
                     f"({why}); the work did not run"
                 )
             )
@@ -747,7 +748,7 @@ def _still_valid(member: Member) -> None:
     """
     if member.lapsed:
         raise BackendUnavailable(
-            f"inturn: the place in Redis of this waiter for {member.key!r} may be gone (this "
+            f"inturn: the place in Redis of this waiter for {show(member.key)} may be gone (this "
             "process was frozen, or its event loop blocked, for longer than the lease); "
             "the work did not run"
         )
@@ -760,7 +761,7 @@ def _expire(future: asyncio.Future[Any], error: Callable[[], BaseException]) -> 
 
 def _late(key: Hashable) -> Callable[[], BaseException]:
     def error() -> BaseException:
-        return TimeoutError(f"inturn: the turn for key {key!r} was not reached in time")
+        return TimeoutError(f"inturn: the turn for key {show(key)} was not reached in time")
 
     return error
 

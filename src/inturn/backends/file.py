@@ -80,7 +80,7 @@ from collections.abc import Awaitable, Hashable
 from pathlib import Path
 from typing import final
 
-from .._keys import order_portable, portable_key, portable_name
+from .._keys import describe, order_portable, portable_key, portable_name
 from ._base import Grant
 from ._directory import Directory
 from ._linefile import (
@@ -162,7 +162,7 @@ def _default_directory() -> Path:
 
 
 def _missed(key: Hashable) -> TimeoutError:
-    return TimeoutError(f"inturn: the turn for key {key!r} was not reached in time")
+    return TimeoutError(f"inturn: the turn for key {describe(key)} was not reached in time")
 
 
 def _unlinked(fd: int) -> bool:
@@ -387,7 +387,7 @@ class FileGrant:
 
     def __repr__(self) -> str:
         held = "held" if self._fd >= 0 else "released"
-        return f"<FileGrant key={self.key!r} token={self.token} {held}>"
+        return f"<FileGrant key={describe(self.key)} token={self.token} {held}>"
 
 
 @final
@@ -588,7 +588,9 @@ class FileBackend:
         Done at once, in a few system calls: the answer is a finished Future.
         """
         if not isinstance(grant, FileGrant):
-            raise TypeError(f"inturn: {self!r} cannot release {grant!r}, which it did not grant")
+            raise TypeError(
+                f"inturn: {self!r} cannot release {describe(grant)}, which it did not grant"
+            )
         done = asyncio.get_running_loop().create_future()
         fd, grant._fd = grant._fd, -1
         if fd >= 0:

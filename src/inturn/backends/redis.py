@@ -55,6 +55,7 @@ from collections.abc import Hashable
 from typing import Any, Final, final
 
 from .._errors import BackendUnavailable
+from .._keys import describe as show
 from .._keys import order_portable, portable_key, portable_name
 from ._base import Grant
 from ._lines import HolderInfo, LineInfo, WaiterInfo
@@ -164,13 +165,14 @@ class RedisBackend:
     ) -> None:
         if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
             raise ValueError(
-                f"inturn: namespace must be 1 to 100 letters, digits or '_.:-', got {namespace!r}"
+                "inturn: namespace must be 1 to 100 letters, digits or '_.:-', "
+                f"got {show(namespace)}"
             )
         if isinstance(lease, bool) or not isinstance(lease, int | float) or not lease >= 0.1:
-            raise ValueError(f"inturn: lease must be at least 0.1 seconds, got {lease!r}")
+            raise ValueError(f"inturn: lease must be at least 0.1 seconds, got {show(lease)}")
         if not hasattr(client, "pubsub"):  # redis-py's asyncio RedisCluster before 8.0
             raise TypeError(
-                f"inturn: the client {client!r} has no pub/sub, which wakes the waiters; "
+                f"inturn: the client {show(client)} has no pub/sub, which wakes the waiters; "
                 "for Redis Cluster, install redis-py 8.0 or newer"
             )
         self._client = client
@@ -311,7 +313,9 @@ class RedisBackend:
         key frees itself within the lease).
         """
         if not isinstance(grant, RedisGrant) or grant._session.config is not self._config:
-            raise TypeError(f"inturn: {self!r} cannot release {grant!r}, which it did not grant")
+            raise TypeError(
+                f"inturn: {self!r} cannot release {show(grant)}, which it did not grant"
+            )
         return grant._session.release(grant)
 
     # -- looking at the lines --------------------------------------------------------------
