@@ -98,19 +98,31 @@ def _with(rows: dict[str, dict[str, float]], label: str, name: str, value: Any) 
 def test_the_issues_e_figures_miss() -> None:
     """The run of issue 17: (e) came out negative, and its target printed PASS at -0.22."""
     rows, measured, table = _run()
+    sizes = run.Sizes(quick=False)
     (target,) = [t for t in table if t.label.startswith("(e) inturn.run at")]
-    e = dict(rows)
-    e["(e) ns/task above bare, 1,000 queued"] = {"inturn.run": -23_399.0}
-    e["(e) ns/task above bare, 100,000 queued"] = {"inturn.run": 5_100.0}
-    assert evaluate(target, e, measured)[0] == MISS
-    # Two negative costs above bare divide to a positive ratio: still a MISS.
-    e["(e) ns/task above bare, 100,000 queued"] = {"inturn.run": -5_100.0}
-    assert evaluate(target, e, measured)[0] == MISS
+    for bad in (-0.22, math.nan, None):
+        rows_bad = _with(rows, run.scaling_ratio_label(sizes), "inturn.run", bad)
+        assert evaluate(target, rows_bad, measured)[0] == MISS
+    # Two negative costs above bare in (a) divide to a positive 0.50: still a MISS.
     a = dict(rows)
     a[run.A] = {**rows[run.A], "inturn.run": -10_000.0, "handwritten": -20_000.0}
     for target in table:
         if target.label.startswith("(a)") and "inturn.run" in target.needs:
             assert evaluate(target, a, measured)[0] == MISS, target.label
+
+
+def test_e_is_a_ratio_of_whole_costs_so_positive() -> None:
+    """(e) subtracts no floor: positive timings give a positive ratio, whatever the noise."""
+    sizes = run.Sizes(quick=False)
+    names = [cls.name for cls in ALL]
+    medians = _medians(names, sizes)
+    first, last = sizes.scaling[0], sizes.scaling[-1]
+    medians[f"e{first}"] = dict.fromkeys(names, 30_000.0)  # a slow run of every short queue
+    medians[f"e{last}"] = dict.fromkeys(names, 5_000.0)
+    rows = run.derive(medians, sizes)
+    assert rows[run.scaling_ratio_label(sizes)] == dict.fromkeys(names, pytest.approx(1 / 6))
+    assert rows[run.scaling_label(first)]["bare"] == 30_000.0
+    assert sizes.scaling_runs(first) * first == sizes.scaling_runs(last) * last
 
 
 def test_every_target_misses_when_a_figure_it_reads_is_not_a_measure() -> None:
