@@ -17,8 +17,8 @@ whole run is positive, so noise can move that ratio but not flip its sign.
 Then scenario (g), bench/flow.py: a batch of keyed messages on a queue
 with max_running, beside a hand-written lock and semaphore.
 
-Each target (bench/targets.py) prints PASS or MISS, or SKIP when its
-contenders were not measured.
+Then the targets (bench/targets.py): each PASS or MISS, SKIP when its
+contenders were not measured (the ``--before`` revision's, without it).
 
 Then, unless ``--no-multiproc``, the multi-process part (bench/multiproc.py):
 locks shared between worker processes on one contended key.
@@ -43,7 +43,7 @@ if __package__ in (None, ""):  # run as a script: python bench/run.py
     __package__ = "bench"
 
 from . import flow, multiproc, scenarios
-from .contenders import ALL, Contender, at_version
+from .contenders import ALL, Contender, InturnSlots, at_version
 from .targets import Rows, Target, cell, evaluate, ratio, valid
 
 BASELINE = "handwritten"
@@ -155,7 +155,10 @@ C = "(c) ns/task above bare, 1,000 keys"
 D_PER_KEY = "(d) bookkeeping bytes per in-flight key"
 D_GROWTH = "(d) bytes grown by a 2nd wave"
 D_KEPT = "(d) keys kept when idle"
-RUN, DECORATED = "inturn.run", "@queue_by_key"
+RUN, KEYED, DECORATED, SLOTTED = "inturn.run", "inturn.keyed", "@queue_by_key", InturnSlots.name
+#: "No worse than --before": the bound on this tree's cost over the earlier revision's,
+#: with 5% for a shared machine's noise between two interleaved medians.
+NO_WORSE = 1.05
 
 
 def _at_most(
@@ -176,12 +179,19 @@ def _own(row: str, name: str, label: str, limit: float, **options: Any) -> Targe
     return Target(label, (name,), lambda rows: cell(rows, row, name), limit, **options)
 
 
-def target_table(sizes: Sizes) -> list[Target]:
-    """Every target of the Benchmark issue, in the order they are printed."""
+def target_table(sizes: Sizes, flow_sizes: flow.Sizes, before: str | None) -> list[Target]:
+    """Every target of the Benchmark issue and issue 17, in the order they are printed.
+
+    Targets against the inturn of ``--before`` are SKIP without it.
+    """
     first, last = sizes.scaling[0], sizes.scaling[-1]
-    return [
-        _at_most(A, RUN, 0.5, BASELINE),
+    table = [
+        # asyncio.current_task() is in C from CPython 3.12: before it, reported only.
+        _at_most(A, RUN, 0.5, BASELINE, since=(3, 12)),
+        _at_most(A, KEYED, 1.2, BASELINE),
         _at_most(A, DECORATED, 1.5, BASELINE),
+        _at_most(A, SLOTTED, 2.0, RUN),
+        _at_most(B, SLOTTED, 2.0, RUN),
         _at_most(B, RUN, 0.95, BASELINE),
         _at_most(C, RUN, 0.95, BASELINE),
         _own(D_PER_KEY, RUN, "(d) inturn <= 150 B per in-flight key", 150.0, form="{:,.0f} B"),
@@ -202,11 +212,46 @@ def target_table(sizes: Sizes) -> list[Target]:
             1.2,
         ),
     ]
+    ref = before or "--before"
+    for row, what in ((B, ""), (C, ""), (scaling_label(last), f", {last:,} queued")):
+        for name in (RUN, KEYED, DECORATED):
+            earlier = f"{name}@{ref}"
+            label = f"{row[:3]} {name} <= {NO_WORSE:g}x {earlier}{what}"
+            table.append(_at_most(row, name, NO_WORSE, earlier, label=label))
+    batch, backpressure, bound = "inturn.batch", "handwritten+backpressure", 4 * flow.SLOTS
+    distributions = list(flow.distributions(flow_sizes))
+    table.extend(
+        _at_most(
+            f"(g) ns/message, {label}",
+            batch,
+            1.2,
+            backpressure,
+            label=f"(g) {batch} <= 1.2x {backpressure} per message, {label}",
+        )
+        for label in distributions
+    )
+    table.extend(
+        _own(
+            f"(g) peak tasks alive, {label}",
+            batch,
+            f"(g) {batch} peak tasks alive <= {bound} (4x max_running), {label}",
+            bound,
+            form="{:,.0f}",
+        )
+        for label in distributions
+    )
+    return table
 
 
-def targets(rows: Rows, measured: Sequence[str], sizes: Sizes) -> list[tuple[str, str, str]]:
-    """(verdict, label, value) of every target, on this run's rows."""
-    return [evaluate(target, rows, measured) for target in target_table(sizes)]
+def targets(
+    rows: Rows,
+    measured: Sequence[str],
+    sizes: Sizes,
+    flow_sizes: flow.Sizes,
+    before: str | None = None,
+) -> list[tuple[str, str, str]]:
+    """(verdict, label, value) of every target, on this run's rows (in process and (g))."""
+    return [evaluate(target, rows, measured) for target in target_table(sizes, flow_sizes, before)]
 
 
 def versus(rows: dict[str, dict[str, float]], ref: str) -> str:
@@ -324,10 +369,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = derive(medians, sizes)
     print(f"## In process: {machine()}, median of {options.repeats}\n")
     print(table(rows, names))
-    print("\nTargets (from the Benchmark issue; SKIP: not measured in this run):\n")
-    results = targets(rows, names, sizes)
-    for verdict, label, value in results:
-        print(f"- {verdict} {label}: {value}")
     if options.before:
         print(f"\nThis tree against {options.before} (same run; below 1.00x is faster now):\n")
         print(versus(rows, options.before))
@@ -336,6 +377,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     flow_rows = flow.derive(flow_medians, flow_sizes)
     print(f"\n## {flow.title(flow_sizes)}: {machine()}, median of {options.repeats}\n")
     print(table(flow_rows, flow.NAMES))
+    print("\nTargets (the Benchmark issue's and issue 17's; SKIP: not measured in this run):\n")
+    results = targets(
+        {**rows, **flow_rows}, [*names, *flow.NAMES], sizes, flow_sizes, options.before
+    )
+    for verdict, label, value in results:
+        print(f"- {verdict} {label}: {value}")
     across = None
     if options.multiproc:
         settings = multiproc.Settings.make(options.quick, options.repeats)

@@ -12,12 +12,13 @@ import math
 from typing import Any
 
 import pytest
-from bench import multiproc, run
+from bench import flow, multiproc, run
 from bench.contenders import ALL
-from bench.targets import MISS, PASS, SKIP, Target, check, evaluate, ratio
+from bench.targets import INFO, MISS, PASS, SKIP, Target, check, evaluate, ratio
 
 #: Figures that are not a measure of a cost, a count or a ratio of costs.
 NOT_MEASURES = [None, math.nan, math.inf, -math.inf, -0.22, -20_315.0]
+REF = "abc1234"
 
 
 def test_a_value_that_is_not_a_measure_meets_no_limit() -> None:
@@ -68,11 +69,25 @@ def _medians(names: list[str], sizes: run.Sizes) -> dict[str, dict[str, float]]:
     return medians
 
 
-def _run() -> tuple[dict[str, dict[str, float]], list[str], list[Target]]:
-    """A whole run's rows, the contenders measured, and the targets."""
-    sizes = run.Sizes(quick=False)
+def _flow_medians(sizes: flow.Sizes) -> dict[str, dict[str, float]]:
+    return {
+        f"{what} {label}": {name: 10.0 + i for i, name in enumerate(flow.NAMES)}
+        for what in ("ns", "tasks", "bytes", "running")
+        for label in flow.distributions(sizes)
+    }
+
+
+def _run(before: str | None = REF) -> tuple[dict[str, dict[str, float]], list[str], list[Target]]:
+    """A whole run's rows (in process and (g)), the contenders measured, and the targets."""
+    sizes, flow_sizes = run.Sizes(quick=False), flow.Sizes(quick=False)
     names = [cls.name for cls in ALL]
-    return run.derive(_medians(names, sizes), sizes), names, run.target_table(sizes)
+    if before:
+        names += [f"{name}@{before}" for name in ("inturn.run", "inturn.keyed", "@queue_by_key")]
+    rows = {
+        **run.derive(_medians(names, sizes), sizes),
+        **flow.derive(_flow_medians(flow_sizes), flow_sizes),
+    }
+    return rows, [*names, *flow.NAMES], run.target_table(sizes, flow_sizes, before)
 
 
 def _loose(target: Target) -> Target:
@@ -127,7 +142,7 @@ def test_e_is_a_ratio_of_whole_costs_so_positive() -> None:
 
 def test_every_target_misses_when_a_figure_it_reads_is_not_a_measure() -> None:
     rows, measured, table = _run()
-    assert len(table) == 8
+    assert len(table) == 24
     for target in map(_loose, table):
         verdict, _, good = evaluate(target, rows, measured)
         assert verdict == PASS, (target.label, good)
@@ -144,12 +159,25 @@ def test_every_target_misses_when_a_figure_it_reads_is_not_a_measure() -> None:
 
 
 def test_a_target_skips_only_when_its_contenders_were_not_measured() -> None:
+    rows, measured, table = _run(before=None)
+    verdicts = {target.label: evaluate(target, rows, measured)[0] for target in table}
+    skipped = [label for label, verdict in verdicts.items() if verdict == SKIP]
+    assert len(skipped) == 9
+    assert all("@--before" in label for label in skipped)
+    # Measured, but its figures missing from the run: a MISS, not a SKIP.
     rows, measured, table = _run()
     for target in table:
-        assert evaluate(target, rows, [])[0] == SKIP, target.label
-        # Measured, but its figures missing from the run: a MISS, not a SKIP.
         empty: dict[str, dict[str, float]] = {}
         assert evaluate(target, empty, measured)[0] == MISS, target.label
+
+
+def test_a_number_reported_but_not_targeted_is_info_only_when_valid() -> None:
+    rows, measured, table = _run()
+    (target,) = [t for t in table if t.since is not None]
+    assert evaluate(target, rows, measured, version=(3, 11))[0] == INFO
+    assert evaluate(target, rows, measured, version=(3, 12))[0] in (PASS, MISS)
+    bad = _with(rows, run.A, "inturn.run", -1.0)
+    assert evaluate(target, bad, measured, version=(3, 11))[0] == MISS
 
 
 def test_multiprocess_targets_miss_on_a_figure_that_is_not_a_measure() -> None:
