@@ -29,6 +29,9 @@ import inturn
 
 Body = Callable[[], Coroutine[Any, Any, Any]]
 
+#: InturnSlots' max_running, as in scenario (g) (bench/flow.py).
+SLOTS = 32
+
 
 async def work() -> int:
     """The work of scenario (a): nothing, so that only the lock's cost shows."""
@@ -227,6 +230,15 @@ class InturnRun(Contender):
         return self.queue.active_count
 
 
+class InturnSlots(InturnRun):
+    """inturn.run on a queue with max_running: each turn also takes a running slot."""
+
+    name = f"inturn.run max_running={SLOTS}"
+
+    def reset(self) -> None:
+        self.queue = self.module.KeyedQueue(max_running=SLOTS)
+
+
 class InturnKeyed(InturnRun):
     name = "inturn.keyed"
 
@@ -335,6 +347,7 @@ ALL: list[type[Contender]] = [
     DefaultDict,
     AsyncioKeyedLock,
     InturnRun,
+    InturnSlots,
     InturnKeyed,
     InturnDecorator,
     WraptEmpty,

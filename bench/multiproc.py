@@ -56,6 +56,7 @@ from .mp_contenders import CONTENDERS, DEFAULT, VERSIONED, contender
 from .mp_metrics import METRICS, measure_run
 from .mp_servers import redis_server
 from .mp_worker import read_counter
+from .targets import check, ratio
 
 KEY = "k"
 ROOT = Path(__file__).resolve().parent.parent
@@ -390,24 +391,30 @@ def _bounds(scenario: Scenario, subject: dict[str, float]) -> list[Result]:
     if scenario.min_order_pct is not None:
         order = subject["arrival_order_pct"]
         label = f"{tag} arrival order >= {scenario.min_order_pct:g}%"
-        results.append((label, order >= scenario.min_order_pct, f"{order:.1f}%"))
+        results.append(
+            (label, check(order, scenario.min_order_pct, at_most=False), f"{order:.1f}%")
+        )
     if scenario.min_fairness is not None:
         fair = subject["fairness"]
         label = f"{tag} fairness >= {scenario.min_fairness:g}"
-        results.append((label, fair >= scenario.min_fairness, f"{fair:.2f}"))
+        results.append((label, check(fair, scenario.min_fairness, at_most=False), f"{fair:.2f}"))
     if scenario.max_handoff_ms is not None:
         handoff = subject["handoff_p50_us"] / 1e3
         label = f"{tag} hand-off p50 <= {scenario.max_handoff_ms:g} ms"
-        results.append((label, handoff <= scenario.max_handoff_ms, f"{handoff:.3f} ms"))
+        results.append((label, check(handoff, scenario.max_handoff_ms), f"{handoff:.3f} ms"))
     if scenario.max_wait_ms is not None:
         wait = subject["longest_wait_ms"]
         label = f"{tag} longest wait <= {scenario.max_wait_ms:g} ms"
-        results.append((label, wait <= scenario.max_wait_ms, f"{wait:.1f} ms"))
+        results.append((label, check(wait, scenario.max_wait_ms), f"{wait:.1f} ms"))
     return results
 
 
 def targets(medians: dict[str, dict[str, dict[str, float]]]) -> list[Result]:
-    """Each scenario's targets: (label, passed or None if not measured, value)."""
+    """Each scenario's targets: (label, passed or None if not measured, value).
+
+    A value that is not a measure (NaN, negative; ops/s of zero) is not passed:
+    see :func:`bench.targets.check`.
+    """
     results: list[Result] = []
     for scenario in SCENARIOS:
         values = medians.get(scenario.name, {})
@@ -421,8 +428,8 @@ def targets(medians: dict[str, dict[str, dict[str, float]]]) -> list[Result]:
             if other is None:
                 results.append((label, None, "not measured"))
                 continue
-            ratio = subject["ops_per_s"] / other["ops_per_s"]
-            results.append((label, ratio >= floor, f"{ratio:.2f}x"))
+            quotient = ratio(subject["ops_per_s"], other["ops_per_s"])
+            results.append((label, check(quotient, floor, at_most=False), f"{quotient:.2f}x"))
     return results
 
 

@@ -1,0 +1,211 @@
+"""The benchmark's target lines can fail: a figure that is not a measure never PASSes.
+
+No timing here: each test feeds made-up figures to the functions that check
+the targets (bench/targets.py, and the tables of bench/run.py and
+bench/multiproc.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import pytest
+from bench import flow, multiproc, run
+from bench.contenders import ALL
+from bench.targets import INFO, MISS, PASS, SKIP, Target, check, evaluate, ratio
+
+#: Figures that are not a measure of a cost, a count or a ratio of costs.
+NOT_MEASURES = [None, math.nan, math.inf, -math.inf, -0.22, -20_315.0]
+REF = "abc1234"
+
+
+def test_a_value_that_is_not_a_measure_meets_no_limit() -> None:
+    for value in NOT_MEASURES:
+        assert not check(value, 1.2), value
+        assert not check(value, -1e9, at_most=False), value
+        assert not check(value, math.inf), value
+    assert check(0.82, 1.2)
+    assert not check(1.21, 1.2)
+    assert check(99.5, 99.0, at_most=False)
+    assert not check(98.9, 99.0, at_most=False)
+
+
+def test_a_negative_value_meets_a_limit_only_where_the_quantity_can_be_negative() -> None:
+    assert check(-473.0, 0.0, signed=True)  # memory that shrank between two waves
+    assert not check(-473.0, 0.0)
+    assert not check(math.nan, 0.0, signed=True)
+
+
+def test_a_ratio_needs_two_positive_costs() -> None:
+    assert ratio(4_666.0, 5_672.0) == pytest.approx(0.82, abs=0.01)
+    # The issue's run: both costs above bare came out negative at 1,000 queued.
+    for numerator, denominator in [
+        (-23_399.0, -20_315.0),
+        (5_000.0, -20_315.0),
+        (-5_000.0, 20_315.0),
+        (5_000.0, 0.0),
+        (0.0, 5_000.0),
+        (None, 5_000.0),
+        (5_000.0, None),
+        (math.nan, 5_000.0),
+        (math.inf, 5_000.0),
+    ]:
+        assert math.isnan(ratio(numerator, denominator)), (numerator, denominator)
+
+
+def _medians(names: list[str], sizes: run.Sizes) -> dict[str, dict[str, float]]:
+    """Plausible medians of every in-process measure: bare cheapest, every cost positive."""
+    keys = ["a", "b", "c", *(f"e{n}" for n in sizes.scaling)]
+    keys += [f"d_{f}" for f in ("in_flight_bytes", "retained_bytes", "growth_bytes")]
+    keys += ["d_keys_kept", "d_through_bytes"]
+    medians: dict[str, dict[str, float]] = {}
+    for key in keys:
+        medians[key] = {name: 100.0 + 10.0 * i for i, name in enumerate(names)}
+        medians[key][run.FLOOR] = 50.0
+    medians["d_keys_kept"] = dict.fromkeys(names, 0.0)
+    medians["d_through_bytes"] = dict.fromkeys(names, 0.0)
+    return medians
+
+
+def _flow_medians(sizes: flow.Sizes) -> dict[str, dict[str, float]]:
+    return {
+        f"{what} {label}": {name: 10.0 + i for i, name in enumerate(flow.NAMES)}
+        for what in ("ns", "tasks", "bytes", "running")
+        for label in flow.distributions(sizes)
+    }
+
+
+def _run(before: str | None = REF) -> tuple[dict[str, dict[str, float]], list[str], list[Target]]:
+    """A whole run's rows (in process and (g)), the contenders measured, and the targets."""
+    sizes, flow_sizes = run.Sizes(quick=False), flow.Sizes(quick=False)
+    names = [cls.name for cls in ALL]
+    if before:
+        names += [f"{name}@{before}" for name in ("inturn.run", "inturn.keyed", "@queue_by_key")]
+    rows = {
+        **run.derive(_medians(names, sizes), sizes),
+        **flow.derive(_flow_medians(flow_sizes), flow_sizes),
+    }
+    return rows, [*names, *flow.NAMES], run.target_table(sizes, flow_sizes, before)
+
+
+def _loose(target: Target) -> Target:
+    """The same target with a limit that any valid value meets, a target everywhere."""
+    limit = math.inf if target.at_most else -math.inf
+    return dataclasses.replace(target, limit=limit, since=None)
+
+
+def _cells(rows: dict[str, dict[str, float]]) -> list[tuple[str, str]]:
+    return [(label, name) for label, values in rows.items() for name in values]
+
+
+def _with(rows: dict[str, dict[str, float]], label: str, name: str, value: Any) -> Any:
+    """A copy of rows with one figure replaced (None: removed)."""
+    changed = {row: dict(values) for row, values in rows.items()}
+    if value is None:
+        del changed[label][name]
+    else:
+        changed[label][name] = value
+    return changed
+
+
+def test_the_issues_e_figures_miss() -> None:
+    """The run of issue 17: (e) came out negative, and its target printed PASS at -0.22."""
+    rows, measured, table = _run()
+    sizes = run.Sizes(quick=False)
+    (target,) = [t for t in table if t.label.startswith("(e) inturn.run at")]
+    for bad in (-0.22, math.nan, None):
+        rows_bad = _with(rows, run.scaling_ratio_label(sizes), "inturn.run", bad)
+        assert evaluate(target, rows_bad, measured)[0] == MISS
+    # Two negative costs above bare in (a) divide to a positive 0.50: still a MISS.
+    a = dict(rows)
+    a[run.A] = {**rows[run.A], "inturn.run": -10_000.0, "handwritten": -20_000.0}
+    for target in table:
+        if target.label.startswith("(a)") and "inturn.run" in target.needs:
+            assert evaluate(target, a, measured)[0] == MISS, target.label
+
+
+def test_e_is_a_ratio_of_whole_costs_so_positive() -> None:
+    """(e) subtracts no floor: positive timings give a positive ratio, whatever the noise."""
+    sizes = run.Sizes(quick=False)
+    names = [cls.name for cls in ALL]
+    medians = _medians(names, sizes)
+    first, last = sizes.scaling[0], sizes.scaling[-1]
+    medians[f"e{first}"] = dict.fromkeys(names, 30_000.0)  # a slow run of every short queue
+    medians[f"e{last}"] = dict.fromkeys(names, 5_000.0)
+    rows = run.derive(medians, sizes)
+    assert rows[run.scaling_ratio_label(sizes)] == dict.fromkeys(names, pytest.approx(1 / 6))
+    assert rows[run.scaling_label(first)]["bare"] == 30_000.0
+    assert sizes.scaling_runs(first) * first == sizes.scaling_runs(last) * last
+
+
+def test_every_target_misses_when_a_figure_it_reads_is_not_a_measure() -> None:
+    rows, measured, table = _run()
+    assert len(table) == 24
+    for target in map(_loose, table):
+        verdict, _, good = evaluate(target, rows, measured)
+        assert verdict == PASS, (target.label, good)
+        read = 0
+        for label, name in _cells(rows):
+            for bad in NOT_MEASURES:
+                if bad is not None and bad < 0 and target.signed:
+                    continue  # a valid measure of a quantity that can be negative
+                verdict, _, value = evaluate(target, _with(rows, label, name, bad), measured)
+                if value != good:  # the target reads this figure
+                    assert verdict == MISS, (target.label, label, name, bad, value)
+                    read += 1
+        assert read, f"{target.label}: no figure changes its value"
+
+
+def test_a_target_skips_only_when_its_contenders_were_not_measured() -> None:
+    rows, measured, table = _run(before=None)
+    verdicts = {target.label: evaluate(target, rows, measured)[0] for target in table}
+    skipped = [label for label, verdict in verdicts.items() if verdict == SKIP]
+    assert len(skipped) == 9
+    assert all("@--before" in label for label in skipped)
+    # Measured, but its figures missing from the run: a MISS, not a SKIP.
+    rows, measured, table = _run()
+    for target in table:
+        empty: dict[str, dict[str, float]] = {}
+        assert evaluate(target, empty, measured)[0] == MISS, target.label
+
+
+def test_a_number_reported_but_not_targeted_is_info_only_when_valid() -> None:
+    rows, measured, table = _run()
+    (target,) = [t for t in table if t.since is not None]
+    assert evaluate(target, rows, measured, version=(3, 11))[0] == INFO
+    assert evaluate(target, rows, measured, version=(3, 12))[0] in (PASS, MISS)
+    bad = _with(rows, run.A, "inturn.run", -1.0)
+    assert evaluate(target, bad, measured, version=(3, 11))[0] == MISS
+
+
+def test_multiprocess_targets_miss_on_a_figure_that_is_not_a_measure() -> None:
+    subject = {
+        "ops_per_s": 1_000.0,
+        "handoff_p50_us": 100.0,
+        "arrival_order_pct": 100.0,
+        "fairness": 1.0,
+        "longest_wait_ms": 1.0,
+    }
+    others = {
+        name: {**subject, "ops_per_s": 500.0} for name in ("redis-py-lock", "python-redis-lock")
+    }
+
+    def r1(**changed: float) -> dict[str, dict[str, dict[str, float]]]:
+        return {"r1": {"inturn-redis": {**subject, **changed}, **others}}
+
+    good = {label: (ok, value) for label, ok, value in multiproc.targets(r1())}
+    assert len(good) == 6
+    assert all(ok for ok, _ in good.values())
+    read: set[str] = set()
+    for metric in subject:
+        for bad in (math.nan, -1.0, -math.inf):
+            for label, ok, value in multiproc.targets(r1(**{metric: bad})):
+                if value != good[label][1]:
+                    assert ok is False, (metric, bad, label, value)
+                    read.add(label)
+    assert read == set(good)
+    stalled = {"r1": {"inturn-redis": subject, **others, "redis-py-lock": {"ops_per_s": 0.0}}}
+    (verdict,) = [ok for label, ok, _ in multiproc.targets(stalled) if "x redis-py-lock" in label]
+    assert verdict is False
