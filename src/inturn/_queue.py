@@ -31,7 +31,7 @@ from ._stats import Tally as _Tally
 from ._tasks import current_task as _current_task
 from ._tasks import in_loop_of as _soon
 from ._tasks import outside_asyncio, running_loop
-from ._turn import Turn
+from ._turn import Turn, call_in_turn, call_in_turn_sync
 from .backends._base import Backend
 from .backends._local import LocalBackend
 
@@ -75,14 +75,6 @@ def _outcome(future: asyncio.Future[Any], error: BaseException | None, result: A
         future.exception()  # the holder's own caller gets the error; don't log it again
     else:  # cancelled, or interrupted
         future.cancel()
-
-
-def _refuse_coroutine(fn: object, result: CoroutineType[Any, Any, Any]) -> NoReturn:
-    result.close()
-    raise TypeError(
-        f"inturn: {describe(fn)} returned a coroutine, which a thread cannot await; "
-        "for async def functions use `await queue.run(...)`"
-    )
 
 
 #: What a solo queue's changes of its lines hold instead of the lock.
@@ -416,17 +408,7 @@ class KeyedQueue:
         with flow control, and of the decorator for keys=, or for a timeout
         or max_hold of its own.
         """
-        turn = Turn(self, self._ordered(keys), timeout, hold)
-        await turn.__aenter__()
-        try:
-            result = fn(*args, **kwargs)
-            if isawaitable(result):
-                result = await result
-        except BaseException as error:
-            await turn._end(error, None)
-            raise
-        await turn._end(None, result)
-        return result
+        return await call_in_turn(Turn(self, self._ordered(keys), timeout, hold), fn, args, kwargs)
 
     @overload
     def run_sync(
@@ -469,16 +451,7 @@ class KeyedQueue:
         if not callable(fn):
             raise TypeError(f"inturn: run_sync() needs a callable, got {describe(fn)}")
         turn = Turn(self, self._ordered(keys), timeout, self._max_hold)
-        turn.__enter__()
-        try:
-            result = fn(*args, **kwargs)
-            if type(result) is CoroutineType:
-                _refuse_coroutine(fn, result)
-        except BaseException as error:
-            turn.release(error, None)
-            raise
-        turn.release(None, result)
-        return result
+        return call_in_turn_sync(turn, fn, args, kwargs)
 
     def keyed(
         self,

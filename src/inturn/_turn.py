@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import sys
-from collections.abc import Awaitable, Hashable, Mapping
+from collections.abc import Awaitable, Callable, Hashable, Mapping
+from inspect import isawaitable
 from time import monotonic as _monotonic
-from types import MappingProxyType, TracebackType
-from typing import TYPE_CHECKING, Any, final
+from types import CoroutineType, MappingProxyType, TracebackType
+from typing import TYPE_CHECKING, Any, NoReturn, final
 
 from ._errors import HoldTimeout, LeaseLost
 from ._keys import describe
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from ._queue import KeyedQueue
     from .backends._base import Backend, Grant
 
-__all__ = ("Turn", "current_turn")
+__all__ = ("Turn", "call_in_turn", "call_in_turn_sync", "current_turn")
 
 #: The innermost turn of the current task on a queue with a shared backend.
 _CURRENT: contextvars.ContextVar[Turn | None] = contextvars.ContextVar(
@@ -313,7 +314,7 @@ class Turn:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.release(exc, None)
+        self._release(exc, None)
 
     async def _enter_shared(self, queue: KeyedQueue, backend: Backend, task: Any) -> None:
         """Take each key's turn in this process's line, then from the backend, in order."""
@@ -402,13 +403,13 @@ class Turn:
                 cut.__cause__ = error
                 error = cut
         if self._queue._backend is None:
-            self.release(error, result, cut is not None)
+            self._release(error, result, cut is not None)
         else:
             await self._end_shared(error, result, cut is not None)
         if cut is not None:
             raise cut
 
-    def release(self, error: BaseException | None, result: Any, cut: bool = False) -> None:
+    def _release(self, error: BaseException | None, result: Any, cut: bool = False) -> None:
         """Release the running slot and every key this turn took, newest first; count the turn.
 
         Watchers learn the outcome (error, or result); ``cut``: max_hold cut the work.
@@ -463,7 +464,7 @@ class Turn:
             elif failure is not None and error is None:
                 error = failure
         finally:
-            self.release(error, result, cut)
+            self._release(error, result, cut)
         if failure is not None and failure is error:
             raise failure
 
@@ -472,6 +473,52 @@ class Turn:
             return f"<Turn keys={describe(self.keys)} not held>"
         lost = ", lease lost" if self.lease_lost else ""
         return f"<Turn keys={describe(self.keys)} held, token {self.token}{lost}>"
+
+
+async def call_in_turn(
+    turn: Turn, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Take turn, call fn (awaiting what it returns), end turn with the outcome; return it.
+
+    The path of every async call that is not the facade's inlined one.
+    """
+    await turn.__aenter__()
+    try:
+        result = fn(*args, **kwargs)
+        if isawaitable(result):
+            result = await result
+    except BaseException as error:
+        await turn._end(error, None)
+        raise
+    await turn._end(None, result)
+    return result
+
+
+def call_in_turn_sync(
+    turn: Turn, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Take turn for this thread, call fn, release turn with the outcome; return it.
+
+    :raises TypeError: fn returned a coroutine (closed, never run: a thread cannot await it).
+    """
+    turn.__enter__()
+    try:
+        result = fn(*args, **kwargs)
+        if type(result) is CoroutineType:
+            _refuse_coroutine(fn, result)
+    except BaseException as error:
+        turn._release(error, None)
+        raise
+    turn._release(None, result)
+    return result
+
+
+def _refuse_coroutine(fn: object, result: CoroutineType[Any, Any, Any]) -> NoReturn:
+    result.close()
+    raise TypeError(
+        f"inturn: {describe(fn)} returned a coroutine, which a thread cannot await; "
+        "for async def functions use `await queue.run(...)`"
+    )
 
 
 def _holder(turn: Turn | None, queue: KeyedQueue, key: Hashable) -> Turn | None:
