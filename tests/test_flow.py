@@ -590,6 +590,36 @@ async def test_submit_returns_a_handle_to_the_queued_work() -> None:
     assert second.cancel() is False  # done: nothing to cancel
 
 
+async def test_every_timeout_says_what_was_not_reached_and_that_the_work_did_not_run() -> None:
+    queue = KeyedQueue(max_running=1)
+    gate = asyncio.Event()
+    holder = asyncio.create_task(queue.run("k", gate.wait))
+    await settle(lambda: queue.is_active("k"))
+    ran: list[str] = []
+    with pytest.raises(TimeoutError) as waited:
+        async with queue.keyed("k", timeout=0.01):
+            ran.append("k")
+    with pytest.raises(TimeoutError) as refused:
+        async with queue.keyed("k", timeout=0):
+            ran.append("k")
+    with pytest.raises(TimeoutError) as slotless:  # the only slot is busy
+        async with queue.keyed("other", timeout=0.01):
+            ran.append("other")
+    gate.set()
+    await holder
+    assert ran == []
+    assert str(waited.value) == (
+        "inturn: the turn for key 'k' was not reached within 0.01 s; the work did not run"
+    )
+    assert str(refused.value) == (
+        "inturn: the turn for key 'k' was not reached at once (timeout=0), as it was not "
+        "free; the work did not run"
+    )
+    assert str(slotless.value) == (
+        "inturn: a running slot (max_running=1) was not reached within 0.01 s; the work did not run"
+    )
+
+
 async def test_a_handle_answers_as_an_asyncio_future_does(
     loop_errors: list[dict[str, Any]],
 ) -> None:

@@ -7,7 +7,15 @@ from typing import Final, final
 
 from ._keys import describe
 
-__all__ = ("UNSET", "Unset", "check_count", "check_hold", "check_seconds", "check_timeout")
+__all__ = (
+    "UNSET",
+    "Unset",
+    "check_count",
+    "check_hold",
+    "check_seconds",
+    "check_timeout",
+    "missed",
+)
 
 
 @final
@@ -60,3 +68,18 @@ def check_count(name: str, value: int | None, none: bool, least: int = 1) -> int
             f"inturn: {name} must be >= {least}{' or None' if none else ''}, got {describe(value)}"
         )
     return value
+
+
+def missed(what: str, timeout: float | None) -> TimeoutError:
+    """The one wording of every wait that ran out: what was not reached, and that nothing ran.
+
+    timeout is the limit that ran out (0: the call would not wait, and it
+    was not free), or None where the limit is not known to the caller.
+    """
+    if timeout is None:
+        within = "in time"
+    elif timeout <= 0:
+        within = "at once (timeout=0), as it was not free"
+    else:
+        within = f"within {timeout:g} s"
+    return TimeoutError(f"inturn: {what} was not reached {within}; the work did not run")

@@ -14,7 +14,7 @@ from time import monotonic as _monotonic
 from types import CoroutineType, MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, Literal, NoReturn, TypeVar, final, overload
 
-from ._checks import UNSET, check_count, check_hold, check_timeout
+from ._checks import UNSET, check_count, check_hold, check_timeout, missed
 from ._checks import Unset as _Unset
 from ._errors import QueueClosed, QueueFull
 from ._flow import Batch, Handle, QueueStats, _unawaited, failures
@@ -53,15 +53,13 @@ def _expire(waiter: asyncio.Future[None], key: Hashable, timeout: float) -> None
         waiter.set_exception(_missed(key, timeout))
 
 
-def _expire_slot(waiter: asyncio.Future[None], queue: KeyedQueue, timeout: float) -> None:
+def _expire_slot(waiter: asyncio.Future[None], queue: KeyedQueue, timeout: float | None) -> None:
     if not waiter.done():
         waiter.set_exception(queue._slotless(timeout))
 
 
-def _missed(key: Hashable, timeout: float) -> TimeoutError:
-    return TimeoutError(
-        f"inturn: the turn for key {describe(key)} was not reached within {timeout:g} s"
-    )
+def _missed(key: Hashable, timeout: float | None) -> TimeoutError:
+    return missed(f"the turn for key {describe(key)}", timeout)
 
 
 def _outcome(future: asyncio.Future[Any], error: BaseException | None, result: Any) -> None:
@@ -884,9 +882,7 @@ class KeyedQueue:
             )
         if timeout is not None and timeout <= 0:
             self._tally.timed_out += 1
-            raise TimeoutError(
-                f"inturn: the turn for key {describe(key)} was not free (timeout={timeout:g} s)"
-            )
+            raise _missed(key, 0)
         return line  # type: ignore[no-any-return]
 
     def _join(
@@ -980,12 +976,19 @@ class KeyedQueue:
         """
         taken: list[Hashable] = []
         loop = asyncio.get_running_loop()
+        limit = timeout
         deadline = None if timeout is None else loop.time() + timeout
         try:
             for key in keys:
                 if deadline is not None:
                     timeout = deadline - loop.time()
-                if await self._take(key, task, timeout):
+                try:
+                    took = await self._take(key, task, timeout)
+                except TimeoutError:
+                    if timeout == limit:
+                        raise
+                    raise _missed(key, limit) from None  # (named by the caller's whole limit)
+                if took:
                     taken.append(key)
         except BaseException as error:
             for key in reversed(taken):
@@ -1013,7 +1016,7 @@ class KeyedQueue:
                 return task, ()
             raise RuntimeError(
                 "inturn: a blocking turn (run_sync(), `with keyed()`, a decorated plain def) "
-                f"was taken inside a running event loop, for {', '.join(map(repr, keys))}; "
+                f"was taken inside a running event loop, for {', '.join(map(describe, keys))}; "
                 "waiting would freeze the loop. Use `await queue.run(...)` or `async with`, "
                 "or call it in a thread: `await asyncio.to_thread(...)`"
             )
@@ -1088,18 +1091,23 @@ class KeyedQueue:
 
     # -- the running slots (max_running) ------------------------------------------------
 
-    async def _take_slot(self, holder: asyncio.Task[Any], timeout: float | None) -> bool:
-        """Take a running slot for a task that holds its keys; False if it holds one already."""
+    async def _take_slot(
+        self, holder: asyncio.Task[Any], timeout: float | None, limit: float | None
+    ) -> bool:
+        """Take a running slot for a task that holds its keys; False if it holds one already.
+
+        ``timeout`` is the time left to wait, ``limit`` the caller's whole limit (for its error).
+        """
         slots = self._slots
         assert slots is not None
         loop = holder.get_loop()
         with self._guard():
-            waiter = self._slot_or_wait(slots, holder, timeout, loop.create_future)
+            waiter = self._slot_or_wait(slots, holder, timeout, limit, loop.create_future)
             if type(waiter) is bool:
                 return waiter
         timer = None
         if timeout is not None:
-            timer = loop.call_later(timeout, _expire_slot, waiter, self, timeout)
+            timer = loop.call_later(timeout, _expire_slot, waiter, self, limit)
         try:
             await waiter
         except BaseException as error:
@@ -1114,12 +1122,12 @@ class KeyedQueue:
             self._slot_taken(slots, waiter, holder)
         return True
 
-    def _take_slot_sync(self, me: object, timeout: float | None) -> bool:
+    def _take_slot_sync(self, me: object, timeout: float | None, limit: float | None) -> bool:
         """Take a running slot for thread me, blocking it if need be (see _take_slot)."""
         slots = self._slots
         assert slots is not None
         with self._locked():
-            waiter = self._slot_or_wait(slots, me, timeout, _ThreadWaiter)
+            waiter = self._slot_or_wait(slots, me, timeout, limit, _ThreadWaiter)
             if type(waiter) is bool:
                 return waiter
         try:
@@ -1138,11 +1146,15 @@ class KeyedQueue:
                 return True
             slots.drop(waiter, True)
             self._tally.timed_out += 1
-        assert timeout is not None
-        raise self._slotless(timeout)
+        raise self._slotless(limit)
 
     def _slot_or_wait(
-        self, slots: _Gate, holder: object, timeout: float | None, make: Callable[[], W]
+        self,
+        slots: _Gate,
+        holder: object,
+        timeout: float | None,
+        limit: float | None,
+        make: Callable[[], W],
     ) -> W | bool:
         """Take a free slot for holder, or line up a waiter made by make() for one.
 
@@ -1156,7 +1168,7 @@ class KeyedQueue:
             return not entered
         if timeout is not None and timeout <= 0:
             self._tally.timed_out += 1
-            raise self._slotless(0)
+            raise self._slotless(limit)
         waiter = make()
         slots.waiters.append(waiter)  # type: ignore[arg-type]
         slots.waiting += 1
@@ -1168,12 +1180,9 @@ class KeyedQueue:
         if slots.producers:
             self._wake_producers_behind(slots)
 
-    def _slotless(self, timeout: float) -> TimeoutError:
+    def _slotless(self, timeout: float | None) -> TimeoutError:
         size = self._slots.size if self._slots is not None else 0
-        return TimeoutError(
-            f"inturn: no running slot (max_running={size}) came free within {timeout:g} s; "
-            "the work did not run"
-        )
+        return missed(f"a running slot (max_running={size})", timeout)
 
     def _free_slot(self, holder: object) -> None:
         """End holder's running slot, handing it to the next in the slot line."""

@@ -269,7 +269,7 @@ class Turn:
         if queue._slots is not None:
             try:
                 left = None if deadline is None else max(0.0, deadline - loop.time())
-                flow.slot = await queue._take_slot(task, left)
+                flow.slot = await queue._take_slot(task, left, timeout)
             except BaseException as error:
                 for key in reversed(taken):
                     queue._release(key, task, error, None)
@@ -297,7 +297,7 @@ class Turn:
                     left = self._timeout
                     if left is not None:
                         left = max(0.0, left - (_monotonic() - start))
-                    flow.slot = queue._take_slot_sync(holder, left)
+                    flow.slot = queue._take_slot_sync(holder, left, self._timeout)
                 except BaseException as error:
                     for key in reversed(taken):
                         queue._release(key, holder, error, None)
@@ -344,7 +344,7 @@ class Turn:
                 tokens[key] = grant.token
             if queue._slots is not None:
                 left = None if deadline is None else max(0.0, deadline - loop.time())
-                flow.slot = await queue._take_slot(task, left)
+                flow.slot = await queue._take_slot(task, left, self._timeout)
         except BaseException as error:
             if len(grants) < len(taken):  # the backend's turn was not reached
                 queue._missed(error)

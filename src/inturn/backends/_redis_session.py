@@ -28,6 +28,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from .._checks import missed
 from .._errors import BackendUnavailable
 from .._keys import describe as show
 from .._keys import portable_name
@@ -761,7 +762,7 @@ def _expire(future: asyncio.Future[Any], error: Callable[[], BaseException]) -> 
 
 def _late(key: Hashable) -> Callable[[], BaseException]:
     def error() -> BaseException:
-        return TimeoutError(f"inturn: the turn for key {show(key)} was not reached in time")
+        return missed(f"the turn for key {show(key)}", None)
 
     return error
 

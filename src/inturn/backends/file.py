@@ -80,6 +80,7 @@ from collections.abc import Awaitable, Hashable
 from pathlib import Path
 from typing import final
 
+from .._checks import missed
 from .._keys import describe, order_portable, portable_key, portable_name
 from ._base import Grant
 from ._directory import Directory
@@ -162,7 +163,7 @@ def _default_directory() -> Path:
 
 
 def _missed(key: Hashable) -> TimeoutError:
-    return TimeoutError(f"inturn: the turn for key {describe(key)} was not reached in time")
+    return missed(f"the turn for key {describe(key)}", None)
 
 
 def _unlinked(fd: int) -> bool:
