@@ -54,6 +54,22 @@ async def test_two_queues_on_one_directory_exclude_each_other(backend: FileBacke
     assert files(backend.directory) == []
 
 
+async def test_a_timeout_on_a_later_key_names_the_callers_limit(backend: FileBackend) -> None:
+    queue = KeyedQueue(backend=backend)
+    gate = asyncio.Event()
+    holder = asyncio.create_task(queue.run("b", gate.wait))
+    await settle(lambda: queue.is_active("b"))
+    with pytest.raises(TimeoutError) as missed:
+        async with queue.keyed("a", "b", timeout=0.05):
+            pytest.fail("the block ran without its turns")
+    gate.set()
+    await holder
+    assert str(missed.value) == (
+        "inturn: the turn for key 'b' was not reached within 0.05 s; the work did not run"
+    )
+    assert files(backend.directory) == []
+
+
 async def test_a_release_gives_up_the_cpu_only_to_someone_behind_it(
     backend: FileBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Final, final
 
 from ._keys import describe
 
 __all__ = (
     "UNSET",
+    "Deadline",
     "Unset",
     "check_count",
     "check_hold",
@@ -83,3 +85,20 @@ def missed(what: str, timeout: float | None) -> TimeoutError:
     else:
         within = f"within {timeout:g} s"
     return TimeoutError(f"inturn: {what} was not reached {within}; the work did not run")
+
+
+@final
+class Deadline:
+    """One time limit spent across the waits of one call: how long each may still wait."""
+
+    __slots__ = ("at", "clock", "limit")
+
+    def __init__(self, limit: float | None, clock: Callable[[], float]) -> None:
+        self.limit = limit  # the caller's limit, for its error
+        self.clock = clock  # the clock the waits are timed on (a loop's, or monotonic)
+        self.at = None if limit is None else clock() + limit
+
+    def left(self) -> float | None:
+        """The seconds left, never below 0; None for no limit."""
+        at = self.at
+        return None if at is None else max(0.0, at - self.clock())

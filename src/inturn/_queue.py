@@ -14,7 +14,7 @@ from time import monotonic as _monotonic
 from types import CoroutineType, MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, Literal, NoReturn, TypeVar, final, overload
 
-from ._checks import UNSET, check_count, check_hold, check_timeout, missed
+from ._checks import UNSET, Deadline, check_count, check_hold, check_timeout, missed
 from ._checks import Unset as _Unset
 from ._errors import QueueClosed, QueueFull
 from ._flow import Batch, Handle, QueueStats, _unawaited, failures
@@ -940,26 +940,37 @@ class KeyedQueue:
             line.compact()
 
     async def _take(
-        self, key: Hashable, task: asyncio.Task[Any] | None, timeout: float | None
+        self,
+        key: Hashable,
+        task: asyncio.Task[Any] | None,
+        timeout: float | None,
+        limit: float | None = None,
     ) -> bool:
         """Take key's turn for task, waiting in line if need be.
 
         Return False if task held the key already (a reentrant call, which
-        must not release it), True once task holds it.
+        must not release it), True once task holds it. ``timeout`` is the
+        time left to wait; ``limit``, if given, the caller's whole limit,
+        which a TimeoutError names.
         """
         if task is None:
             raise RuntimeError("inturn: a turn can only be taken inside an asyncio task")
         lines = self._lines
-        with self._guard_for(task.get_loop()):
-            waiter = self._join(key, task, lines.get(key), timeout)
-            if type(waiter) is bool:
-                return waiter is False
-            line = lines[key]
         try:
-            await waiter
-        except BaseException as error:
-            self._abandon(key, line, waiter, error)
-            raise
+            with self._guard_for(task.get_loop()):
+                waiter = self._join(key, task, lines.get(key), timeout)
+                if type(waiter) is bool:
+                    return waiter is False
+                line = lines[key]
+            try:
+                await waiter
+            except BaseException as error:
+                self._abandon(key, line, waiter, error)
+                raise
+        except TimeoutError:
+            if limit is None:
+                raise
+            raise _missed(key, limit) from None
         if type(line) is _Gate:
             with self._guard():
                 line.settle(waiter, task, self._shared)
@@ -975,21 +986,11 @@ class KeyedQueue:
         If any turn is not reached, the ones already taken are released.
         """
         taken: list[Hashable] = []
-        loop = asyncio.get_running_loop()
-        limit = timeout
-        deadline = None if timeout is None else loop.time() + timeout
+        deadline = Deadline(timeout, asyncio.get_running_loop().time)
         try:
             for key in keys:
-                if deadline is not None:
-                    timeout = deadline - loop.time()
-                try:
-                    took = await self._take(key, task, timeout)
-                except TimeoutError:
-                    if timeout == limit:
-                        raise
-                    raise _missed(key, limit) from None  # (named by the caller's whole limit)
-                if took:
-                    taken.append(key)
+                if await self._take(key, task, deadline.left(), timeout):
+                    taken.append(key)  # noqa: PERF401 - one at a time: the rollback needs them
         except BaseException as error:
             for key in reversed(taken):
                 self._release(key, task, error, None)
@@ -1023,13 +1024,12 @@ class KeyedQueue:
         if not self._shared:
             self._arrive(None)
         me = threading.current_thread()
-        deadline = None if timeout is None else _monotonic() + timeout
+        deadline = Deadline(timeout, _monotonic)
         taken: list[Hashable] = []
         try:
             for key in keys:
-                left = None if deadline is None else max(0.0, deadline - _monotonic())
-                if self._take_sync(key, me, left, timeout):
-                    taken.append(key)
+                if self._take_sync(key, me, deadline.left(), timeout):
+                    taken.append(key)  # noqa: PERF401 - one at a time: the rollback needs them
         except BaseException as error:
             for key in reversed(taken):
                 self._release(key, me, error, None)

@@ -11,6 +11,7 @@ from time import monotonic as _monotonic
 from types import CoroutineType, MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn, final
 
+from ._checks import Deadline
 from ._errors import HoldTimeout, LeaseLost
 from ._keys import describe
 from ._tasks import current_task as _current_task
@@ -262,14 +263,13 @@ class Turn:
         """Take the keys, then a running slot (max_running); time the wait."""
         start = _monotonic()
         timeout = self._timeout
-        loop = asyncio.get_running_loop()  # its clock for deadlines, as _take_all's
-        deadline = None if timeout is None else loop.time() + timeout
+        # the loop's clock, as _take_all's
+        deadline = Deadline(timeout, asyncio.get_running_loop().time)
         flow = _Flow()
         taken = await queue._take_all(self.keys, task, timeout)
         if queue._slots is not None:
             try:
-                left = None if deadline is None else max(0.0, deadline - loop.time())
-                flow.slot = await queue._take_slot(task, left, timeout)
+                flow.slot = await queue._take_slot(task, deadline.left(), timeout)
             except BaseException as error:
                 for key in reversed(taken):
                     queue._release(key, task, error, None)
@@ -290,14 +290,12 @@ class Turn:
         queue = self._queue
         flow = None if queue._plain else _Flow()
         start = 0.0 if flow is None else _monotonic()
+        deadline = Deadline(self._timeout, _monotonic)
         holder, taken = queue._take_all_sync(self.keys, self._timeout)
         if flow is not None:
             if queue._slots is not None:
                 try:
-                    left = self._timeout
-                    if left is not None:
-                        left = max(0.0, left - (_monotonic() - start))
-                    flow.slot = queue._take_slot_sync(holder, left, self._timeout)
+                    flow.slot = queue._take_slot_sync(holder, deadline.left(), self._timeout)
                 except BaseException as error:
                     for key in reversed(taken):
                         queue._release(key, holder, error, None)
@@ -319,8 +317,7 @@ class Turn:
     async def _enter_shared(self, queue: KeyedQueue, backend: Backend, task: Any) -> None:
         """Take each key's turn in this process's line, then from the backend, in order."""
         begun = _monotonic()
-        loop = asyncio.get_running_loop()
-        deadline = None if self._timeout is None else loop.time() + self._timeout
+        deadline = Deadline(self._timeout, asyncio.get_running_loop().time)
         outer = _CURRENT.get()
         taken: list[Hashable] = []
         grants: list[Grant] = []
@@ -329,8 +326,7 @@ class Turn:
         flow = _Flow()
         try:
             for key in self.keys:
-                left = None if deadline is None else max(0.0, deadline - loop.time())
-                if not await queue._take(key, task, left):
+                if not await queue._take(key, task, deadline.left(), self._timeout):
                     # held already by an enclosing turn of this task: reentrant
                     holder = _holder(outer, queue, key)
                     if holder is not None:
@@ -338,13 +334,11 @@ class Turn:
                         tokens[key] = holder.tokens[key]
                     continue
                 taken.append(key)
-                left = None if deadline is None else max(0.0, deadline - loop.time())
-                grant = await backend.acquire(key, left)
+                grant = await backend.acquire(key, deadline.left())
                 grants.append(grant)
                 tokens[key] = grant.token
             if queue._slots is not None:
-                left = None if deadline is None else max(0.0, deadline - loop.time())
-                flow.slot = await queue._take_slot(task, left, self._timeout)
+                flow.slot = await queue._take_slot(task, deadline.left(), self._timeout)
         except BaseException as error:
             if len(grants) < len(taken):  # the backend's turn was not reached
                 queue._missed(error)
