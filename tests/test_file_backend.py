@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from file_checks import files, spec
+from file_checks import files, line_file, spec
 from inturn import KeyedQueue, current_turn
 from inturn.backends import Backend
 from inturn.backends import file as file_backend
@@ -51,6 +51,39 @@ async def test_two_queues_on_one_directory_exclude_each_other(backend: FileBacke
     gate.set()
     await asyncio.gather(a, b)
     assert order == ["a in", "a out", "b in", "b out"]
+    assert files(backend.directory) == []
+
+
+@pytest.mark.parametrize("lock", ["shared", "exclusive"])
+async def test_the_last_to_leave_deletes_the_line_file_though_a_tidier_held_its_lock(
+    backend: FileBackend, lock: str
+) -> None:
+    """The race that left a line file behind: the last holder leaves while another
+    process's tidy holds the lock (having seen that holder still in line, it
+    leaves the file to it). The last one tries again once the lock is free."""
+    import fcntl
+
+    queue = KeyedQueue(backend=backend)
+    inside = asyncio.Event()
+    gate = asyncio.Event()
+
+    async def hold() -> None:
+        inside.set()
+        await gate.wait()
+
+    turn = asyncio.create_task(queue.run("k", hold))
+    await inside.wait()
+    line = line_file(backend.directory, "k")
+    tidier = os.open(line, os.O_RDONLY)  # another process's tidy
+    try:
+        fcntl.flock(tidier, fcntl.LOCK_SH if lock == "shared" else fcntl.LOCK_EX)
+        gate.set()
+        await checkpoints(5)
+        assert not turn.done()  # its release waits to tidy: the line file is still there
+        assert line.exists()
+    finally:
+        os.close(tidier)  # the tidier is done
+    await asyncio.wait_for(turn, 5)
     assert files(backend.directory) == []
 
 

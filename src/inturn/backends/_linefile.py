@@ -38,6 +38,7 @@ __all__ = (
     "parse",
     "pid_of",
     "pipe_name",
+    "queued_in",
     "read_records",
     "record_of",
     "render",
@@ -73,6 +74,13 @@ def pipe_name(digest: str, ticket: str) -> str:
 def ticket_of(record: str) -> str | None:
     """The ticket that record lists in line; None for any other record."""
     if record.startswith(_TICKET) and _A_TICKET.fullmatch(record, 1):
+        return record[1:]
+    return None
+
+
+def queued_in(record: str) -> str | None:
+    """The ticket that record lists in line or as about to be made; None for any other record."""
+    if record.startswith((_TICKET, _JOINING)) and _A_TICKET.fullmatch(record, 1):
         return record[1:]
     return None
 

@@ -93,6 +93,7 @@ from ._linefile import (
     parse,
     pid_of,
     pipe_name,
+    queued_in,
     read_records,
     record_of,
     render,
@@ -127,6 +128,10 @@ _LATE = 0.05
 _OPEN_LINE = os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
 #: How a line file is read by whoever is not in its line: never through a link.
 _OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: How a tidy that found the lock busy opens the line file again: never made, never a link.
+_OPEN_TIDY = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+#: How long (about: the last pause, in seconds) a release tries again to tidy a line it left last.
+_RETRY_FOR = 0.5
 #: How a ticket's owner opens it: as its writer (O_RDWR: without waiting for a reader).
 _OPEN_TICKET = os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -164,6 +169,18 @@ def _default_directory() -> Path:
 
 def _missed(key: Hashable) -> TimeoutError:
     return missed(f"the turn for key {describe(key)}", None)
+
+
+def _finish(done: asyncio.Future[None]) -> None:
+    if not done.done():  # (cancelled by its awaiter: the tidy ran all the same)
+        done.set_result(None)
+
+
+def _behind(records: list[str], own: str) -> bool:
+    """Whether records list anyone after own: in line, or about to be (a process joining)."""
+    mine = record_of(own)
+    after = records[records.index(mine) + 1 :] if mine in records else records
+    return any(queued_in(record) not in (None, own) for record in after)
 
 
 def _unlinked(fd: int) -> bool:
@@ -592,7 +609,7 @@ class FileBackend:
             raise TypeError(
                 f"inturn: {self!r} cannot release {describe(grant)}, which it did not grant"
             )
-        done = asyncio.get_running_loop().create_future()
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         fd, grant._fd = grant._fd, -1
         if fd >= 0:
             where, digest, ticket = grant._where, grant._digest, grant._ticket
@@ -612,25 +629,34 @@ class FileBackend:
                 # not. (A no-op on an idle CPU; on a busy one, 8 processes
                 # on 2 cores, it is worth 10% of a line's turns per second.)
                 os.sched_yield()
-            self._tidy(where, digest, ticket, grant._line_fd, held=True)
+            if self._tidy(where, digest, ticket, grant._line_fd, held=True):
+                self._retry(done, where, digest, ticket, 0.0)  # at once, then 1 ms...
+                return done
         done.set_result(None)
         return done
 
-    def _tidy(self, where: Directory, digest: str, own: str, fd: int, held: bool) -> None:
+    def _tidy(self, where: Directory, digest: str, own: str, fd: int, held: bool) -> bool:
         """Drop the tickets that left from the line file, or delete it if nobody is in line.
 
         Done when no ticket behind own is in line any more, or the file grew
         long. fd is the line file as own queued in it; it is closed here.
         held: own held the key, so every ticket listed before it had left by
-        then (and what left stays gone). Best effort: if another process
-        holds the line file's lock, it is queueing or tidying, and a later
-        tidy does what is left; only a file grown long is worth a few tries.
+        then (and what left stays gone). Never waits: if another process
+        holds the line file's lock, it is queueing (and will tidy after its
+        turn) or tidying; only a file grown long is worth a few tries.
+
+        Return True if the lock was taken and nobody may be left behind own:
+        the other process may be a tidier that saw own still in line (so left
+        the file to own), and own must try again shortly (see _retry).
         """
         assert fcntl is not None
         _OPEN.discard(fd)
         try:
             if not _flock_now(fd, fcntl.LOCK_SH):
-                return
+                # A tidier holds it: if anyone queued behind own, that one
+                # tidies after its turn; else own tries again (read unlocked:
+                # records are appended whole, and this is only a hint).
+                return not _behind(read_records(fd), own)
             # (If its last user deleted the file meanwhile, nobody is behind
             # own in it: that is found below, under the exclusive lock.)
             records = read_records(fd)
@@ -647,10 +673,14 @@ class FileBackend:
                 if not alive(where.fd, pipe_name(digest, ticket)):
                     gone.add(ticket)
                 elif not long:
-                    return
+                    return False
             # Not atomic: the shared lock is let go first, so the file is read again.
-            if not (_flock_soon if long else _flock_now)(fd, fcntl.LOCK_EX) or _unlinked(fd):
-                return
+            if not (_flock_soon if long else _flock_now)(fd, fcntl.LOCK_EX):
+                # Taken by one queueing behind own (it tidies after its turn),
+                # or by a tidier that may have seen own still in line.
+                return not _behind(read_records(fd), own)
+            if _unlinked(fd):
+                return False
             records = read_records(fd)
             found = parse(records)
             if held and own in found.tickets:
@@ -667,6 +697,37 @@ class FileBackend:
                 _rewrite(fd, found.key, staying)
         finally:
             os.close(fd)
+        return False
+
+    def _retry(
+        self, done: asyncio.Future[None], where: Directory, digest: str, own: str, pause: float
+    ) -> None:
+        """Tidy again after pause (the line file's lock was busy), until done or it is gone.
+
+        At once (the loop's next round), then every millisecond, then less
+        and less often, up to every 50 ms, for about a second at most: then
+        it is left to the key's next turn. done completes when it ends (also
+        if it was cancelled).
+        """
+        loop = done.get_loop()
+
+        def again() -> None:
+            try:
+                fd = os.open(line_name(digest), _OPEN_TIDY, dir_fd=where.fd)
+            except OSError:  # deleted (or never a file to tidy): nothing is left
+                _finish(done)
+                return
+            try:
+                busy = self._tidy(where, digest, own, fd, held=True)
+            except OSError:
+                busy = False  # best effort, as in release()
+            first, longest = _LOCK_PAUSES
+            if busy and pause < _RETRY_FOR:
+                self._retry(done, where, digest, own, min(max(pause * 2, first), longest))
+            else:
+                _finish(done)
+
+        loop.call_later(pause, again)
 
     def line(self, key: Hashable) -> tuple[int, ...]:
         """The process ids in key's line, in turn order, as the line file has them now.
