@@ -9,7 +9,8 @@
 
 How a line is kept (every step is a plain file operation; nothing polls,
 but the rare wait for a line file's lock that its holder keeps for longer
-than its few system calls: see _lock):
+than its few system calls, see _lock, and the last holder's retry of a tidy
+that found the lock busy, see _retry):
 
 - A *ticket* is a FIFO (named pipe), ``<digest>.<pid>.<random>.t``, that
   its owner keeps open for writing from the moment it queues until it
