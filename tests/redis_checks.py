@@ -8,6 +8,7 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
+from inturn import KeyedQueue
 from inturn.backends.redis import LineInfo, RedisBackend
 
 from helpers import PATIENCE
@@ -55,3 +56,16 @@ async def waiting(backend: RedisBackend, n: int) -> LineInfo:
             return lines[0]
         assert loop.time() < deadline, f"Redis never showed a holder and {n} waiters: {lines}"
         await asyncio.sleep(0.001)
+
+
+async def hand_over(a: RedisBackend, b: RedisBackend) -> str:
+    """a holds "k" while b waits for it; a lets go: what b's work returned."""
+    gate = asyncio.Event()
+    holder = asyncio.create_task(KeyedQueue(backend=a).run("k", gate.wait))
+    await waiting(a, 0)
+    follower = asyncio.create_task(KeyedQueue(backend=b).run("k", lambda: "next"))
+    await waiting(a, 1)
+    gate.set()
+    result = await asyncio.wait_for(follower, 10)
+    await holder
+    return result

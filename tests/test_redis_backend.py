@@ -25,7 +25,7 @@ from inturn.backends._redis_scripts import ENQUEUE
 from inturn.backends._redis_wire import Call, Frames, Link
 from inturn.backends.redis import RedisBackend
 from processes import Worker, first_to_hold
-from redis_checks import BackendFactory, keys_left, waiting
+from redis_checks import BackendFactory, hand_over, keys_left, waiting
 from servers import Server
 
 from helpers import PATIENCE, checkpoints, settle
@@ -117,19 +117,6 @@ async def test_a_release_wakes_the_next_holder_without_waiting_for_a_heartbeat(
     # With an hour-long lease the heartbeat never runs within the test: only
     # the release's own push can hand the key over.
     assert await hand_over(make_backend(lease=3600), make_backend(lease=3600)) == "next"
-
-
-async def hand_over(a: RedisBackend, b: RedisBackend) -> str:
-    """a holds "k" while b waits for it; a lets go: what b's work returned."""
-    gate = asyncio.Event()
-    holder = asyncio.create_task(KeyedQueue(backend=a).run("k", gate.wait))
-    await waiting(a, 0)
-    follower = asyncio.create_task(KeyedQueue(backend=b).run("k", lambda: "next"))
-    await waiting(a, 1)
-    gate.set()
-    result = await asyncio.wait_for(follower, 10)
-    await holder
-    return result
 
 
 async def test_a_client_speaking_resp3_hands_turns_over_too(

@@ -40,7 +40,7 @@ from inturn import BackendUnavailable, KeyedQueue, LeaseLost, Turn
 from inturn.backends import _redis_takeover
 from inturn.backends.redis import RedisBackend
 from processes import Worker
-from redis_checks import BackendFactory, waiting
+from redis_checks import BackendFactory, hand_over, waiting
 from servers import SentinelSetup, Server
 
 from helpers import PATIENCE, settle
@@ -588,13 +588,7 @@ async def test_the_public_api_path_works_with_decode_responses(
     a = make_backend(decode_responses=True)
     b = make_backend(decode_responses=True)
     assert await within(LEASE, KeyedQueue(backend=a).run("k", lambda: "ran")) == "ran"
-    gate = asyncio.Event()
-    holder = await held(KeyedQueue(backend=a), "k", gate)
-    follower = asyncio.create_task(KeyedQueue(backend=b).run("k", lambda: "next"))
-    await waiting(a, 1)
-    gate.set()
-    await within(LEASE, holder)
-    assert await within(LEASE, follower) == "next"
+    assert await hand_over(a, b) == "next"
 
 
 # -- the public-API writer task outlives its connection -----------------------------------
@@ -832,13 +826,7 @@ async def test_a_sentinel_managed_client_hands_turns_over(
     sentinel_backends: tuple[RedisBackend, RedisBackend],
 ) -> None:
     a, b = sentinel_backends
-    gate = asyncio.Event()
-    holder = await held(KeyedQueue(backend=a), "k", gate)
-    follower = asyncio.create_task(KeyedQueue(backend=b).run("k", lambda: "next"))
-    await waiting(a, 1)
-    gate.set()
-    await within(LEASE, holder)
-    assert await within(LEASE, follower) == "next"
+    assert await hand_over(a, b) == "next"
 
 
 async def test_a_failover_is_a_lost_lease_for_the_holder_and_never_a_hang(
