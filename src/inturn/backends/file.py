@@ -604,7 +604,10 @@ class FileBackend:
     def release(self, grant: Grant) -> Awaitable[None]:
         """Hand the key on (close grant's ticket), then tidy the line file up.
 
-        Done at once, in a few system calls: the answer is a finished Future.
+        Done at once, in a few system calls: the answer is a finished Future,
+        unless the grant left its line last and another process held the
+        line file's lock; it then completes once the tidy was tried again
+        (see _retry). The key is handed on at once either way.
         """
         if not isinstance(grant, FileGrant):
             raise TypeError(
