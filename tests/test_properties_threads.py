@@ -270,7 +270,7 @@ class Driver:
 
         def take() -> None:
             try:
-                with self.queue._lock:
+                with self.queue._registry.locked():
                     pending = sum(self.queue.pending(key) for key in KEYS)
                     with self.lock:
                         callers = self.callers

@@ -71,7 +71,7 @@ async def test_memory_does_not_grow_with_keys_ever_used(queue: KeyedQueue) -> No
     for wave in range(3):
         await asyncio.gather(*(queue.run((wave, i), noop) for i in range(1000)))
         assert queue.active_count == 0
-    assert queue._lines == {}
+    assert queue._registry.lines == {}
 
 
 # -- bad input --------------------------------------------------------------------------------
@@ -132,7 +132,7 @@ async def test_a_long_line_with_many_leavers_stays_compact(queue: KeyedQueue) ->
         for task in leavers:
             task.cancel()
         await asyncio.gather(*leavers, return_exceptions=True)
-    line = queue._lines["k"]
+    line = queue._registry.lines["k"]
     assert queue.pending("k") == 1
     assert len(line.waiters) <= 2 * 1 + 16 + 1
     gate.set()

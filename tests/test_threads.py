@@ -591,7 +591,7 @@ def test_idle_keys_leave_no_trace_after_threads(pool: ThreadPoolExecutor) -> Non
     for future in [pool.submit(queue.run_sync, f"k{i % 50}", lambda: None) for i in range(500)]:
         future.result()
     assert queue.active_count == 0
-    assert queue._lines == {}
+    assert queue._registry.lines == {}
 
 
 # -- the functional and decorated forms ---------------------------------------------------
@@ -732,18 +732,18 @@ def test_a_task_woken_by_a_thread_is_the_holder_from_its_first_step(
     would), until the task has started its body: the task must already be
     the holder then, so taking its own key again runs at once.
     """
-    import inturn._queue as internals
+    import inturn._registry as internals
 
     queue = KeyedQueue()
     body_started = threading.Event()
-    wake = internals._wake
+    wake = internals.wake
 
     def wake_then_pause(waiter: Any) -> bool:
         woken = wake(waiter)
         body_started.wait(PATIENCE)
         return woken
 
-    monkeypatch.setattr(internals, "_wake", wake_then_pause)
+    monkeypatch.setattr(internals, "wake", wake_then_pause)
     let_go = threading.Event()
 
     async def main() -> str:

@@ -22,6 +22,7 @@ __all__ = (
     "Drain",
     "Gate",
     "Line",
+    "Places",
     "ThreadWaiter",
     "Waiter",
     "Waiting",
@@ -135,12 +136,11 @@ class Line(Waiting):
         self.watchers: list[asyncio.Future[Any]] | None = None
 
 
-@final
-class Gate(Waiting):
+class Places(Waiting):
     """A FIFO line for one of a bounded number of places at once.
 
-    The running slots of a queue with ``max_running``, or a key's line on a
-    queue with ``concurrency`` above 1. A holder that leaves hands its place
+    The base of a key's Gate and of a queue's running slots (``_slots.Slots``).
+    A holder that leaves hands its place
     to exactly the next live waiter. On a shared queue, the caller of every
     method holds the queue's lock.
     """
@@ -266,3 +266,10 @@ class Gate(Waiting):
     def idle(self) -> bool:
         """Whether nobody holds or waits for a place (the line may go)."""
         return not self.holders and not self.waiting
+
+
+@final
+class Gate(Places):
+    """A key's line on a queue with ``concurrency`` above 1: up to that many hold the key."""
+
+    __slots__ = ()

@@ -3,31 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import threading
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Hashable
-from contextlib import AbstractContextManager, nullcontext
 from inspect import isawaitable
-from threading import get_ident
-from time import monotonic as _monotonic
 from types import CoroutineType, MappingProxyType
-from typing import TYPE_CHECKING, Any, Final, Literal, NoReturn, TypeVar, final, overload
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeVar, final, overload
 
-from ._checks import UNSET, Deadline, check_count, check_hold, check_timeout, missed
+from ._checks import UNSET, check_count, check_hold, check_timeout
 from ._checks import Unset as _Unset
-from ._errors import QueueClosed, QueueFull
+from ._errors import QueueClosed
 from ._flow import Batch, Handle, QueueStats, _unawaited, failures
-from ._keys import KeySpec, KeysSpec, describe, order_keys, unhashable
-from ._line import Drain as _Drain
-from ._line import Gate as _Gate
-from ._line import Line as _Line
-from ._line import ThreadWaiter as _ThreadWaiter
-from ._line import Waiter as _Waiter
-from ._line import held_by as _held_by
+from ._keys import KeySpec, KeysSpec, describe, unhashable
 from ._line import resolve as _resolve
-from ._line import wake as _wake
-from ._stats import Tally as _Tally
+from ._registry import Registry
+from ._slots import Slots
 from ._tasks import current_task as _current_task
 from ._tasks import in_loop_of as _soon
 from ._tasks import outside_asyncio, running_loop
@@ -48,83 +38,17 @@ R = TypeVar("R")
 W = TypeVar("W")
 
 
-def _expire(waiter: asyncio.Future[None], key: Hashable, timeout: float) -> None:
-    if not waiter.done():
-        waiter.set_exception(_missed(key, timeout))
-
-
-def _expire_slot(waiter: asyncio.Future[None], queue: KeyedQueue, timeout: float | None) -> None:
-    if not waiter.done():
-        waiter.set_exception(queue._slotless(timeout))
-
-
-def _missed(key: Hashable, timeout: float | None) -> TimeoutError:
-    return missed(f"the turn for key {describe(key)}", timeout)
-
-
-def _outcome(future: asyncio.Future[Any], error: BaseException | None, result: Any) -> None:
-    """Give a current() future the holder's outcome, unless its awaiter left."""
-    if future.done():  # its awaiter was cancelled
-        return
-    if error is None:
-        future.set_result(result)
-    elif isinstance(error, Exception):
-        future.set_exception(error)
-        future.exception()  # the holder's own caller gets the error; don't log it again
-    else:  # cancelled, or interrupted
-        future.cancel()
-
-
-#: What a solo queue's changes of its lines hold instead of the lock.
-_UNLOCKED: Final = nullcontext()
-
-
-def _gone(loop: asyncio.AbstractEventLoop, thread: int) -> bool:
-    """Whether loop, last run in thread, can run no step any more: closed, or its thread ended."""
-    if loop.is_closed():
-        return True
-    return not loop.is_running() and all(t.ident != thread for t in threading.enumerate())
-
-
-@final
-class _Settling:
-    """The switch of a queue to shared mode, until its solo loop is between steps.
-
-    Before the switch, the solo loop's tasks change the lines without the
-    lock. The switch turns that off, but a task of that loop may be midway
-    through such a change in its current step; the lines are safe to lock
-    once that loop has run a callback (so ended that step) or stopped.
-    """
-
-    __slots__ = ("done", "loop", "thread")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, thread: int) -> None:
-        self.loop = loop
-        self.thread = thread  # its thread: the only one that need not wait
-        self.done = threading.Event()
-        try:
-            loop.call_soon_threadsafe(self.done.set)
-        except RuntimeError:  # closed: it runs nothing any more
-            self.done.set()
-
-    def wait(self) -> None:
-        while not self.done.wait(0.005):
-            if not self.loop.is_running():  # stopped: no step in progress
-                self.done.set()
-
-
 @final
 class _Placing:
     """A submitted work, until its task started (and took a slot, or lined up for one)."""
 
-    __slots__ = ("counted", "queue", "slots")
+    __slots__ = ("counted", "slots")
 
-    def __init__(self, queue: KeyedQueue, slots: _Gate, counted: bool) -> None:
-        self.queue = queue
+    def __init__(self, slots: Slots, counted: bool) -> None:
         self.slots = slots
         self.counted = counted  # in slots.unplaced
         if counted:
-            with queue._guard():
+            with slots.registry.guard():
                 slots.unplaced += 1
 
     def started(self, _: object = None) -> None:
@@ -132,10 +56,10 @@ class _Placing:
         if self.counted:
             self.counted = False
             slots = self.slots
-            with self.queue._guard():
+            with slots.registry.guard():
                 slots.unplaced -= 1
             if slots.producers and slots.free > slots.unplaced:
-                self.queue._next_producer(slots)
+                slots.next_producer()
 
 
 @final
@@ -228,24 +152,14 @@ class KeyedQueue:
 
     __slots__ = (
         "__weakref__",
-        "_arrival",
         "_backend",
         "_concurrency",
         "_handles",
-        "_lines",
-        "_lock",
         "_max_hold",
         "_max_pending",
-        "_open",
-        "_owner",
-        "_settling",
-        "_shared",
+        "_registry",
         "_slots",
-        "_solo",
-        "_solo_thread",
-        "_tally",
         "_timeout",
-        "_tokens",
         "_unclaimed",
     )
 
@@ -259,14 +173,8 @@ class KeyedQueue:
         concurrency: int = 1,
         max_hold: float | None = None,
     ) -> None:
-        # key -> the holder (a task or a thread), while nobody else asked
-        # about the key; key -> _Line otherwise. A key is here exactly while
-        # it is active.
-        self._lines: dict[Hashable, Any] = {}
         self._timeout = check_timeout(timeout)
         self._max_pending = check_count("max_pending", max_pending, none=True, least=0)
-        self._open = True
-        self._tokens = itertools.count(1)
         if backend is None or isinstance(backend, LocalBackend):
             self._backend: Backend | None = None
         elif isinstance(backend, Backend):
@@ -284,27 +192,23 @@ class KeyedQueue:
                 f"{self._backend!r} grants one holder per key"
             )
         self._max_hold = check_hold(max_hold)
+        # The lines, and the thread mode (see _registry).
+        self._registry = Registry(
+            backend=self._backend,
+            concurrency=self._concurrency,
+            max_pending=self._max_pending,
+            plain=(
+                self._backend is None
+                and max_running is None
+                and self._concurrency == 1
+                and self._max_hold is None
+            ),
+        )
         # The running slots, with max_running.
-        self._slots = None if max_running is None else _Gate(max_running)
-        self._tally = _Tally()
+        self._slots = None if max_running is None else Slots(max_running, self._registry)
         # submit()'s handles not finished yet, and the failed ones nobody awaited
         self._handles: set[Handle[Any]] = set()
         self._unclaimed: list[Handle[Any]] = []
-        # NOTE: two modes. Solo: one event loop (`_solo`, running in thread
-        # `_solo_thread`) is the only user, and its tasks change the lines
-        # without a lock. Shared (`_shared`, for good, `_solo` None): every
-        # change of the lines holds `_lock`. `_arrival` serializes the
-        # decisions between them; `_settling` is the switch until the solo
-        # loop is known to be between steps (see _Settling).
-        self._solo: asyncio.AbstractEventLoop | None = None
-        self._solo_thread = 0
-        self._shared = False
-        self._lock = threading.Lock()
-        self._arrival = threading.Lock()
-        self._settling: _Settling | None = None
-        # The loop whose tasks take a free key with a bare dict insert: the
-        # solo loop while the queue is open and in process, else None.
-        self._owner: asyncio.AbstractEventLoop | None = None
 
     # -- taking turns ---------------------------------------------------------
 
@@ -340,25 +244,26 @@ class KeyedQueue:
             task = _current_task()
         except RuntimeError:
             raise outside_asyncio("run()") from None
-        lines = self._lines
+        registry = self._registry
+        lines = registry.lines
         try:
             line = lines.get(key)
         except TypeError:
             raise unhashable(key) from None
         # (task._loop: the attribute behind get_loop(), on C and Python tasks
         # alike, and half its cost here)
-        if line is None and task is not None and task._loop is self._owner:
+        if line is None and task is not None and task._loop is registry.owner:
             lines[key] = task  # uncontended: a dict insert, nothing allocated
         else:
             if not callable(fn):
                 raise TypeError(f"inturn: run() needs a callable, got {describe(fn)}")
-            if task is None or task._loop is not self._owner:
+            if task is None or task._loop is not registry.owner:
                 # not the solo loop's: the first call, a closed or shared queue, a backend
                 return await self._run_keyed(
                     (key,), fn, args, kwargs, self._timeout, self._max_hold
                 )
             # What _take() does, inlined: a coroutine less per contended call.
-            waiter = self._join(key, task, line, self._timeout)
+            waiter = registry.join(key, task, line, self._timeout)
             if waiter is True:
                 result = fn(*args, **kwargs)  # this task holds the key already
                 return (await result) if isawaitable(result) else result
@@ -367,7 +272,7 @@ class KeyedQueue:
                 try:
                     await waiter
                 except BaseException as error:
-                    self._abandon(key, line, waiter, error)
+                    registry.abandon(key, line, waiter, error)
                     raise
                 line.holder = task
         try:
@@ -376,19 +281,19 @@ class KeyedQueue:
             if type(result) is CoroutineType or isawaitable(result):
                 result = await result
         except BaseException as error:
-            if self._shared:  # switched while this task held the key
-                self._release(key, task, error, None)
+            if registry.shared:  # switched while this task held the key
+                registry.release(key, task, error, None)
             elif (line := lines.pop(key)) is not task:
-                self._leave(key, line, error, None)
-            self._ended(error, False, 0.0)
+                registry.leave(key, line, error, None)
+            registry.ended(error, False, 0.0)
             raise
-        if self._shared:
-            self._release(key, task, None, result)
-            self._ended(None, False, 0.0)
+        if registry.shared:
+            registry.release(key, task, None, result)
+            registry.ended(None, False, 0.0)
         else:
             if (line := lines.pop(key)) is not task:
-                self._leave(key, line, None, result)
-            self._tally.completed += 1
+                registry.leave(key, line, None, result)
+            registry.tally.completed += 1
         return result
 
     async def _run_keyed(
@@ -406,7 +311,12 @@ class KeyedQueue:
         with flow control, and of the decorator for keys=, or for a timeout
         or max_hold of its own.
         """
-        return await call_in_turn(Turn(self, self._ordered(keys), timeout, hold), fn, args, kwargs)
+        return await call_in_turn(
+            Turn(self._registry, self._slots, self._registry.ordered(keys), timeout, hold),
+            fn,
+            args,
+            kwargs,
+        )
 
     @overload
     def run_sync(
@@ -448,7 +358,9 @@ class KeyedQueue:
         """Take the turns of keys for this thread, call fn, release: every sync call's path."""
         if not callable(fn):
             raise TypeError(f"inturn: run_sync() needs a callable, got {describe(fn)}")
-        turn = Turn(self, self._ordered(keys), timeout, self._max_hold)
+        turn = Turn(
+            self._registry, self._slots, self._registry.ordered(keys), timeout, self._max_hold
+        )
         return call_in_turn_sync(turn, fn, args, kwargs)
 
     def keyed(
@@ -491,10 +403,10 @@ class KeyedQueue:
                 hash(keys[0])
             except TypeError:
                 raise unhashable(keys[0]) from None
-            return Turn(self, keys, limit, hold)
+            return Turn(self._registry, self._slots, keys, limit, hold)
         if not keys:
             raise TypeError("inturn: keyed() needs at least one key")
-        return Turn(self, self._ordered(keys), limit, hold)
+        return Turn(self._registry, self._slots, self._registry.ordered(keys), limit, hold)
 
     # -- fire and forget ---------------------------------------------------------------
 
@@ -554,8 +466,8 @@ class KeyedQueue:
         """submit(): the handle goes to failed if it fails and nobody awaits it; track sees it."""
         if not callable(fn):
             raise TypeError(f"inturn: submit() needs a callable, got {describe(fn)}")
-        keys = self._ordered((key,))
-        if not self._open:
+        keys = self._registry.ordered((key,))
+        if not self._registry.open:
             raise QueueClosed(
                 f"inturn: the queue is closed; the work for key {describe(key)} was not queued"
             )
@@ -567,18 +479,18 @@ class KeyedQueue:
             )
         else:
             me = _current_task()
-            needs = me not in slots.holders and not self._behind_running(key)
+            needs = me not in slots.holders and not slots.behind_running(key)
             again = False
             # Works submitted but not started yet each take a free slot when they start.
             while needs and slots.free <= slots.unplaced:
                 await self._vacancy(slots, key, loop, again)
                 again = True  # woken, but the slot may have gone to work already queued
-                needs = me not in slots.holders and not self._behind_running(key)
-            placing = _Placing(self, slots, needs)
+                needs = me not in slots.holders and not slots.behind_running(key)
+            placing = _Placing(slots, needs)
             task = loop.create_task(self._run_placed(placing, keys, fn, args, kwargs))
             task.add_done_callback(placing.started)  # (cancelled before its first step)
             if slots.free > slots.unplaced and slots.producers:
-                self._next_producer(slots)  # a slot is still free: the next producer may go
+                slots.next_producer()  # a slot is still free: the next producer may go
         handle: Handle[Any] = Handle(task, key, failed)
         handles = self._handles
         handles.add(handle)
@@ -599,28 +511,15 @@ class KeyedQueue:
         placing.started()
         return await self._run_keyed(keys, fn, args, kwargs, self._timeout, self._max_hold)
 
-    def _behind_running(self, key: Hashable) -> bool:
-        """Whether work for key would queue behind its key's running work (holding a slot)."""
-        assert self._slots is not None
-        running = self._slots.holders
-        line = self._lines.get(key)
-        if line is None:
-            return False
-        if type(line) is _Line:
-            return line.holder in running
-        if type(line) is _Gate:
-            return not line.free and not line.holders.isdisjoint(running)
-        return line in running
-
     async def _vacancy(
-        self, slots: _Gate, key: Hashable, loop: asyncio.AbstractEventLoop, again: bool
+        self, slots: Slots, key: Hashable, loop: asyncio.AbstractEventLoop, again: bool
     ) -> None:
         """Wait, FIFO among producers, until a running slot frees or key's work runs.
 
         ``again``: at the head of the producers (it was woken, but lost the slot).
         """
         producer: asyncio.Future[None] = loop.create_future()
-        with self._guard():
+        with self._registry.guard():
             if slots.producers is None:
                 slots.producers = deque()
             if again:
@@ -631,30 +530,9 @@ class KeyedQueue:
             await producer
         except BaseException:
             if producer.done() and not producer.cancelled():  # woken, then cancelled: pass it on
-                self._next_producer(slots)
+                slots.next_producer()
             producer.cancel()
             raise
-
-    def _next_producer(self, slots: _Gate) -> None:
-        """Wake the first producer waiting in submit() for a slot, if any."""
-        with self._guard():
-            slots.wake_producer()
-
-    def _wake_producers_behind(self, slots: _Gate) -> None:
-        """Wake the producers whose key's work just got a running slot (they need none).
-
-        The caller holds the guard.
-        """
-        assert slots.producers is not None
-        still: deque[tuple[asyncio.Future[None], Hashable]] = deque()
-        for producer, key in slots.producers:
-            if producer.done():
-                continue
-            if self._behind_running(key):
-                _soon(producer, _resolve, producer)
-            else:
-                still.append((producer, key))
-        slots.producers = still
 
     def batch(self, *, on_error: Literal["wait", "cancel"] = "wait") -> Batch:
         """Scope submissions: ``async with queue.batch() as batch: await batch.submit(...)``.
@@ -769,499 +647,26 @@ class KeyedQueue:
 
     # -- the lines --------------------------------------------------------------
 
-    def _ordered(self, keys: tuple[Hashable, ...]) -> tuple[Hashable, ...]:
-        if self._backend is not None:
-            return self._backend.order(keys)
-        if len(keys) == 1:
-            try:
-                hash(keys[0])
-            except TypeError:
-                raise unhashable(keys[0]) from None
-            return keys
-        try:
-            return order_keys(keys)
-        except TypeError:
-            for key in keys:
-                try:
-                    hash(key)
-                except TypeError:
-                    raise unhashable(key) from None
-            raise
-
-    def _arrive(self, loop: asyncio.AbstractEventLoop | None) -> bool:
-        """Decide how a caller works on the lines: True for lock-free (solo), False for locked.
-
-        ``loop`` is the caller's running loop, ``None`` for a thread. The
-        first loop to come makes the queue solo, and so does a later loop of
-        the solo loop's thread (the earlier one is not running then), or of
-        any thread once the solo loop is gone (see _gone); a thread, or a
-        loop in another thread while the solo loop may still run, switches
-        it to shared for good.
-        """
-        with self._arrival:
-            if not self._shared:
-                here = get_ident()
-                solo = self._solo
-                if loop is not None and (
-                    solo is None or self._solo_thread == here or _gone(solo, self._solo_thread)
-                ):
-                    self._solo = loop
-                    self._solo_thread = here
-                    self._owner = loop if self._open and self._plain else None
-                    return True
-                if self._backend is not None:
-                    raise RuntimeError(
-                        f"inturn: this queue's backend ({self._backend!r}) serves the tasks "
-                        f"of one event loop at a time, and {solo!r}, which used it first, is "
-                        "still open in another thread; close that loop first (asyncio.run() "
-                        "does when it returns), or give each loop its own queue"
-                    )
-                self._owner = self._solo = None
-                self._shared = True
-                if solo is not None and self._solo_thread != here:
-                    self._settling = _Settling(solo, self._solo_thread)
-        return False
-
-    @property
-    def _plain(self) -> bool:
-        """Whether turns are the bare lines: no backend and no flow control."""
-        return (
-            self._backend is None
-            and self._slots is None
-            and self._concurrency == 1
-            and self._max_hold is None
-        )
-
-    def _guard(self) -> AbstractContextManager[object]:
-        """What to hold while changing the lines: the lock once shared, else nothing."""
-        return self._locked() if self._shared else _UNLOCKED
-
-    def _guard_for(self, loop: asyncio.AbstractEventLoop) -> AbstractContextManager[object]:
-        """_guard() for a task of loop, which may first settle the queue's mode (_arrive)."""
-        return _UNLOCKED if loop is self._solo or self._arrive(loop) else self._locked()
-
-    def _locked(self) -> threading.Lock:
-        """The lock of a shared queue's lines, once it is safe to take (see _Settling)."""
-        settling = self._settling
-        if settling is not None and settling.thread != get_ident():
-            settling.wait()
-            self._settling = None
-        return self._lock
-
-    def _admit(
-        self, key: Hashable, holder: object, line: Any, timeout: float | None
-    ) -> _Line | _Gate | bool:
-        """Take key's turn for holder at once, or find the line it must wait in.
-
-        Return True if holder holds the key already (a reentrant call, which
-        must not release it); False if holder just took the free key; else
-        the line to join. Raise if the queue is closed, the line is full, or
-        the key is busy and there is no time to wait.
-        """
-        if _held_by(line, holder):
-            return True
-        if not self._open:
-            raise QueueClosed(
-                f"inturn: the queue is closed; the work for key {describe(key)} was not queued"
-            )
-        lines = self._lines
-        if self._concurrency != 1:  # a _Gate per key
-            if line is None:
-                line = lines[key] = _Gate(self._concurrency)
-            if line.enter(holder) is False:
-                return False
-        elif line is None:
-            lines[key] = holder
-            return False
-        elif type(line) is not _Line:
-            lines[key] = line = _Line(line)
-        if self._max_pending is not None and line.waiting >= self._max_pending:
-            raise QueueFull(
-                f"inturn: key {describe(key)} already has {line.waiting} waiting "
-                f"(max_pending={self._max_pending}); the work was not queued"
-            )
-        if timeout is not None and timeout <= 0:
-            self._tally.timed_out += 1
-            raise _missed(key, 0)
-        return line  # type: ignore[no-any-return]
-
-    def _join(
-        self, key: Hashable, task: asyncio.Task[Any] | None, line: Any, timeout: float | None
-    ) -> asyncio.Future[None] | bool:
-        """Take key's turn for task at once, or join its line.
-
-        Return True if task holds the key already (a reentrant call, which
-        must not release it); False if task just took the free key; else the
-        future to await: it completes when the key is handed to task (or
-        fails with TimeoutError); the line it joined is then ``lines[key]``.
-        Whoever awaits it calls :meth:`_abandon` if interrupted, and makes
-        task the line's holder once it completes. On a shared queue, the
-        caller holds the lock.
-        """
-        if task is None:
-            raise RuntimeError("inturn: a turn can only be taken inside an asyncio task")
-        line = self._admit(key, task, line, timeout)
-        if type(line) is bool:
-            return line
-        loop = task.get_loop()  # not get_running_loop(): no getpid() before 3.12
-        waiter: asyncio.Future[None] = loop.create_future()
-        line.waiters.append(waiter)
-        line.waiting += 1
-        if timeout is not None:
-            timer = loop.call_later(timeout, _expire, waiter, key, timeout)
-            waiter.add_done_callback(lambda _: timer.cancel())
-        return waiter
-
-    def _abandon(
-        self, key: Hashable, line: _Line | _Gate, waiter: _Waiter, error: BaseException
-    ) -> None:
-        """Take a waiter that error interrupted out of the line it joined (cancelled or timed out).
-
-        ``line`` is the object the waiter joined: by now it may have left the
-        lines (its holder left and no live waiter remained), and a new line
-        may even stand for the same key.
-        """
-        with self._guard():
-            self._drop(key, line, waiter)
-            self._tally.missed(error)
-
-    def _drop(self, key: Hashable, line: _Line | _Gate, waiter: _Waiter) -> None:
-        if type(line) is _Gate:
-            line.drop(waiter, self._shared)
-            if line.idle:
-                del self._lines[key]
-        elif line.holder is waiter:
-            # The turn was handed over just as the waiter was interrupted:
-            # pass it on, or the line would stall behind a caller that left.
-            self._leave(key, self._lines.pop(key), None, None)
-        else:
-            waiter.cancel()  # so that the hand-off skips it
-            line.waiting -= 1
-            line.compact()
-
-    async def _take(
-        self,
-        key: Hashable,
-        task: asyncio.Task[Any] | None,
-        timeout: float | None,
-        limit: float | None = None,
-    ) -> bool:
-        """Take key's turn for task, waiting in line if need be.
-
-        Return False if task held the key already (a reentrant call, which
-        must not release it), True once task holds it. ``timeout`` is the
-        time left to wait; ``limit``, if given, the caller's whole limit,
-        which a TimeoutError names.
-        """
-        if task is None:
-            raise RuntimeError("inturn: a turn can only be taken inside an asyncio task")
-        lines = self._lines
-        try:
-            with self._guard_for(task.get_loop()):
-                waiter = self._join(key, task, lines.get(key), timeout)
-                if type(waiter) is bool:
-                    return waiter is False
-                line = lines[key]
-            try:
-                await waiter
-            except BaseException as error:
-                self._abandon(key, line, waiter, error)
-                raise
-        except TimeoutError:
-            if limit is None:
-                raise
-            raise _missed(key, limit) from None
-        if type(line) is _Gate:
-            with self._guard():
-                line.settle(waiter, task, self._shared)
-        else:
-            line.holder = task
-        return True
-
-    async def _take_all(
-        self, keys: tuple[Hashable, ...], task: asyncio.Task[Any] | None, timeout: float | None
-    ) -> tuple[Hashable, ...]:
-        """Take the turns of keys (in the global order) within timeout; return those taken.
-
-        If any turn is not reached, the ones already taken are released.
-        """
-        taken: list[Hashable] = []
-        deadline = Deadline(timeout, asyncio.get_running_loop().time)
-        try:
-            for key in keys:
-                if await self._take(key, task, deadline.left(), timeout):
-                    taken.append(key)  # noqa: PERF401 - one at a time: the rollback needs them
-        except BaseException as error:
-            for key in reversed(taken):
-                self._release(key, task, error, None)
-            raise
-        return tuple(taken)
-
-    def _take_all_sync(
-        self, keys: tuple[Hashable, ...], timeout: float | None
-    ) -> tuple[object, tuple[Hashable, ...]]:
-        """Take the turns of keys for this thread, blocking it; return (holder, keys taken).
-
-        Inside a running event loop, only a reentrant call is possible: the
-        loop's current task holds every key already, and is the holder.
-        """
-        if self._backend is not None:
-            raise TypeError(
-                f"inturn: this queue's backend ({self._backend!r}) serves async callers only; "
-                "take its turns with `async with`, `await queue.run(...)` or an async def"
-            )
-        if asyncio._get_running_loop() is not None:
-            task = _current_task()
-            lines = self._lines
-            if task is not None and all(_held_by(lines.get(key), task) for key in keys):
-                return task, ()
-            raise RuntimeError(
-                "inturn: a blocking turn (run_sync(), `with keyed()`, a decorated plain def) "
-                f"was taken inside a running event loop, for {', '.join(map(describe, keys))}; "
-                "waiting would freeze the loop. Use `await queue.run(...)` or `async with`, "
-                "or call it in a thread: `await asyncio.to_thread(...)`"
-            )
-        if not self._shared:
-            self._arrive(None)
-        me = threading.current_thread()
-        deadline = Deadline(timeout, _monotonic)
-        taken: list[Hashable] = []
-        try:
-            for key in keys:
-                if self._take_sync(key, me, deadline.left(), timeout):
-                    taken.append(key)  # noqa: PERF401 - one at a time: the rollback needs them
-        except BaseException as error:
-            for key in reversed(taken):
-                self._release(key, me, error, None)
-            raise
-        return me, tuple(taken)
-
-    def _take_sync(
-        self, key: Hashable, me: object, timeout: float | None, limit: float | None
-    ) -> bool:
-        """Take key's turn for thread me, blocking it in line if need be (see _take).
-
-        ``timeout`` is the time left to wait, ``limit`` the caller's whole limit.
-        """
-        lines = self._lines
-        with self._locked():
-            line = self._admit(key, me, lines.get(key), timeout)
-            if type(line) is bool:
-                return line is False
-            waiter = _ThreadWaiter()
-            line.waiters.append(waiter)
-            line.waiting += 1
-        try:
-            if timeout is None:
-                waiter.lock.acquire()
-            else:
-                waiter.lock.acquire(timeout=timeout)
-        except BaseException as error:  # interrupted: KeyboardInterrupt, or a signal handler's
-            self._abandon(key, line, waiter, error)
-            raise
-        with self._locked():
-            if type(line) is _Gate:
-                if waiter in line.holders:
-                    line.settle(waiter, me, True)
-                    return True
-            elif line.holder is waiter:
-                line.holder = me
-                return True
-            self._drop(key, line, waiter)
-            self._tally.timed_out += 1
-        assert limit is not None
-        raise _missed(key, limit)
-
-    def _release(
-        self, key: Hashable, holder: object, error: BaseException | None, result: Any
-    ) -> None:
-        """End holder's turn on key."""
-        if self._concurrency != 1:
-            with self._guard():
-                gate = self._lines[key]
-                gate.leave(holder, self._shared)
-                if gate.idle:
-                    del self._lines[key]
-        elif self._shared:
-            with self._locked():
-                if (line := self._lines.pop(key)) is not holder:
-                    self._leave(key, line, error, result)
-        elif (line := self._lines.pop(key)) is not holder:
-            self._leave(key, line, error, result)
-
-    # -- the running slots (max_running) ------------------------------------------------
-
-    async def _take_slot(
-        self, holder: asyncio.Task[Any], timeout: float | None, limit: float | None
-    ) -> bool:
-        """Take a running slot for a task that holds its keys; False if it holds one already.
-
-        ``timeout`` is the time left to wait, ``limit`` the caller's whole limit (for its error).
-        """
-        slots = self._slots
-        assert slots is not None
-        loop = holder.get_loop()
-        with self._guard():
-            waiter = self._slot_or_wait(slots, holder, timeout, limit, loop.create_future)
-            if type(waiter) is bool:
-                return waiter
-        timer = None
-        if timeout is not None:
-            timer = loop.call_later(timeout, _expire_slot, waiter, self, limit)
-        try:
-            await waiter
-        except BaseException as error:
-            with self._guard():
-                slots.drop(waiter, self._shared)
-                self._tally.missed(error)
-            raise
-        finally:
-            if timer is not None:
-                timer.cancel()
-        with self._guard():
-            self._slot_taken(slots, waiter, holder)
-        return True
-
-    def _take_slot_sync(self, me: object, timeout: float | None, limit: float | None) -> bool:
-        """Take a running slot for thread me, blocking it if need be (see _take_slot)."""
-        slots = self._slots
-        assert slots is not None
-        with self._locked():
-            waiter = self._slot_or_wait(slots, me, timeout, limit, _ThreadWaiter)
-            if type(waiter) is bool:
-                return waiter
-        try:
-            if timeout is None:
-                waiter.lock.acquire()
-            else:
-                waiter.lock.acquire(timeout=timeout)
-        except BaseException as error:
-            with self._locked():
-                slots.drop(waiter, True)
-                self._tally.missed(error)
-            raise
-        with self._locked():
-            if waiter in slots.holders:
-                self._slot_taken(slots, waiter, me)
-                return True
-            slots.drop(waiter, True)
-            self._tally.timed_out += 1
-        raise self._slotless(limit)
-
-    def _slot_or_wait(
-        self,
-        slots: _Gate,
-        holder: object,
-        timeout: float | None,
-        limit: float | None,
-        make: Callable[[], W],
-    ) -> W | bool:
-        """Take a free slot for holder, or line up a waiter made by make() for one.
-
-        Return True if holder took a slot now, False if it holds one, else the
-        waiter. Raise if there is no time to wait. The caller holds the guard.
-        """
-        entered = slots.enter(holder)
-        if entered is not None:
-            if not entered and slots.producers:
-                self._wake_producers_behind(slots)
-            return not entered
-        if timeout is not None and timeout <= 0:
-            self._tally.timed_out += 1
-            raise self._slotless(limit)
-        waiter = make()
-        slots.waiters.append(waiter)  # type: ignore[arg-type]
-        slots.waiting += 1
-        return waiter
-
-    def _slot_taken(self, slots: _Gate, waiter: _Waiter, holder: object) -> None:
-        """Record holder in the slot its waiter was handed. The caller holds the guard."""
-        slots.settle(waiter, holder, self._shared)
-        if slots.producers:
-            self._wake_producers_behind(slots)
-
-    def _slotless(self, timeout: float | None) -> TimeoutError:
-        size = self._slots.size if self._slots is not None else 0
-        return missed(f"a running slot (max_running={size})", timeout)
-
-    def _free_slot(self, holder: object) -> None:
-        """End holder's running slot, handing it to the next in the slot line."""
-        slots = self._slots
-        assert slots is not None
-        with self._guard():
-            slots.leave(holder, self._shared)
-
-    def _started(self, since: float) -> float:
-        """Count the wait of a timed turn that was submitted at since and starts now; return now."""
-        now = _monotonic()
-        with self._guard():
-            self._tally.waited += now - since
-        return now
-
-    def _missed(self, error: BaseException) -> None:
-        """Count a turn that was never reached (see _Tally.missed)."""
-        with self._guard():
-            self._tally.missed(error)
-
-    def _ended(self, error: BaseException | None, cut: bool, since: float) -> None:
-        """Count a turn that ended (see _Tally.ended); a timed one started at since."""
-        with self._guard():
-            self._tally.ended(error, cut)
-            if since:
-                self._tally.held += _monotonic() - since
-
-    def _leave(self, key: Hashable, line: _Line, error: BaseException | None, result: Any) -> None:
-        """End the turn of line's holder, just popped from the lines.
-
-        Tell its watchers, then hand the key to the next waiter and put the
-        line back, or leave the key out if nobody waits. On a shared queue,
-        the caller holds the lock.
-        """
-        if line.watchers is not None:
-            watchers, line.watchers = line.watchers, None
-            for watcher in watchers:
-                _soon(watcher, _outcome, watcher, error, result)
-        waiters = line.waiters
-        shared = self._shared
-        while waiters:
-            waiter = waiters.popleft()
-            if type(waiter) is _Drain:
-                waiter.reached()
-            elif not waiter.done():
-                line.waiting -= 1
-                # NOTE: the line is the waiter's before it is woken: a task of
-                # another loop may run at once and make itself the holder.
-                line.holder = waiter
-                self._lines[key] = line
-                if shared:
-                    if not _wake(waiter):  # its loop is closed: its task is gone
-                        del self._lines[key]
-                        continue
-                else:
-                    waiter.set_result(None)  # type: ignore[union-attr]
-                return
-
     # -- looking at the lines -----------------------------------------------------
 
     def is_active(self, key: Hashable) -> bool:
         """Whether a task or thread holds or waits for ``key``."""
-        return key in self._lines
+        return key in self._registry.lines
 
     @property
     def active_keys(self) -> frozenset[Hashable]:
         """The keys that a task or thread holds or waits for, at this moment."""
-        with self._guard():
-            return frozenset(self._lines)
+        with self._registry.guard():
+            return frozenset(self._registry.lines)
 
     @property
     def active_count(self) -> int:
         """How many keys a task or thread holds or waits for."""
-        return len(self._lines)
+        return len(self._registry.lines)
 
     def pending(self, key: Hashable) -> int:
         """How many tasks and threads wait for ``key``, not counting its holder(s)."""
-        line = self._lines.get(key)
-        return line.waiting if type(line) is _Line or type(line) is _Gate else 0
+        return self._registry.pending(key)
 
     def current(self, key: Hashable) -> asyncio.Future[Any] | None:
         """An awaitable of the outcome of ``key``'s current holder, or ``None``.
@@ -1277,22 +682,8 @@ class KeyedQueue:
         several holders, and no one outcome.
         """
         loop = asyncio.get_running_loop()
-        with self._guard():
-            return self._watch(key, loop)
-
-    def _watch(self, key: Hashable, loop: asyncio.AbstractEventLoop) -> asyncio.Future[Any] | None:
-        line = self._lines.get(key)
-        if line is None or type(line) is _Gate:
-            return None  # (several holders: no one outcome to watch)
-        if type(line) is not _Line:
-            line = self._lines[key] = _Line(line)
-        elif not isinstance(line.holder, asyncio.Task | threading.Thread):
-            return None  # handed over to a waiter that has not started yet
-        watcher: asyncio.Future[Any] = loop.create_future()
-        if line.watchers is None:
-            line.watchers = []
-        line.watchers.append(watcher)
-        return watcher
+        with self._registry.guard():
+            return self._registry.watch(key, loop)
 
     def stats(self) -> QueueStats:
         """A snapshot of the queue: running and waiting work, counts, times.
@@ -1300,23 +691,12 @@ class KeyedQueue:
         Cheap enough for a metrics exporter to call every second: the counts
         are kept as turns end, and the rest is one pass over the active keys.
         """
-        holders: set[object] = set()
-        waiting: dict[Hashable, int] = {}
-        with self._guard():
-            for key, line in self._lines.items():
-                kind = type(line)
-                if kind is _Line:
-                    holders.add(line.holder)
-                elif kind is _Gate:
-                    holders.update(line.holders)
-                else:
-                    holders.add(line)
-                    continue
-                if line.waiting:
-                    waiting[key] = line.waiting
+        registry = self._registry
+        with registry.guard():
+            holders, waiting = registry.holders()
             slots = self._slots
-            tally = self._tally
-            timed = not self._plain
+            tally = registry.tally
+            timed = not registry.plain
             return QueueStats(
                 running=len(holders) if slots is None else len(slots.holders),
                 waiting_for_slot=0 if slots is None else slots.waiting,
@@ -1334,7 +714,7 @@ class KeyedQueue:
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` was called."""
-        return not self._open
+        return not self._registry.open
 
     @property
     def timeout(self) -> float | None:
@@ -1361,21 +741,6 @@ class KeyedQueue:
         """The longest work may hold its turn before it is cancelled, or ``None``."""
         return self._max_hold
 
-    def _mark(self, finish: Callable[[], object]) -> bool:
-        """Put a drain mark at the tail of every active line; False if there is none."""
-        lines = self._lines
-        if not lines:
-            return False
-        drain = _Drain(len(lines), finish)
-        for key, line in list(lines.items()):
-            if type(line) is _Gate and not line.waiting:
-                line.mark(drain)  # nobody waits: it waits for the present holders
-                continue
-            if type(line) is not _Line and type(line) is not _Gate:
-                line = lines[key] = _Line(line)
-            line.waiters.append(drain)
-        return True
-
     async def drain(self, *, raise_errors: bool = False) -> None:
         """Wait until every task or thread pending or running at this call has finished.
 
@@ -1396,8 +761,8 @@ class KeyedQueue:
         # their tasks end just after they leave the lines: wait for that too
         submitted = [h._task for h in self._handles if h._task.get_loop() is loop]
         # the last mark may be reached in another thread, once the queue is shared
-        with self._guard_for(loop):
-            marked = self._mark(lambda: _soon(future, _resolve, future))
+        with self._registry.guard_for(loop):
+            marked = self._registry.mark(lambda: _soon(future, _resolve, future))
         if marked:
             await future
         if submitted:
@@ -1425,11 +790,9 @@ class KeyedQueue:
                 "inturn: drain_sync() would freeze the running event loop; "
                 "use `await queue.drain()`"
             )
-        if not self._shared:
-            self._arrive(None)
         done = threading.Event()
-        with self._locked():
-            if not self._mark(done.set):
+        with self._registry.for_threads():
+            if not self._registry.mark(done.set):
                 return True
         return done.wait(limit)
 
@@ -1439,8 +802,7 @@ class KeyedQueue:
         Work already holding or waiting for a turn goes on, and a caller that
         holds a key may still take it again. Closing twice is harmless.
         """
-        self._open = False
-        self._owner = None
+        self._registry.close()
 
     async def aclose(self) -> None:
         """Close the queue, wait for the work already in it (:meth:`drain`), close the backend."""
@@ -1456,16 +818,10 @@ class KeyedQueue:
         return LocalBackend() if self._backend is None else self._backend
 
     def __repr__(self) -> str:
-        lines = list(itertools.islice(self._lines.copy().items(), 6))
-        shown = []
-        for key, line in lines[:5]:
-            waiting = line.waiting if type(line) is _Line or type(line) is _Gate else 0
-            shown.append(f"{describe(key)}: held, {waiting} waiting")
-        if len(lines) > 5:
+        shown, active = self._registry.summary(5)
+        if active > 5:
             shown.append("...")
-        state = "closed" if not self._open else "open"
+        state = "closed" if not self._registry.open else "open"
         where = "" if self._backend is None else f" on {self._backend!r}"
-        mode = ", shared by threads" if self._shared else ""
-        return (
-            f"<KeyedQueue {state}{where}{mode}, {len(self._lines)} active {{{', '.join(shown)}}}>"
-        )
+        mode = ", shared by threads" if self._registry.shared else ""
+        return f"<KeyedQueue {state}{where}{mode}, {active} active {{{', '.join(shown)}}}>"

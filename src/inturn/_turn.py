@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import sys
+import threading
 from collections.abc import Awaitable, Callable, Hashable, Mapping
 from inspect import isawaitable
 from time import monotonic as _monotonic
@@ -14,11 +15,13 @@ from typing import TYPE_CHECKING, Any, NoReturn, final
 from ._checks import Deadline
 from ._errors import HoldTimeout, LeaseLost
 from ._keys import describe
+from ._line import held_by
 from ._tasks import current_task as _current_task
 from ._tasks import outside_asyncio
 
 if TYPE_CHECKING:
-    from ._queue import KeyedQueue
+    from ._registry import Registry
+    from ._slots import Slots
     from .backends._base import Backend, Grant
 
 __all__ = ("Turn", "call_in_turn", "call_in_turn_sync", "current_turn")
@@ -153,8 +156,9 @@ class Turn:
     __slots__ = (
         "_flow",
         "_hold",
-        "_queue",
+        "_registry",
         "_shared",
+        "_slots",
         "_taken",
         "_task",
         "_timeout",
@@ -171,12 +175,14 @@ class Turn:
 
     def __init__(
         self,
-        queue: KeyedQueue,
+        registry: Registry,
+        slots: Slots | None,
         keys: tuple[Hashable, ...],
         timeout: float | None,
         hold: float | None,
     ) -> None:
-        self._queue = queue
+        self._registry = registry
+        self._slots = slots  # max_running's, or None
         self.keys = keys
         self._timeout = timeout
         self._hold = hold  # max_hold, seconds
@@ -215,42 +221,42 @@ class Turn:
     async def __aenter__(self) -> Turn:
         if self._task is not None:
             raise RuntimeError("inturn: this keyed() turn is already entered; make one per block")
-        queue = self._queue
+        registry = self._registry
         try:
             task = _current_task()
         except RuntimeError:
             raise outside_asyncio("keyed()") from None
         keys = self.keys
-        backend = queue._backend
+        backend = registry.backend
         if backend is not None:
-            await self._enter_shared(queue, backend, task)
-        elif len(keys) == 1 and task is not None and task._loop is queue._owner:
+            await self._enter_shared(registry, backend, task)
+        elif len(keys) == 1 and task is not None and task._loop is registry.owner:
             key = keys[0]
-            lines = queue._lines
+            lines = registry.lines
             line = lines.get(key)
             if line is None:
                 lines[key] = task  # uncontended: as in run()
                 self._taken = keys
             else:
-                # What queue._take() does, inlined: a coroutine less per contended turn.
-                waiter = queue._join(key, task, line, self._timeout)
+                # What registry.take() does, inlined: a coroutine less per contended turn.
+                waiter = registry.join(key, task, line, self._timeout)
                 if waiter is not True:  # True: this task holds the key already
                     if waiter is not False:
                         line = lines[key]
                         try:
                             await waiter
                         except BaseException as error:
-                            queue._abandon(key, line, waiter, error)
+                            registry.abandon(key, line, waiter, error)
                             raise
                         line.holder = task
                     self._taken = keys
-            self.token = next(queue._tokens)
-        elif queue._plain:
-            self._taken = await queue._take_all(keys, task, self._timeout)
-            self.token = next(queue._tokens)
+            self.token = next(registry.tokens)
+        elif registry.plain:
+            self._taken = await self._take_all(task, self._timeout)
+            self.token = next(registry.tokens)
         else:
-            await self._enter_flow(queue, task)
-            self.token = next(queue._tokens)
+            await self._enter_flow(registry, task)
+            self.token = next(registry.tokens)
         self._task = task
         if self._hold is not None and self._taken:
             assert task is not None  # (a turn was taken)
@@ -259,23 +265,41 @@ class Turn:
             self._flow.clock = _Clock(task, self._hold)
         return self
 
-    async def _enter_flow(self, queue: KeyedQueue, task: Any) -> None:
+    async def _take_all(self, task: Any, timeout: float | None) -> tuple[Hashable, ...]:
+        """Take the turns of the keys (in the global order) within timeout; return those taken.
+
+        If any turn is not reached, the ones already taken are released, newest first.
+        """
+        registry = self._registry
+        taken: list[Hashable] = []
+        deadline = Deadline(timeout, asyncio.get_running_loop().time)
+        try:
+            for key in self.keys:
+                if await registry.take(key, task, deadline.left(), timeout):
+                    taken.append(key)  # noqa: PERF401 - one at a time: the rollback needs them
+        except BaseException as error:
+            for key in reversed(taken):
+                registry.release(key, task, error, None)
+            raise
+        return tuple(taken)
+
+    async def _enter_flow(self, registry: Registry, task: Any) -> None:
         """Take the keys, then a running slot (max_running); time the wait."""
         start = _monotonic()
         timeout = self._timeout
         # the loop's clock, as _take_all's
         deadline = Deadline(timeout, asyncio.get_running_loop().time)
         flow = _Flow()
-        taken = await queue._take_all(self.keys, task, timeout)
-        if queue._slots is not None:
+        taken = await self._take_all(task, timeout)
+        if self._slots is not None:
             try:
-                flow.slot = await queue._take_slot(task, deadline.left(), timeout)
+                flow.slot = await self._slots.take(task, deadline.left(), timeout)
             except BaseException as error:
                 for key in reversed(taken):
-                    queue._release(key, task, error, None)
+                    registry.release(key, task, error, None)
                 raise
         self._taken = taken
-        flow.since = queue._started(start)
+        flow.since = registry.started(start)
         self._flow = flow
 
     def __enter__(self) -> Turn:
@@ -287,24 +311,62 @@ class Turn:
                 f"inturn: max_hold={self._hold:g} s cannot cut a thread's turn short "
                 "(a thread cannot be cancelled); take it from a task, or without max_hold"
             )
-        queue = self._queue
-        flow = None if queue._plain else _Flow()
+        registry = self._registry
+        flow = None if registry.plain else _Flow()
         start = 0.0 if flow is None else _monotonic()
         deadline = Deadline(self._timeout, _monotonic)
-        holder, taken = queue._take_all_sync(self.keys, self._timeout)
+        holder, taken = self._take_all_sync(deadline)
         if flow is not None:
-            if queue._slots is not None:
+            if self._slots is not None:
                 try:
-                    flow.slot = queue._take_slot_sync(holder, deadline.left(), self._timeout)
+                    flow.slot = self._slots.take_sync(holder, deadline.left(), self._timeout)
                 except BaseException as error:
                     for key in reversed(taken):
-                        queue._release(key, holder, error, None)
+                        registry.release(key, holder, error, None)
                     raise
-            flow.since = queue._started(start)
+            flow.since = registry.started(start)
             self._flow = flow
         self._task, self._taken = holder, taken
-        self.token = next(queue._tokens)
+        self.token = next(registry.tokens)
         return self
+
+    def _take_all_sync(self, deadline: Deadline) -> tuple[object, tuple[Hashable, ...]]:
+        """Take the turns of the keys for this thread, blocking it; return (holder, keys taken).
+
+        Inside a running event loop, only a reentrant call is possible: the
+        loop's current task holds every key already, and is the holder.
+        """
+        registry = self._registry
+        keys = self.keys
+        if registry.backend is not None:
+            raise TypeError(
+                f"inturn: this queue's backend ({registry.backend!r}) serves async callers only; "
+                "take its turns with `async with`, `await queue.run(...)` or an async def"
+            )
+        if asyncio._get_running_loop() is not None:
+            task = _current_task()
+            lines = registry.lines
+            if task is not None and all(held_by(lines.get(key), task) for key in keys):
+                return task, ()
+            raise RuntimeError(
+                "inturn: a blocking turn (run_sync(), `with keyed()`, a decorated plain def) "
+                f"was taken inside a running event loop, for {', '.join(map(describe, keys))}; "
+                "waiting would freeze the loop. Use `await queue.run(...)` or `async with`, "
+                "or call it in a thread: `await asyncio.to_thread(...)`"
+            )
+        if not registry.shared:
+            registry.arrive(None)
+        me = threading.current_thread()
+        taken: list[Hashable] = []
+        try:
+            for key in keys:
+                if registry.take_sync(key, me, deadline.left(), self._timeout):
+                    taken.append(key)  # noqa: PERF401 - one at a time: the rollback needs them
+        except BaseException as error:
+            for key in reversed(taken):
+                registry.release(key, me, error, None)
+            raise
+        return me, tuple(taken)
 
     def __exit__(
         self,
@@ -314,7 +376,7 @@ class Turn:
     ) -> None:
         self._release(exc, None)
 
-    async def _enter_shared(self, queue: KeyedQueue, backend: Backend, task: Any) -> None:
+    async def _enter_shared(self, registry: Registry, backend: Backend, task: Any) -> None:
         """Take each key's turn in this process's line, then from the backend, in order."""
         begun = _monotonic()
         deadline = Deadline(self._timeout, asyncio.get_running_loop().time)
@@ -326,9 +388,9 @@ class Turn:
         flow = _Flow()
         try:
             for key in self.keys:
-                if not await queue._take(key, task, deadline.left(), self._timeout):
+                if not await registry.take(key, task, deadline.left(), self._timeout):
                     # held already by an enclosing turn of this task: reentrant
-                    holder = _holder(outer, queue, key)
+                    holder = _holder(outer, registry, key)
                     if holder is not None:
                         holders.append(holder)
                         tokens[key] = holder.tokens[key]
@@ -337,22 +399,22 @@ class Turn:
                 grant = await backend.acquire(key, deadline.left())
                 grants.append(grant)
                 tokens[key] = grant.token
-            if queue._slots is not None:
-                flow.slot = await queue._take_slot(task, deadline.left(), self._timeout)
+            if self._slots is not None:
+                flow.slot = await self._slots.take(task, deadline.left(), self._timeout)
         except BaseException as error:
             if len(grants) < len(taken):  # the backend's turn was not reached
-                queue._missed(error)
+                registry.missed(error)
             try:
                 for grant in reversed(grants):
                     await _settle(backend.release(grant))
             finally:
                 for key in reversed(taken):
-                    queue._release(key, task, error, None)
+                    registry.release(key, task, error, None)
             raise
         self._taken = tuple(taken)
         self._shared = _Shared(grants, tokens, holders, outer)
         self.token = tokens[self.keys[0]]
-        flow.since = queue._started(begun)
+        flow.since = registry.started(begun)
         self._flow = flow
         _CURRENT.set(self)
 
@@ -362,23 +424,23 @@ class Turn:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        queue = self._queue
+        registry = self._registry
         taken = self._taken
         # (a backend's turns are timed: they have a _flow)
         if len(taken) == 1 and self._flow is None:
             # what _end() does, inlined for a plain turn on one key
             task, self._task, self._taken = self._task, None, ()
             key = taken[0]
-            if queue._shared:
-                queue._release(key, task, exc, None)
-                queue._ended(exc, False, 0.0)
+            if registry.shared:
+                registry.release(key, task, exc, None)
+                registry.ended(exc, False, 0.0)
             else:
-                if (line := queue._lines.pop(key)) is not task:
-                    queue._leave(key, line, exc, None)
+                if (line := registry.lines.pop(key)) is not task:
+                    registry.leave(key, line, exc, None)
                 if exc is None:
-                    queue._tally.completed += 1
+                    registry.tally.completed += 1
                 else:
-                    queue._tally.ended(exc, False)
+                    registry.tally.ended(exc, False)
         else:
             await self._end(exc, None)
 
@@ -396,7 +458,7 @@ class Turn:
             if cut is not None:
                 cut.__cause__ = error
                 error = cut
-        if self._queue._backend is None:
+        if self._registry.backend is None:
             self._release(error, result, cut is not None)
         else:
             await self._end_shared(error, result, cut is not None)
@@ -408,16 +470,17 @@ class Turn:
 
         Watchers learn the outcome (error, or result); ``cut``: max_hold cut the work.
         """
-        queue, task, taken, flow = self._queue, self._task, self._taken, self._flow
+        registry, task, taken, flow = self._registry, self._task, self._taken, self._flow
         self._task = None
         self._taken = ()
         self._flow = None
         if flow is not None and flow.slot:
-            queue._free_slot(task)
+            assert self._slots is not None
+            self._slots.vacate(task)
         for key in reversed(taken):
-            queue._release(key, task, error, result)
+            registry.release(key, task, error, result)
         if taken:
-            queue._ended(error, cut, 0.0 if flow is None else flow.since)
+            registry.ended(error, cut, 0.0 if flow is None else flow.since)
 
     async def _end_shared(self, error: BaseException | None, result: Any, cut: bool) -> None:
         """Release the running slot, the backend's grants, then this process's turns.
@@ -426,14 +489,15 @@ class Turn:
         work ended without an error of its own (with one, the loss is noted
         on that error), or the backend's error if a release failed.
         """
-        backend = self._queue._backend
+        backend = self._registry.backend
         shared = self._shared
         assert backend is not None
         assert shared is not None
         flow = self._flow
         if flow is not None and flow.slot:  # first: the next work here may start meanwhile
+            assert self._slots is not None
             flow.slot = False
-            self._queue._free_slot(self._task)
+            self._slots.vacate(self._task)
         grants = shared.grants
         _CURRENT.set(shared.outer)
         failure: Exception | None = None
@@ -515,13 +579,13 @@ def _refuse_coroutine(fn: object, result: CoroutineType[Any, Any, Any]) -> NoRet
     )
 
 
-def _holder(turn: Turn | None, queue: KeyedQueue, key: Hashable) -> Turn | None:
-    """The enclosing turn, from turn outwards, that holds key on queue."""
+def _holder(turn: Turn | None, registry: Registry, key: Hashable) -> Turn | None:
+    """The enclosing turn, from turn outwards, that holds key in registry (its queue's)."""
     while turn is not None:
         shared = turn._shared
         if shared is None:
             return None
-        if turn._queue is queue and key in shared.tokens:
+        if turn._registry is registry and key in shared.tokens:
             return turn
         turn = shared.outer
     return None

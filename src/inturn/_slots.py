@@ -1,0 +1,176 @@
+"""Slots: the running slots of a queue with ``max_running``, taken after a turn's keys.
+
+Invariant: at most ``size`` holders (tasks or threads) run at once across
+all keys; a slot is handed, FIFO, to the turn that waited for it longest,
+before that turn is woken (as a line's hand-off). A turn takes its slot only
+once it holds its keys, so work waiting in a key's line never holds one.
+Producers blocked in ``submit()`` (backpressure) wait here too, and are woken
+when a slot frees or their key's work starts running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any, TypeVar, final
+
+from ._checks import missed
+from ._line import Gate, Line, Places, ThreadWaiter, Waiter, resolve
+from ._tasks import in_loop_of as _soon
+
+if TYPE_CHECKING:
+    from collections import deque
+
+    from ._registry import Registry
+
+__all__ = ("Slots",)
+
+W = TypeVar("W")
+
+
+def _expire(waiter: asyncio.Future[None], slots: Slots, limit: float | None) -> None:
+    if not waiter.done():
+        waiter.set_exception(slots.missed(limit))
+
+
+@final
+class Slots(Places):
+    """``max_running`` places (Places), with the protocol for taking and leaving one.
+
+    Every method takes the registry's guard itself: the slots and the lines
+    change under the same lock once the registry is shared.
+    """
+
+    __slots__ = ("registry",)
+
+    def __init__(self, size: int, registry: Registry) -> None:
+        super().__init__(size)
+        self.registry = registry
+
+    async def take(
+        self, holder: asyncio.Task[Any], timeout: float | None, limit: float | None
+    ) -> bool:
+        """Take a running slot for a task that holds its keys; False if it holds one already.
+
+        ``timeout`` is the time left to wait, ``limit`` the caller's whole limit (for its error).
+        """
+        registry = self.registry
+        loop = holder.get_loop()
+        with registry.guard():
+            waiter = self._slot_or_wait(holder, timeout, limit, loop.create_future)
+            if type(waiter) is bool:
+                return waiter
+        timer = None
+        if timeout is not None:
+            timer = loop.call_later(timeout, _expire, waiter, self, limit)
+        try:
+            await waiter
+        except BaseException as error:
+            with registry.guard():
+                self.drop(waiter, registry.shared)
+                registry.tally.missed(error)
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+        with registry.guard():
+            self._taken(waiter, holder)
+        return True
+
+    def take_sync(self, me: object, timeout: float | None, limit: float | None) -> bool:
+        """Take a running slot for thread me, blocking it if need be (see take)."""
+        registry = self.registry
+        with registry.locked():
+            waiter = self._slot_or_wait(me, timeout, limit, ThreadWaiter)
+            if type(waiter) is bool:
+                return waiter
+        try:
+            if timeout is None:
+                waiter.lock.acquire()
+            else:
+                waiter.lock.acquire(timeout=timeout)
+        except BaseException as error:
+            with registry.locked():
+                self.drop(waiter, True)
+                registry.tally.missed(error)
+            raise
+        with registry.locked():
+            if waiter in self.holders:
+                self._taken(waiter, me)
+                return True
+            self.drop(waiter, True)
+            registry.tally.timed_out += 1
+        raise self.missed(limit)
+
+    def vacate(self, holder: object) -> None:
+        """End holder's running slot, handing it to the next in the slot line."""
+        registry = self.registry
+        with registry.guard():
+            self.leave(holder, registry.shared)
+
+    def missed(self, limit: float | None) -> TimeoutError:
+        """The error of a slot not reached within limit."""
+        return missed(f"a running slot (max_running={self.size})", limit)
+
+    def _slot_or_wait(
+        self, holder: object, timeout: float | None, limit: float | None, make: Callable[[], W]
+    ) -> W | bool:
+        """Take a free slot for holder, or line up a waiter made by make() for one.
+
+        Return True if holder took a slot now, False if it holds one, else the
+        waiter. Raise if there is no time to wait. The caller holds the guard.
+        """
+        entered = self.enter(holder)
+        if entered is not None:
+            if not entered and self.producers:
+                self.wake_producers_behind()
+            return not entered
+        if timeout is not None and timeout <= 0:
+            self.registry.tally.timed_out += 1
+            raise self.missed(limit)
+        waiter = make()
+        self.waiters.append(waiter)  # type: ignore[arg-type]
+        self.waiting += 1
+        return waiter
+
+    def _taken(self, waiter: Waiter, holder: object) -> None:
+        """Record holder in the slot its waiter was handed. The caller holds the guard."""
+        self.settle(waiter, holder, self.registry.shared)
+        if self.producers:
+            self.wake_producers_behind()
+
+    # -- producers' backpressure (submit) ------------------------------------------------
+
+    def behind_running(self, key: Hashable) -> bool:
+        """Whether work for key would queue behind its key's running work (holding a slot)."""
+        running = self.holders
+        line = self.registry.lines.get(key)
+        if line is None:
+            return False
+        if type(line) is Line:
+            return line.holder in running
+        if type(line) is Gate:
+            return not line.free and not line.holders.isdisjoint(running)
+        return line in running
+
+    def wake_producers_behind(self) -> None:
+        """Wake the producers whose key's work just got a running slot (they need none).
+
+        The caller holds the guard.
+        """
+        producers: deque[tuple[asyncio.Future[None], Hashable]] | None = self.producers
+        assert producers is not None
+        still = type(producers)()
+        for producer, key in producers:
+            if producer.done():
+                continue
+            if self.behind_running(key):
+                _soon(producer, resolve, producer)
+            else:
+                still.append((producer, key))
+        self.producers = still
+
+    def next_producer(self) -> None:
+        """Wake the first producer waiting in submit() for a slot, if any."""
+        with self.registry.guard():
+            self.wake_producer()
