@@ -467,6 +467,70 @@ async def test_a_task_waits_for_a_slot_that_a_thread_holds(pool: ThreadPoolExecu
     assert ran == ["nested", "task"]
 
 
+async def test_a_run_that_finds_its_key_and_a_slot_free_holds_both_and_counts() -> None:
+    """run()'s turn at once on a queue with slots (its own path): the slot is held, then freed.
+
+    The queue's first call settles its loop; the calls after it find the key
+    and a slot free and take both at once.
+    """
+    queue = KeyedQueue(max_running=1)
+    await queue.run("warm", lambda: None)
+    gate = asyncio.Event()
+    seen: list[tuple[int, int]] = []
+    span: list[float] = []
+
+    async def hold() -> str:
+        span.append(time.monotonic())
+        seen.append((queue.stats().running, queue.pending("a")))
+        await gate.wait()
+        span.append(time.monotonic())
+        return "held"
+
+    holder = asyncio.create_task(queue.run("a", hold))
+    await settle(lambda: seen == [(1, 0)])
+    behind = asyncio.create_task(queue.run("b", lambda: "b"))  # no slot left: it waits
+    await settle(lambda: slot_waiters(queue) == 1)
+    gate.set()
+    assert await holder == "held"
+    assert await behind == "b"
+    with pytest.raises(ValueError, match="boom"):
+        await queue.run("c", fail, ValueError("boom"))
+    stats = queue.stats()
+    assert (stats.completed, stats.failed, stats.running, stats.waiting_for_slot) == (3, 1, 0, 0)
+    assert stats.hold_time is not None
+    assert stats.hold_time >= span[1] - span[0]
+    assert not queue.active_keys
+
+
+async def test_a_thread_arriving_while_a_run_holds_a_slot_taken_at_once_waits_its_turn(
+    pool: ThreadPoolExecutor,
+) -> None:
+    """The queue turns shared (a thread) while a task holds a key and a slot it took at once."""
+    queue = KeyedQueue(max_running=2)
+    await queue.run("warm", lambda: None)
+    gate = asyncio.Event()
+    ran: list[str] = []
+
+    async def hold() -> None:
+        ran.append("task")
+        await gate.wait()
+
+    holder = asyncio.create_task(queue.run("a", hold))
+    await settle(lambda: ran == ["task"])
+    loop = asyncio.get_running_loop()
+    thread = loop.run_in_executor(pool, queue.run_sync, "a", ran.append, "thread")
+    await settle(lambda: queue.pending("a") == 1)
+    await checkpoints(ROUNDS)
+    assert ran == ["task"]
+    gate.set()
+    await holder
+    await thread
+    assert ran == ["task", "thread"]
+    stats = queue.stats()
+    assert (stats.completed, stats.running) == (3, 0)
+    assert not queue.active_keys
+
+
 def test_threads_alone_never_exceed_max_running(pool: ThreadPoolExecutor) -> None:
     queue = KeyedQueue(max_running=3)
     gauge = Gauge()

@@ -198,9 +198,10 @@ class Places(Waiting):
         self.holders.remove(holder)
         if self.marks is not None:
             self._passed(holder)
-        if not self._hand(shared):
+        if not self.waiters or not self._hand(shared):
             self.free += 1
-            self.wake_producer()
+            if self.producers:
+                self.wake_producer()
 
     def wake_producer(self) -> None:
         """Wake the first producer waiting in submit() for a slot, if any."""

@@ -115,6 +115,7 @@ class Registry:
         "backend",
         "concurrency",
         "lines",
+        "local",
         "max_pending",
         "open",
         "owner",
@@ -153,11 +154,15 @@ class Registry:
         # The loop whose tasks take a free key with a bare dict insert: the
         # solo loop while the queue is open and plain, else None.
         self.owner: asyncio.AbstractEventLoop | None = None
+        # The loop whose tasks may take a free key at once, without the lock
+        # (Turn.enter_now): the solo loop while the queue is open and holds
+        # its lines in process, one holder per key; else None.
+        self.local: asyncio.AbstractEventLoop | None = None
 
     def close(self) -> None:
         """Refuse new turns (a holder may still take its keys again)."""
         self.open = False
-        self.owner = None
+        self.owner = self.local = None
 
     # -- the thread mode ------------------------------------------------------------
 
@@ -180,7 +185,9 @@ class Registry:
                 ):
                     self._solo = loop
                     self._solo_thread = here
-                    self.owner = loop if self.open and self.plain else None
+                    quick = self.open and self.backend is None and self.concurrency == 1
+                    self.local = loop if quick else None
+                    self.owner = loop if quick and self.plain else None
                     return True
                 if self.backend is not None:
                     raise RuntimeError(
@@ -189,7 +196,7 @@ class Registry:
                         "still open in another thread; close that loop first (asyncio.run() "
                         "does when it returns), or give each loop its own queue"
                     )
-                self.owner = self._solo = None
+                self.owner = self.local = self._solo = None
                 self.shared = True
                 if solo is not None and self._solo_thread != here:
                     self._settling = _Settling(solo, self._solo_thread)

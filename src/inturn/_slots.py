@@ -112,6 +112,22 @@ class Slots(Places):
         """The error of a slot not reached within limit."""
         return missed(f"a running slot (max_running={self.size})", limit)
 
+    def enter_now(self, holder: object) -> bool | None:
+        """Take a free slot for holder without waiting: True if taken, False if it holds one.
+
+        None if it must wait. The caller holds the guard.
+        """
+        if holder in self.holders:
+            return False
+        if not self.free or self.handed:
+            return None
+        # (Places.enter, written out: run() takes its slot here)
+        self.free -= 1
+        self.holders.add(holder)
+        if self.producers:
+            self.wake_producers_behind()
+        return True
+
     def _slot_or_wait(
         self, holder: object, timeout: float | None, limit: float | None, make: Callable[[], W]
     ) -> W | bool:
@@ -120,11 +136,9 @@ class Slots(Places):
         Return True if holder took a slot now, False if it holds one, else the
         waiter. Raise if there is no time to wait. The caller holds the guard.
         """
-        entered = self.enter(holder)
+        entered = self.enter_now(holder)
         if entered is not None:
-            if not entered and self.producers:
-                self.wake_producers_behind()
-            return not entered
+            return entered
         if timeout is not None and timeout <= 0:
             self.registry.tally.timed_out += 1
             raise self.missed(limit)

@@ -221,35 +221,74 @@ class Turn:
     async def __aenter__(self) -> Turn:
         if self._task is not None:
             raise RuntimeError("inturn: this keyed() turn is already entered; make one per block")
-        registry = self._registry
         try:
             task = _current_task()
         except RuntimeError:
             raise outside_asyncio("keyed()") from None
+        if not self._enter_now(task):
+            await self._enter(task)
+        return self
+
+    def _enter_now(self, task: Any) -> bool:
+        """Take the turn at once if that needs no wait and no lock; False to take it by _enter.
+
+        One free key on the queue's solo loop, in process, and a free
+        running slot if the queue has slots: the uncontended turn, with no
+        coroutine and no future (the facade's run() inlines the plainest case).
+        """
+        registry = self._registry
+        keys = self.keys
+        if len(keys) != 1 or task is None or task._loop is not registry.local:
+            return False
+        key = keys[0]
+        lines = registry.lines
+        if key in lines:
+            return False
+        slots = self._slots
+        if slots is None:
+            lines[key] = task
+            if registry.plain and self._hold is None:
+                self._task, self._taken = task, keys
+                self.token = next(registry.tokens)
+                return True
+            flow = _Flow()
+        else:
+            took = slots.enter_now(task)
+            if took is None:
+                return False
+            lines[key] = task
+            flow = _Flow()
+            flow.slot = took
+        flow.since = _monotonic()
+        self._flow = flow
+        self._task, self._taken = task, keys
+        self.token = next(registry.tokens)
+        if self._hold is not None:
+            flow.clock = _Clock(task, self._hold)
+        return True
+
+    async def _enter(self, task: Any) -> None:
+        """Take the turn, waiting in each key's line (and for a backend's grant, a slot)."""
+        registry = self._registry
         keys = self.keys
         backend = registry.backend
         if backend is not None:
             await self._enter_shared(registry, backend, task)
         elif len(keys) == 1 and task is not None and task._loop is registry.owner:
+            # What registry.take() does, inlined: a coroutine less per contended turn.
             key = keys[0]
             lines = registry.lines
-            line = lines.get(key)
-            if line is None:
-                lines[key] = task  # uncontended: as in run()
+            waiter = registry.join(key, task, lines.get(key), self._timeout)
+            if waiter is not True:  # True: this task holds the key already
+                if waiter is not False:
+                    line = lines[key]
+                    try:
+                        await waiter
+                    except BaseException as error:
+                        registry.abandon(key, line, waiter, error)
+                        raise
+                    line.holder = task
                 self._taken = keys
-            else:
-                # What registry.take() does, inlined: a coroutine less per contended turn.
-                waiter = registry.join(key, task, line, self._timeout)
-                if waiter is not True:  # True: this task holds the key already
-                    if waiter is not False:
-                        line = lines[key]
-                        try:
-                            await waiter
-                        except BaseException as error:
-                            registry.abandon(key, line, waiter, error)
-                            raise
-                        line.holder = task
-                    self._taken = keys
             self.token = next(registry.tokens)
         elif registry.plain:
             self._taken = await self._take_all(task, self._timeout)
@@ -263,7 +302,6 @@ class Turn:
             if self._flow is None:
                 self._flow = _Flow()
             self._flow.clock = _Clock(task, self._hold)
-        return self
 
     async def _take_all(self, task: Any, timeout: float | None) -> tuple[Hashable, ...]:
         """Take the turns of the keys (in the global order) within timeout; return those taken.
@@ -450,20 +488,31 @@ class Turn:
         Raises :exc:`~inturn.HoldTimeout` if its max_hold cut it, and what
         :meth:`_end_shared` raises on a shared backend.
         """
-        flow = self._flow
-        cut = None
-        if flow is not None and flow.clock is not None:
-            cut = flow.clock.stop(self.keys, error)
-            flow.clock = None
-            if cut is not None:
-                cut.__cause__ = error
-                error = cut
         if self._registry.backend is None:
-            self._release(error, result, cut is not None)
-        else:
-            await self._end_shared(error, result, cut is not None)
+            self._end_here(error, result)
+            return
+        cut = self._cut(error)
+        await self._end_shared(cut or error, result, cut is not None)
         if cut is not None:
             raise cut
+
+    def _end_here(self, error: BaseException | None, result: Any) -> None:
+        """_end() of a turn in process: nothing to await."""
+        cut = self._cut(error)
+        self._release(cut or error, result, cut is not None)
+        if cut is not None:
+            raise cut
+
+    def _cut(self, error: BaseException | None) -> HoldTimeout | None:
+        """Stop the max_hold clock; the HoldTimeout (caused by error) if it cut the work."""
+        flow = self._flow
+        if flow is None or flow.clock is None:
+            return None
+        cut = flow.clock.stop(self.keys, error)
+        flow.clock = None
+        if cut is not None:
+            cut.__cause__ = error
+        return cut
 
     def _release(self, error: BaseException | None, result: Any, cut: bool = False) -> None:
         """Release the running slot and every key this turn took, newest first; count the turn.
@@ -540,15 +589,26 @@ async def call_in_turn(
 
     The path of every async call that is not the facade's inlined one.
     """
-    await turn.__aenter__()
+    try:
+        task = _current_task()
+    except RuntimeError:
+        raise outside_asyncio("run()") from None
+    if not turn._enter_now(task):
+        await turn._enter(task)
     try:
         result = fn(*args, **kwargs)
         if isawaitable(result):
             result = await result
     except BaseException as error:
-        await turn._end(error, None)
+        if turn._registry.backend is None:
+            turn._end_here(error, None)
+        else:
+            await turn._end(error, None)
         raise
-    await turn._end(None, result)
+    if turn._registry.backend is None:
+        turn._end_here(None, result)
+    else:
+        await turn._end(None, result)
     return result
 
 
