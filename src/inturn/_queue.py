@@ -241,11 +241,11 @@ class KeyedQueue:
         :raises TypeError: ``key`` is unhashable or ``fn`` is not callable.
         """
         # The hot path of the library: every line of it is measured.
+        registry = self._registry
         try:
-            task = _current_task()
+            task = registry.current_task()
         except RuntimeError:
             raise outside_asyncio("run()") from None
-        registry = self._registry
         lines = registry.lines
         try:
             line = lines.get(key)

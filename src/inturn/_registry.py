@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import sys
 import threading
 from collections.abc import Hashable
 from contextlib import AbstractContextManager, nullcontext
@@ -29,7 +30,11 @@ from ._errors import QueueClosed, QueueFull
 from ._keys import describe, order_keys, unhashable
 from ._line import Drain, Gate, Line, ThreadWaiter, Waiter, held_by, wake
 from ._stats import Tally
+from ._tasks import current_task as _current_task
 from ._tasks import in_loop_of as _soon
+
+if sys.version_info < (3, 12):  # pragma: no cover - depends on the interpreter
+    from ._tasks import task_of_loop
 
 if TYPE_CHECKING:
     from .backends._base import Backend
@@ -111,6 +116,7 @@ class Registry:
         "_lock",
         "_settling",
         "_solo",
+        "_solo_at",
         "_solo_thread",
         "backend",
         "concurrency",
@@ -147,6 +153,8 @@ class Registry:
         # loop is known to be between steps (see _Settling).
         self._solo: asyncio.AbstractEventLoop | None = None
         self._solo_thread = 0
+        # (_solo_thread, _solo), set in one store for current_task()
+        self._solo_at: tuple[int, asyncio.AbstractEventLoop | None] = (0, None)
         self.shared = False
         self._lock = threading.Lock()
         self._arrival = threading.Lock()
@@ -158,6 +166,27 @@ class Registry:
         # (Turn.enter_now): the solo loop while the queue is open and holds
         # its lines in process, one holder per key; else None.
         self.local: asyncio.AbstractEventLoop | None = None
+
+    if sys.version_info >= (3, 12):  # in C: cheap
+        current_task = staticmethod(_current_task)
+    else:  # pragma: no cover - depends on the interpreter
+
+        def current_task(self) -> asyncio.Task[Any] | None:
+            """asyncio.current_task(), looked up directly in the solo loop's own thread.
+
+            (Before 3.12, current_task() is Python and calls getpid(): most of
+            an uncontended turn's cost. One loop runs in a thread at a time,
+            so in the solo loop's thread, a task running a step of it is this
+            caller's; else, or outside a task, ask asyncio.)
+
+            :raises RuntimeError: no event loop runs in this thread.
+            """
+            thread, loop = self._solo_at  # (one read: a consistent pair)
+            if get_ident() == thread:
+                task = task_of_loop(loop)
+                if task is not None:
+                    return task
+            return _current_task()
 
     def close(self) -> None:
         """Refuse new turns (a holder may still take its keys again)."""
@@ -185,6 +214,7 @@ class Registry:
                 ):
                     self._solo = loop
                     self._solo_thread = here
+                    self._solo_at = (here, loop)
                     quick = self.open and self.backend is None and self.concurrency == 1
                     self.local = loop if quick else None
                     self.owner = loop if quick and self.plain else None
@@ -197,6 +227,7 @@ class Registry:
                         "does when it returns), or give each loop its own queue"
                     )
                 self.owner = self.local = self._solo = None
+                self._solo_at = (0, None)
                 self.shared = True
                 if solo is not None and self._solo_thread != here:
                     self._settling = _Settling(solo, self._solo_thread)

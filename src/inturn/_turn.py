@@ -222,7 +222,7 @@ class Turn:
         if self._task is not None:
             raise RuntimeError("inturn: this keyed() turn is already entered; make one per block")
         try:
-            task = _current_task()
+            task = self._registry.current_task()
         except RuntimeError:
             raise outside_asyncio("keyed()") from None
         if not self._enter_now(task):
@@ -590,7 +590,7 @@ async def call_in_turn(
     The path of every async call that is not the facade's inlined one.
     """
     try:
-        task = _current_task()
+        task = turn._registry.current_task()
     except RuntimeError:
         raise outside_asyncio("run()") from None
     if not turn._enter_now(task):
