@@ -7,7 +7,17 @@ import inspect
 import threading
 from collections.abc import Callable, Coroutine, Hashable
 from types import FunctionType
-from typing import TYPE_CHECKING, Any, Concatenate, Final, Protocol, TypeVar, final, overload
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Concatenate,
+    Final,
+    NamedTuple,
+    Protocol,
+    TypeVar,
+    final,
+    overload,
+)
 
 import wrapt
 from typing_extensions import ParamSpec
@@ -21,8 +31,16 @@ from ._tasks import in_loop_of, outside_asyncio
 
 if TYPE_CHECKING:
     from ._queue import KeyedQueue
+    from .backends._base import Backend
 
-__all__ = ("Decorator", "QueuedFunction", "SyncQueuedFunction", "decorate", "is_decoratable")
+__all__ = (
+    "Decorator",
+    "QueuedFunction",
+    "Runner",
+    "SyncQueuedFunction",
+    "decorate",
+    "is_decoratable",
+)
 
 P = ParamSpec("P")
 P2 = ParamSpec("P2")
@@ -32,6 +50,22 @@ T = TypeVar("T")
 
 # (key, args, kwargs) -> the coroutine that runs the decorated function in key's turn
 _Start = Callable[[Any, tuple[Any, ...], dict[str, Any]], Coroutine[Any, Any, Any]]
+
+
+class Runner(NamedTuple):
+    """What the decorator uses of a queue: the queue builds it (see KeyedQueue.queue_by_key)."""
+
+    #: The queue, the decorated function's ``.queue``: its public settings.
+    queue: KeyedQueue
+    #: ``queue.run``: a call's turn on one key with the queue's settings (the hot path).
+    run: Callable[..., Coroutine[Any, Any, Any]]
+    #: ``(keys, fn, args, kwargs, timeout, max_hold)``: the turns of several keys, or
+    #: with settings of the call's own, as ``keyed()`` takes them.
+    run_keyed: Callable[..., Coroutine[Any, Any, Any]]
+    #: ``(keys, fn, args, kwargs, timeout)``: the same for a thread, blocking it.
+    run_keyed_sync: Callable[..., Any]
+    #: The queue's shared backend, or None: it serves async callers only.
+    backend: Backend | None
 
 
 class QueuedFunction(Protocol[P, R_co]):
@@ -307,7 +341,7 @@ def is_decoratable(obj: object) -> bool:
 
 
 def decorate(
-    queue: KeyedQueue,
+    runner: Runner,
     fn: Any,
     key: KeySpec,
     keys: KeysSpec | None,
@@ -316,12 +350,13 @@ def decorate(
     max_hold: float | _Unset | None,
 ) -> Any:
     """Apply queue_by_key to fn, or return the decorator when fn is None."""
+    queue = runner.queue
     limit = queue.timeout if isinstance(timeout, _Unset) else _check_timeout(timeout)
     hold = queue.max_hold if isinstance(max_hold, _Unset) else _check_hold(max_hold)
     if not isinstance(coalesce, bool):
         raise TypeError(f"inturn: coalesce must be True or False, got {coalesce!r}")
     if fn is None:
-        return lambda fn: decorate(queue, fn, key, keys, limit, coalesce, hold)
+        return lambda fn: decorate(runner, fn, key, keys, limit, coalesce, hold)
     kind = type(fn) if isinstance(fn, classmethod | staticmethod) else FunctionType
     target = fn.__func__ if kind is not FunctionType else fn
     if not callable(target) or isinstance(target, type):
@@ -333,13 +368,13 @@ def decorate(
                 f"{function_name(target)} is a plain def (its calls block their thread); "
                 "decorate an async def, or leave max_hold out"
             )
-        return _decorate_sync(queue, fn, kind, target, key, keys, limit, coalesce)
+        return _decorate_sync(runner, fn, kind, target, key, keys, limit, coalesce)
     extract, several = compile_key(target, key, keys)
     # Calls arrive with args as target receives them: the instance or class
     # first for methods (see _BoundQueued).
     if several or limit != queue.timeout or hold != queue.max_hold:
         # keys=, or a timeout or max_hold of its own: turns are taken as keyed() takes them
-        run_keyed = queue._run_keyed
+        run_keyed = runner.run_keyed
 
         def start(
             key: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -347,7 +382,7 @@ def decorate(
             return run_keyed(key if several else (key,), target, args, kwargs, limit, hold)
 
     else:
-        run = queue.run
+        run = runner.run
 
         def start(
             key: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -370,7 +405,7 @@ def decorate(
 
 
 def _decorate_sync(
-    queue: KeyedQueue,
+    runner: Runner,
     fn: Any,
     kind: type[Any],
     target: Callable[..., Any],
@@ -380,10 +415,10 @@ def _decorate_sync(
     coalesce: bool,
 ) -> Any:
     """Apply queue_by_key to a plain def: its calls block their thread for the turn."""
-    if queue._backend is not None:
+    if runner.backend is not None:
         raise TypeError(
             f"inturn: {function_name(target)} is a plain def, and this queue's backend "
-            f"({queue._backend!r}) serves async callers only; decorate an async def"
+            f"({runner.backend!r}) serves async callers only; decorate an async def"
         )
     if coalesce:
         raise TypeError(
@@ -391,7 +426,7 @@ def _decorate_sync(
             f"{function_name(target)} is a plain def"
         )
     extract, several = compile_key(target, key, keys)
-    run_keyed = queue._run_keyed_sync
+    run_keyed = runner.run_keyed_sync
 
     if several:
 
@@ -403,4 +438,4 @@ def _decorate_sync(
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:
             return run_keyed((extract(args, kwargs),), target, args, kwargs, limit)
 
-    return _queued_type(call)(fn, kind, queue, extract)
+    return _queued_type(call)(fn, kind, runner.queue, extract)

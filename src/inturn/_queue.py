@@ -701,16 +701,17 @@ class KeyedQueue:
         :raises ValueError: at decoration, a template names a parameter the
             function does not have.
         """
-        from ._decorator import decorate, is_decoratable
+        from ._decorator import Runner, decorate, is_decoratable
 
+        runner = Runner(self, self.run, self._run_keyed, self._run_keyed_sync, self._backend)
         if is_decoratable(fn):
             if key is not None or keys is not None:
                 raise TypeError(
                     "inturn: queue_by_key() takes the function to decorate, or key=/keys=, "
                     f"not both; got {describe(fn)} by position"
                 )
-            return decorate(self, fn, None, None, timeout, coalesce, max_hold)
-        return decorate(self, None, key, keys, timeout, coalesce, max_hold)
+            return decorate(runner, fn, None, None, timeout, coalesce, max_hold)
+        return decorate(runner, None, key, keys, timeout, coalesce, max_hold)
 
     # -- the lines --------------------------------------------------------------
 
