@@ -19,7 +19,7 @@ import asyncio
 import itertools
 import sys
 import threading
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from threading import get_ident
 from time import monotonic as _monotonic
 from typing import TYPE_CHECKING, Any, final
@@ -460,6 +460,17 @@ class Registry:
                     self.leave(key, line, error, result)
         elif (line := self.lines.pop(key)) is not holder:
             self.leave(key, line, error, result)
+
+    def release_all(
+        self,
+        keys: Sequence[Hashable],
+        holder: object,
+        error: BaseException | None,
+        result: Any,
+    ) -> None:
+        """End holder's turns on keys (taken in that order), newest first."""
+        for key in reversed(keys):
+            self.release(key, holder, error, result)
 
     def leave(self, key: Hashable, line: Line, error: BaseException | None, result: Any) -> None:
         """End the turn of line's holder, just popped from the lines.

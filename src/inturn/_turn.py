@@ -333,8 +333,7 @@ class Turn:
                 if await registry.take(key, task, deadline.left(), limit):
                     taken.append(key)  # noqa: PERF401 - one at a time: the rollback needs them
         except BaseException as error:
-            for key in reversed(taken):
-                registry.release(key, task, error, None)
+            registry.release_all(taken, task, error, None)
             raise
         return tuple(taken)
 
@@ -349,8 +348,7 @@ class Turn:
             try:
                 flow.slot = await self._slots.take(task, deadline.left(), timeout)
             except BaseException as error:
-                for key in reversed(taken):
-                    registry.release(key, task, error, None)
+                registry.release_all(taken, task, error, None)
                 raise
         self._taken = taken
         flow.since = registry.started(start)
@@ -375,8 +373,7 @@ class Turn:
                 try:
                     flow.slot = self._slots.take_sync(holder, deadline.left(), self._timeout)
                 except BaseException as error:
-                    for key in reversed(taken):
-                        registry.release(key, holder, error, None)
+                    registry.release_all(taken, holder, error, None)
                     raise
             flow.since = registry.started(start)
             self._flow = flow
@@ -417,8 +414,7 @@ class Turn:
                 if registry.take_sync(key, me, deadline.left(), self._timeout):
                     taken.append(key)  # noqa: PERF401 - one at a time: the rollback needs them
         except BaseException as error:
-            for key in reversed(taken):
-                registry.release(key, me, error, None)
+            registry.release_all(taken, me, error, None)
             raise
         return me, tuple(taken)
 
@@ -462,8 +458,7 @@ class Turn:
                 for grant in reversed(grants):
                     await _settle(backend.release(grant))
             finally:
-                for key in reversed(taken):
-                    registry.release(key, task, error, None)
+                registry.release_all(taken, task, error, None)
             raise
         self._taken = tuple(taken)
         self._shared = _Shared(grants, tokens, holders, outer)
@@ -542,8 +537,7 @@ class Turn:
         if flow is not None and flow.slot:
             assert self._slots is not None
             self._slots.vacate(task)
-        for key in reversed(taken):
-            registry.release(key, task, error, result)
+        registry.release_all(taken, task, error, result)
         if taken:
             registry.ended(error, cut, 0.0 if flow is None else flow.since)
 
