@@ -20,9 +20,10 @@ import itertools
 import sys
 import threading
 from collections.abc import Hashable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from threading import get_ident
 from time import monotonic as _monotonic
-from typing import TYPE_CHECKING, Any, final
+from typing import TYPE_CHECKING, Any, Final, final
 
 from ._checks import missed
 from ._errors import QueueClosed, QueueFull
@@ -62,6 +63,10 @@ def _outcome(future: asyncio.Future[Any], error: BaseException | None, result: A
         future.exception()  # the holder's own caller gets the error; don't log it again
     else:  # cancelled, or interrupted
         future.cancel()
+
+
+#: What a solo registry's changes of its lines hold instead of the lock.
+_UNLOCKED: Final = nullcontext()
 
 
 def _gone(loop: asyncio.AbstractEventLoop, thread: int) -> bool:
@@ -228,17 +233,13 @@ class Registry:
                     self._settling = _Settling(solo, self._solo_thread)
         return False
 
-    def guard(self) -> threading.Lock:
-        """What to hold while changing the lines: the lock (once shared, when it is safe).
+    def guard(self) -> AbstractContextManager[object]:
+        """What to hold while changing the lines: the lock once shared, else nothing."""
+        return self.locked() if self.shared else _UNLOCKED
 
-        A solo registry's lines need no lock, but an uncontended lock is
-        taken in C, where a do-nothing context manager runs two Python calls.
-        """
-        return self.locked() if self.shared else self._lock
-
-    def guard_for(self, loop: asyncio.AbstractEventLoop) -> threading.Lock:
+    def guard_for(self, loop: asyncio.AbstractEventLoop) -> AbstractContextManager[object]:
         """guard() for a task of loop, which may first settle the registry's mode (arrive)."""
-        return self._lock if loop is self._solo or self.arrive(loop) else self.locked()
+        return _UNLOCKED if loop is self._solo or self.arrive(loop) else self.locked()
 
     def locked(self) -> threading.Lock:
         """The lock of a shared registry's lines, once it is safe to take (see _Settling)."""
