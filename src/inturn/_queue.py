@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
-from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Hashable
 from contextlib import AbstractContextManager, nullcontext
 from inspect import isawaitable
@@ -17,7 +16,6 @@ from typing import TYPE_CHECKING, Any, Final, Literal, NoReturn, TypeVar, final,
 from ._checks import UNSET, Deadline, check_count, check_hold, check_timeout, missed
 from ._checks import Unset as _Unset
 from ._errors import QueueClosed, QueueFull
-from ._flow import Batch, Handle, QueueStats, _unawaited, failures
 from ._keys import KeySpec, KeysSpec, describe, order_keys, unhashable
 from ._line import Drain as _Drain
 from ._line import Gate as _Gate
@@ -27,7 +25,9 @@ from ._line import Waiter as _Waiter
 from ._line import held_by as _held_by
 from ._line import resolve as _resolve
 from ._line import wake as _wake
+from ._stats import QueueStats
 from ._stats import Tally as _Tally
+from ._submit import Batch, Handle, failures, submit, unawaited, wake_producers_behind
 from ._tasks import current_task as _current_task
 from ._tasks import in_loop_of as _soon
 from ._tasks import outside_asyncio, running_loop
@@ -75,6 +75,9 @@ def _outcome(future: asyncio.Future[Any], error: BaseException | None, result: A
         future.cancel()
 
 
+#: Submitted work waiting in a line as data, beside the waiters of _line (see _submit).
+_SUBMITTED: Final[type[Any]] = Handle
+
 #: What a solo queue's changes of its lines hold instead of the lock.
 _UNLOCKED: Final = nullcontext()
 
@@ -111,31 +114,6 @@ class _Settling:
         while not self.done.wait(0.005):
             if not self.loop.is_running():  # stopped: no step in progress
                 self.done.set()
-
-
-@final
-class _Placing:
-    """A submitted work, until its task started (and took a slot, or lined up for one)."""
-
-    __slots__ = ("counted", "queue", "slots")
-
-    def __init__(self, queue: KeyedQueue, slots: _Gate, counted: bool) -> None:
-        self.queue = queue
-        self.slots = slots
-        self.counted = counted  # in slots.unplaced
-        if counted:
-            with queue._guard():
-                slots.unplaced += 1
-
-    def started(self, _: object = None) -> None:
-        """Count the work as placed (once): a producer may go if a slot is left."""
-        if self.counted:
-            self.counted = False
-            slots = self.slots
-            with self.queue._guard():
-                slots.unplaced -= 1
-            if slots.producers and slots.free > slots.unplaced:
-                self.queue._next_producer(slots)
 
 
 @final
@@ -516,18 +494,23 @@ class KeyedQueue:
     async def submit(
         self, key: Hashable, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
     ) -> Handle[Any]:
-        """Queue ``fn(*args, **kwargs)`` in ``key``'s line as a task of its own; return its handle.
+        """Queue ``fn(*args, **kwargs)`` in ``key``'s line; return its handle.
 
-        The work runs as :meth:`run` would run it, in a new task, which
-        joins the key's line before any work submitted later (so the key's
-        works run in submission order). With ``max_running`` it also applies
-        backpressure: while every running slot is busy, or promised to works
-        submitted but not started yet, it waits until one frees, unless the
-        work will queue behind its key's running work (which holds a slot
-        already) or the caller runs in a slot itself (a work submitting more
-        work never waits on itself). Without waiting it does not yield to
-        the event loop: a producer submits a burst at the cost of a task
-        each.
+        The work joins the key's line at this call, in arrival order with
+        every other caller of the key (:meth:`run`, :meth:`keyed`, threads,
+        other submissions), and runs as :meth:`run` would run it, in a task
+        of its own. While the key is busy it waits in the line as data, not
+        as a task: its task is made when the line hands it the key (so a hot
+        key's backlog costs no task per work). It runs in the context that
+        this call had (contextvars), and its wait counts in the queue's
+        ``timeout``.
+
+        With ``max_running`` it also applies backpressure: while every
+        running slot is busy, or promised to works submitted but not started
+        yet, it waits until one frees, unless the work will wait in its
+        key's line (the key is busy) or the caller runs in a slot itself (a
+        work submitting more work never waits on itself). Without waiting it
+        does not yield to the event loop.
 
         Await the returned :class:`~inturn.Handle` for the work's result, or
         cancel it. An error that nobody awaits is raised later by
@@ -540,121 +523,7 @@ class KeyedQueue:
         :raises TypeError: ``key`` is unhashable (or, with a backend, not
             ``str``, ``bytes`` or ``int``), or ``fn`` is not callable.
         """
-        return await self._submit(key, fn, args, kwargs, self._unclaimed)
-
-    async def _submit(
-        self,
-        key: Hashable,
-        fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        failed: list[Handle[Any]],
-        track: Callable[[Handle[Any]], object] | None = None,
-    ) -> Handle[Any]:
-        """submit(): the handle goes to failed if it fails and nobody awaits it; track sees it."""
-        if not callable(fn):
-            raise TypeError(f"inturn: submit() needs a callable, got {describe(fn)}")
-        keys = self._ordered((key,))
-        if not self._open:
-            raise QueueClosed(
-                f"inturn: the queue is closed; the work for key {describe(key)} was not queued"
-            )
-        loop = running_loop("submit()")
-        slots = self._slots
-        if slots is None:
-            task = loop.create_task(
-                self._run_keyed(keys, fn, args, kwargs, self._timeout, self._max_hold)
-            )
-        else:
-            me = _current_task()
-            needs = me not in slots.holders and not self._behind_running(key)
-            again = False
-            # Works submitted but not started yet each take a free slot when they start.
-            while needs and slots.free <= slots.unplaced:
-                await self._vacancy(slots, key, loop, again)
-                again = True  # woken, but the slot may have gone to work already queued
-                needs = me not in slots.holders and not self._behind_running(key)
-            placing = _Placing(self, slots, needs)
-            task = loop.create_task(self._run_placed(placing, keys, fn, args, kwargs))
-            task.add_done_callback(placing.started)  # (cancelled before its first step)
-            if slots.free > slots.unplaced and slots.producers:
-                self._next_producer(slots)  # a slot is still free: the next producer may go
-        handle: Handle[Any] = Handle(task, key, failed)
-        handles = self._handles
-        handles.add(handle)
-        task.add_done_callback(lambda _: handles.discard(handle))
-        if track is not None:
-            track(handle)
-        return handle
-
-    async def _run_placed(
-        self,
-        placing: _Placing,
-        keys: tuple[Hashable, ...],
-        fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        """A submitted work's task on a queue with running slots: it counts as placed at once."""
-        placing.started()
-        return await self._run_keyed(keys, fn, args, kwargs, self._timeout, self._max_hold)
-
-    def _behind_running(self, key: Hashable) -> bool:
-        """Whether work for key would queue behind its key's running work (holding a slot)."""
-        assert self._slots is not None
-        running = self._slots.holders
-        line = self._lines.get(key)
-        if line is None:
-            return False
-        if type(line) is _Line:
-            return line.holder in running
-        if type(line) is _Gate:
-            return not line.free and not line.holders.isdisjoint(running)
-        return line in running
-
-    async def _vacancy(
-        self, slots: _Gate, key: Hashable, loop: asyncio.AbstractEventLoop, again: bool
-    ) -> None:
-        """Wait, FIFO among producers, until a running slot frees or key's work runs.
-
-        ``again``: at the head of the producers (it was woken, but lost the slot).
-        """
-        producer: asyncio.Future[None] = loop.create_future()
-        with self._guard():
-            if slots.producers is None:
-                slots.producers = deque()
-            if again:
-                slots.producers.appendleft((producer, key))
-            else:
-                slots.producers.append((producer, key))
-        try:
-            await producer
-        except BaseException:
-            if producer.done() and not producer.cancelled():  # woken, then cancelled: pass it on
-                self._next_producer(slots)
-            producer.cancel()
-            raise
-
-    def _next_producer(self, slots: _Gate) -> None:
-        """Wake the first producer waiting in submit() for a slot, if any."""
-        with self._guard():
-            slots.wake_producer()
-
-    def _wake_producers_behind(self, slots: _Gate) -> None:
-        """Wake the producers whose key's work just got a running slot (they need none).
-
-        The caller holds the guard.
-        """
-        assert slots.producers is not None
-        still: deque[tuple[asyncio.Future[None], Hashable]] = deque()
-        for producer, key in slots.producers:
-            if producer.done():
-                continue
-            if self._behind_running(key):
-                _soon(producer, _resolve, producer)
-            else:
-                still.append((producer, key))
-        slots.producers = still
+        return await submit(self, key, fn, args, kwargs, self._unclaimed, None)
 
     def batch(self, *, on_error: Literal["wait", "cancel"] = "wait") -> Batch:
         """Scope submissions: ``async with queue.batch() as batch: await batch.submit(...)``.
@@ -1164,7 +1033,7 @@ class KeyedQueue:
         entered = slots.enter(holder)
         if entered is not None:
             if not entered and slots.producers:
-                self._wake_producers_behind(slots)
+                wake_producers_behind(self, slots)
             return not entered
         if timeout is not None and timeout <= 0:
             self._tally.timed_out += 1
@@ -1178,7 +1047,7 @@ class KeyedQueue:
         """Record holder in the slot its waiter was handed. The caller holds the guard."""
         slots.settle(waiter, holder, self._shared)
         if slots.producers:
-            self._wake_producers_behind(slots)
+            wake_producers_behind(self, slots)
 
     def _slotless(self, timeout: float | None) -> TimeoutError:
         size = self._slots.size if self._slots is not None else 0
@@ -1233,7 +1102,11 @@ class KeyedQueue:
                 # another loop may run at once and make itself the holder.
                 line.holder = waiter
                 self._lines[key] = line
-                if shared:
+                if type(waiter) is _SUBMITTED:  # submitted work waiting as data: its task starts
+                    if not waiter._handed():  # type: ignore[union-attr]  # its loop is closed
+                        del self._lines[key]
+                        continue
+                elif shared:
                     if not _wake(waiter):  # its loop is closed: its task is gone
                         del self._lines[key]
                         continue
@@ -1394,7 +1267,7 @@ class KeyedQueue:
         await asyncio.sleep(0)  # let tasks created before this call submit their work
         future = loop.create_future()
         # their tasks end just after they leave the lines: wait for that too
-        submitted = [h._task for h in self._handles if h._task.get_loop() is loop]
+        submitted = [h._future for h in self._handles if h._future.get_loop() is loop]
         # the last mark may be reached in another thread, once the queue is shared
         with self._guard_for(loop):
             marked = self._mark(lambda: _soon(future, _resolve, future))
@@ -1403,7 +1276,7 @@ class KeyedQueue:
         if submitted:
             await asyncio.wait(submitted)
         if raise_errors and self._unclaimed:
-            errors = _unawaited(self._unclaimed)
+            errors = unawaited(self._unclaimed)
             self._unclaimed.clear()
             if errors:
                 raise failures(

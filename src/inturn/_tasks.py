@@ -18,6 +18,7 @@ from typing import Any
 __all__ = (
     "abandon_task",
     "abandon_transport",
+    "call_soon_in",
     "current_task",
     "in_loop_of",
     "outside_asyncio",
@@ -53,6 +54,18 @@ def in_loop_of(future: asyncio.Future[Any], callback: Callable[..., None], *args
     try:
         loop.call_soon_threadsafe(callback, *args)
     except RuntimeError:  # closed: nobody awaits the future any more
+        return False
+    return True
+
+
+def call_soon_in(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -> bool:
+    """Schedule callback() in loop, from any thread; False if that loop is closed."""
+    try:
+        if loop is asyncio._get_running_loop():
+            loop.call_soon(callback)
+        else:
+            loop.call_soon_threadsafe(callback)
+    except RuntimeError:  # closed: nothing runs there any more
         return False
     return True
 

@@ -1,0 +1,752 @@
+"""submit() and batch(): work queued as data in its key's line, producers' backpressure.
+
+A submission joins its key's line when ``submit()`` is called, in arrival
+order with every other caller of the key (tasks, threads, other
+submissions). Taking a free key, it becomes the key's holder at once and
+its task starts; finding the key busy, it waits in the key's line as data
+(its :class:`Handle`: the function, its arguments, the context), costing no
+task, and its task is made only when the line hands it the key. So a hot
+key's backlog waits as data, and the tasks alive stay bounded by the
+running slots and the producers' backpressure.
+
+NOTE: the hand-off (``KeyedQueue._leave``) makes a waiting Handle the
+line's holder before its task exists, as it does a waiter future; the
+task, scheduled in the Handle's loop, then makes itself the holder. A Handle
+cancelled or timed out between the two passes the turn on.
+
+On a queue with a backend, or with ``concurrency`` above 1, a submission is
+a task of its own from the start, which takes its turn as ``run()`` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import sys
+from collections import deque
+from collections.abc import Awaitable, Callable, Generator, Hashable
+from inspect import isawaitable
+from time import monotonic as _monotonic
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, final, overload
+
+from ._checks import missed
+from ._errors import QueueClosed, QueueFull
+from ._keys import describe
+from ._line import Gate as _Gate
+from ._line import Line as _Line
+from ._line import resolve as _resolve
+from ._tasks import call_soon_in as _call_soon_in
+from ._tasks import current_task as _current_task
+from ._tasks import in_loop_of as _soon
+from ._tasks import outside_asyncio, running_loop
+from ._turn import _Clock
+
+if sys.version_info < (3, 11):  # pragma: no cover - depends on the interpreter
+    from exceptiongroup import BaseExceptionGroup
+
+if TYPE_CHECKING:
+    from typing_extensions import ParamSpec
+
+    from ._queue import KeyedQueue
+
+    P = ParamSpec("P")
+
+__all__ = ("Batch", "Handle", "failures", "submit", "wake_producers_behind")
+
+R = TypeVar("R")
+
+# Where a Handle is (Handle._stage).
+_UNPLACED = 0  # in no line: refused, or its own task takes the turn (backend, concurrency)
+_PLACED = 1  # holds its key, or waits in its line as data; its task has not run yet
+_STARTED = 2  # its task runs (or ran)
+
+
+@final
+class Handle(Generic[R]):
+    """Work given to :meth:`~inturn.KeyedQueue.submit`: await it for its outcome, or cancel it.
+
+    ``await handle`` returns the work's result or raises its exception, as
+    often as it is awaited. Awaiting it, or cancelling the awaiter, never
+    affects the work; :meth:`cancel` does, whether the work still waits in
+    its key's line or runs. The error of a handle that nobody awaited is not
+    lost: its batch raises it when it exits (see
+    :meth:`~inturn.KeyedQueue.batch`), or, outside a batch, ``await
+    queue.drain(raise_errors=True)``. It is never logged as "Task exception
+    was never retrieved".
+    """
+
+    # NOTE: while the work waits in its key's line, this object is the
+    # line's waiter (done() once it left); its task exists only from its turn.
+    __slots__ = (
+        "_args",
+        "_awaited",
+        "_batch",
+        "_callbacks",
+        "_context",
+        "_counted",
+        "_failed",
+        "_fn",
+        "_future",
+        "_kwargs",
+        "_line",
+        "_queue",
+        "_since",
+        "_stage",
+        "_task",
+        "_timer",
+        "key",
+    )
+
+    #: The key the work was submitted under.
+    key: Hashable
+
+    def __init__(
+        self,
+        queue: KeyedQueue,
+        key: Hashable,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        future: asyncio.Future[R],
+        failed: list[Handle[Any]],
+        batch: Batch | None,
+    ) -> None:
+        self._queue = queue
+        self.key = key
+        self._fn = fn
+        self._args = args
+        self._kwargs = kwargs
+        self._future = future  # the work's outcome: every answer of the handle reads it
+        self._failed = failed  # where the handle goes if it fails and nobody awaited it
+        self._batch = batch
+        self._task: asyncio.Task[R] | None = None  # the work's task, from its turn on
+        self._line: _Line | None = None  # the line it joined as data (None: it took a free key)
+        self._context: contextvars.Context | None = None  # submit()'s, while waiting as data
+        self._timer: asyncio.TimerHandle | None = None  # the queue's timeout, while waiting
+        self._since = 0.0  # when it was submitted (monotonic), on a queue that times turns
+        self._stage = _UNPLACED
+        self._counted = False  # counted in the running slots' `unplaced`
+        self._awaited = False  # whether someone awaited the outcome (so got its error)
+        # add_done_callback's callbacks, each with what the future calls instead (made on first use)
+        self._callbacks: list[tuple[Callable[[Handle[R]], object], Callable[..., object]]] | None
+        self._callbacks = None
+
+    def __await__(self) -> Generator[Any, None, R]:
+        future = self._future
+        try:
+            return (yield from asyncio.shield(future).__await__())
+        finally:
+            if future.done():  # the outcome reached this awaiter
+                self._awaited = True
+
+    def done(self) -> bool:
+        """Whether the work has finished: returned, raised, or was cancelled."""
+        return self._future.done()
+
+    def cancelled(self) -> bool:
+        """Whether the work was cancelled (before its turn, or while it ran)."""
+        return self._future.cancelled()
+
+    def result(self) -> R:
+        """The work's result, as :meth:`asyncio.Future.result`: raise its error if it failed.
+
+        :raises asyncio.InvalidStateError: the work has not finished.
+        :raises asyncio.CancelledError: the work was cancelled.
+        """
+        future = self._future
+        if future.done() and not future.cancelled():
+            self._awaited = True  # its error, if any, reaches this caller
+        return future.result()
+
+    def exception(self) -> BaseException | None:
+        """The work's error, or None if it returned, as :meth:`asyncio.Future.exception`.
+
+        An error read here counts as retrieved: no batch or
+        ``drain(raise_errors=True)`` raises it again.
+
+        :raises asyncio.InvalidStateError: the work has not finished.
+        :raises asyncio.CancelledError: the work was cancelled.
+        """
+        future = self._future
+        if future.done() and not future.cancelled():
+            self._awaited = True
+        return future.exception()
+
+    def add_done_callback(
+        self, fn: Callable[[Handle[R]], object], *, context: contextvars.Context | None = None
+    ) -> None:
+        """Call ``fn(handle)`` once the work has finished, in the loop it runs in.
+
+        As :meth:`asyncio.Future.add_done_callback`: scheduled with
+        ``call_soon`` (at once if it has finished already), in ``context``
+        or a copy of the current one. Reading the outcome is up to ``fn``:
+        an error it does not read with :meth:`result` or :meth:`exception`
+        is still raised by the batch or by ``drain(raise_errors=True)``.
+        """
+
+        def call(_: object) -> None:
+            fn(self)
+
+        if self._callbacks is None:
+            self._callbacks = []
+        self._callbacks.append((fn, call))
+        self._future.add_done_callback(call, context=context)
+
+    def remove_done_callback(self, fn: Callable[[Handle[R]], object]) -> int:
+        """Remove every registration of ``fn`` by :meth:`add_done_callback`; return how many."""
+        kept = []
+        removed = 0
+        for added, call in self._callbacks or ():
+            if added == fn:
+                removed += self._future.remove_done_callback(call)
+            else:
+                kept.append((added, call))
+        self._callbacks = kept
+        return removed
+
+    def cancel(self, msg: object = None) -> bool:
+        """Cancel the work: it leaves its line, or is cancelled at its next ``await``.
+
+        Work still waiting in its key's line leaves it without disturbing
+        anyone behind; work handed its turn at that moment passes it on.
+        Return False if it has finished already. Awaiting the handle then
+        raises :exc:`asyncio.CancelledError`.
+        """
+        future = self._future
+        if future.done():
+            return False
+        task = self._task
+        if task is not None:
+            return task.cancel(msg)  # (a task that never ran gives up its place: _done)
+        # waiting as data, or handed the key with its task not made yet
+        future.cancel(msg)  # first: done, so that a hand-off skips it
+        self._leave_line(asyncio.CancelledError())
+        return True
+
+    def __repr__(self) -> str:
+        future = self._future
+        if not future.done():
+            state = "pending" if self._task is not None else "waiting in line"
+        elif future.cancelled():
+            state = "cancelled"
+        elif future.exception() is not None:
+            state = f"failed: {describe(future.exception())}"
+        else:
+            state = "done"
+        return f"<Handle key={describe(self.key)} {state}>"
+
+    # -- its life -----------------------------------------------------------------
+
+    def _leave_line(self, error: BaseException) -> None:
+        """Leave the key's line, where it waits or holds the key (passing it on); finish.
+
+        The outcome is set already (done: a hand-off skips it); error is
+        what the stats count.
+        """
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        queue = self._queue
+        if self._stage == _PLACED:
+            self._stage = _UNPLACED
+            with queue._guard():
+                if self._counted:
+                    _uncount(self, queue._slots)
+                key = self.key
+                line = self._line
+                if line is None:  # it took the free key: lines[key] is it, or a Line it holds
+                    held = queue._lines[key]
+                    if held is self:
+                        del queue._lines[key]
+                    else:
+                        queue._drop(key, held, self)  # type: ignore[arg-type]
+                else:  # (the line may have left the lines since: as _abandon's)
+                    queue._drop(key, line, self)  # type: ignore[arg-type]
+                queue._tally.missed(error)
+        self._finish()
+
+    def _expire(self, timeout: float) -> None:
+        """The queue's timeout ran out while the work waited in its key's line."""
+        self._timer = None
+        future = self._future
+        if future.done():
+            return
+        queue = self._queue
+        with queue._guard():
+            line = queue._lines.get(self.key)
+            if line is self or (type(line) is _Line and line.holder is self):
+                return  # handed the key just now: its task takes the rest of the time
+            future.set_exception(missed(f"the turn for key {describe(self.key)}", timeout))
+        future.exception()  # retrieved: it reaches the handle's awaiters, or its batch
+        self._leave_line(future.exception())  # type: ignore[arg-type]
+
+    def _handed(self) -> bool:
+        """The line was handed to this work: start its task, in its loop.
+
+        Return False if its loop is closed: nothing will ever run it. The
+        caller holds the guard.
+        """
+        # NOTE: scheduled, never made here: a task may run at once (eager), mid-hand-off
+        return _call_soon_in(self._future.get_loop(), self._start)
+
+    def _start(self) -> None:
+        """Make the task of work that was handed its key's line."""
+        if self._future.done():  # cancelled or timed out just then: it passed the turn on
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        context, self._context = self._context, None
+        assert context is not None
+        loop = self._future.get_loop()
+        if sys.version_info >= (3, 11):
+            task = loop.create_task(_run(self), context=context)
+        else:  # pragma: no cover - depends on the interpreter
+            task = context.run(loop.create_task, _run(self))
+        self._task = task
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        """The work's task ended: give the handle its outcome."""
+        if self._stage == _PLACED:  # cancelled before its first step: give up its place
+            self._future.cancel()
+            self._leave_line(asyncio.CancelledError())
+            return
+        if self._counted:  # (a task that takes its own turn, cancelled before it ran)
+            with self._queue._guard():
+                _uncount(self, self._queue._slots)
+        future = self._future
+        if task.cancelled():
+            future.cancel()
+        else:
+            error = task.exception()  # (also marks it retrieved: never logged)
+            if error is None:
+                future.set_result(task.result())
+            else:
+                future.set_exception(error)
+                future.exception()
+        self._finish()
+
+    def _fail(self, error: BaseException) -> None:
+        """End work that never ran with error (refused when submitted)."""
+        self._future.set_exception(error)
+        self._future.exception()
+        self._finish()
+
+    def _finish(self) -> None:
+        """Let the queue and the batch know the work has finished."""
+        self._queue._handles.discard(self)
+        future = self._future
+        failed = not future.cancelled() and future.exception() is not None
+        if failed and not self._awaited:
+            self._failed.append(self)
+        if self._batch is not None:
+            self._batch._finished(self, failed)
+
+
+def _uncount(handle: Handle[Any], slots: _Gate | None) -> None:
+    """Count submitted work as placed (once): a producer may go if a slot is left.
+
+    The caller holds the guard.
+    """
+    handle._counted = False
+    assert slots is not None
+    slots.unplaced -= 1
+    if slots.producers and slots.free > slots.unplaced:
+        slots.wake_producer()
+
+
+async def _run(handle: Handle[Any]) -> Any:
+    """The task of submitted work that holds its key's line: a running slot, the work, release.
+
+    The turn as :class:`~inturn.Turn` takes it once the key is held: its
+    running slot (max_running), max_hold, then the release of the slot and
+    the key, newest first.
+    """
+    handle._stage = _STARTED
+    queue = handle._queue
+    key = handle.key
+    task = _current_task()
+    assert task is not None
+    lines = queue._lines
+    slots = queue._slots
+    with queue._guard():
+        line = lines[key]
+        if line is handle:
+            lines[key] = task
+        else:
+            line.holder = task
+        if handle._counted:
+            _uncount(handle, slots)
+    slot = False
+    since = handle._since
+    if slots is not None:
+        limit = queue._timeout
+        left = None if limit is None else max(0.0, limit - (_monotonic() - since))
+        try:
+            slot = await queue._take_slot(task, left, limit)
+        except BaseException as error:
+            queue._release(key, task, error, None)
+            raise
+    if since:
+        since = queue._started(since)
+    hold = queue._max_hold
+    clock = None if hold is None else _Clock(task, hold)
+    fn, args, kwargs = handle._fn, handle._args, handle._kwargs
+    try:
+        result = fn(*args, **kwargs) if kwargs else fn(*args) if args else fn()
+        if isawaitable(result):
+            result = await result
+    except BaseException as error:
+        cut = None if clock is None else clock.stop((key,), error)
+        if cut is not None:
+            cut.__cause__ = error
+            error = cut
+        _end(queue, key, task, slot, error, None, cut is not None, since)
+        if cut is not None:
+            raise cut from error.__cause__  # (error is cut: its cause is the work's own error)
+        raise
+    if clock is not None:
+        clock.stop((key,), None)
+    _end(queue, key, task, slot, None, result, False, since)
+    return result
+
+
+def _end(
+    queue: KeyedQueue,
+    key: Hashable,
+    task: asyncio.Task[Any],
+    slot: bool,
+    error: BaseException | None,
+    result: Any,
+    cut: bool,
+    since: float,
+) -> None:
+    """Release the running slot, then the key (watchers learn the outcome); count the turn."""
+    if slot:
+        queue._free_slot(task)
+    queue._release(key, task, error, result)
+    queue._ended(error, cut, since)
+
+
+async def _take_turn(handle: Handle[Any], keys: tuple[Hashable, ...]) -> Any:
+    """The task of submitted work that takes its whole turn itself (backend, concurrency)."""
+    handle._stage = _STARTED
+    queue = handle._queue
+    if handle._counted:
+        with queue._guard():
+            _uncount(handle, queue._slots)
+    return await queue._run_keyed(
+        keys, handle._fn, handle._args, handle._kwargs, queue._timeout, queue._max_hold
+    )
+
+
+async def submit(
+    queue: KeyedQueue,
+    key: Hashable,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    failed: list[Handle[Any]],
+    batch: Batch | None,
+) -> Handle[Any]:
+    """queue.submit(): the handle goes to failed if it fails and nobody awaits it."""
+    if not callable(fn):
+        raise TypeError(f"inturn: submit() needs a callable, got {describe(fn)}")
+    keys = queue._ordered((key,))
+    if not queue._open:
+        raise QueueClosed(
+            f"inturn: the queue is closed; the work for key {describe(key)} was not queued"
+        )
+    loop = running_loop("submit()")
+    slots = queue._slots
+    in_line = queue._backend is None and queue._concurrency == 1
+    me = None
+    if slots is not None:
+        me = _current_task()
+        again = False
+        # Work submitted but not started yet each take a free slot when they start.
+        while _needs_slot(queue, slots, key, me, in_line) and slots.free <= slots.unplaced:
+            await _vacancy(queue, slots, key, loop, again)
+            again = True  # woken, but the slot may have gone to work already queued
+    handle: Handle[Any] = Handle(queue, key, fn, args, kwargs, loop.create_future(), failed, batch)
+    queue._handles.add(handle)
+    if batch is not None:
+        batch._handles.add(handle)
+    if not queue._plain:
+        handle._since = _monotonic()
+    if not in_line:
+        with queue._guard():
+            if slots is not None and _needs_slot(queue, slots, key, me, False):
+                handle._counted = True
+                slots.unplaced += 1
+        task = loop.create_task(_take_turn(handle, keys))
+        handle._task = task
+        task.add_done_callback(handle._done)
+    else:
+        lines = queue._lines
+        refused: BaseException | None = None
+        with queue._guard_for(loop):
+            line = lines.get(key)
+            if line is None:  # a free key: the work holds it from now, its task starts next
+                lines[key] = handle
+                handle._stage = _PLACED
+                if slots is not None and me not in slots.holders:
+                    handle._counted = True
+                    slots.unplaced += 1
+            else:  # a busy key: the work waits in its line as data
+                if type(line) is not _Line:
+                    line = lines[key] = _Line(line)
+                pending = queue._max_pending
+                if pending is not None and line.waiting >= pending:
+                    refused = QueueFull(
+                        f"inturn: key {describe(key)} already has {line.waiting} waiting "
+                        f"(max_pending={pending}); the work was not queued"
+                    )
+                elif queue._timeout is not None and queue._timeout <= 0:
+                    queue._tally.timed_out += 1
+                    refused = missed(f"the turn for key {describe(key)}", 0)
+                else:
+                    line.waiters.append(handle)  # type: ignore[arg-type]
+                    line.waiting += 1
+                    handle._stage = _PLACED
+                    handle._line = line
+        if handle._stage != _PLACED:
+            assert refused is not None
+            handle._fail(refused)
+        elif line is None:
+            task = loop.create_task(_run(handle))
+            handle._task = task
+            task.add_done_callback(handle._done)
+        else:
+            handle._context = contextvars.copy_context()
+            timeout = queue._timeout
+            if timeout is not None:
+                handle._timer = loop.call_later(timeout, handle._expire, timeout)
+    if slots is not None and slots.free > slots.unplaced and slots.producers:
+        _next_producer(queue, slots)  # a slot is still free: the next producer may go
+    return handle
+
+
+# -- producers' backpressure (max_running) ---------------------------------------------
+
+
+def _needs_slot(queue: KeyedQueue, slots: _Gate, key: Hashable, me: object, in_line: bool) -> bool:
+    """Whether work submitted now for key would take a running slot as soon as it starts.
+
+    Not if the submitter runs in a slot itself (work submitting more work
+    never waits on itself), nor if the work will wait in its key's line: as
+    data, behind whoever holds the key (in_line), or as a task behind the
+    key's running work, which holds a slot already.
+    """
+    if me in slots.holders:
+        return False
+    line = queue._lines.get(key)
+    if line is None:
+        return True
+    if in_line:
+        return False
+    running = slots.holders
+    if type(line) is _Line:
+        return line.holder not in running
+    if type(line) is _Gate:
+        return bool(line.free) or line.holders.isdisjoint(running)
+    return line not in running
+
+
+async def _vacancy(
+    queue: KeyedQueue, slots: _Gate, key: Hashable, loop: asyncio.AbstractEventLoop, again: bool
+) -> None:
+    """Wait, FIFO among producers, until a running slot frees or key's work runs.
+
+    ``again``: at the head of the producers (it was woken, but lost the slot).
+    """
+    producer: asyncio.Future[None] = loop.create_future()
+    with queue._guard():
+        if slots.producers is None:
+            slots.producers = deque()
+        if again:
+            slots.producers.appendleft((producer, key))
+        else:
+            slots.producers.append((producer, key))
+    try:
+        await producer
+    except BaseException:
+        if producer.done() and not producer.cancelled():  # woken, then cancelled: pass it on
+            _next_producer(queue, slots)
+        producer.cancel()
+        raise
+
+
+def _next_producer(queue: KeyedQueue, slots: _Gate) -> None:
+    """Wake the first producer waiting in submit() for a slot, if any."""
+    with queue._guard():
+        slots.wake_producer()
+
+
+def wake_producers_behind(queue: KeyedQueue, slots: _Gate) -> None:
+    """Wake the producers whose key's work just got a running slot (they need none now).
+
+    The caller holds the guard.
+    """
+    assert slots.producers is not None
+    still: deque[tuple[asyncio.Future[None], Hashable]] = deque()
+    in_line = queue._backend is None and queue._concurrency == 1
+    for producer, key in slots.producers:
+        if producer.done():
+            continue
+        if _needs_slot(queue, slots, key, None, in_line):
+            still.append((producer, key))
+        else:
+            _soon(producer, _resolve, producer)
+    slots.producers = still
+
+
+def failures(message: str, errors: list[BaseException]) -> BaseExceptionGroup[BaseException]:
+    """The group that reports errors nobody awaited (an ExceptionGroup if all are Exceptions)."""
+    return BaseExceptionGroup(message, errors)
+
+
+def unawaited(failed: list[Handle[Any]]) -> list[BaseException]:
+    """The errors of the failed handles nobody awaited."""
+    errors = [handle._future.exception() for handle in failed if not handle._awaited]
+    return [error for error in errors if error is not None]
+
+
+@final
+class Batch:
+    """A scope of submissions, like :class:`asyncio.TaskGroup` but keyed: see ``queue.batch()``."""
+
+    __slots__ = (
+        "_aborted",
+        "_exiting",
+        "_failed",
+        "_handles",
+        "_on_error",
+        "_parent",
+        "_queue",
+        "_stopped_parent",
+        "_waiter",
+    )
+
+    def __init__(self, queue: KeyedQueue, on_error: Literal["wait", "cancel"]) -> None:
+        if on_error not in ("wait", "cancel"):
+            raise ValueError(
+                f'inturn: on_error must be "wait" or "cancel", got {describe(on_error)}'
+            )
+        self._queue = queue
+        self._on_error = on_error
+        self._parent: asyncio.Task[Any] | None = None  # the task inside the block
+        # the unfinished submissions (the finished ones are let go: a long
+        # batch keeps no memory per finished work, but for its errors)
+        self._handles: set[Handle[Any]] = set()
+        self._failed: list[Handle[Any]] = []  # failed handles, in the order they failed
+        self._waiter: asyncio.Future[None] | None = None  # __aexit__ waits on it
+        self._aborted = False  # the batch cancelled its work after an error
+        self._exiting = False
+        self._stopped_parent = False  # the batch cancelled the block (on_error="cancel")
+
+    @property
+    def unfinished(self) -> int:
+        """How many of the batch's submissions have not finished yet."""
+        return len(self._handles)
+
+    @overload
+    async def submit(
+        self,
+        key: Hashable,
+        fn: Callable[P, Awaitable[R]],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> Handle[R]: ...
+
+    @overload
+    async def submit(
+        self, key: Hashable, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs
+    ) -> Handle[R]: ...
+
+    async def submit(
+        self, key: Hashable, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
+    ) -> Handle[Any]:
+        """Submit work to the batch's queue, as :meth:`~inturn.KeyedQueue.submit` does.
+
+        :raises RuntimeError: the batch's block is not running, or the batch
+            is cancelling its work after an error (``on_error="cancel"``).
+        """
+        if self._parent is None or self._exiting:
+            raise RuntimeError("inturn: batch.submit() is for inside its `async with` block")
+        if self._aborted:
+            raise RuntimeError(
+                "inturn: this batch is cancelling its work after an error; nothing more is queued"
+            )
+        return await submit(self._queue, key, fn, args, kwargs, self._failed, self)
+
+    def _finished(self, handle: Handle[Any], failed: bool) -> None:
+        """One of the batch's submissions finished (failed: with an error)."""
+        self._handles.discard(handle)
+        if failed and self._on_error == "cancel":
+            self._abort()
+        if not self._handles and self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _abort(self) -> None:
+        """Cancel the batch's unfinished work, and the block if it still runs."""
+        if self._aborted:
+            return
+        self._aborted = True
+        for handle in list(self._handles):
+            handle.cancel()
+        if not self._exiting and self._parent is not None:
+            self._stopped_parent = True
+            self._parent.cancel()
+
+    async def __aenter__(self) -> Batch:
+        if self._parent is not None:
+            raise RuntimeError("inturn: this batch was entered already; make one per block")
+        try:
+            task = _current_task()
+        except RuntimeError:
+            raise outside_asyncio("batch()") from None
+        if task is None:
+            raise RuntimeError("inturn: a batch is for inside an asyncio task")
+        self._parent = task
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        self._exiting = True
+        ours = self._stopped_parent and isinstance(exc, asyncio.CancelledError)
+        if (
+            exc is not None
+            and not ours
+            and (self._on_error == "cancel" or not isinstance(exc, Exception))
+        ):
+            self._abort()  # a failed or cancelled block: its work is cancelled too
+        cancelled: BaseException | None = None
+        while self._handles:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            except asyncio.CancelledError as error:  # cancelled while waiting: stop the work
+                cancelled = error
+                self._abort()
+        assert self._parent is not None
+        if self._stopped_parent and sys.version_info >= (3, 11):
+            if self._parent.uncancel() > 0:  # cancelled from outside as well
+                cancelled = cancelled or exc
+        errors = unawaited(self._failed)
+        if exc is not None and not isinstance(exc, asyncio.CancelledError):
+            errors.insert(0, exc)
+        if errors:
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                return False  # those go on at once
+            raise failures(f"inturn: {len(errors)} error(s) in a batch", errors) from None
+        if cancelled is not None and cancelled is not exc:
+            raise cancelled
+        return ours  # swallow the batch's own cancellation of the block
