@@ -1103,7 +1103,7 @@ class KeyedQueue:
                 line.holder = waiter
                 self._lines[key] = line
                 if type(waiter) is _SUBMITTED:  # submitted work waiting as data: its task starts
-                    if not waiter._handed():  # type: ignore[union-attr]  # its loop is closed
+                    if not waiter._handed(shared):  # type: ignore[union-attr]  # its loop is closed
                         del self._lines[key]
                         continue
                 elif shared:

@@ -32,14 +32,14 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, final, overloa
 
 from ._checks import missed
 from ._errors import QueueClosed, QueueFull
-from ._keys import describe
+from ._keys import describe, unhashable
 from ._line import Gate as _Gate
 from ._line import Line as _Line
 from ._line import resolve as _resolve
 from ._tasks import call_soon_in as _call_soon_in
 from ._tasks import current_task as _current_task
 from ._tasks import in_loop_of as _soon
-from ._tasks import outside_asyncio, running_loop
+from ._tasks import makes_plain_tasks, outside_asyncio, running_loop
 from ._turn import _Clock
 
 if sys.version_info < (3, 11):  # pragma: no cover - depends on the interpreter
@@ -281,14 +281,18 @@ class Handle(Generic[R]):
         future.exception()  # retrieved: it reaches the handle's awaiters, or its batch
         self._leave_line(future.exception())  # type: ignore[arg-type]
 
-    def _handed(self) -> bool:
+    def _handed(self, shared: bool) -> bool:
         """The line was handed to this work: start its task, in its loop.
 
         Return False if its loop is closed: nothing will ever run it. The
         caller holds the guard.
         """
-        # NOTE: scheduled, never made here: a task may run at once (eager), mid-hand-off
-        return _call_soon_in(self._future.get_loop(), self._start)
+        loop = self._future.get_loop()
+        if not shared and makes_plain_tasks(loop):
+            self._start()  # a plain task runs no step when made: it is scheduled
+            return True
+        # NOTE: scheduled, not made here: a task may run at once (eager), mid-hand-off
+        return _call_soon_in(loop, self._start)
 
     def _start(self) -> None:
         """Make the task of work that was handed its key's line."""
@@ -367,21 +371,31 @@ async def _run(handle: Handle[Any]) -> Any:
     handle._stage = _STARTED
     queue = handle._queue
     key = handle.key
-    task = _current_task()
+    # (made by a plain loop, the task is known already; an eager one runs this step first)
+    task = handle._task or _current_task()
     assert task is not None
     lines = queue._lines
     slots = queue._slots
+    since = handle._since
+    slot = False
     with queue._guard():
         line = lines[key]
         if line is handle:
             lines[key] = task
         else:
             line.holder = task
-        if handle._counted:
-            _uncount(handle, slots)
-    slot = False
-    since = handle._since
-    if slots is not None:
+        if slots is not None:
+            if slots.free and not slots.handed:  # a free slot (Gate.enter: the task holds none)
+                slots.free -= 1
+                slots.holders.add(task)
+                slot = True
+                # (no producer need be woken for this key: it was busy since submit())
+                now = _monotonic()
+                queue._tally.waited += now - since
+                since = now
+            if handle._counted:
+                _uncount(handle, slots)
+    if slots is not None and not slot:
         limit = queue._timeout
         left = None if limit is None else max(0.0, limit - (_monotonic() - since))
         try:
@@ -389,7 +403,8 @@ async def _run(handle: Handle[Any]) -> Any:
         except BaseException as error:
             queue._release(key, task, error, None)
             raise
-    if since:
+        since = queue._started(since)
+    elif since and slots is None:
         since = queue._started(since)
     hold = queue._max_hold
     clock = None if hold is None else _Clock(task, hold)
@@ -423,11 +438,25 @@ def _end(
     cut: bool,
     since: float,
 ) -> None:
-    """Release the running slot, then the key (watchers learn the outcome); count the turn."""
+    """Release the running slot, then the key (watchers learn the outcome); count the turn.
+
+    ``since``: when the work started, if its queue times turns.
+    """
+    if queue._shared:
+        if slot:
+            queue._free_slot(task)
+        queue._release(key, task, error, result)
+        queue._ended(error, cut, since)
+        return
+    # (solo: what those three do, without a lock)
     if slot:
-        queue._free_slot(task)
-    queue._release(key, task, error, result)
-    queue._ended(error, cut, since)
+        queue._slots.leave(task, False)  # type: ignore[union-attr]
+    if (line := queue._lines.pop(key)) is not task:
+        queue._leave(key, line, error, result)
+    tally = queue._tally
+    tally.ended(error, cut)
+    if since:
+        tally.held += _monotonic() - since
 
 
 async def _take_turn(handle: Handle[Any], keys: tuple[Hashable, ...]) -> Any:
@@ -454,6 +483,93 @@ async def submit(
     """queue.submit(): the handle goes to failed if it fails and nobody awaits it."""
     if not callable(fn):
         raise TypeError(f"inturn: submit() needs a callable, got {describe(fn)}")
+    if queue._backend is not None or queue._concurrency != 1:
+        return await _submit_task(queue, key, fn, args, kwargs, failed, batch)
+    try:
+        hash(key)
+    except TypeError:
+        raise unhashable(key) from None
+    if not queue._open:
+        raise QueueClosed(
+            f"inturn: the queue is closed; the work for key {describe(key)} was not queued"
+        )
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        raise outside_asyncio("submit()") from None
+    lines = queue._lines
+    slots = queue._slots
+    me = None
+    if slots is not None:
+        me = _current_task()
+        if me not in slots.holders:
+            again = False
+            # Work submitted but not started yet each take a free slot when they start;
+            # work for a busy key waits in its line, and takes none until its turn.
+            while slots.free <= slots.unplaced and key not in lines:
+                await _vacancy(queue, slots, key, loop, again)
+                again = True  # woken, but the slot may have gone to work already queued
+    handle: Handle[Any] = Handle(queue, key, fn, args, kwargs, loop.create_future(), failed, batch)
+    queue._handles.add(handle)
+    if batch is not None:
+        batch._handles.add(handle)
+    if slots is not None or not queue._plain:
+        handle._since = _monotonic()
+    refused: BaseException | None = None
+    with queue._guard_for(loop):
+        line = lines.get(key)
+        if line is None:  # a free key: the work holds it from now, its task starts next
+            lines[key] = handle
+            handle._stage = _PLACED
+            if slots is not None:
+                if me not in slots.holders:
+                    handle._counted = True
+                    slots.unplaced += 1
+                if slots.producers:  # those waiting to submit for this key may go: it is busy
+                    wake_producers_behind(queue, slots)
+        else:  # a busy key: the work waits in its line as data
+            if type(line) is not _Line:
+                line = lines[key] = _Line(line)
+            pending = queue._max_pending
+            if pending is not None and line.waiting >= pending:
+                refused = QueueFull(
+                    f"inturn: key {describe(key)} already has {line.waiting} waiting "
+                    f"(max_pending={pending}); the work was not queued"
+                )
+            elif queue._timeout is not None and queue._timeout <= 0:
+                queue._tally.timed_out += 1
+                refused = missed(f"the turn for key {describe(key)}", 0)
+            else:
+                line.waiters.append(handle)  # type: ignore[arg-type]
+                line.waiting += 1
+                handle._stage = _PLACED
+                handle._line = line
+    if line is None:
+        task = loop.create_task(_run(handle))
+        handle._task = task
+        task.add_done_callback(handle._done)
+    elif refused is None:
+        handle._context = contextvars.copy_context()
+        timeout = queue._timeout
+        if timeout is not None:
+            handle._timer = loop.call_later(timeout, handle._expire, timeout)
+    else:
+        handle._fail(refused)
+    if slots is not None and slots.producers and slots.free > slots.unplaced:
+        _next_producer(queue, slots)  # a slot is still free: the next producer may go
+    return handle
+
+
+async def _submit_task(
+    queue: KeyedQueue,
+    key: Hashable,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    failed: list[Handle[Any]],
+    batch: Batch | None,
+) -> Handle[Any]:
+    """submit() on a queue with a backend or concurrency: a task that takes its whole turn."""
     keys = queue._ordered((key,))
     if not queue._open:
         raise QueueClosed(
@@ -461,71 +577,27 @@ async def submit(
         )
     loop = running_loop("submit()")
     slots = queue._slots
-    in_line = queue._backend is None and queue._concurrency == 1
     me = None
     if slots is not None:
         me = _current_task()
         again = False
-        # Work submitted but not started yet each take a free slot when they start.
-        while _needs_slot(queue, slots, key, me, in_line) and slots.free <= slots.unplaced:
+        while _needs_slot(queue, slots, key, me, False) and slots.free <= slots.unplaced:
             await _vacancy(queue, slots, key, loop, again)
-            again = True  # woken, but the slot may have gone to work already queued
+            again = True
     handle: Handle[Any] = Handle(queue, key, fn, args, kwargs, loop.create_future(), failed, batch)
     queue._handles.add(handle)
     if batch is not None:
         batch._handles.add(handle)
-    if not queue._plain:
-        handle._since = _monotonic()
-    if not in_line:
+    if slots is not None:
         with queue._guard():
-            if slots is not None and _needs_slot(queue, slots, key, me, False):
+            if _needs_slot(queue, slots, key, me, False):
                 handle._counted = True
                 slots.unplaced += 1
-        task = loop.create_task(_take_turn(handle, keys))
-        handle._task = task
-        task.add_done_callback(handle._done)
-    else:
-        lines = queue._lines
-        refused: BaseException | None = None
-        with queue._guard_for(loop):
-            line = lines.get(key)
-            if line is None:  # a free key: the work holds it from now, its task starts next
-                lines[key] = handle
-                handle._stage = _PLACED
-                if slots is not None and me not in slots.holders:
-                    handle._counted = True
-                    slots.unplaced += 1
-            else:  # a busy key: the work waits in its line as data
-                if type(line) is not _Line:
-                    line = lines[key] = _Line(line)
-                pending = queue._max_pending
-                if pending is not None and line.waiting >= pending:
-                    refused = QueueFull(
-                        f"inturn: key {describe(key)} already has {line.waiting} waiting "
-                        f"(max_pending={pending}); the work was not queued"
-                    )
-                elif queue._timeout is not None and queue._timeout <= 0:
-                    queue._tally.timed_out += 1
-                    refused = missed(f"the turn for key {describe(key)}", 0)
-                else:
-                    line.waiters.append(handle)  # type: ignore[arg-type]
-                    line.waiting += 1
-                    handle._stage = _PLACED
-                    handle._line = line
-        if handle._stage != _PLACED:
-            assert refused is not None
-            handle._fail(refused)
-        elif line is None:
-            task = loop.create_task(_run(handle))
-            handle._task = task
-            task.add_done_callback(handle._done)
-        else:
-            handle._context = contextvars.copy_context()
-            timeout = queue._timeout
-            if timeout is not None:
-                handle._timer = loop.call_later(timeout, handle._expire, timeout)
-    if slots is not None and slots.free > slots.unplaced and slots.producers:
-        _next_producer(queue, slots)  # a slot is still free: the next producer may go
+    task = loop.create_task(_take_turn(handle, keys))
+    handle._task = task
+    task.add_done_callback(handle._done)
+    if slots is not None and slots.producers and slots.free > slots.unplaced:
+        _next_producer(queue, slots)
     return handle
 
 

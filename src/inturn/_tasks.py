@@ -21,6 +21,7 @@ __all__ = (
     "call_soon_in",
     "current_task",
     "in_loop_of",
+    "makes_plain_tasks",
     "outside_asyncio",
     "running_loop",
 )
@@ -68,6 +69,14 @@ def call_soon_in(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]
     except RuntimeError:  # closed: nothing runs there any more
         return False
     return True
+
+
+def makes_plain_tasks(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether loop runs this code and makes plain tasks: a task made runs no step until later.
+
+    (No task factory: an eager one, or any other, may run a step at once.)
+    """
+    return loop is asyncio._get_running_loop() and loop.get_task_factory() is None
 
 
 def outside_asyncio(what: str) -> RuntimeError:
