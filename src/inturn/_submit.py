@@ -218,8 +218,10 @@ class Handle(Generic[R]):
             return False
         task = self._task
         if task is not None:
-            return task.cancel(msg)  # (a task that never ran gives up its place: _done)
-        # waiting as data, or handed the key with its task not made yet
+            if self._stage == _STARTED:
+                return task.cancel(msg)  # its task ends it
+            task.cancel(msg)  # not run yet: it never will (it runs no code when thrown at)
+        # waiting as data, or holding the key with its task not run (or made) yet
         future.cancel(msg)  # first: done, so that a hand-off skips it
         self._leave_line(asyncio.CancelledError())
         return True
@@ -248,11 +250,12 @@ class Handle(Generic[R]):
             self._timer.cancel()
             self._timer = None
         queue = self._queue
+        if self._counted:
+            with queue._guard():
+                _uncount(self, queue._slots)
         if self._stage == _PLACED:
             self._stage = _UNPLACED
             with queue._guard():
-                if self._counted:
-                    _uncount(self, queue._slots)
                 key = self.key
                 line = self._line
                 if line is None:  # it took the free key: lines[key] is it, or a Line it holds
@@ -264,7 +267,7 @@ class Handle(Generic[R]):
                 else:  # (the line may have left the lines since: as _abandon's)
                     queue._drop(key, line, self)  # type: ignore[arg-type]
                 queue._tally.missed(error)
-        self._finish()
+        self._finish(not isinstance(error, asyncio.CancelledError))
 
     def _expire(self, timeout: float) -> None:
         """The queue's timeout ran out while the work waited in its key's line."""
@@ -309,40 +312,30 @@ class Handle(Generic[R]):
         else:  # pragma: no cover - depends on the interpreter
             task = context.run(loop.create_task, _run(self))
         self._task = task
-        task.add_done_callback(self._done)
 
-    def _done(self, task: asyncio.Task[Any]) -> None:
-        """The work's task ended: give the handle its outcome."""
-        if self._stage == _PLACED:  # cancelled before its first step: give up its place
-            self._future.cancel()
-            self._leave_line(asyncio.CancelledError())
-            return
-        if self._counted:  # (a task that takes its own turn, cancelled before it ran)
-            with self._queue._guard():
-                _uncount(self, self._queue._slots)
+    def _ended(self, error: BaseException | None, result: Any) -> None:
+        """Give the handle the outcome of its work, from the work's task."""
         future = self._future
-        if task.cancelled():
+        if error is None:
+            future.set_result(result)
+            self._finish(False)
+        elif isinstance(error, asyncio.CancelledError):
             future.cancel()
+            self._finish(False)
         else:
-            error = task.exception()  # (also marks it retrieved: never logged)
-            if error is None:
-                future.set_result(task.result())
-            else:
-                future.set_exception(error)
-                future.exception()
-        self._finish()
+            future.set_exception(error)
+            future.exception()  # retrieved: it reaches the handle's awaiters, or its batch
+            self._finish(True)
 
     def _fail(self, error: BaseException) -> None:
         """End work that never ran with error (refused when submitted)."""
         self._future.set_exception(error)
         self._future.exception()
-        self._finish()
+        self._finish(True)
 
-    def _finish(self) -> None:
-        """Let the queue and the batch know the work has finished."""
+    def _finish(self, failed: bool) -> None:
+        """Let the queue and the batch know the work has finished (failed: with an error)."""
         self._queue._handles.discard(self)
-        future = self._future
-        failed = not future.cancelled() and future.exception() is not None
         if failed and not self._awaited:
             self._failed.append(self)
         if self._batch is not None:
@@ -402,6 +395,9 @@ async def _run(handle: Handle[Any]) -> Any:
             slot = await queue._take_slot(task, left, limit)
         except BaseException as error:
             queue._release(key, task, error, None)
+            handle._ended(error, None)
+            if isinstance(error, Exception):
+                return None
             raise
         since = queue._started(since)
     elif since and slots is None:
@@ -419,13 +415,15 @@ async def _run(handle: Handle[Any]) -> Any:
             cut.__cause__ = error
             error = cut
         _end(queue, key, task, slot, error, None, cut is not None, since)
-        if cut is not None:
-            raise cut from error.__cause__  # (error is cut: its cause is the work's own error)
+        handle._ended(error, None)
+        if isinstance(error, Exception):
+            return None  # it is the handle's now: the task ends quietly
         raise
     if clock is not None:
         clock.stop((key,), None)
     _end(queue, key, task, slot, None, result, False, since)
-    return result
+    handle._ended(None, result)
+    return None
 
 
 def _end(
@@ -466,9 +464,17 @@ async def _take_turn(handle: Handle[Any], keys: tuple[Hashable, ...]) -> Any:
     if handle._counted:
         with queue._guard():
             _uncount(handle, queue._slots)
-    return await queue._run_keyed(
-        keys, handle._fn, handle._args, handle._kwargs, queue._timeout, queue._max_hold
-    )
+    try:
+        result = await queue._run_keyed(
+            keys, handle._fn, handle._args, handle._kwargs, queue._timeout, queue._max_hold
+        )
+    except BaseException as error:
+        handle._ended(error, None)
+        if isinstance(error, Exception):
+            return None  # it is the handle's now: the task ends quietly
+        raise
+    handle._ended(None, result)
+    return None
 
 
 async def submit(
@@ -545,9 +551,7 @@ async def submit(
                 handle._stage = _PLACED
                 handle._line = line
     if line is None:
-        task = loop.create_task(_run(handle))
-        handle._task = task
-        task.add_done_callback(handle._done)
+        handle._task = loop.create_task(_run(handle))
     elif refused is None:
         handle._context = contextvars.copy_context()
         timeout = queue._timeout
@@ -593,9 +597,7 @@ async def _submit_task(
             if _needs_slot(queue, slots, key, me, False):
                 handle._counted = True
                 slots.unplaced += 1
-    task = loop.create_task(_take_turn(handle, keys))
-    handle._task = task
-    task.add_done_callback(handle._done)
+    handle._task = loop.create_task(_take_turn(handle, keys))
     if slots is not None and slots.producers and slots.free > slots.unplaced:
         _next_producer(queue, slots)
     return handle
