@@ -298,3 +298,31 @@ async def test_drain_waits_for_work_waiting_as_data() -> None:
     await drained
     assert all(handle.done() for handle in handles)
     assert recorder.finished == list(range(5))
+
+
+async def test_a_thread_hands_the_key_to_work_waiting_as_data() -> None:
+    queue = KeyedQueue(max_running=2)
+    release = threading.Event()
+    order: list[str] = []
+
+    def hold() -> None:
+        order.append("thread")
+        release.wait(PATIENCE)
+
+    thread = asyncio.ensure_future(asyncio.to_thread(queue.run_sync, "k", hold))
+    await settle(lambda: order == ["thread"])
+    handles = [await queue.submit("k", order.append, f"A{i}") for i in range(5)]
+    assert queue.pending("k") == 5
+    release.set()  # the thread's release hands the key to A0, in this loop
+    await thread
+    await asyncio.gather(*handles)
+    assert order == ["thread", "A0", "A1", "A2", "A3", "A4"]
+    assert queue.active_count == 0
+
+
+async def test_current_is_none_while_submitted_work_has_not_started() -> None:
+    queue = KeyedQueue()
+    handle = await queue.submit("k", lambda: "done")
+    assert queue.is_active("k")
+    assert queue.current("k") is None
+    assert await handle == "done"

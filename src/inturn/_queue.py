@@ -1158,6 +1158,8 @@ class KeyedQueue:
         if line is None or type(line) is _Gate:
             return None  # (several holders: no one outcome to watch)
         if type(line) is not _Line:
+            if type(line) is _SUBMITTED:
+                return None  # submitted work holds the key, its task not started yet
             line = self._lines[key] = _Line(line)
         elif not isinstance(line.holder, asyncio.Task | threading.Thread):
             return None  # handed over to a waiter that has not started yet
