@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import gc
 import sys
 import threading
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -326,3 +328,47 @@ async def test_current_is_none_while_submitted_work_has_not_started() -> None:
     assert queue.is_active("k")
     assert queue.current("k") is None
     assert await handle == "done"
+
+
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="eager tasks came with Python 3.12")
+async def test_submissions_keep_their_order_under_eager_tasks() -> None:
+    loop = asyncio.get_running_loop()
+    loop.set_task_factory(asyncio.eager_task_factory)  # type: ignore[attr-defined,unused-ignore]
+    try:
+        queue = KeyedQueue(max_running=2)
+        recorder = Recorder()
+        gate = asyncio.Event()
+        async with queue.batch() as batch:
+            # the free key's work runs its first step inside submit(): up to the gate
+            first = await batch.submit("k", recorder.body("k", 0, gate=gate))
+            assert recorder.started == [0]
+            rest = [await batch.submit("k", recorder.body("k", i)) for i in range(1, 6)]
+            cancelled = rest.pop(2)  # work 3, waiting as data
+            assert cancelled.cancel() is True
+            other = await batch.submit("j", recorder.body("j", "j"))
+            run = asyncio.ensure_future(queue.run("k", recorder.body("k", "run")))
+            gate.set()
+        await run
+        assert [await first, *[await handle for handle in rest]] == [0, 1, 2, 4, 5]
+        assert await other == "j"
+        assert cancelled.cancelled()
+        assert [name for name in recorder.started if name != "j"] == [0, 1, 2, 4, 5, "run"]
+        assert recorder.overlaps == []
+        assert queue.active_count == 0
+    finally:
+        loop.set_task_factory(None)
+
+
+async def test_a_finished_handle_lets_its_arguments_go() -> None:
+    queue = KeyedQueue()
+
+    class Message:
+        pass
+
+    message = Message()
+    gone = weakref.ref(message)
+    handle = await queue.submit("k", lambda m: None, message)
+    del message
+    await handle
+    gc.collect()
+    assert gone() is None

@@ -120,7 +120,7 @@ class Handle(Generic[R]):
         self._future = future  # the work's outcome: every answer of the handle reads it
         self._failed = failed  # where the handle goes if it fails and nobody awaited it
         self._batch = batch
-        self._task: asyncio.Task[R] | None = None  # the work's task, from its turn on
+        self._task: asyncio.Task[Any] | None = None  # the work's task, from its turn on
         self._line: _Line | None = None  # the line it joined as data (None: it took a free key)
         self._context: contextvars.Context | None = None  # submit()'s, while waiting as data
         self._timer: asyncio.TimerHandle | None = None  # the queue's timeout, while waiting
@@ -306,6 +306,7 @@ class Handle(Generic[R]):
             self._timer = None
         context, self._context = self._context, None
         assert context is not None
+        self._line = None  # it holds the key now, as one that took it free
         loop = self._future.get_loop()
         if sys.version_info >= (3, 11):
             task = loop.create_task(_run(self), context=context)
@@ -335,11 +336,21 @@ class Handle(Generic[R]):
 
     def _finish(self, failed: bool) -> None:
         """Let the queue and the batch know the work has finished (failed: with an error)."""
+        # let the work's function and arguments go, as a finished task does its frame
+        self._fn, self._args, self._kwargs, self._line = _spent, (), _NO_KWARGS, None
         self._queue._handles.discard(self)
         if failed and not self._awaited:
             self._failed.append(self)
         if self._batch is not None:
             self._batch._finished(self, failed)
+
+
+def _spent() -> None:
+    """What a finished handle holds instead of its work's function."""
+
+
+#: What a finished handle holds instead of its work's keyword arguments (never changed).
+_NO_KWARGS: dict[str, Any] = {}
 
 
 def _uncount(handle: Handle[Any], slots: _Gate | None) -> None:
