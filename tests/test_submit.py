@@ -372,3 +372,26 @@ async def test_a_finished_handle_lets_its_arguments_go() -> None:
     await handle
     gc.collect()
     assert gone() is None
+
+
+@pytest.mark.parametrize("max_running", [None, 2])
+def test_asyncio_run_s_shutdown_cancels_work_left_waiting_as_data(max_running: int | None) -> None:
+    queue = KeyedQueue(max_running=max_running)
+
+    async def forever() -> None:
+        await asyncio.Event().wait()
+
+    async def first() -> None:
+        recorder = Recorder()
+        await queue.submit("k", forever)
+        for i in range(5):
+            await queue.submit("k", recorder.body("k", i, steps=5))
+        await asyncio.sleep(0)  # the holder runs; asyncio.run() then cancels it
+
+    async def second() -> str:
+        return await asyncio.wait_for(queue.run("k", lambda: "free"), PATIENCE)
+
+    asyncio.run(first())
+    assert queue.active_count == 0  # nothing of the closed loop holds or waits
+    assert queue.stats().running == 0
+    assert asyncio.run(second()) == "free"

@@ -14,6 +14,21 @@ line's holder before its task exists, as it does a waiter future; the
 task, scheduled in the Handle's loop, then makes itself the holder. A Handle
 cancelled or timed out between the two passes the turn on.
 
+The work's task gives the handle its outcome itself and ends quietly (no
+done callback per task: it cost a loop callback per work). A task that has
+not run yet runs no code when cancelled, so Handle.cancel() gives up its
+place itself then. NOTE: a task cancelled by someone else before its first
+step (code cancelling every task of a running loop) would leave its key
+held; asyncio.run() runs every step scheduled before it stops.
+
+Work waiting as data is no task, so asyncio.run()'s shutdown, which
+cancels the loop's tasks, cannot cancel it; and a hand-off during that
+shutdown makes tasks it never cancels, which would hold their key past the
+loop's end. So the first work of a loop to wait as data starts a watch on
+the loop: an async generator, which the loop closes at its shutdown
+(``shutdown_asyncgens()``), and which then cancels that loop's submitted
+work still pending and waits for it to leave its lines.
+
 On a queue with a backend, or with ``concurrency`` above 1, a submission is
 a task of its own from the start, which takes its turn as ``run()`` does.
 """
@@ -23,8 +38,9 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import sys
+import weakref
 from collections import deque
-from collections.abc import Awaitable, Callable, Generator, Hashable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Hashable
 from inspect import isawaitable
 from time import monotonic as _monotonic
 from types import TracebackType
@@ -243,8 +259,8 @@ class Handle(Generic[R]):
     def _leave_line(self, error: BaseException) -> None:
         """Leave the key's line, where it waits or holds the key (passing it on); finish.
 
-        The outcome is set already (done: a hand-off skips it); error is
-        what the stats count.
+        The outcome is set already (done: a hand-off skips it, and _drop's
+        ``waiter.cancel()`` is a no-op); error is what the stats count.
         """
         if self._timer is not None:
             self._timer.cancel()
@@ -565,6 +581,7 @@ async def submit(
         handle._task = loop.create_task(_run(handle))
     elif refused is None:
         handle._context = contextvars.copy_context()
+        _watch(loop, queue)
         timeout = queue._timeout
         if timeout is not None:
             handle._timer = loop.call_later(timeout, handle._expire, timeout)
@@ -573,6 +590,56 @@ async def submit(
     if slots is not None and slots.producers and slots.free > slots.unplaced:
         _next_producer(queue, slots)  # a slot is still free: the next producer may go
     return handle
+
+
+#: Per event loop: the queues with its submitted work waiting as data (see the module's doc).
+_WATCHED: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, weakref.WeakSet[KeyedQueue]]
+_WATCHED = weakref.WeakKeyDictionary()
+#: Per event loop: its watch, which the loop holds weakly only.
+_WATCHES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncGenerator[None, None]]
+_WATCHES = weakref.WeakKeyDictionary()
+#: The (loop, queue) watched last, to skip the lookups for the next work alike.
+_last: tuple[weakref.ref[asyncio.AbstractEventLoop], weakref.ref[KeyedQueue]] | None = None
+
+
+def _watch(loop: asyncio.AbstractEventLoop, queue: KeyedQueue) -> None:
+    """Make sure loop's shutdown cancels queue's submitted work of loop (see the module's doc)."""
+    global _last
+    last = _last
+    if last is not None and last[0]() is loop and last[1]() is queue:
+        return
+    try:
+        queues = _WATCHED.get(loop)
+        if queues is None:
+            queues = _WATCHED[loop] = weakref.WeakSet()
+            watch = _shutdown(loop, queues)
+            try:  # its first step, in this loop: the loop's hooks track it from now on
+                watch.asend(None).send(None)
+            except StopIteration:
+                pass
+            _WATCHES[loop] = watch
+        queues.add(queue)
+        _last = (weakref.ref(loop), weakref.ref(queue))
+    except TypeError:  # pragma: no cover - a loop that takes no weak reference: no watch
+        return
+
+
+async def _shutdown(
+    loop: asyncio.AbstractEventLoop, queues: weakref.WeakSet[KeyedQueue]
+) -> AsyncGenerator[None, None]:
+    """Wait for loop's shutdown; then cancel the submitted work of loop still pending."""
+    try:
+        yield
+    finally:
+        tasks = []
+        for queue in list(queues):
+            for handle in list(queue._handles):
+                if handle._future.get_loop() is loop and handle.cancel():
+                    task = handle._task
+                    if task is not None and not task.done():
+                        tasks.append(task)
+        if tasks:  # they leave their lines as they end
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _submit_task(
