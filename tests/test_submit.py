@@ -395,3 +395,21 @@ def test_asyncio_run_s_shutdown_cancels_work_left_waiting_as_data(max_running: i
     assert queue.active_count == 0  # nothing of the closed loop holds or waits
     assert queue.stats().running == 0
     assert asyncio.run(second()) == "free"
+
+
+def test_a_loop_that_had_work_waiting_as_data_is_let_go() -> None:
+    queue = KeyedQueue()
+    loops: list[weakref.ref[asyncio.AbstractEventLoop]] = []
+
+    async def main() -> None:
+        loops.append(weakref.ref(asyncio.get_running_loop()))
+        gate = asyncio.Event()
+        holder = await queue.submit("k", gate.wait)
+        queued = await queue.submit("k", lambda: "queued")
+        gate.set()
+        assert [await holder, await queued] == [True, "queued"]
+
+    asyncio.run(main())
+    asyncio.run(main())  # (the queue remembers the last loop it ran in)
+    gc.collect()
+    assert loops[0]() is None

@@ -595,7 +595,9 @@ async def submit(
 #: Per event loop: the queues with its submitted work waiting as data (see the module's doc).
 _WATCHED: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, weakref.WeakSet[KeyedQueue]]
 _WATCHED = weakref.WeakKeyDictionary()
-#: Per event loop: its watch, which the loop holds weakly only.
+#: Per event loop: its watch, which the loop holds weakly only. NOTE: a watch holds
+#: its loop (the loop's finalizer hook): its entry goes when the loop shuts down, or
+#: when a new loop is watched and finds that loop closed.
 _WATCHES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncGenerator[None, None]]
 _WATCHES = weakref.WeakKeyDictionary()
 #: The (loop, queue) watched last, to skip the lookups for the next work alike.
@@ -611,8 +613,10 @@ def _watch(loop: asyncio.AbstractEventLoop, queue: KeyedQueue) -> None:
     try:
         queues = _WATCHED.get(loop)
         if queues is None:
+            for closed in [other for other in _WATCHES if other.is_closed()]:
+                del _WATCHES[closed]  # closed without shutdown_asyncgens()
             queues = _WATCHED[loop] = weakref.WeakSet()
-            watch = _shutdown(loop, queues)
+            watch = _shutdown(queues)  # (not given the loop: the map holds the loop weakly)
             try:  # its first step, in this loop: the loop's hooks track it from now on
                 watch.asend(None).send(None)
             except StopIteration:
@@ -624,13 +628,16 @@ def _watch(loop: asyncio.AbstractEventLoop, queue: KeyedQueue) -> None:
         return
 
 
-async def _shutdown(
-    loop: asyncio.AbstractEventLoop, queues: weakref.WeakSet[KeyedQueue]
-) -> AsyncGenerator[None, None]:
-    """Wait for loop's shutdown; then cancel the submitted work of loop still pending."""
+async def _shutdown(queues: weakref.WeakSet[KeyedQueue]) -> AsyncGenerator[None, None]:
+    """Wait for the loop's shutdown; then cancel the loop's submitted work still pending."""
     try:
         yield
     finally:
+        global _last
+        _last = None
+        loop = asyncio.get_running_loop()  # (the loop closes it, in its own run)
+        _WATCHES.pop(loop, None)
+        _WATCHED.pop(loop, None)
         tasks = []
         for queue in list(queues):
             for handle in list(queue._handles):
