@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
+from ._batch import Batch as Batch
 from ._decorator import QueuedFunction as QueuedFunction
 from ._decorator import SyncQueuedFunction as SyncQueuedFunction
 from ._errors import BackendUnavailable as BackendUnavailable
@@ -35,7 +36,6 @@ from ._errors import QueueFull as QueueFull
 from ._queue import UNSET as UNSET
 from ._queue import KeyedQueue as KeyedQueue
 from ._stats import QueueStats as QueueStats
-from ._submit import Batch as Batch
 from ._submit import Handle as Handle
 from ._turn import Turn as Turn
 from ._turn import current_turn as current_turn

@@ -13,6 +13,7 @@ from time import monotonic as _monotonic
 from types import CoroutineType, MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, Literal, NoReturn, TypeVar, final, overload
 
+from ._batch import Batch
 from ._checks import UNSET, Deadline, check_count, check_hold, check_timeout, missed
 from ._checks import Unset as _Unset
 from ._errors import QueueClosed, QueueFull
@@ -27,7 +28,7 @@ from ._line import resolve as _resolve
 from ._line import wake as _wake
 from ._stats import QueueStats
 from ._stats import Tally as _Tally
-from ._submit import Batch, Handle, failures, submit, unawaited, wake_producers_behind
+from ._submit import Handle, failures, submit, unawaited, wake_producers_behind
 from ._tasks import current_task as _current_task
 from ._tasks import in_loop_of as _soon
 from ._tasks import outside_asyncio, running_loop
