@@ -137,7 +137,8 @@ class KeyedQueue:
       tasks, threads, or a task and a thread.
     - FIFO: turns are granted in submission order. A task submits when the
       call's coroutine starts running, so the order of ``gather()`` or
-      ``create_task()`` is the queue order; a thread submits when it calls.
+      ``create_task()`` is the queue order; a thread submits when it calls,
+      and :meth:`submit` when it is called.
     - Direct hand-off: a release hands the key to exactly the next waiter; a
       newcomer can never take it in between, and no other waiter is woken.
     - Errors stay with their caller: an exception in one holder reaches its
@@ -519,6 +520,10 @@ class KeyedQueue:
         submissions and their errors).
 
         If ``submit`` is cancelled while it waits, the work was not queued.
+        If the key already has ``max_pending`` waiting, the handle fails at
+        once with :exc:`~inturn.QueueFull`; if the work does not reach its
+        turn within the queue's ``timeout``, with :exc:`TimeoutError` (it
+        never runs).
 
         :raises QueueClosed: the queue is closed.
         :raises TypeError: ``key`` is unhashable (or, with a backend, not
