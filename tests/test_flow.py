@@ -641,9 +641,10 @@ async def test_submit_returns_a_handle_to_the_queued_work() -> None:
     second = await queue.submit("k", lambda x, y=0: x + y, 40, y=2)
     assert isinstance(first, inturn.Handle)
     assert first.key == "k"
-    assert not queue.is_active("k")  # submit() did not yield: the tasks start next
+    # submit() did not yield, yet both joined the line: first holds "k", second waits behind it
+    assert queue.pending("k") == 1
     await checkpoints()
-    assert queue.pending("k") == 1  # first holds "k", second waits behind it
+    assert queue.pending("k") == 1
     assert not first.done()
     assert not second.done()
     gate.set()

@@ -19,6 +19,7 @@ from typing import Any, final
 from ._tasks import in_loop_of as _soon
 
 __all__ = (
+    "Deferred",
     "Drain",
     "Gate",
     "Line",
@@ -68,8 +69,31 @@ class ThreadWaiter:
         self.left = True
 
 
-#: What waits in a line: a task's future, or a thread.
-Waiter = asyncio.Future[None] | ThreadWaiter
+class Deferred:
+    """Work waiting in a line as data (submit()'s Handle): handed the line, it starts a task.
+
+    Quacks like the futures of waiting tasks where a line looks at its
+    waiters: ``done()`` once it left, ``cancel()`` (a no-op once it left).
+    """
+
+    __slots__ = ()
+
+    def done(self) -> bool:
+        raise NotImplementedError
+
+    def cancel(self) -> bool:
+        raise NotImplementedError
+
+    def handed(self, shared: bool) -> bool:
+        """The line is this work's now: start its task (never here and now: it may run eagerly).
+
+        Return False if it never can (its loop is closed). The caller holds the guard.
+        """
+        raise NotImplementedError
+
+
+#: What waits in a line: a task's future, a thread, or work waiting as data.
+Waiter = asyncio.Future[None] | ThreadWaiter | Deferred
 
 
 def wake(waiter: Waiter) -> bool:
@@ -77,6 +101,8 @@ def wake(waiter: Waiter) -> bool:
     if type(waiter) is ThreadWaiter:
         waiter.lock.release()
         return True
+    if isinstance(waiter, Deferred):
+        return waiter.handed(True)
     return _soon(waiter, resolve, waiter)
 
 

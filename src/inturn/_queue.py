@@ -4,22 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Hashable
 from inspect import isawaitable
 from time import monotonic as _monotonic
 from types import CoroutineType, MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeVar, final, overload
 
+from ._batch import Batch
 from ._checks import UNSET, check_count, check_hold, check_timeout
 from ._checks import Unset as _Unset
-from ._errors import QueueClosed
-from ._flow import Batch, Handle, QueueStats, _unawaited, failures
 from ._keys import KeySpec, KeysSpec, describe, unhashable
 from ._line import resolve as _resolve
 from ._registry import Registry
 from ._slots import Slots
-from ._tasks import current_task as _current_task
+from ._stats import QueueStats
+from ._submit import Handle, Submissions, failures, submit, unawaited
 from ._tasks import in_loop_of as _soon
 from ._tasks import outside_asyncio, running_loop
 from ._turn import Turn, call_in_turn, call_in_turn_sync
@@ -37,30 +36,6 @@ __all__ = ("UNSET", "KeyedQueue")
 
 R = TypeVar("R")
 W = TypeVar("W")
-
-
-@final
-class _Placing:
-    """A submitted work, until its task started (and took a slot, or lined up for one)."""
-
-    __slots__ = ("counted", "slots")
-
-    def __init__(self, slots: Slots, counted: bool) -> None:
-        self.slots = slots
-        self.counted = counted  # in slots.unplaced
-        if counted:
-            with slots.registry.guard():
-                slots.unplaced += 1
-
-    def started(self, _: object = None) -> None:
-        """Count the work as placed (once): a producer may go if a slot is left."""
-        if self.counted:
-            self.counted = False
-            slots = self.slots
-            with slots.registry.guard():
-                slots.unplaced -= 1
-            if slots.producers and slots.free > slots.unplaced:
-                slots.next_producer()
 
 
 @final
@@ -155,11 +130,11 @@ class KeyedQueue:
         "__weakref__",
         "_backend",
         "_concurrency",
-        "_handles",
         "_max_hold",
         "_max_pending",
         "_registry",
         "_slots",
+        "_submissions",
         "_timeout",
         "_unclaimed",
     )
@@ -207,8 +182,10 @@ class KeyedQueue:
         )
         # The running slots, with max_running.
         self._slots = None if max_running is None else Slots(max_running, self._registry)
-        # submit()'s handles not finished yet, and the failed ones nobody awaited
-        self._handles: set[Handle[Any]] = set()
+        # submit()'s work (its handles not finished yet), and the failed ones nobody awaited
+        self._submissions = Submissions(
+            self._registry, self._slots, self._timeout, self._max_hold, self._run_keyed
+        )
         self._unclaimed: list[Handle[Any]] = []
 
     # -- taking turns ---------------------------------------------------------
@@ -495,23 +472,31 @@ class KeyedQueue:
     async def submit(
         self, key: Hashable, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
     ) -> Handle[Any]:
-        """Queue ``fn(*args, **kwargs)`` in ``key``'s line as a task of its own; return its handle.
+        """Queue ``fn(*args, **kwargs)`` in ``key``'s line; return its handle.
 
-        The work runs as :meth:`run` would run it, in a new task, which
-        joins the key's line before any work submitted later (so the key's
-        works run in submission order). With ``max_running`` it also applies
-        backpressure: while every running slot is busy, or promised to works
-        submitted but not started yet, it waits until one frees, unless the
-        work will queue behind its key's running work (which holds a slot
-        already) or the caller runs in a slot itself (a work submitting more
-        work never waits on itself). Without waiting it does not yield to
-        the event loop: a producer submits a burst at the cost of a task
-        each.
+        The work joins the key's line at this call, in arrival order with
+        every other caller of the key (:meth:`run`, :meth:`keyed`, threads,
+        other submissions), and runs as :meth:`run` would run it, in a task
+        of its own. While the key is busy it waits in the line as data, not
+        as a task: its task is made when the line hands it the key (so a hot
+        key's backlog costs no task per work). It runs in the context that
+        this call had (contextvars), and its wait counts in the queue's
+        ``timeout``.
+
+        With ``max_running`` it also applies backpressure: while every
+        running slot is busy, or promised to works submitted but not started
+        yet, it waits until one frees, unless the work will wait in its
+        key's line (the key is busy) or the caller runs in a slot itself (a
+        work submitting more work never waits on itself). Without waiting it
+        does not yield to the event loop.
 
         Await the returned :class:`~inturn.Handle` for the work's result, or
         cancel it. An error that nobody awaits is raised later by
         ``await queue.drain(raise_errors=True)`` (use :meth:`batch` to scope
-        submissions and their errors).
+        submissions and their errors). If the key already has
+        ``max_pending`` waiting, the handle fails at once with
+        :exc:`~inturn.QueueFull`; if the work does not reach its turn within
+        the queue's ``timeout``, with :exc:`TimeoutError` (it never runs).
 
         If ``submit`` is cancelled while it waits, the work was not queued.
 
@@ -519,87 +504,7 @@ class KeyedQueue:
         :raises TypeError: ``key`` is unhashable (or, with a backend, not
             ``str``, ``bytes`` or ``int``), or ``fn`` is not callable.
         """
-        return await self._submit(key, fn, args, kwargs, self._unclaimed)
-
-    async def _submit(
-        self,
-        key: Hashable,
-        fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        failed: list[Handle[Any]],
-        track: Callable[[Handle[Any]], object] | None = None,
-    ) -> Handle[Any]:
-        """submit(): the handle goes to failed if it fails and nobody awaits it; track sees it."""
-        if not callable(fn):
-            raise TypeError(f"inturn: submit() needs a callable, got {describe(fn)}")
-        keys = self._registry.ordered((key,))
-        if not self._registry.open:
-            raise QueueClosed(
-                f"inturn: the queue is closed; the work for key {describe(key)} was not queued"
-            )
-        loop = running_loop("submit()")
-        slots = self._slots
-        if slots is None:
-            task = loop.create_task(
-                self._run_keyed(keys, fn, args, kwargs, self._timeout, self._max_hold)
-            )
-        else:
-            me = _current_task()
-            needs = me not in slots.holders and not slots.behind_running(key)
-            again = False
-            # Works submitted but not started yet each take a free slot when they start.
-            while needs and slots.free <= slots.unplaced:
-                await self._vacancy(slots, key, loop, again)
-                again = True  # woken, but the slot may have gone to work already queued
-                needs = me not in slots.holders and not slots.behind_running(key)
-            placing = _Placing(slots, needs)
-            task = loop.create_task(self._run_placed(placing, keys, fn, args, kwargs))
-            task.add_done_callback(placing.started)  # (cancelled before its first step)
-            if slots.free > slots.unplaced and slots.producers:
-                slots.next_producer()  # a slot is still free: the next producer may go
-        handle: Handle[Any] = Handle(task, key, failed)
-        handles = self._handles
-        handles.add(handle)
-        task.add_done_callback(lambda _: handles.discard(handle))
-        if track is not None:
-            track(handle)
-        return handle
-
-    async def _run_placed(
-        self,
-        placing: _Placing,
-        keys: tuple[Hashable, ...],
-        fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        """A submitted work's task on a queue with running slots: it counts as placed at once."""
-        placing.started()
-        return await self._run_keyed(keys, fn, args, kwargs, self._timeout, self._max_hold)
-
-    async def _vacancy(
-        self, slots: Slots, key: Hashable, loop: asyncio.AbstractEventLoop, again: bool
-    ) -> None:
-        """Wait, FIFO among producers, until a running slot frees or key's work runs.
-
-        ``again``: at the head of the producers (it was woken, but lost the slot).
-        """
-        producer: asyncio.Future[None] = loop.create_future()
-        with self._registry.guard():
-            if slots.producers is None:
-                slots.producers = deque()
-            if again:
-                slots.producers.appendleft((producer, key))
-            else:
-                slots.producers.append((producer, key))
-        try:
-            await producer
-        except BaseException:
-            if producer.done() and not producer.cancelled():  # woken, then cancelled: pass it on
-                slots.next_producer()
-            producer.cancel()
-            raise
+        return await submit(self._submissions, key, fn, args, kwargs, self._unclaimed, None)
 
     def batch(self, *, on_error: Literal["wait", "cancel"] = "wait") -> Batch:
         """Scope submissions: ``async with queue.batch() as batch: await batch.submit(...)``.
@@ -619,7 +524,7 @@ class KeyedQueue:
             submissions, waits for them, and lets the cancellation go on.
         :raises ValueError: ``on_error`` is neither ``"wait"`` nor ``"cancel"``.
         """
-        return Batch(self, on_error)
+        return Batch(self._submissions, on_error)
 
     @overload
     def queue_by_key(  # type: ignore[overload-overlap]  # a coroutine function is decorated
@@ -827,7 +732,7 @@ class KeyedQueue:
         await asyncio.sleep(0)  # let tasks created before this call submit their work
         future = loop.create_future()
         # their tasks end just after they leave the lines: wait for that too
-        submitted = [h._task for h in self._handles if h._task.get_loop() is loop]
+        submitted = self._submissions.of_loop(loop)
         # the last mark may be reached in another thread, once the queue is shared
         with self._registry.guard_for(loop):
             marked = self._registry.mark(lambda: _soon(future, _resolve, future))
@@ -836,7 +741,7 @@ class KeyedQueue:
         if submitted:
             await asyncio.wait(submitted)
         if raise_errors and self._unclaimed:
-            errors = _unawaited(self._unclaimed)
+            errors = unawaited(self._unclaimed)
             self._unclaimed.clear()
             if errors:
                 raise failures(

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Final, final
 from ._checks import missed
 from ._errors import QueueClosed, QueueFull
 from ._keys import describe, order_keys, unhashable
-from ._line import Drain, Gate, Line, ThreadWaiter, Waiter, held_by, wake
+from ._line import Deferred, Drain, Gate, Line, ThreadWaiter, Waiter, held_by, wake
 from ._stats import Tally
 from ._tasks import current_task as _current_task
 from ._tasks import in_loop_of as _soon
@@ -500,6 +500,10 @@ class Registry:
                     if not wake(waiter):  # its loop is closed: its task is gone
                         del self.lines[key]
                         continue
+                elif isinstance(waiter, Deferred):  # work waiting as data: its task starts
+                    if not waiter.handed(False):  # its loop is closed
+                        del self.lines[key]
+                        continue
                 else:
                     waiter.set_result(None)  # type: ignore[union-attr]
                 return
@@ -537,6 +541,8 @@ class Registry:
         line = self.lines.get(key)
         if line is None or type(line) is Gate:
             return None  # (several holders: no one outcome to watch)
+        if isinstance(line, Deferred):
+            return None  # submitted work holds the key, its task not started yet
         if type(line) is not Line:
             line = self.lines[key] = Line(line)
         elif not isinstance(line.holder, asyncio.Task | threading.Thread):

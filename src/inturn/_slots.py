@@ -11,6 +11,7 @@ when a slot frees or their key's work starts running.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any, TypeVar, final
 
@@ -19,8 +20,6 @@ from ._line import Gate, Line, Places, ThreadWaiter, Waiter, resolve
 from ._tasks import in_loop_of as _soon
 
 if TYPE_CHECKING:
-    from collections import deque
-
     from ._registry import Registry
 
 __all__ = ("Slots",)
@@ -155,34 +154,67 @@ class Slots(Places):
 
     # -- producers' backpressure (submit) ------------------------------------------------
 
-    def behind_running(self, key: Hashable) -> bool:
-        """Whether work for key would queue behind its key's running work (holding a slot)."""
+    def needs(self, key: Hashable, me: object, in_line: bool) -> bool:
+        """Whether work submitted now for key would take a running slot as soon as it starts.
+
+        Not if the submitter (me) runs in a slot itself (work submitting more
+        work never waits on itself), nor if the work will wait in its key's
+        line: as data, behind whoever holds the key (in_line), or as a task
+        behind the key's running work, which holds a slot already.
+        """
         running = self.holders
+        if me in running:
+            return False
         line = self.registry.lines.get(key)
         if line is None:
+            return True
+        if in_line:
             return False
         if type(line) is Line:
-            return line.holder in running
+            return line.holder not in running
         if type(line) is Gate:
-            return not line.free and not line.holders.isdisjoint(running)
-        return line in running
+            return bool(line.free) or line.holders.isdisjoint(running)
+        return line not in running
 
     def wake_producers_behind(self) -> None:
-        """Wake the producers whose key's work just got a running slot (they need none).
+        """Wake the producers whose key's work just got a running slot (they need none now).
 
         The caller holds the guard.
         """
-        producers: deque[tuple[asyncio.Future[None], Hashable]] | None = self.producers
+        producers = self.producers
         assert producers is not None
+        registry = self.registry
+        in_line = registry.backend is None and registry.concurrency == 1  # (see _submit)
         still = type(producers)()
         for producer, key in producers:
             if producer.done():
                 continue
-            if self.behind_running(key):
-                _soon(producer, resolve, producer)
-            else:
+            if self.needs(key, None, in_line):
                 still.append((producer, key))
+            else:
+                _soon(producer, resolve, producer)
         self.producers = still
+
+    async def vacancy(self, key: Hashable, loop: asyncio.AbstractEventLoop, again: bool) -> None:
+        """Wait, FIFO among producers, until a running slot frees or key's work runs.
+
+        ``again``: at the head of the producers (it was woken, but lost the slot).
+        """
+        producer: asyncio.Future[None] = loop.create_future()
+        with self.registry.guard():
+            if self.producers is None:
+                self.producers = deque()
+            if again:
+                self.producers.appendleft((producer, key))
+            else:
+                self.producers.append((producer, key))
+        try:
+            await producer
+        except BaseException:
+            if producer.done() and not producer.cancelled():  # woken, then cancelled: pass it on
+                self.next_producer()
+            producer.cancel()
+            raise
 
     def next_producer(self) -> None:
         """Wake the first producer waiting in submit() for a slot, if any."""

@@ -18,8 +18,10 @@ from typing import Any
 __all__ = (
     "abandon_task",
     "abandon_transport",
+    "call_soon_in",
     "current_task",
     "in_loop_of",
+    "makes_plain_tasks",
     "outside_asyncio",
     "running_loop",
 )
@@ -60,6 +62,26 @@ def in_loop_of(future: asyncio.Future[Any], callback: Callable[..., None], *args
     except RuntimeError:  # closed: nobody awaits the future any more
         return False
     return True
+
+
+def call_soon_in(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -> bool:
+    """Schedule callback() in loop, from any thread; False if that loop is closed."""
+    try:
+        if loop is asyncio._get_running_loop():
+            loop.call_soon(callback)
+        else:
+            loop.call_soon_threadsafe(callback)
+    except RuntimeError:  # closed: nothing runs there any more
+        return False
+    return True
+
+
+def makes_plain_tasks(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether loop runs this code and makes plain tasks: a task made runs no step until later.
+
+    (No task factory: an eager one, or any other, may run a step at once.)
+    """
+    return loop is asyncio._get_running_loop() and loop.get_task_factory() is None
 
 
 def outside_asyncio(what: str) -> RuntimeError:

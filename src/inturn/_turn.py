@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from ._slots import Slots
     from .backends._base import Backend, Grant
 
-__all__ = ("Turn", "call_in_turn", "call_in_turn_sync", "current_turn")
+__all__ = ("Clock", "Turn", "call_in_turn", "call_in_turn_sync", "current_turn")
 
 #: The innermost turn of the current task on a queue with a shared backend.
 _CURRENT: contextvars.ContextVar[Turn | None] = contextvars.ContextVar(
@@ -70,7 +70,7 @@ async def _settle(release: Awaitable[None]) -> None:
 
 
 @final
-class _Clock:
+class Clock:
     """A turn's max_hold: cancels the holding task when the limit runs out."""
 
     __slots__ = ("cancelling", "expired", "handle", "limit", "task")
@@ -114,7 +114,7 @@ class _Flow:
     def __init__(self) -> None:
         self.slot = False  # whether the turn took a running slot (max_running)
         self.since = 0.0  # when the turn started, if its queue times turns
-        self.clock: _Clock | None = None  # max_hold, while held
+        self.clock: Clock | None = None  # max_hold, while held
 
 
 @final
@@ -277,7 +277,7 @@ class Turn:
         self._task, self._taken = task, keys
         self.token = next(registry.tokens)
         if self._hold is not None:
-            flow.clock = _Clock(task, self._hold)
+            flow.clock = Clock(task, self._hold)
         return True
 
     async def _enter(self, task: Any) -> None:
@@ -315,7 +315,7 @@ class Turn:
             assert task is not None  # (a turn was taken)
             if self._flow is None:
                 self._flow = _Flow()
-            self._flow.clock = _Clock(task, self._hold)
+            self._flow.clock = Clock(task, self._hold)
 
     async def _take_all(self, task: Any, deadline: Deadline) -> tuple[Hashable, ...]:
         """Take the turns of the keys (in the global order) by deadline; return those taken.

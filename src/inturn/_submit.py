@@ -1,0 +1,724 @@
+"""submit(): work queued as data in its key's line, its Handle, producers' backpressure.
+
+A submission joins its key's line when ``submit()`` is called, in arrival
+order with every other caller of the key (tasks, threads, other
+submissions). Taking a free key, it becomes the key's holder at once and
+its task starts; finding the key busy, it waits in the key's line as data
+(its :class:`Handle`: the function, its arguments, the context), costing no
+task, and its task is made only when the line hands it the key. So a hot
+key's backlog waits as data, and the tasks alive stay bounded by the
+running slots and the producers' backpressure.
+
+NOTE: the hand-off (``Registry.leave``) makes a waiting Handle the
+line's holder before its task exists, as it does a waiter future; the
+task, scheduled in the Handle's loop, then makes itself the holder. A Handle
+cancelled or timed out between the two passes the turn on.
+
+The work's task gives the handle its outcome itself and ends quietly (no
+done callback per task: it cost a loop callback per work). A task that has
+not run yet runs no code when cancelled, so Handle.cancel() gives up its
+place itself then. NOTE: a task cancelled by someone else before its first
+step (code cancelling every task of a running loop) would leave its key
+held; asyncio.run() runs every step scheduled before it stops.
+
+Work waiting as data is no task, so asyncio.run()'s shutdown, which
+cancels the loop's tasks, cannot cancel it; and a hand-off during that
+shutdown makes tasks it never cancels, which would hold their key past the
+loop's end. So the first work of a loop to wait as data starts a watch on
+the loop: an async generator, which the loop closes at its shutdown
+(``shutdown_asyncgens()``), and which then cancels that loop's submitted
+work still pending and waits for it to leave its lines.
+
+On a queue with a backend, or with ``concurrency`` above 1, a submission is
+a task of its own from the start, which takes its turn as ``run()`` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import sys
+import weakref
+from collections.abc import AsyncGenerator, Callable, Coroutine, Generator, Hashable
+from inspect import isawaitable
+from time import monotonic as _monotonic
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, final
+
+from ._checks import missed
+from ._errors import QueueClosed, QueueFull
+from ._keys import describe, unhashable
+from ._line import Deferred
+from ._line import Line as _Line
+from ._tasks import call_soon_in as _call_soon_in
+from ._tasks import current_task as _current_task
+from ._tasks import makes_plain_tasks, outside_asyncio, running_loop
+from ._turn import Clock
+
+if sys.version_info < (3, 11):  # pragma: no cover - depends on the interpreter
+    from exceptiongroup import BaseExceptionGroup
+
+if TYPE_CHECKING:
+    from ._batch import Batch
+    from ._registry import Registry
+    from ._slots import Slots
+
+__all__ = ("Handle", "Submissions", "failures", "submit", "unawaited")
+
+R = TypeVar("R")
+
+
+@final
+class Submissions:
+    """A queue's submitted work: what submit() and its handles use of the queue.
+
+    The queue makes one, at its making; its handles not finished yet are here.
+    """
+
+    __slots__ = ("__weakref__", "handles", "max_hold", "registry", "run_keyed", "slots", "timeout")
+
+    def __init__(
+        self,
+        registry: Registry,
+        slots: Slots | None,
+        timeout: float | None,
+        max_hold: float | None,
+        run_keyed: Callable[..., Coroutine[Any, Any, Any]],
+    ) -> None:
+        self.registry = registry
+        self.slots = slots
+        self.timeout = timeout  # the queue's
+        self.max_hold = max_hold  # the queue's
+        # (keys, fn, args, kwargs, timeout, max_hold): a whole turn, as run() takes it
+        self.run_keyed = run_keyed
+        self.handles: set[Handle[Any]] = set()  # submitted, not finished yet
+
+    def of_loop(self, loop: asyncio.AbstractEventLoop) -> list[asyncio.Future[Any]]:
+        """The outcomes of loop's submitted work not finished yet (for drain())."""
+        return [h._future for h in self.handles if h._future.get_loop() is loop]
+
+
+# Where a Handle is (Handle._stage).
+_UNPLACED = 0  # in no line: refused, or its own task takes the turn (backend, concurrency)
+_PLACED = 1  # holds its key, or waits in its line as data; its task has not run yet
+_STARTED = 2  # its task runs (or ran)
+
+
+@final
+class Handle(Deferred, Generic[R]):
+    """Work given to :meth:`~inturn.KeyedQueue.submit`: await it for its outcome, or cancel it.
+
+    ``await handle`` returns the work's result or raises its exception, as
+    often as it is awaited. Awaiting it, or cancelling the awaiter, never
+    affects the work; :meth:`cancel` does, whether the work still waits in
+    its key's line or runs. The error of a handle that nobody awaited is not
+    lost: its batch raises it when it exits (see
+    :meth:`~inturn.KeyedQueue.batch`), or, outside a batch, ``await
+    queue.drain(raise_errors=True)``. It is never logged as "Task exception
+    was never retrieved".
+    """
+
+    # NOTE: while the work waits in its key's line, this object is the
+    # line's waiter (done() once it left); its task exists only from its turn.
+    __slots__ = (
+        "_args",
+        "_awaited",
+        "_batch",
+        "_callbacks",
+        "_context",
+        "_counted",
+        "_failed",
+        "_fn",
+        "_future",
+        "_kwargs",
+        "_line",
+        "_queue",
+        "_since",
+        "_stage",
+        "_task",
+        "_timer",
+        "key",
+    )
+
+    #: The key the work was submitted under.
+    key: Hashable
+
+    def __init__(
+        self,
+        queue: Submissions,
+        key: Hashable,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        future: asyncio.Future[R],
+        failed: list[Handle[Any]],
+        batch: Batch | None,
+    ) -> None:
+        self._queue = queue
+        self.key = key
+        self._fn = fn
+        self._args = args
+        self._kwargs = kwargs
+        self._future = future  # the work's outcome: every answer of the handle reads it
+        self._failed = failed  # where the handle goes if it fails and nobody awaited it
+        self._batch = batch
+        self._task: asyncio.Task[Any] | None = None  # the work's task, from its turn on
+        self._line: _Line | None = None  # the line it joined as data (None: it took a free key)
+        self._context: contextvars.Context | None = None  # submit()'s, while waiting as data
+        self._timer: asyncio.TimerHandle | None = None  # the queue's timeout, while waiting
+        self._since = 0.0  # when it was submitted (monotonic), on a queue that times turns
+        self._stage = _UNPLACED
+        self._counted = False  # counted in the running slots' `unplaced`
+        self._awaited = False  # whether someone awaited the outcome (so got its error)
+        # add_done_callback's callbacks, each with what the future calls instead (made on first use)
+        self._callbacks: list[tuple[Callable[[Handle[R]], object], Callable[..., object]]] | None
+        self._callbacks = None
+
+    def __await__(self) -> Generator[Any, None, R]:
+        future = self._future
+        try:
+            return (yield from asyncio.shield(future).__await__())
+        finally:
+            if future.done():  # the outcome reached this awaiter
+                self._awaited = True
+
+    def done(self) -> bool:
+        """Whether the work has finished: returned, raised, or was cancelled."""
+        return self._future.done()
+
+    def cancelled(self) -> bool:
+        """Whether the work was cancelled (before its turn, or while it ran)."""
+        return self._future.cancelled()
+
+    def result(self) -> R:
+        """The work's result, as :meth:`asyncio.Future.result`: raise its error if it failed.
+
+        :raises asyncio.InvalidStateError: the work has not finished.
+        :raises asyncio.CancelledError: the work was cancelled.
+        """
+        future = self._future
+        if future.done() and not future.cancelled():
+            self._awaited = True  # its error, if any, reaches this caller
+        return future.result()
+
+    def exception(self) -> BaseException | None:
+        """The work's error, or None if it returned, as :meth:`asyncio.Future.exception`.
+
+        An error read here counts as retrieved: no batch or
+        ``drain(raise_errors=True)`` raises it again.
+
+        :raises asyncio.InvalidStateError: the work has not finished.
+        :raises asyncio.CancelledError: the work was cancelled.
+        """
+        future = self._future
+        if future.done() and not future.cancelled():
+            self._awaited = True
+        return future.exception()
+
+    def add_done_callback(
+        self, fn: Callable[[Handle[R]], object], *, context: contextvars.Context | None = None
+    ) -> None:
+        """Call ``fn(handle)`` once the work has finished, in the loop it runs in.
+
+        As :meth:`asyncio.Future.add_done_callback`: scheduled with
+        ``call_soon`` (at once if it has finished already), in ``context``
+        or a copy of the current one. Reading the outcome is up to ``fn``:
+        an error it does not read with :meth:`result` or :meth:`exception`
+        is still raised by the batch or by ``drain(raise_errors=True)``.
+        """
+
+        def call(_: object) -> None:
+            fn(self)
+
+        if self._callbacks is None:
+            self._callbacks = []
+        self._callbacks.append((fn, call))
+        self._future.add_done_callback(call, context=context)
+
+    def remove_done_callback(self, fn: Callable[[Handle[R]], object]) -> int:
+        """Remove every registration of ``fn`` by :meth:`add_done_callback`; return how many."""
+        kept = []
+        removed = 0
+        for added, call in self._callbacks or ():
+            if added == fn:
+                removed += self._future.remove_done_callback(call)
+            else:
+                kept.append((added, call))
+        self._callbacks = kept
+        return removed
+
+    def cancel(self, msg: object = None) -> bool:
+        """Cancel the work: it leaves its line, or is cancelled at its next ``await``.
+
+        Work still waiting in its key's line leaves it without disturbing
+        anyone behind; work handed its turn at that moment passes it on.
+        Return False if it has finished already. Awaiting the handle then
+        raises :exc:`asyncio.CancelledError`.
+        """
+        future = self._future
+        if future.done():
+            return False
+        task = self._task
+        if task is not None:
+            if self._stage == _STARTED:
+                return task.cancel(msg)  # its task ends it
+            task.cancel(msg)  # not run yet: it never will (it runs no code when thrown at)
+        # waiting as data, or holding the key with its task not run (or made) yet
+        future.cancel(msg)  # first: done, so that a hand-off skips it
+        self._leave_line(asyncio.CancelledError())
+        return True
+
+    def __repr__(self) -> str:
+        future = self._future
+        if not future.done():
+            state = "pending" if self._task is not None else "waiting in line"
+        elif future.cancelled():
+            state = "cancelled"
+        elif future.exception() is not None:
+            state = f"failed: {describe(future.exception())}"
+        else:
+            state = "done"
+        return f"<Handle key={describe(self.key)} {state}>"
+
+    # -- its life -----------------------------------------------------------------
+
+    def _leave_line(self, error: BaseException) -> None:
+        """Leave the key's line, where it waits or holds the key (passing it on); finish.
+
+        The outcome is set already (done: a hand-off skips it, and _drop's
+        ``waiter.cancel()`` is a no-op); error is what the stats count.
+        """
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        queue = self._queue
+        if self._counted:
+            with queue.registry.guard():
+                _uncount(self, queue.slots)
+        if self._stage == _PLACED:
+            self._stage = _UNPLACED
+            registry = queue.registry
+            key = self.key
+            line = self._line
+            if line is None:  # it took the free key: lines[key] is it, or a Line it holds
+                with registry.guard():
+                    line = registry.lines[key]
+                    if line is self:
+                        del registry.lines[key]
+                        registry.tally.missed(error)
+                        line = None
+            if line is not None:  # (the line may have left the lines since: as abandon()'s)
+                registry.abandon(key, line, self, error)
+        self._finish(not isinstance(error, asyncio.CancelledError))
+
+    def _expire(self, timeout: float) -> None:
+        """The queue's timeout ran out while the work waited in its key's line."""
+        self._timer = None
+        future = self._future
+        if future.done():
+            return
+        queue = self._queue
+        with queue.registry.guard():
+            line = queue.registry.lines.get(self.key)
+            if line is self or (type(line) is _Line and line.holder is self):
+                return  # handed the key just now: its task takes the rest of the time
+            future.set_exception(missed(f"the turn for key {describe(self.key)}", timeout))
+        future.exception()  # retrieved: it reaches the handle's awaiters, or its batch
+        self._leave_line(future.exception())  # type: ignore[arg-type]
+
+    def handed(self, shared: bool) -> bool:
+        """The line was handed to this work: start its task, in its loop.
+
+        Return False if its loop is closed: nothing will ever run it. The
+        caller holds the guard.
+        """
+        loop = self._future.get_loop()
+        if not shared and makes_plain_tasks(loop):
+            self._start()  # a plain task runs no step when made: it is scheduled
+            return True
+        # NOTE: scheduled, not made here: a task may run at once (eager), mid-hand-off
+        return _call_soon_in(loop, self._start)
+
+    def _start(self) -> None:
+        """Make the task of work that was handed its key's line."""
+        if self._future.done():  # cancelled or timed out just then: it passed the turn on
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        context, self._context = self._context, None
+        assert context is not None
+        self._line = None  # it holds the key now, as one that took it free
+        loop = self._future.get_loop()
+        if sys.version_info >= (3, 11):
+            task = loop.create_task(_run(self), context=context)
+        else:  # pragma: no cover - depends on the interpreter
+            task = context.run(loop.create_task, _run(self))
+        self._task = task
+
+    def _ended(self, error: BaseException | None, result: Any) -> None:
+        """Give the handle the outcome of its work, from the work's task."""
+        future = self._future
+        if error is None:
+            future.set_result(result)
+            self._finish(False)
+        elif isinstance(error, asyncio.CancelledError):
+            future.cancel()
+            self._finish(False)
+        else:
+            future.set_exception(error)
+            future.exception()  # retrieved: it reaches the handle's awaiters, or its batch
+            self._finish(True)
+
+    def _fail(self, error: BaseException) -> None:
+        """End work that never ran with error (refused when submitted)."""
+        self._future.set_exception(error)
+        self._future.exception()
+        self._finish(True)
+
+    def _finish(self, failed: bool) -> None:
+        """Let the queue and the batch know the work has finished (failed: with an error)."""
+        # let the work's function and arguments go, as a finished task does its frame
+        self._fn, self._args, self._kwargs, self._line = _spent, (), _NO_KWARGS, None
+        self._queue.handles.discard(self)
+        if failed and not self._awaited:
+            self._failed.append(self)
+        if self._batch is not None:
+            self._batch._finished(self, failed)
+
+
+def _spent() -> None:
+    """What a finished handle holds instead of its work's function."""
+
+
+#: What a finished handle holds instead of its work's keyword arguments (never changed).
+_NO_KWARGS: dict[str, Any] = {}
+
+
+def _uncount(handle: Handle[Any], slots: Slots | None) -> None:
+    """Count submitted work as placed (once): a producer may go if a slot is left.
+
+    The caller holds the guard.
+    """
+    handle._counted = False
+    assert slots is not None
+    slots.unplaced -= 1
+    if slots.producers and slots.free > slots.unplaced:
+        slots.wake_producer()
+
+
+async def _run(handle: Handle[Any]) -> Any:
+    """The task of submitted work that holds its key's line: a running slot, the work, release.
+
+    The turn as :class:`~inturn.Turn` takes it once the key is held: its
+    running slot (max_running), max_hold, then the release of the slot and
+    the key, newest first.
+    """
+    handle._stage = _STARTED
+    queue = handle._queue
+    registry = queue.registry
+    key = handle.key
+    # (made by a plain loop, the task is known already; an eager one runs this step first)
+    task = handle._task or _current_task()
+    assert task is not None
+    lines = registry.lines
+    slots = queue.slots
+    since = handle._since
+    slot = False
+    with registry.guard():
+        line = lines[key]
+        if line is handle:
+            lines[key] = task
+        else:
+            line.holder = task
+        if slots is not None:
+            if slots.enter_now(task):  # (a new task holds no slot: True, or None to wait)
+                slot = True
+                now = _monotonic()
+                registry.tally.waited += now - since
+                since = now
+            if handle._counted:
+                _uncount(handle, slots)
+    if slots is not None and not slot:
+        limit = queue.timeout
+        left = None if limit is None else max(0.0, limit - (_monotonic() - since))
+        try:
+            slot = await slots.take(task, left, limit)
+        except BaseException as error:
+            registry.release(key, task, error, None)
+            handle._ended(error, None)
+            if isinstance(error, Exception):
+                return None
+            raise
+        since = registry.started(since)
+    elif since and slots is None:
+        since = registry.started(since)
+    hold = queue.max_hold
+    clock = None if hold is None else Clock(task, hold)
+    fn, args, kwargs = handle._fn, handle._args, handle._kwargs
+    try:
+        result = fn(*args, **kwargs) if kwargs else fn(*args) if args else fn()
+        if isawaitable(result):
+            result = await result
+    except BaseException as error:
+        cut = None if clock is None else clock.stop((key,), error)
+        if cut is not None:
+            cut.__cause__ = error
+            error = cut
+        _end(queue, key, task, slot, error, None, cut is not None, since)
+        handle._ended(error, None)
+        if isinstance(error, Exception):
+            return None  # it is the handle's now: the task ends quietly
+        raise
+    if clock is not None:
+        clock.stop((key,), None)
+    _end(queue, key, task, slot, None, result, False, since)
+    handle._ended(None, result)
+    return None
+
+
+def _end(
+    queue: Submissions,
+    key: Hashable,
+    task: asyncio.Task[Any],
+    slot: bool,
+    error: BaseException | None,
+    result: Any,
+    cut: bool,
+    since: float,
+) -> None:
+    """Release the running slot, then the key (watchers learn the outcome); count the turn.
+
+    ``since``: when the work started, if its queue times turns.
+    """
+    registry = queue.registry
+    slots = queue.slots
+    if registry.shared:
+        if slots is not None and slot:
+            slots.vacate(task)
+        registry.release(key, task, error, result)
+        registry.ended(error, cut, since)
+        return
+    # (solo: what those three do, without a lock)
+    if slots is not None and slot:
+        slots.leave(task, False)
+    if (line := registry.lines.pop(key)) is not task:
+        registry.leave(key, line, error, result)
+    tally = registry.tally
+    tally.ended(error, cut)
+    if since:
+        tally.held += _monotonic() - since
+
+
+async def _take_turn(handle: Handle[Any], keys: tuple[Hashable, ...]) -> Any:
+    """The task of submitted work that takes its whole turn itself (backend, concurrency)."""
+    handle._stage = _STARTED
+    queue = handle._queue
+    if handle._counted:
+        with queue.registry.guard():
+            _uncount(handle, queue.slots)
+    try:
+        result = await queue.run_keyed(
+            keys, handle._fn, handle._args, handle._kwargs, queue.timeout, queue.max_hold
+        )
+    except BaseException as error:
+        handle._ended(error, None)
+        if isinstance(error, Exception):
+            return None  # it is the handle's now: the task ends quietly
+        raise
+    handle._ended(None, result)
+    return None
+
+
+async def submit(
+    queue: Submissions,
+    key: Hashable,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    failed: list[Handle[Any]],
+    batch: Batch | None,
+) -> Handle[Any]:
+    """queue.submit(): the handle goes to failed if it fails and nobody awaits it."""
+    if not callable(fn):
+        raise TypeError(f"inturn: submit() needs a callable, got {describe(fn)}")
+    if queue.registry.backend is not None or queue.registry.concurrency != 1:
+        return await _submit_task(queue, key, fn, args, kwargs, failed, batch)
+    try:
+        hash(key)
+    except TypeError:
+        raise unhashable(key) from None
+    if not queue.registry.open:
+        raise QueueClosed(
+            f"inturn: the queue is closed; the work for key {describe(key)} was not queued"
+        )
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        raise outside_asyncio("submit()") from None
+    lines = queue.registry.lines
+    slots = queue.slots
+    me = None
+    if slots is not None:
+        me = _current_task()
+        if me not in slots.holders:
+            again = False
+            # Work submitted but not started yet each take a free slot when they start;
+            # work for a busy key waits in its line, and takes none until its turn.
+            while slots.free <= slots.unplaced and key not in lines:
+                await slots.vacancy(key, loop, again)
+                again = True  # woken, but the slot may have gone to work already queued
+    handle: Handle[Any] = Handle(queue, key, fn, args, kwargs, loop.create_future(), failed, batch)
+    queue.handles.add(handle)
+    if batch is not None:
+        batch._handles.add(handle)
+    if slots is not None or not queue.registry.plain:
+        handle._since = _monotonic()
+    refused: BaseException | None = None
+    with queue.registry.guard_for(loop):
+        line = lines.get(key)
+        if line is None:  # a free key: the work holds it from now, its task starts next
+            lines[key] = handle
+            handle._stage = _PLACED
+            if slots is not None:
+                if me not in slots.holders:
+                    handle._counted = True
+                    slots.unplaced += 1
+                if slots.producers:  # those waiting to submit for this key may go: it is busy
+                    slots.wake_producers_behind()
+        else:  # a busy key: the work waits in its line as data
+            if type(line) is not _Line:
+                line = lines[key] = _Line(line)
+            pending = queue.registry.max_pending
+            if pending is not None and line.waiting >= pending:
+                refused = QueueFull(
+                    f"inturn: key {describe(key)} already has {line.waiting} waiting "
+                    f"(max_pending={pending}); the work was not queued"
+                )
+            elif queue.timeout is not None and queue.timeout <= 0:
+                queue.registry.tally.timed_out += 1
+                refused = missed(f"the turn for key {describe(key)}", 0)
+            else:
+                line.waiters.append(handle)
+                line.waiting += 1
+                handle._stage = _PLACED
+                handle._line = line
+    if line is None:
+        handle._task = loop.create_task(_run(handle))
+    elif refused is None:
+        handle._context = contextvars.copy_context()
+        _watch(loop, queue)
+        timeout = queue.timeout
+        if timeout is not None:
+            handle._timer = loop.call_later(timeout, handle._expire, timeout)
+    else:
+        handle._fail(refused)
+    if slots is not None and slots.producers and slots.free > slots.unplaced:
+        slots.next_producer()  # a slot is still free: the next producer may go
+    return handle
+
+
+#: Per event loop: the queues with its submitted work waiting as data (see the module's doc).
+_WATCHED: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, weakref.WeakSet[Submissions]]
+_WATCHED = weakref.WeakKeyDictionary()
+#: Per event loop: its watch, which the loop holds weakly only. NOTE: a watch holds
+#: its loop (the loop's finalizer hook): its entry goes when the loop shuts down, or
+#: when a new loop is watched and finds that loop closed.
+_WATCHES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncGenerator[None, None]]
+_WATCHES = weakref.WeakKeyDictionary()
+#: The (loop, queue) watched last, to skip the lookups for the next work alike.
+_last: tuple[weakref.ref[asyncio.AbstractEventLoop], weakref.ref[Submissions]] | None = None
+
+
+def _watch(loop: asyncio.AbstractEventLoop, queue: Submissions) -> None:
+    """Make sure loop's shutdown cancels queue's submitted work of loop (see the module's doc)."""
+    global _last
+    last = _last
+    if last is not None and last[0]() is loop and last[1]() is queue:
+        return
+    try:
+        queues = _WATCHED.get(loop)
+        if queues is None:
+            for closed in [other for other in _WATCHES if other.is_closed()]:
+                del _WATCHES[closed]  # closed without shutdown_asyncgens()
+            queues = _WATCHED[loop] = weakref.WeakSet()
+            watch = _shutdown(queues)  # (not given the loop: the map holds the loop weakly)
+            try:  # its first step, in this loop: the loop's hooks track it from now on
+                watch.asend(None).send(None)
+            except StopIteration:
+                pass
+            _WATCHES[loop] = watch
+        queues.add(queue)
+        _last = (weakref.ref(loop), weakref.ref(queue))
+    except TypeError:  # pragma: no cover - a loop that takes no weak reference: no watch
+        return
+
+
+async def _shutdown(queues: weakref.WeakSet[Submissions]) -> AsyncGenerator[None, None]:
+    """Wait for the loop's shutdown; then cancel the loop's submitted work still pending."""
+    try:
+        yield
+    finally:
+        global _last
+        _last = None
+        loop = asyncio.get_running_loop()  # (the loop closes it, in its own run)
+        _WATCHES.pop(loop, None)
+        _WATCHED.pop(loop, None)
+        tasks = []
+        for queue in list(queues):
+            for handle in list(queue.handles):
+                if handle._future.get_loop() is loop and handle.cancel():
+                    task = handle._task
+                    if task is not None and not task.done():
+                        tasks.append(task)
+        if tasks:  # they leave their lines as they end
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _submit_task(
+    queue: Submissions,
+    key: Hashable,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    failed: list[Handle[Any]],
+    batch: Batch | None,
+) -> Handle[Any]:
+    """submit() on a queue with a backend or concurrency: a task that takes its whole turn."""
+    keys = queue.registry.ordered((key,))
+    if not queue.registry.open:
+        raise QueueClosed(
+            f"inturn: the queue is closed; the work for key {describe(key)} was not queued"
+        )
+    loop = running_loop("submit()")
+    slots = queue.slots
+    me = None
+    if slots is not None:
+        me = _current_task()
+        again = False
+        while slots.needs(key, me, False) and slots.free <= slots.unplaced:
+            await slots.vacancy(key, loop, again)
+            again = True
+    handle: Handle[Any] = Handle(queue, key, fn, args, kwargs, loop.create_future(), failed, batch)
+    queue.handles.add(handle)
+    if batch is not None:
+        batch._handles.add(handle)
+    if slots is not None:
+        with queue.registry.guard():
+            if slots.needs(key, me, False):
+                handle._counted = True
+                slots.unplaced += 1
+    handle._task = loop.create_task(_take_turn(handle, keys))
+    if slots is not None and slots.producers and slots.free > slots.unplaced:
+        slots.next_producer()
+    return handle
+
+
+def failures(message: str, errors: list[BaseException]) -> BaseExceptionGroup[BaseException]:
+    """The group that reports errors nobody awaited (an ExceptionGroup if all are Exceptions)."""
+    return BaseExceptionGroup(message, errors)
+
+
+def unawaited(failed: list[Handle[Any]]) -> list[BaseException]:
+    """The errors of the failed handles nobody awaited."""
+    errors = [handle._future.exception() for handle in failed if not handle._awaited]
+    return [error for error in errors if error is not None]

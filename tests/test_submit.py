@@ -1,0 +1,415 @@
+"""submit() queues work as data in its key's line: FIFO with every caller, and no task per backlog.
+
+A submission joins its key's line when submit() is called. While the key is
+busy, it waits there as data and costs no task; its task is made when the
+line hands it the key. Tasks are counted through the loop's task factory,
+never by timing; orders are set up with events and checkpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import gc
+import sys
+import threading
+import weakref
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from inturn import KeyedQueue, QueueFull
+
+from helpers import PATIENCE, Recorder, checkpoints, settle, wait_until
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import ExceptionGroup
+
+
+class Tasks:
+    """Counts the tasks a loop makes: in all, alive now, and the most alive at once.
+
+    The test's own task (made through the factory too) is not counted.
+    """
+
+    def __init__(self) -> None:
+        self.made = -1
+        self.alive = -1
+        self.peak = 0
+
+    def _ended(self, _: object) -> None:
+        self.alive -= 1
+
+    def factory(
+        self, loop: asyncio.AbstractEventLoop, coro: Any, **options: Any
+    ) -> asyncio.Task[Any]:
+        task = asyncio.Task(coro, loop=loop, **options)
+        task.add_done_callback(self._ended)
+        self.made += 1
+        self.alive += 1
+        self.peak = max(self.peak, self.alive)
+        return task
+
+
+@pytest.fixture
+async def tasks() -> AsyncIterator[Tasks]:
+    loop = asyncio.get_running_loop()
+    counter = Tasks()
+    previous = loop.get_task_factory()
+    loop.set_task_factory(counter.factory)
+    yield counter
+    loop.set_task_factory(previous)
+
+
+@pytest.fixture
+def pool() -> Iterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(max_workers=2) as executor:
+        yield executor
+
+
+@pytest.mark.parametrize("max_running", [None, 4])
+async def test_a_hot_key_s_backlog_waits_as_data_not_as_tasks(
+    tasks: Tasks, max_running: int | None
+) -> None:
+    queue = KeyedQueue(max_running=max_running)
+    recorder = Recorder()
+    gate = asyncio.Event()
+    async with queue.batch() as batch:
+        first = await batch.submit("hot", recorder.body("hot", 0, gate=gate))
+        for i in range(1, 200):
+            await batch.submit("hot", recorder.body("hot", i))
+        await checkpoints(5)
+        assert queue.pending("hot") == 199
+        assert tasks.alive == 1  # the holder's task only: 199 works wait as data
+        gate.set()
+    assert await first == 0
+    assert recorder.started == list(range(200))
+    assert recorder.overlaps == []
+    assert tasks.peak <= 2  # the running work's task, and the next one's once handed the key
+    assert queue.active_count == 0
+
+
+async def test_the_submitter_s_own_run_after_its_submit_goes_behind_it() -> None:
+    queue = KeyedQueue()
+    order: list[str] = []
+    first = await queue.submit("k", order.append, "A1")
+    # the key is free and A1's task has not run yet: A1 holds it already
+    await queue.run("k", order.append, "x")
+    second = await queue.submit("k", order.append, "A2")
+    await first
+    await second
+    assert order == ["A1", "x", "A2"]
+
+
+async def test_submissions_before_a_run_go_first() -> None:
+    queue = KeyedQueue()
+    order: list[str] = []
+    first = await queue.submit("k", order.append, "A1")
+    second = await queue.submit("k", order.append, "A2")
+    async with queue.keyed("k"):
+        order.append("block")
+    await queue.run("k", order.append, "x")
+    await asyncio.gather(first, second)
+    assert order == ["A1", "A2", "block", "x"]
+
+
+async def test_a_submission_and_a_thread_keep_their_arrival_order(
+    pool: ThreadPoolExecutor,
+) -> None:
+    queue = KeyedQueue()
+    await asyncio.to_thread(queue.run_sync, "warm", lambda: None)  # shared with threads now
+    order: list[str] = []
+    lock = threading.Lock()
+
+    def record(name: str) -> None:
+        with lock:
+            order.append(name)
+
+    first = await queue.submit("k", record, "A1")
+    # without yielding: the thread arrives while A1 holds the key (its task not run yet)
+    thread = pool.submit(queue.run_sync, "k", record, "thread")
+    wait_until(lambda: queue.pending("k") == 1, "the thread waits in the line")
+    second = await queue.submit("k", record, "A2")
+    await first
+    await asyncio.wrap_future(thread)
+    await second
+    assert order == ["A1", "thread", "A2"]
+
+
+async def test_a_cancelled_waiting_submission_leaves_without_a_task(tasks: Tasks) -> None:
+    queue = KeyedQueue(max_running=2)
+    recorder = Recorder()
+    gate = asyncio.Event()
+    holder = await queue.submit("k", recorder.body("k", "holder", gate=gate))
+    queued = await queue.submit("k", recorder.body("k", "queued"))
+    after = await queue.submit("k", recorder.body("k", "after"))
+    await settle(lambda: recorder.started == ["holder"])
+    assert queue.pending("k") == 2
+    assert queued.cancel() is True
+    assert queued.cancelled()
+    assert queued.cancel() is False
+    assert queue.pending("k") == 1
+    with pytest.raises(asyncio.CancelledError):
+        await queued
+    gate.set()
+    assert [await holder, await after] == ["holder", "after"]
+    assert recorder.started == ["holder", "after"]
+    assert tasks.made == 2  # none for the cancelled work
+    assert queue.stats().cancelled == 1
+    assert queue.active_count == 0
+
+
+async def test_a_submission_cancelled_as_it_is_handed_the_key_passes_it_on(tasks: Tasks) -> None:
+    queue = KeyedQueue()
+    recorder = Recorder()
+    gate = asyncio.Event()
+    holder = await queue.submit("k", recorder.body("k", "holder", gate=gate))
+    handed = await queue.submit("k", recorder.body("k", "handed"))
+    after = await queue.submit("k", recorder.body("k", "after"))
+    await settle(lambda: recorder.started == ["holder"])
+    watcher = queue.current("k")
+    assert watcher is not None
+    # the holder's end is told to its watchers just before the hand-off; this
+    # callback runs after the hand-off, before the handed work's task is made
+    watcher.add_done_callback(lambda _: handed.cancel())
+    gate.set()
+    assert await holder == "holder"
+    assert await after == "after"
+    assert handed.cancelled()
+    assert recorder.started == ["holder", "after"]
+    assert tasks.made == 2
+    assert queue.active_count == 0
+
+
+async def test_a_submission_cancelled_before_its_task_ran_frees_the_key() -> None:
+    queue = KeyedQueue(max_running=1)
+    ran: list[str] = []
+    handle = await queue.submit("k", ran.append, "never")
+    assert queue.is_active("k")  # it holds the free key already
+    assert handle.cancel() is True
+    await settle(handle.done)
+    assert handle.cancelled()
+    assert await queue.run("k", ran.append, "next") is None
+    assert ran == ["next"]
+    assert queue.active_count == 0
+    assert queue.stats().running == 0
+
+
+async def test_a_waiting_submission_times_out_with_the_queue_s_timeout(tasks: Tasks) -> None:
+    queue = KeyedQueue(timeout=0.05)
+    gate = asyncio.Event()
+    ran: list[str] = []
+    holder = await queue.submit("k", gate.wait)
+    late = await queue.submit("k", ran.append, "late")
+    await settle(late.done)  # the holder holds the key all along
+    with pytest.raises(TimeoutError) as missed:
+        await late
+    assert str(missed.value) == (
+        "inturn: the turn for key 'k' was not reached within 0.05 s; the work did not run"
+    )
+    assert queue.pending("k") == 0
+    gate.set()
+    assert await holder is True
+    assert await queue.submit("k", ran.append, "next") is not None
+    await queue.drain()
+    assert ran == ["next"]
+    assert tasks.made == 2  # the holder's and next's: none for the work that timed out
+    assert queue.stats().timed_out == 1
+
+
+async def test_a_timed_out_submission_s_error_reaches_its_batch() -> None:
+    queue = KeyedQueue(timeout=0.01)
+    gate = asyncio.Event()
+    holder = await queue.submit("k", gate.wait)
+
+    async def scope() -> None:
+        async with queue.batch() as batch:
+            await batch.submit("k", lambda: None)
+            await settle(lambda: queue.pending("k") == 0)  # timed out
+            gate.set()
+
+    with pytest.raises(ExceptionGroup) as info:
+        await asyncio.wait_for(scope(), PATIENCE)
+    assert [type(error) for error in info.value.exceptions] == [TimeoutError]
+    assert await holder is True
+
+
+async def test_a_full_line_fails_the_handle_with_queue_full(tasks: Tasks) -> None:
+    queue = KeyedQueue(max_pending=1)
+    gate = asyncio.Event()
+    holder = await queue.submit("k", gate.wait)
+    queued = await queue.submit("k", lambda: "queued")
+    refused = await queue.submit("k", lambda: "refused")
+    assert refused.done()
+    with pytest.raises(QueueFull, match="max_pending=1"):
+        await refused
+    gate.set()
+    assert [await holder, await queued] == [True, "queued"]
+    assert tasks.made == 2
+
+
+async def test_waiting_work_runs_in_the_context_of_its_submit() -> None:
+    queue = KeyedQueue()
+    var: contextvars.ContextVar[str] = contextvars.ContextVar("var", default="unset")
+    gate = asyncio.Event()
+    seen: list[str] = []
+    holder = await queue.submit("k", gate.wait)
+    var.set("first")
+    first = await queue.submit("k", lambda: seen.append(var.get()))
+    var.set("second")
+    second = await queue.submit("k", lambda: seen.append(var.get()))
+    var.set("after")
+    gate.set()
+    await asyncio.gather(holder, first, second)
+    assert seen == ["first", "second"]
+
+
+async def test_a_handle_of_waiting_work_answers_as_a_future() -> None:
+    queue = KeyedQueue()
+    gate = asyncio.Event()
+    holder = await queue.submit("k", gate.wait)
+    queued = await queue.submit("k", lambda: 42)
+    seen: list[int] = []
+    queued.add_done_callback(lambda handle: seen.append(handle.result()))
+    assert not queued.done()
+    assert "waiting in line" in repr(queued)
+    with pytest.raises(asyncio.InvalidStateError):
+        queued.result()
+    waiter = asyncio.ensure_future(queued)
+    await checkpoints(3)
+    waiter.cancel()  # cancelling an awaiter never affects the work
+    gate.set()
+    assert await queued == 42
+    await settle(lambda: seen == [42])
+    assert await holder is True
+    assert repr(queued).endswith("done>")
+
+
+async def test_drain_waits_for_work_waiting_as_data() -> None:
+    queue = KeyedQueue(max_running=2)
+    recorder = Recorder()
+    gate = asyncio.Event()
+    handles = [await queue.submit("k", recorder.body("k", 0, gate=gate))]
+    handles += [await queue.submit("k", recorder.body("k", i)) for i in range(1, 5)]
+    drained = asyncio.create_task(queue.drain())
+    await checkpoints(5)
+    assert not drained.done()
+    gate.set()
+    await drained
+    assert all(handle.done() for handle in handles)
+    assert recorder.finished == list(range(5))
+
+
+async def test_a_thread_hands_the_key_to_work_waiting_as_data() -> None:
+    queue = KeyedQueue(max_running=2)
+    release = threading.Event()
+    order: list[str] = []
+
+    def hold() -> None:
+        order.append("thread")
+        release.wait(PATIENCE)
+
+    thread = asyncio.ensure_future(asyncio.to_thread(queue.run_sync, "k", hold))
+    await settle(lambda: order == ["thread"])
+    handles = [await queue.submit("k", order.append, f"A{i}") for i in range(5)]
+    assert queue.pending("k") == 5
+    release.set()  # the thread's release hands the key to A0, in this loop
+    await thread
+    await asyncio.gather(*handles)
+    assert order == ["thread", "A0", "A1", "A2", "A3", "A4"]
+    assert queue.active_count == 0
+
+
+async def test_current_is_none_while_submitted_work_has_not_started() -> None:
+    queue = KeyedQueue()
+    handle = await queue.submit("k", lambda: "done")
+    assert queue.is_active("k")
+    assert queue.current("k") is None
+    assert await handle == "done"
+
+
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="eager tasks came with Python 3.12")
+async def test_submissions_keep_their_order_under_eager_tasks() -> None:
+    loop = asyncio.get_running_loop()
+    loop.set_task_factory(asyncio.eager_task_factory)  # type: ignore[attr-defined,unused-ignore]
+    try:
+        queue = KeyedQueue(max_running=2)
+        recorder = Recorder()
+        gate = asyncio.Event()
+        async with queue.batch() as batch:
+            # the free key's work runs its first step inside submit(): up to the gate
+            first = await batch.submit("k", recorder.body("k", 0, gate=gate))
+            assert recorder.started == [0]
+            rest = [await batch.submit("k", recorder.body("k", i)) for i in range(1, 6)]
+            cancelled = rest.pop(2)  # work 3, waiting as data
+            assert cancelled.cancel() is True
+            other = await batch.submit("j", recorder.body("j", "j"))
+            run = asyncio.ensure_future(queue.run("k", recorder.body("k", "run")))
+            gate.set()
+        await run
+        assert [await first, *[await handle for handle in rest]] == [0, 1, 2, 4, 5]
+        assert await other == "j"
+        assert cancelled.cancelled()
+        assert [name for name in recorder.started if name != "j"] == [0, 1, 2, 4, 5, "run"]
+        assert recorder.overlaps == []
+        assert queue.active_count == 0
+    finally:
+        loop.set_task_factory(None)
+
+
+async def test_a_finished_handle_lets_its_arguments_go() -> None:
+    queue = KeyedQueue()
+
+    class Message:
+        pass
+
+    message = Message()
+    gone = weakref.ref(message)
+    handle = await queue.submit("k", lambda m: None, message)
+    del message
+    await handle
+    gc.collect()
+    assert gone() is None
+
+
+@pytest.mark.parametrize("max_running", [None, 2])
+def test_asyncio_run_s_shutdown_cancels_work_left_waiting_as_data(max_running: int | None) -> None:
+    queue = KeyedQueue(max_running=max_running)
+
+    async def forever() -> None:
+        await asyncio.Event().wait()
+
+    async def first() -> None:
+        recorder = Recorder()
+        await queue.submit("k", forever)
+        for i in range(5):
+            await queue.submit("k", recorder.body("k", i, steps=5))
+        await asyncio.sleep(0)  # the holder runs; asyncio.run() then cancels it
+
+    async def second() -> str:
+        return await asyncio.wait_for(queue.run("k", lambda: "free"), PATIENCE)
+
+    asyncio.run(first())
+    assert queue.active_count == 0  # nothing of the closed loop holds or waits
+    assert queue.stats().running == 0
+    assert asyncio.run(second()) == "free"
+
+
+def test_a_loop_that_had_work_waiting_as_data_is_let_go() -> None:
+    queue = KeyedQueue()
+    loops: list[weakref.ref[asyncio.AbstractEventLoop]] = []
+
+    async def main() -> None:
+        loops.append(weakref.ref(asyncio.get_running_loop()))
+        gate = asyncio.Event()
+        holder = await queue.submit("k", gate.wait)
+        queued = await queue.submit("k", lambda: "queued")
+        gate.set()
+        assert [await holder, await queued] == [True, "queued"]
+
+    asyncio.run(main())
+    asyncio.run(main())  # (the queue remembers the last loop it ran in)
+    gc.collect()
+    assert loops[0]() is None
