@@ -413,3 +413,31 @@ def test_a_loop_that_had_work_waiting_as_data_is_let_go() -> None:
     asyncio.run(main())  # (the queue remembers the last loop it ran in)
     gc.collect()
     assert loops[0]() is None
+
+
+@pytest.mark.parametrize("max_running", [None, 2])
+def test_work_whose_task_others_cancel_before_its_first_step_gives_up_its_key_with_its_loop(
+    max_running: int | None,
+) -> None:
+    """Code that cancels every task of its loop (a shutdown handler) may hit a submitted
+    work's task before its first step, which runs none of its code. The loop's shutdown
+    gives the work's place up, or the next job's loop (one asyncio.run() per job) would
+    wait for the key for ever."""
+    queue = KeyedQueue(max_running=max_running)
+    handles = []
+
+    async def first_job() -> None:
+        handles.append(await queue.submit("k", lambda: "never"))  # its task made, not run
+        for task in asyncio.all_tasks():
+            if task is not asyncio.current_task():
+                task.cancel()
+
+    async def next_job() -> str:
+        ran = await asyncio.wait_for(queue.run("k", lambda: "next"), PATIENCE)
+        other = await asyncio.wait_for(queue.submit("j", lambda: "ran"), PATIENCE)
+        return f"{ran} {await other}"
+
+    asyncio.run(first_job())
+    assert handles[0].cancelled()
+    assert not queue.is_active("k")
+    assert asyncio.run(next_job()) == "next ran"

@@ -227,27 +227,46 @@ class Turn:
         except RuntimeError:
             raise outside_asyncio("keyed()") from None
         keys = self.keys
-        if (
-            task is not None
-            and task._loop is registry.owner
-            and len(keys) == 1
-            and self._hold is None
-            and keys[0] not in registry.lines
-        ):
-            # What _enter_now() does on a plain queue, inlined (a call less: see there)
-            registry.lines[keys[0]] = task
-            self._task, self._taken = task, keys
+        if len(keys) == 1 and task is not None and task._loop is registry.owner:
+            # A plain queue's turn on one key, on its solo loop: as run() takes it,
+            # inlined (a coroutine less per turn, contended or not).
+            key = keys[0]
+            lines = registry.lines
+            line = lines.get(key)
+            if line is None:
+                lines[key] = task  # uncontended: as in run()
+                self._taken = keys
+            else:
+                waiter = registry.join(key, task, line, self._timeout)
+                if waiter is not True:  # True: this task holds the key already
+                    if waiter is not False:
+                        line = lines[key]
+                        try:
+                            await waiter
+                        except BaseException as error:
+                            registry.abandon(key, line, waiter, error)
+                            raise
+                        line.holder = task
+                    self._taken = keys
+            self._task = task
             self.token = next(registry.tokens)
-        elif not self._enter_now(task):
+        elif self._enter_now(task):  # a free key and slot at once (flow control)
+            return self
+        else:
             await self._enter(task)
+        if self._hold is not None and self._taken:
+            assert task is not None  # (a turn was taken)
+            if self._flow is None:
+                self._flow = _Flow()
+            self._flow.clock = Clock(task, self._hold)
         return self
 
     def _enter_now(self, task: Any) -> bool:
         """Take the turn at once if that needs no wait and no lock; False to take it by _enter.
 
         One free key on the queue's solo loop, in process, and a free
-        running slot if the queue has slots: the uncontended turn, with no
-        coroutine and no future (the facade's run() inlines the plainest case).
+        running slot if the queue has slots: the uncontended turn of a queue
+        with flow control, with no coroutine and no future.
         """
         registry = self._registry
         keys = self.keys
@@ -258,20 +277,13 @@ class Turn:
         if key in lines:
             return False
         slots = self._slots
-        if slots is None:
-            lines[key] = task
-            if registry.plain and self._hold is None:
-                self._task, self._taken = task, keys
-                self.token = next(registry.tokens)
-                return True
-            flow = _Flow()
-        else:
+        flow = _Flow()
+        if slots is not None:
             took = slots.enter_now(task)
             if took is None:
                 return False
-            lines[key] = task
-            flow = _Flow()
             flow.slot = took
+        lines[key] = task
         flow.since = _monotonic()
         self._flow = flow
         self._task, self._taken = task, keys
@@ -283,26 +295,9 @@ class Turn:
     async def _enter(self, task: Any) -> None:
         """Take the turn, waiting in each key's line (and for a backend's grant, a slot)."""
         registry = self._registry
-        keys = self.keys
         backend = registry.backend
         if backend is not None:
             await self._enter_shared(registry, backend, task)
-        elif len(keys) == 1 and task is not None and task._loop is registry.owner:
-            # What registry.take() does, inlined: a coroutine less per contended turn.
-            key = keys[0]
-            lines = registry.lines
-            waiter = registry.join(key, task, lines.get(key), self._timeout)
-            if waiter is not True:  # True: this task holds the key already
-                if waiter is not False:
-                    line = lines[key]
-                    try:
-                        await waiter
-                    except BaseException as error:
-                        registry.abandon(key, line, waiter, error)
-                        raise
-                    line.holder = task
-                self._taken = keys
-            self.token = next(registry.tokens)
         elif registry.plain:
             loop = task.get_loop() if task is not None else asyncio.get_running_loop()
             self._taken = await self._take_all(task, Deadline(self._timeout, loop.time))
@@ -311,11 +306,6 @@ class Turn:
             await self._enter_flow(registry, task)
             self.token = next(registry.tokens)
         self._task = task
-        if self._hold is not None and self._taken:
-            assert task is not None  # (a turn was taken)
-            if self._flow is None:
-                self._flow = _Flow()
-            self._flow.clock = Clock(task, self._hold)
 
     async def _take_all(self, task: Any, deadline: Deadline) -> tuple[Hashable, ...]:
         """Take the turns of the keys (in the global order) by deadline; return those taken.
@@ -599,12 +589,7 @@ async def call_in_turn(
 
     The path of every async call that is not the facade's inlined one.
     """
-    try:
-        task = turn._registry.current_task()
-    except RuntimeError:
-        raise outside_asyncio("run()") from None
-    if not turn._enter_now(task):
-        await turn._enter(task)
+    await turn.__aenter__()
     try:
         result = fn(*args, **kwargs)
         if isawaitable(result):
