@@ -441,3 +441,27 @@ def test_work_whose_task_others_cancel_before_its_first_step_gives_up_its_key_wi
     assert handles[0].cancelled()
     assert not queue.is_active("k")
     assert asyncio.run(next_job()) == "next ran"
+
+
+async def test_a_producer_of_another_loop_waiting_for_a_slot_switches_the_queue_to_locking(
+    pool: ThreadPoolExecutor,
+) -> None:
+    """A loop in another thread whose first call is a submit() that must wait for a slot:
+    it changes the producers' line, so the queue must lock its lines from then on."""
+    queue = KeyedQueue(max_running=1)
+    gate = asyncio.Event()
+    holder = asyncio.create_task(queue.run("a", gate.wait))
+    await settle(lambda: queue.stats().running == 1)
+
+    async def produce() -> str:
+        # every slot busy: it waits (a slot freed as it starts to wait must still wake it)
+        handle = await asyncio.wait_for(queue.submit("b", lambda: "b ran"), PATIENCE)
+        return await handle
+
+    produced = asyncio.wrap_future(pool.submit(asyncio.run, produce()))
+    try:
+        await settle(lambda: "shared by threads" in repr(queue))
+    finally:
+        gate.set()
+    await holder
+    assert await asyncio.wait_for(produced, PATIENCE) == "b ran"

@@ -195,13 +195,26 @@ class Slots(Places):
                 _soon(producer, resolve, producer)
         self.producers = still
 
-    async def vacancy(self, key: Hashable, loop: asyncio.AbstractEventLoop, again: bool) -> None:
-        """Wait, FIFO among producers, until a running slot frees or key's work runs.
+    async def vacancy(
+        self,
+        key: Hashable,
+        me: object,
+        in_line: bool,
+        loop: asyncio.AbstractEventLoop,
+        again: bool,
+    ) -> None:
+        """Wait, FIFO among producers, until a running slot frees or key's work needs none.
 
-        ``again``: at the head of the producers (it was woken, but lost the slot).
+        ``me``, ``in_line``: as for :meth:`needs`. Return at once if a slot is
+        free, or the work needs none, by the time the guard is held: the
+        caller checked without it, and a slot freed in another thread in
+        between would wake nobody. ``again``: at the head of the producers
+        (it was woken, but lost the slot).
         """
         producer: asyncio.Future[None] = loop.create_future()
-        with self.registry.guard():
+        with self.registry.guard_for(loop):  # (a new loop's first call settles the mode here)
+            if self.free > self.unplaced or not self.needs(key, me, in_line):
+                return
             if self.producers is None:
                 self.producers = deque()
             if again:

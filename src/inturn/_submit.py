@@ -567,7 +567,7 @@ async def submit(
             # Work submitted but not started yet each take a free slot when they start;
             # work for a busy key waits in its line, and takes none until its turn.
             while slots.free <= slots.unplaced and key not in lines:
-                await slots.vacancy(key, loop, again)
+                await slots.vacancy(key, me, True, loop, again)
                 again = True  # woken, but the slot may have gone to work already queued
     handle: Handle[Any] = Handle(queue, key, fn, args, kwargs, loop.create_future(), failed, batch)
     queue.handles.add(handle)
@@ -699,7 +699,7 @@ async def _submit_task(
         me = _current_task()
         again = False
         while slots.needs(key, me, False) and slots.free <= slots.unplaced:
-            await slots.vacancy(key, loop, again)
+            await slots.vacancy(key, me, False, loop, again)
             again = True
     handle: Handle[Any] = Handle(queue, key, fn, args, kwargs, loop.create_future(), failed, batch)
     queue.handles.add(handle)
