@@ -16,7 +16,7 @@ from ._checks import Unset as _Unset
 from ._keys import KeySpec, KeysSpec, describe, unhashable
 from ._line import resolve as _resolve
 from ._registry import Registry
-from ._slots import Slots
+from ._slots import Slots, end_turn
 from ._stats import QueueStats
 from ._submit import Handle, Submissions, failures, submit, unawaited
 from ._tasks import in_loop_of as _soon
@@ -289,7 +289,7 @@ class KeyedQueue:
                 result = await result
         except BaseException as error:
             if since:
-                self._left_slot(key, task, since, error, None)
+                end_turn(registry, self._slots, key, task, True, error, None, False, since)
             elif registry.shared:  # switched while this task held the key
                 registry.release(key, task, error, None)
                 registry.ended(error, False, 0.0)
@@ -306,7 +306,7 @@ class KeyedQueue:
             tally.completed += 1
             tally.held += _monotonic() - since
         elif since:
-            self._left_slot(key, task, since, None, result)
+            end_turn(registry, self._slots, key, task, True, None, result, False, since)
         elif registry.shared:
             registry.release(key, task, None, result)
             registry.ended(None, False, 0.0)
@@ -315,30 +315,6 @@ class KeyedQueue:
                 registry.leave(key, line, None, result)
             registry.tally.completed += 1
         return result
-
-    def _left_slot(
-        self,
-        key: Hashable,
-        task: asyncio.Task[Any],
-        since: float,
-        error: BaseException | None,
-        result: Any,
-    ) -> None:
-        """End a turn that run() took with a running slot at once (see run()), started at since."""
-        slots = self._slots
-        assert slots is not None
-        registry = self._registry
-        if registry.shared:  # switched while this task held the key
-            slots.vacate(task)
-            registry.release(key, task, error, result)
-            registry.ended(error, False, since)
-            return
-        slots.leave(task, False)
-        if (line := registry.lines.pop(key)) is not task:
-            registry.leave(key, line, error, result)
-        tally = registry.tally
-        tally.ended(error, False)
-        tally.held += _monotonic() - since
 
     async def _run_keyed(
         self,

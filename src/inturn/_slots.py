@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable, Hashable
+from time import monotonic as _monotonic
 from typing import TYPE_CHECKING, Any, TypeVar, final
 
 from ._checks import missed
@@ -22,7 +23,7 @@ from ._tasks import in_loop_of as _soon
 if TYPE_CHECKING:
     from ._registry import Registry
 
-__all__ = ("Slots",)
+__all__ = ("Slots", "end_turn")
 
 W = TypeVar("W")
 
@@ -195,6 +196,16 @@ class Slots(Places):
                 _soon(producer, resolve, producer)
         self.producers = still
 
+    async def backpressure(
+        self, key: Hashable, me: object, in_line: bool, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        """submit()'s wait while every slot is busy, or promised to work submitted but not
+        started yet, and the work needs one (``me``, ``in_line``: see :meth:`needs`)."""
+        again = False
+        while self.free <= self.unplaced and self.needs(key, me, in_line):
+            await self.vacancy(key, me, in_line, loop, again)
+            again = True  # woken, but the slot may have gone to work already queued
+
     async def vacancy(
         self,
         key: Hashable,
@@ -233,3 +244,37 @@ class Slots(Places):
         """Wake the first producer waiting in submit() for a slot, if any."""
         with self.registry.guard():
             self.wake_producer()
+
+
+def end_turn(
+    registry: Registry,
+    slots: Slots | None,
+    key: Hashable,
+    task: object,
+    slot: bool,
+    error: BaseException | None,
+    result: Any,
+    cut: bool,
+    since: float,
+) -> None:
+    """End task's turn on one key taken without a Turn (run()'s and submit()'s own paths).
+
+    Release its running slot (``slot``: it took one), then the key (watchers
+    learn the outcome); count the turn (``cut``: by its max_hold), timed from
+    ``since`` if the queue times turns.
+    """
+    if registry.shared:
+        if slots is not None and slot:
+            slots.vacate(task)
+        registry.release(key, task, error, result)
+        registry.ended(error, cut, since)
+        return
+    # (solo: what those three do, without a lock)
+    if slots is not None and slot:
+        slots.leave(task, False)
+    if (line := registry.lines.pop(key)) is not task:
+        registry.leave(key, line, error, result)
+    tally = registry.tally
+    tally.ended(error, cut)
+    if since:
+        tally.held += _monotonic() - since

@@ -51,9 +51,10 @@ from ._errors import QueueClosed, QueueFull
 from ._keys import describe, unhashable
 from ._line import Deferred
 from ._line import Line as _Line
+from ._slots import end_turn
 from ._tasks import call_soon_in as _call_soon_in
 from ._tasks import current_task as _current_task
-from ._tasks import makes_plain_tasks, outside_asyncio, running_loop
+from ._tasks import makes_plain_tasks, running_loop
 from ._turn import Clock
 
 if sys.version_info < (3, 11):  # pragma: no cover - depends on the interpreter
@@ -466,49 +467,16 @@ async def _run(handle: Handle[Any]) -> Any:
         if cut is not None:
             cut.__cause__ = error
             error = cut
-        _end(queue, key, task, slot, error, None, cut is not None, since)
+        end_turn(registry, slots, key, task, slot, error, None, cut is not None, since)
         handle._ended(error, None)
         if isinstance(error, Exception):
             return None  # it is the handle's now: the task ends quietly
         raise
     if clock is not None:
         clock.stop((key,), None)
-    _end(queue, key, task, slot, None, result, False, since)
+    end_turn(registry, slots, key, task, slot, None, result, False, since)
     handle._ended(None, result)
     return None
-
-
-def _end(
-    queue: Submissions,
-    key: Hashable,
-    task: asyncio.Task[Any],
-    slot: bool,
-    error: BaseException | None,
-    result: Any,
-    cut: bool,
-    since: float,
-) -> None:
-    """Release the running slot, then the key (watchers learn the outcome); count the turn.
-
-    ``since``: when the work started, if its queue times turns.
-    """
-    registry = queue.registry
-    slots = queue.slots
-    if registry.shared:
-        if slots is not None and slot:
-            slots.vacate(task)
-        registry.release(key, task, error, result)
-        registry.ended(error, cut, since)
-        return
-    # (solo: what those three do, without a lock)
-    if slots is not None and slot:
-        slots.leave(task, False)
-    if (line := registry.lines.pop(key)) is not task:
-        registry.leave(key, line, error, result)
-    tally = registry.tally
-    tally.ended(error, cut)
-    if since:
-        tally.held += _monotonic() - since
 
 
 async def _take_turn(handle: Handle[Any], keys: tuple[Hashable, ...]) -> Any:
@@ -549,30 +517,16 @@ async def submit(
         hash(key)
     except TypeError:
         raise unhashable(key) from None
-    if not queue.registry.open:
-        raise QueueClosed(
-            f"inturn: the queue is closed; the work for key {describe(key)} was not queued"
-        )
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        raise outside_asyncio("submit()") from None
-    lines = queue.registry.lines
+    loop = _admitted(queue, key)
     slots = queue.slots
     me = None
     if slots is not None:
         me = _current_task()
-        if me not in slots.holders:
-            again = False
-            # Work submitted but not started yet each take a free slot when they start;
-            # work for a busy key waits in its line, and takes none until its turn.
-            while slots.free <= slots.unplaced and key not in lines:
-                await slots.vacancy(key, me, True, loop, again)
-                again = True  # woken, but the slot may have gone to work already queued
-    handle: Handle[Any] = Handle(queue, key, fn, args, kwargs, loop.create_future(), failed, batch)
-    queue.handles.add(handle)
-    if batch is not None:
-        batch._handles.add(handle)
+        # (work for a busy key waits in its line, and takes no slot until its turn)
+        if slots.free <= slots.unplaced and slots.needs(key, me, True):
+            await slots.backpressure(key, me, True, loop)
+    handle = _new_handle(queue, key, fn, args, kwargs, loop, failed, batch)
+    lines = queue.registry.lines
     if slots is not None or not queue.registry.plain:
         handle._since = _monotonic()
     refused: BaseException | None = None
@@ -688,23 +642,14 @@ async def _submit_task(
 ) -> Handle[Any]:
     """submit() on a queue with a backend or concurrency: a task that takes its whole turn."""
     keys = queue.registry.ordered((key,))
-    if not queue.registry.open:
-        raise QueueClosed(
-            f"inturn: the queue is closed; the work for key {describe(key)} was not queued"
-        )
-    loop = running_loop("submit()")
+    loop = _admitted(queue, key)
     slots = queue.slots
     me = None
     if slots is not None:
         me = _current_task()
-        again = False
-        while slots.needs(key, me, False) and slots.free <= slots.unplaced:
-            await slots.vacancy(key, me, False, loop, again)
-            again = True
-    handle: Handle[Any] = Handle(queue, key, fn, args, kwargs, loop.create_future(), failed, batch)
-    queue.handles.add(handle)
-    if batch is not None:
-        batch._handles.add(handle)
+        if slots.free <= slots.unplaced and slots.needs(key, me, False):
+            await slots.backpressure(key, me, False, loop)
+    handle = _new_handle(queue, key, fn, args, kwargs, loop, failed, batch)
     if slots is not None:
         with queue.registry.guard():
             if slots.needs(key, me, False):
@@ -714,6 +659,33 @@ async def _submit_task(
     _watch(loop, queue)
     if slots is not None and slots.producers and slots.free > slots.unplaced:
         slots.next_producer()
+    return handle
+
+
+def _admitted(queue: Submissions, key: Hashable) -> asyncio.AbstractEventLoop:
+    """submit()'s refusal of a closed queue; the caller's running loop."""
+    if not queue.registry.open:
+        raise QueueClosed(
+            f"inturn: the queue is closed; the work for key {describe(key)} was not queued"
+        )
+    return running_loop("submit()")
+
+
+def _new_handle(
+    queue: Submissions,
+    key: Hashable,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    loop: asyncio.AbstractEventLoop,
+    failed: list[Handle[Any]],
+    batch: Batch | None,
+) -> Handle[Any]:
+    """A handle for submitted work, counted among the queue's (and its batch's) unfinished."""
+    handle: Handle[Any] = Handle(queue, key, fn, args, kwargs, loop.create_future(), failed, batch)
+    queue.handles.add(handle)
+    if batch is not None:
+        batch._handles.add(handle)
     return handle
 
 
