@@ -81,6 +81,58 @@ def queue(make_queue: QueueFactory) -> KeyedQueue:
 # -- exclusion and order ------------------------------------------------------------
 
 
+async def test_threads_and_tasks_share_each_line(queue: KeyedQueue) -> None:
+    inside: list[str] = []
+    overlaps: list[str] = []
+    done: list[str] = []
+
+    def body(name: str) -> None:
+        if inside:
+            overlaps.append(name)
+        inside.append(name)
+        done.append(name)
+        inside.remove(name)
+
+    def thread(n: int) -> None:
+        for i in range(10):
+            with queue.keyed("k"):
+                body(f"thread{n}-{i}")
+
+    async def task(i: int) -> None:
+        await queue.run("k", body, f"task{i}")
+        await asyncio.sleep(0)
+
+    # A task first: a Redis Cluster client serves one loop, which threads then go through.
+    await task(-1)
+    await asyncio.gather(
+        *(asyncio.to_thread(thread, n) for n in range(3)), *(task(i) for i in range(20))
+    )
+    assert overlaps == []
+    assert len(done) == 51
+    assert queue.active_count == 0
+
+
+# A thread waits in line (a real blocking wait, not a poll) until a task lets go.
+async def test_a_thread_waits_for_a_task_in_fifo_order(queue: KeyedQueue) -> None:
+    order: list[str] = []
+    gate = asyncio.Event()
+
+    async def hold() -> None:
+        async with queue.keyed("k"):
+            await gate.wait()
+            order.append("task")
+
+    holder = asyncio.create_task(hold())
+    await settle(lambda: queue.is_active("k"))
+    thread = asyncio.ensure_future(asyncio.to_thread(queue.run_sync, "k", order.append, "thread"))
+    await settle(lambda: queue.pending("k") == 1)
+    late = asyncio.create_task(queue.run("k", order.append, "late task"))
+    await settle(lambda: queue.pending("k") == 2)
+    gate.set()
+    await asyncio.gather(holder, thread, late)
+    assert order == ["task", "thread", "late task"]
+
+
 async def test_same_key_never_runs_twice_at_once(queue: KeyedQueue, recorder: Recorder) -> None:
     results = await asyncio.gather(
         *(queue.run("k", recorder.body("k", i, steps=3)) for i in range(20))

@@ -147,6 +147,13 @@ def _consume(done: asyncio.Future[None]) -> None:
         done.exception()  # (a failed release was the backend's to log)
 
 
+def _loop_for(backend: Backend) -> asyncio.AbstractEventLoop:
+    """Where a thread's call to backend runs: the loop it is bound to, or the backend loop."""
+    bound = getattr(backend, "thread_loop", None)
+    loop = None if bound is None else bound()
+    return _LOOP.get() if loop is None else loop
+
+
 def acquire_sync(backend: Backend, key: Hashable, timeout: float | None) -> Grant:
     """backend.acquire(key, timeout) for this thread, blocking it while it waits.
 
@@ -156,7 +163,7 @@ def acquire_sync(backend: Backend, key: Hashable, timeout: float | None) -> Gran
     if native is not None:
         grant: Grant = native(key, timeout)
         return grant
-    loop = _LOOP.get()
+    loop = _loop_for(backend)
     call = _Call(backend)
     try:
         loop.call_soon_threadsafe(call.start, key, timeout)
@@ -192,7 +199,7 @@ def release_sync(backend: Backend, grant: Grant) -> None:
         done = _release_here(backend, grant)
         done.add_done_callback(lambda _: _settle_outcome(done, outcome))
 
-    _LOOP.get().call_soon_threadsafe(start)
+    _loop_for(backend).call_soon_threadsafe(start)
     outcome.result()
 
 

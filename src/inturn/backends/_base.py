@@ -58,8 +58,9 @@ class Backend(Protocol):
       and ``release_sync(grant) -> None``, with the same contract, blocking
       the calling thread (the file backend waits in the kernel). Without
       them, a thread's calls run on one event loop that the queue keeps in
-      a daemon thread of the process; the thread's work still runs in the
-      thread itself.
+      a daemon thread of the process, or on the loop that the backend's
+      optional ``thread_loop() -> AbstractEventLoop | None`` names (one it
+      is bound to); the thread's work still runs in the thread itself.
     - Keys cross process boundaries, so :meth:`order` accepts only keys that
       every process names alike and sorts them in one order every process
       computes identically (never by ``hash()``, which is salted per process).

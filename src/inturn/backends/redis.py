@@ -256,6 +256,21 @@ class RedisBackend:
             self._current = session
         return session
 
+    def thread_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop threads' calls must run on: a cluster client's, once it has one.
+
+        redis-py's cluster client serves one event loop, so threads take
+        their turns through the loop that uses the backend already (while it
+        runs). Other clients: None, any loop will do.
+        """
+        if self._config.client is None:
+            return None
+        with self._lock:
+            for session in self._sessions.values():
+                if not session.closing and session.loop.is_running():
+                    return session.loop
+        return None
+
     def _forked(self) -> None:
         """In a forked child: forget the parent's sessions; the next call starts afresh."""
         _INHERITED.append(self._sessions)
