@@ -109,6 +109,16 @@ def peek(directory: int, name: str) -> os.stat_result | None:
         os.close(fd)
 
 
+def _took(fd: int, data: bytearray) -> bool:
+    """Read what ticket fd carries into data; whether its owner left (handed off, or closed it)."""
+    try:
+        while chunk := os.read(fd, 64):
+            data.extend(chunk)
+    except BlockingIOError:
+        return data.startswith(_HANDED)  # else the owner is still in line
+    return True
+
+
 async def until_left(
     fd: int, deadline: float | None, expired: Callable[[], BaseException]
 ) -> bytes:
@@ -119,17 +129,13 @@ async def until_left(
     :raises: expired() at deadline (the loop's clock), if it comes first.
     """
     loop = asyncio.get_running_loop()
+    if deadline is not None and loop.time() >= deadline:
+        raise expired()  # (a timer due now could lose to a hand-off read first)
     done: asyncio.Future[bytes] = loop.create_future()
     data = bytearray()
 
     def readable() -> None:
-        try:
-            while chunk := os.read(fd, 64):
-                data.extend(chunk)
-        except BlockingIOError:
-            if not data.startswith(_HANDED):
-                return  # the owner is still in line
-        if not done.done():
+        if _took(fd, data) and not done.done():
             done.set_result(bytes(data))
 
     def expire() -> None:
