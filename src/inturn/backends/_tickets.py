@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import math
 import os
+import select
 import struct
 import sys
+import time
 from collections.abc import Callable
 
-__all__ = ("alive", "hand_off", "handed", "peek", "probe", "until_left")
+__all__ = ("alive", "hand_off", "handed", "peek", "probe", "until_left", "until_left_blocking")
 
 if sys.platform != "win32":  # (the file backend refuses other platforms at construction)
     import fcntl
@@ -150,3 +153,26 @@ async def until_left(
         loop.remove_reader(fd)
         if timer is not None:
             timer.cancel()
+
+
+def until_left_blocking(
+    fd: int, deadline: float | None, expired: Callable[[], BaseException]
+) -> bytes:
+    """As until_left, blocking this thread in poll() instead (deadline on time.monotonic()).
+
+    A signal that interrupts the poll runs its handler; if the handler
+    returns, the poll goes on (PEP 475), and if it raises, that propagates.
+    """
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)  # (and a hang-up: the owner closed it)
+    data = bytearray()
+    while True:
+        if deadline is None:
+            poller.poll()
+        else:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise expired()
+            poller.poll(math.ceil(left * 1000))  # milliseconds, never early
+        if _took(fd, data):
+            return bytes(data)

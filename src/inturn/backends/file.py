@@ -102,7 +102,7 @@ from ._linefile import (
     ticket_of,
 )
 from ._lines import HolderInfo, LineInfo, WaiterInfo
-from ._tickets import alive, hand_off, handed, peek, probe, until_left
+from ._tickets import alive, hand_off, handed, peek, probe, until_left, until_left_blocking
 
 __all__ = ("FileBackend", "FileGrant")
 
@@ -134,6 +134,8 @@ _OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 _OPEN_TIDY = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 #: How long (about: the last pause, in seconds) a release tries again to tidy a line it left last.
 _RETRY_FOR = 0.5
+#: How long (seconds) release_sync tries again to tidy a line it left last: its thread waits.
+_RETRY_SYNC_FOR = 0.002
 #: How a ticket's owner opens it: as its writer (O_RDWR: without waiting for a reader).
 _OPEN_TICKET = os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -271,6 +273,14 @@ async def _lock(fd: int, mode: int, deadline: float | None, key: Hashable) -> No
     loop = asyncio.get_running_loop()
     for pause in _pauses(deadline, loop.time, key):
         await asyncio.sleep(pause)
+        if _flock_now(fd, mode):
+            return
+
+
+def _lock_blocking(fd: int, mode: int, deadline: float | None, key: Hashable) -> None:
+    """flock fd in mode, tried again after sleeping this thread (see _pauses); never flock()s."""
+    for pause in _pauses(deadline, time.monotonic, key):
+        time.sleep(pause)
         if _flock_now(fd, mode):
             return
 
@@ -565,6 +575,40 @@ class FileBackend:
             taking.close()  # leave the line (see _taking)
             raise
 
+    def acquire_sync(self, key: Hashable, timeout: float | None) -> FileGrant:
+        """As :meth:`acquire`, blocking this thread while it waits; it needs no event loop.
+
+        The kernel does the waiting: the thread sleeps in ``poll()`` on the
+        ticket before ours until it leaves or the deadline comes. (The rare
+        wait for a line file's lock that stays taken sleeps between tries,
+        as :meth:`acquire` does on its loop's timer.) Any number of threads,
+        and event loops, may use one backend at once; turns of threads and
+        of tasks, of this and every other process, go in one arrival order.
+
+        An exception that a signal handler raises while the thread waits
+        (``KeyboardInterrupt``; ``SystemExit`` from a server's handler)
+        propagates, and this process's ticket leaves the line, as at a timeout.
+
+        :raises TimeoutError: the turn was not reached within ``timeout``;
+            this process's ticket left the line.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        taking = self._taking(key)
+        try:
+            wait = next(taking)
+            while True:
+                if isinstance(wait, _Locked):
+                    _lock_blocking(wait.fd, wait.mode, deadline, key)
+                    wait = taking.send(b"")
+                else:
+                    wait = taking.send(until_left_blocking(wait.fd, deadline, lambda: _missed(key)))
+        except StopIteration as taken:
+            grant: FileGrant = taken.value
+            return grant
+        except BaseException:
+            taking.close()  # leave the line (see _taking)
+            raise
+
     def _taking(self, key: Hashable) -> Generator[_Locked | _Left, bytes, FileGrant]:
         """Take key's turn: every system call of acquire and acquire_sync, written once.
 
@@ -682,6 +726,24 @@ class FileBackend:
             return done
         done.set_result(None)
         return done
+
+    def release_sync(self, grant: Grant) -> None:
+        """As :meth:`release`, from a thread with no event loop: returns once the key was handed on.
+
+        If the grant left its line last and another process held the line
+        file's lock, the tidy is tried again for a millisecond or two at most,
+        not for :meth:`release`'s half second: a thread has no loop to come
+        back on later, and its user's work is not held up for a tidy. The
+        line file is then left to the key's next turn, which removes it.
+        """
+        again = self._leave(self._granted(grant))
+        if again is None:
+            return
+        end = time.monotonic() + _RETRY_SYNC_FOR
+        while True:
+            os.sched_yield()  # let the lock's holder, maybe on this core, finish its few calls
+            if not self._tidy_again(*again) or time.monotonic() >= end:
+                return
 
     def _granted(self, grant: Grant) -> FileGrant:
         if not isinstance(grant, FileGrant):
