@@ -22,6 +22,7 @@ import os
 import select
 import struct
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -36,6 +37,11 @@ _OPEN = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 #: Errors of opening a ticket that mean it is not there: gone, or a link in its place.
 _ABSENT = (errno.ENOENT, errno.ELOOP)
 _HANDED = b"H"
+#: The longest poll() of the main thread, in ms. Python runs signal handlers
+#: there, between bytecodes; a signal that arrives after poll() let go of
+#: the GIL but before the kernel sleeps interrupts nothing, so its handler
+#: waits until poll() returns: this bounds that wait.
+_SIGNAL_SLICE = 100
 
 
 def hand_off(token: int) -> bytes:
@@ -161,18 +167,22 @@ def until_left_blocking(
     """As until_left, blocking this thread in poll() instead (deadline on time.monotonic()).
 
     A signal that interrupts the poll runs its handler; if the handler
-    returns, the poll goes on (PEP 475), and if it raises, that propagates.
+    returns, the poll goes on (PEP 475), and if it raises, that propagates
+    (within _SIGNAL_SLICE at worst).
     """
     poller = select.poll()
     poller.register(fd, select.POLLIN)  # (and a hang-up: the owner closed it)
+    longest = _SIGNAL_SLICE if threading.current_thread() is threading.main_thread() else None
     data = bytearray()
     while True:
-        if deadline is None:
-            poller.poll()
-        else:
+        wait = longest
+        if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise expired()
-            poller.poll(math.ceil(left * 1000))  # milliseconds, never early
+            wait = math.ceil(left * 1000)  # ms, never early
+            if longest is not None:
+                wait = min(wait, longest)
+        poller.poll(wait)
         if _took(fd, data):
             return bytes(data)
