@@ -23,8 +23,14 @@ the test drives it step by step:
   tidies the line file, and this process stops itself (SIGSTOP) right after
   it takes the line file's exclusive lock; print ``released`` once it goes on.
 
-Three commands run without an event loop of their own. One shares a queue
-between processes and threads (file backend):
+Five commands run without an event loop of their own. Two take turns from
+threads with the file backend's blocking calls (acquire_sync, release_sync):
+
+- ``hold-sync KEY``: as ``hold``, in the main thread, with no event loop.
+- ``increment-sync KEY COUNTER N THREADS``: THREADS threads, each doing N
+  increments of COUNTER under KEY; print ``done``.
+
+One shares a queue between processes and threads (file backend):
 
 - ``share KEY COUNTER N THREADS``: make a backend, fork a child that keeps
   it, and in both run THREADS threads, each doing N increments of COUNTER
@@ -258,8 +264,49 @@ def share(spec: str, key: str, counter: str, n: int, threads: int) -> None:
     say("done" if not failures and os.waitstatus_to_exitcode(status) == 0 else "failed")
 
 
+def hold_sync(spec: str, key: str) -> None:
+    """The ``hold-sync`` command (see the module docstring)."""
+    backend = make_backend(spec)
+    grant = backend.acquire_sync(key, None)
+    say("holding", grant.token)
+    sys.stdin.readline()
+    lost = grant.lost
+    backend.release_sync(grant)
+    if lost:
+        say("lease-lost")
+    say("released")
+
+
+def increment_sync(spec: str, key: str, counter: str, n: int, threads: int) -> None:
+    """The ``increment-sync`` command (see the module docstring)."""
+    backend = make_backend(spec)
+
+    def increments() -> None:
+        for _ in range(n):
+            grant = backend.acquire_sync(key, None)
+            try:
+                value = read_counter(counter)
+                os.sched_yield()  # others run here: a lost update, were it not for the key
+                write_counter(counter, value + 1)
+            finally:
+                backend.release_sync(grant)
+
+    runners = [threading.Thread(target=increments) for _ in range(threads)]
+    for runner in runners:
+        runner.start()
+    for runner in runners:
+        runner.join()
+    say("done")
+
+
 def run_command(command: str, args: tuple[str, ...], spec: str) -> Callable[[], None] | None:
     """The commands that run without an event loop of this process's own."""
+    if command == "hold-sync":
+        (key,) = args
+        return lambda: hold_sync(spec, key)
+    if command == "increment-sync":
+        key, counter, n, threads = args
+        return lambda: increment_sync(spec, key, counter, int(n), int(threads))
     if command == "crash-each":
         key, *flags = args
         return lambda: crash_each(spec, key, flags)

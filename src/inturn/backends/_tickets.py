@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import math
 import os
+import select
 import struct
 import sys
+import threading
+import time
 from collections.abc import Callable
 
-__all__ = ("alive", "hand_off", "handed", "peek", "probe", "until_left")
+__all__ = ("alive", "hand_off", "handed", "peek", "probe", "until_left", "until_left_blocking")
 
 if sys.platform != "win32":  # (the file backend refuses other platforms at construction)
     import fcntl
@@ -33,6 +37,11 @@ _OPEN = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 #: Errors of opening a ticket that mean it is not there: gone, or a link in its place.
 _ABSENT = (errno.ENOENT, errno.ELOOP)
 _HANDED = b"H"
+#: The longest poll() of the main thread, in ms. Python runs signal handlers
+#: there, between bytecodes; a signal that arrives after poll() let go of
+#: the GIL but before the kernel sleeps interrupts nothing, so its handler
+#: waits until poll() returns: this bounds that wait.
+_SIGNAL_SLICE = 100
 
 
 def hand_off(token: int) -> bytes:
@@ -109,6 +118,16 @@ def peek(directory: int, name: str) -> os.stat_result | None:
         os.close(fd)
 
 
+def _took(fd: int, data: bytearray) -> bool:
+    """Read what ticket fd carries into data; whether its owner left (handed off, or closed it)."""
+    try:
+        while chunk := os.read(fd, 64):
+            data.extend(chunk)
+    except BlockingIOError:
+        return data.startswith(_HANDED)  # else the owner is still in line
+    return True
+
+
 async def until_left(
     fd: int, deadline: float | None, expired: Callable[[], BaseException]
 ) -> bytes:
@@ -119,17 +138,13 @@ async def until_left(
     :raises: expired() at deadline (the loop's clock), if it comes first.
     """
     loop = asyncio.get_running_loop()
+    if deadline is not None and loop.time() >= deadline:
+        raise expired()  # (a timer due now could lose to a hand-off read first)
     done: asyncio.Future[bytes] = loop.create_future()
     data = bytearray()
 
     def readable() -> None:
-        try:
-            while chunk := os.read(fd, 64):
-                data.extend(chunk)
-        except BlockingIOError:
-            if not data.startswith(_HANDED):
-                return  # the owner is still in line
-        if not done.done():
+        if _took(fd, data) and not done.done():
             done.set_result(bytes(data))
 
     def expire() -> None:
@@ -144,3 +159,30 @@ async def until_left(
         loop.remove_reader(fd)
         if timer is not None:
             timer.cancel()
+
+
+def until_left_blocking(
+    fd: int, deadline: float | None, expired: Callable[[], BaseException]
+) -> bytes:
+    """As until_left, blocking this thread in poll() instead (deadline on time.monotonic()).
+
+    A signal that interrupts the poll runs its handler; if the handler
+    returns, the poll goes on (PEP 475), and if it raises, that propagates
+    (within _SIGNAL_SLICE at worst).
+    """
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)  # (and a hang-up: the owner closed it)
+    longest = _SIGNAL_SLICE if threading.current_thread() is threading.main_thread() else None
+    data = bytearray()
+    while True:
+        wait = longest
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise expired()
+            wait = math.ceil(left * 1000)  # ms, never early
+            if longest is not None:
+                wait = min(wait, longest)
+        poller.poll(wait)
+        if _took(fd, data):
+            return bytes(data)

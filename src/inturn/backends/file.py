@@ -76,10 +76,11 @@ import os
 import stat
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Awaitable, Hashable
+from collections.abc import Awaitable, Callable, Generator, Hashable, Iterator
 from pathlib import Path
-from typing import final
+from typing import NamedTuple, final
 
 from .._checks import missed
 from .._keys import describe, order_portable, portable_key, portable_name
@@ -101,7 +102,7 @@ from ._linefile import (
     ticket_of,
 )
 from ._lines import HolderInfo, LineInfo, WaiterInfo
-from ._tickets import alive, hand_off, handed, peek, probe, until_left
+from ._tickets import alive, hand_off, handed, peek, probe, until_left, until_left_blocking
 
 __all__ = ("FileBackend", "FileGrant")
 
@@ -133,6 +134,8 @@ _OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 _OPEN_TIDY = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 #: How long (about: the last pause, in seconds) a release tries again to tidy a line it left last.
 _RETRY_FOR = 0.5
+#: How long (seconds) release_sync tries again to tidy a line it left last: its thread waits.
+_RETRY_SYNC_FOR = 0.002
 #: How a ticket's owner opens it: as its writer (O_RDWR: without waiting for a reader).
 _OPEN_TICKET = os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -140,7 +143,26 @@ _OPEN_TICKET = os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 # tickets, and its line files. A child forked meanwhile closes its copies
 # at once: otherwise a ticket would keep a writer, and its line would wait
 # for the child to exit (and a line file's lock could outlive its user).
+# NOTE: a file is in _OPEN from its open to its close, both done under
+# _OPENING, which fork() takes too: so a child forked by another thread
+# never inherits a file of a turn that _OPEN does not list.
 _OPEN: set[int] = set()
+_OPENING = threading.Lock()
+
+
+def _open_tracked(name: str, flags: int, directory: int, mode: int = 0o600) -> int:
+    """Open name in directory and list it in _OPEN, as one step for fork()."""
+    with _OPENING:
+        fd = os.open(name, flags, mode, dir_fd=directory)
+        _OPEN.add(fd)
+    return fd
+
+
+def _close(fd: int) -> None:
+    """Close fd, a file that _open_tracked opened, and take it out of _OPEN, as one step."""
+    with _OPENING:
+        _OPEN.discard(fd)
+        os.close(fd)
 
 
 def _close_inherited() -> None:
@@ -150,10 +172,15 @@ def _close_inherited() -> None:
         except OSError:  # pragma: no cover - closed by the child's own code already
             pass
     _OPEN.clear()
+    _OPENING.release()  # taken by the thread that forked, the child's only thread
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_close_inherited)
+    os.register_at_fork(
+        before=_OPENING.acquire,
+        after_in_parent=_OPENING.release,
+        after_in_child=_close_inherited,
+    )
 
 
 def _check_platform() -> None:
@@ -216,40 +243,65 @@ def _flock_soon(fd: int, mode: int) -> bool:
     return _flock_now(fd, mode)
 
 
-async def _lock(fd: int, mode: int, deadline: float | None, key: Hashable) -> None:
-    """flock fd in mode, in the event loop, by deadline at the latest; never blocks a thread.
+def _pauses(deadline: float | None, clock: Callable[[], float], key: Hashable) -> Iterator[float]:
+    """The pauses between tries at a line file's lock that stays taken, cut short at deadline.
 
     Holders keep a line file's lock for a few system calls, so it is tried
     a few times first (see _flock_soon). If it is still taken, its holder
     was descheduled or stopped inside them. The kernel tells nobody when a
     flock is let go, and a thread blocked in flock() could be neither
     bounded nor cancelled (and would keep its process from exiting), so the
-    lock is tried again on the loop's timer, every millisecond at first,
-    then less and less often, up to every 50 ms.
+    lock is tried again after each pause: a millisecond at first, then
+    longer and longer, up to 50 ms. deadline is on clock.
 
-    :raises TimeoutError: the lock was still taken at deadline.
+    :raises TimeoutError: deadline came.
     """
-    assert fcntl is not None
-    if _flock_soon(fd, mode):
-        return
-    loop = asyncio.get_running_loop()
     pause, longest = _LOCK_PAUSES
     while True:
         if deadline is not None:
-            left = deadline - loop.time()
+            left = deadline - clock()
             if left <= 0:
                 raise _missed(key)
-            pause = min(pause, left)
-        await asyncio.sleep(pause)
-        if _flock_now(fd, mode):
-            return
+            yield min(pause, left)
+        else:
+            yield pause
         pause = min(pause * 2, longest)
 
 
+async def _lock(fd: int, mode: int, deadline: float | None, key: Hashable) -> None:
+    """flock fd in mode, tried again on the loop's timer (see _pauses); never blocks a thread."""
+    loop = asyncio.get_running_loop()
+    for pause in _pauses(deadline, loop.time, key):
+        await asyncio.sleep(pause)
+        if _flock_now(fd, mode):
+            return
+
+
+def _lock_blocking(fd: int, mode: int, deadline: float | None, key: Hashable) -> None:
+    """flock fd in mode, tried again after sleeping this thread (see _pauses); never flock()s."""
+    for pause in _pauses(deadline, time.monotonic, key):
+        time.sleep(pause)
+        if _flock_now(fd, mode):
+            return
+
+
+class _Locked(NamedTuple):
+    """A wait of FileBackend._taking: until fd's flock in mode is taken (answer: b"")."""
+
+    fd: int
+    mode: int
+
+
+class _Left(NamedTuple):
+    """A wait of FileBackend._taking: until ticket fd's owner has left (answer: what it carried)."""
+
+    fd: int
+
+
 def _open_line(directory: Directory, name: str) -> int:
-    """Open (making it if missing) the line file name in directory."""
+    """Open (making it if missing) the line file name in directory; it is listed in _OPEN."""
     try:
-        return os.open(name, _OPEN_LINE, 0o600, dir_fd=directory.fd)
+        return _open_tracked(name, _OPEN_LINE, directory.fd)
     except OSError as error:
         if error.errno == errno.ELOOP:
             raise PermissionError(
@@ -464,13 +516,14 @@ class FileBackend:
     :raises NotADirectoryError: the path exists and is not a directory.
     """
 
-    __slots__ = ("_given", "_where")
+    __slots__ = ("_finding", "_given", "_where")
 
     def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
         _check_platform()
         path = _default_directory() if directory is None else Path(directory)
         self._given = path.absolute()  # found again, with the same checks, if removed
         self._where = Directory.open(self._given)
+        self._finding = threading.Lock()  # held while a thread finds the directory again
 
     @property
     def directory(self) -> Path:
@@ -485,33 +538,99 @@ class FileBackend:
         return order_portable(keys)
 
     def _found_again(self, lost: Directory) -> Directory:
-        """The directory, made and checked again: lost was removed."""
-        if self._where is lost:
-            self._where = Directory.open(self._given)
-        return self._where
+        """The directory, made and checked again: lost was removed.
+
+        Once for every thread and loop that found lost removed: the first
+        makes it again, the others take that one.
+        """
+        with self._finding:
+            if self._where is lost:
+                self._where = Directory.open(self._given)
+            return self._where
 
     async def acquire(self, key: Hashable, timeout: float | None) -> FileGrant:
         """Queue in key's line file and wait until every ticket before ours has left.
+
+        Waits in the event loop: for the ticket before ours (a reader of the
+        loop), or, rarely, for the line file's lock (on the loop's timer).
 
         :raises TimeoutError: the turn was not reached within ``timeout``;
             this process's ticket left the line.
         """
         loop = asyncio.get_running_loop()
-        begun = loop.time()
-        deadline = None if timeout is None else begun + timeout
+        deadline = None if timeout is None else loop.time() + timeout
+        taking = self._taking(key)
+        try:
+            wait = next(taking)
+            while True:
+                if isinstance(wait, _Locked):
+                    await _lock(wait.fd, wait.mode, deadline, key)
+                    wait = taking.send(b"")
+                else:
+                    wait = taking.send(await until_left(wait.fd, deadline, lambda: _missed(key)))
+        except StopIteration as taken:
+            grant: FileGrant = taken.value
+            return grant
+        except BaseException:
+            taking.close()  # leave the line (see _taking)
+            raise
+
+    def acquire_sync(self, key: Hashable, timeout: float | None) -> FileGrant:
+        """As :meth:`acquire`, blocking this thread while it waits; it needs no event loop.
+
+        The kernel does the waiting: the thread sleeps in ``poll()`` on the
+        ticket before ours until it leaves or the deadline comes. (The rare
+        wait for a line file's lock that stays taken sleeps between tries,
+        as :meth:`acquire` does on its loop's timer.) Any number of threads,
+        and event loops, may use one backend at once; turns of threads and
+        of tasks, of this and every other process, go in one arrival order.
+
+        An exception that a signal handler raises while the thread waits
+        (``KeyboardInterrupt``; ``SystemExit`` from a server's handler)
+        propagates, and this process's ticket leaves the line, as at a timeout.
+
+        :raises TimeoutError: the turn was not reached within ``timeout``;
+            this process's ticket left the line.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        taking = self._taking(key)
+        try:
+            wait = next(taking)
+            while True:
+                if isinstance(wait, _Locked):
+                    _lock_blocking(wait.fd, wait.mode, deadline, key)
+                    wait = taking.send(b"")
+                else:
+                    wait = taking.send(until_left_blocking(wait.fd, deadline, lambda: _missed(key)))
+        except StopIteration as taken:
+            grant: FileGrant = taken.value
+            return grant
+        except BaseException:
+            taking.close()  # leave the line (see _taking)
+            raise
+
+    def _taking(self, key: Hashable) -> Generator[_Locked | _Left, bytes, FileGrant]:
+        """Take key's turn: every system call of acquire and acquire_sync, written once.
+
+        Where a step would block, it yields what it waits for (see _Locked,
+        _Left); its driver waits, in an event loop or in a thread, and
+        sends the answer. A driver whose wait fails (timeout, cancellation,
+        an exception from a signal handler) closes it: GeneratorExit at the
+        wait runs the same clean-up as any error, so the ticket leaves the line.
+        """
+        begun = time.monotonic()
         name = portable_name(key)
         digest = hashlib.sha256(name).hexdigest()
         ticket = new_ticket()
-        where, line_fd, fd, records, end = await self._join(key, name, digest, ticket, deadline)
+        where, line_fd, fd, records, end = yield from self._join(name, digest, ticket)
         try:
             before = records[: records.index(record_of(ticket))]
-            token = await self._wait_behind(where.fd, digest, before, deadline, key)
-            if loop.time() - begun > _LATE:
+            token = yield from self._wait_behind(where.fd, digest, before)
+            if time.monotonic() - begun > _LATE:
                 os.utime(fd)  # the ticket's time is when its turn began: for inspect
         except BaseException:
             # Leave the line: with no writer, the tickets behind skip this one.
-            _OPEN.discard(fd)
-            os.close(fd)
+            _close(fd)
             _unlink(where.fd, pipe_name(digest, ticket))
             try:
                 self._tidy(where, digest, ticket, line_fd, held=False)
@@ -520,10 +639,10 @@ class FileBackend:
             raise
         return FileGrant(key, token, fd, line_fd, where, digest, ticket, end)
 
-    async def _join(
-        self, key: Hashable, name: bytes, digest: str, ticket: str, deadline: float | None
-    ) -> tuple[Directory, int, int, list[str], int]:
-        """Queue ticket in the line file of key, whose portable name is name.
+    def _join(
+        self, name: bytes, digest: str, ticket: str
+    ) -> Generator[_Locked | _Left, bytes, tuple[Directory, int, int, list[str], int]]:
+        """Queue ticket in the line file of the key whose portable name is name.
 
         Returns the directory, the line file's fd (unlocked), the ticket's
         writer fd, the line file's records as they were once it was in, and
@@ -542,46 +661,38 @@ class FileBackend:
             fd = -1
             made = False
             try:
-                await _lock(line_fd, fcntl.LOCK_SH, deadline, key)
+                if not _flock_soon(line_fd, fcntl.LOCK_SH):
+                    yield _Locked(line_fd, fcntl.LOCK_SH)
                 info = os.fstat(line_fd)
                 if info.st_nlink == 0:  # deleted by its last user meanwhile: open it again
-                    os.close(line_fd)
+                    _close(line_fd)
                     continue
                 _check_regular(where, line, info)
                 # The mark first, then the FIFO: a crash between leaves a mark, not a stray FIFO.
                 os.write(line_fd, joining(ticket, name if info.st_size == 0 else None))
                 os.mkfifo(pipe, 0o600, dir_fd=where.fd)
                 made = True
-                fd = os.open(pipe, _OPEN_TICKET, dir_fd=where.fd)
-                _OPEN.add(fd)
+                fd = _open_tracked(pipe, _OPEN_TICKET, where.fd)
                 os.write(line_fd, joined(ticket))  # one append: atomic
                 end = os.lseek(line_fd, 0, os.SEEK_CUR)
                 records = read_records(line_fd)
                 fcntl.flock(line_fd, fcntl.LOCK_UN)
             except BaseException as error:
                 if fd >= 0:
-                    _OPEN.discard(fd)
-                    os.close(fd)
+                    _close(fd)
                 if made:
                     _unlink(where.fd, pipe)
-                os.close(line_fd)
+                _close(line_fd)
                 if isinstance(error, FileNotFoundError) and where.gone():
                     where = self._found_again(where)
                     continue
                 raise
-            _OPEN.add(line_fd)
             return where, line_fd, fd, records, end
 
-    async def _wait_behind(
-        self,
-        directory: int,
-        digest: str,
-        before: list[str],
-        deadline: float | None,
-        key: Hashable,
-    ) -> int:
+    def _wait_behind(
+        self, directory: int, digest: str, before: list[str]
+    ) -> Generator[_Locked | _Left, bytes, int]:
         """Wait until no ticket listed in before has a writer; return the token to hold with."""
-        loop = asyncio.get_running_loop()
         for record in reversed(before):
             ticket = ticket_of(record)
             if ticket is None:
@@ -590,9 +701,7 @@ class FileBackend:
             if fd is not None:
                 try:
                     if handed(data) is None:  # (else it is handing the key on already)
-                        if deadline is not None and loop.time() >= deadline:
-                            raise _missed(key)
-                        data += await until_left(fd, deadline, lambda: _missed(key))
+                        data += yield _Left(fd)
                 finally:
                     os.close(fd)
             token = handed(data)
@@ -609,35 +718,68 @@ class FileBackend:
         line file's lock; it then completes once the tidy was tried again
         (see _retry). The key is handed on at once either way.
         """
+        own = self._granted(grant)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        again = self._leave(own)
+        if again is not None:
+            self._retry(done, *again, 0.0)  # at once, then 1 ms...
+            return done
+        done.set_result(None)
+        return done
+
+    def release_sync(self, grant: Grant) -> None:
+        """As :meth:`release`, from a thread with no event loop: returns once the key was handed on.
+
+        If the grant left its line last and another process held the line
+        file's lock, the tidy is tried again for a millisecond or two at most,
+        not for :meth:`release`'s half second: a thread has no loop to come
+        back on later, and its user's work is not held up for a tidy. The
+        line file is then left to the key's next turn, which removes it.
+        """
+        again = self._leave(self._granted(grant))
+        if again is None:
+            return
+        end = time.monotonic() + _RETRY_SYNC_FOR
+        while True:
+            os.sched_yield()  # let the lock's holder, maybe on this core, finish its few calls
+            if not self._tidy_again(*again) or time.monotonic() >= end:
+                return
+
+    def _granted(self, grant: Grant) -> FileGrant:
         if not isinstance(grant, FileGrant):
             raise TypeError(
                 f"inturn: {self!r} cannot release {describe(grant)}, which it did not grant"
             )
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        return grant
+
+    def _leave(self, grant: FileGrant) -> tuple[Directory, str, str] | None:
+        """Hand grant's key on and tidy its line file: release's system calls.
+
+        Returns where, digest and ticket of a line whose tidy must be tried
+        again shortly (see _tidy), else None (also for a grant released already).
+        """
         fd, grant._fd = grant._fd, -1
-        if fd >= 0:
-            where, digest, ticket = grant._where, grant._digest, grant._ticket
-            _OPEN.discard(fd)
-            try:
-                # Before the hand-off: once it is written, the next holder may tidy both away.
-                line = os.fstat(grant._line_fd)
-                grant._lost = line.st_nlink == 0 or _unlinked(fd)
-                os.write(fd, hand_off(grant.token))  # whoever waits on this ticket goes on
-            finally:
-                os.close(fd)
-                _unlink(where.fd, pipe_name(digest, ticket))
-            if line.st_size > grant._end:
-                # Someone queued behind this grant, and was most likely just
-                # handed the key: let it have this CPU first. Its work holds
-                # up the whole line; this process's tidy and next turn do
-                # not. (A no-op on an idle CPU; on a busy one, 8 processes
-                # on 2 cores, it is worth 10% of a line's turns per second.)
-                os.sched_yield()
-            if self._tidy(where, digest, ticket, grant._line_fd, held=True):
-                self._retry(done, where, digest, ticket, 0.0)  # at once, then 1 ms...
-                return done
-        done.set_result(None)
-        return done
+        if fd < 0:
+            return None
+        where, digest, ticket = grant._where, grant._digest, grant._ticket
+        try:
+            # Before the hand-off: once it is written, the next holder may tidy both away.
+            line = os.fstat(grant._line_fd)
+            grant._lost = line.st_nlink == 0 or _unlinked(fd)
+            os.write(fd, hand_off(grant.token))  # whoever waits on this ticket goes on
+        finally:
+            _close(fd)
+            _unlink(where.fd, pipe_name(digest, ticket))
+        if line.st_size > grant._end:
+            # Someone queued behind this grant, and was most likely just
+            # handed the key: let it have this CPU first. Its work holds
+            # up the whole line; this process's tidy and next turn do
+            # not. (A no-op on an idle CPU; on a busy one, 8 processes
+            # on 2 cores, it is worth 10% of a line's turns per second.)
+            os.sched_yield()
+        if self._tidy(where, digest, ticket, grant._line_fd, held=True):
+            return where, digest, ticket
+        return None
 
     def _tidy(self, where: Directory, digest: str, own: str, fd: int, held: bool) -> bool:
         """Drop the tickets that left from the line file, or delete it if nobody is in line.
@@ -654,7 +796,6 @@ class FileBackend:
         the file to own), and own must try again shortly (see _retry).
         """
         assert fcntl is not None
-        _OPEN.discard(fd)
         try:
             if not _flock_now(fd, fcntl.LOCK_SH):
                 # A tidier holds it: if anyone queued behind own, that one
@@ -700,7 +841,7 @@ class FileBackend:
             elif len(staying) + (found.key is not None) < len(records):
                 _rewrite(fd, found.key, staying)
         finally:
-            os.close(fd)
+            _close(fd)
         return False
 
     def _retry(
@@ -716,22 +857,24 @@ class FileBackend:
         loop = done.get_loop()
 
         def again() -> None:
-            try:
-                fd = os.open(line_name(digest), _OPEN_TIDY, dir_fd=where.fd)
-            except OSError:  # deleted (or never a file to tidy): nothing is left
-                _finish(done)
-                return
-            try:
-                busy = self._tidy(where, digest, own, fd, held=True)
-            except OSError:
-                busy = False  # best effort, as in release()
             first, longest = _LOCK_PAUSES
-            if busy and pause < _RETRY_FOR:
+            if self._tidy_again(where, digest, own) and pause < _RETRY_FOR:
                 self._retry(done, where, digest, own, min(max(pause * 2, first), longest))
             else:
                 _finish(done)
 
         loop.call_later(pause, again)
+
+    def _tidy_again(self, where: Directory, digest: str, own: str) -> bool:
+        """Tidy digest's line file, opened again, after own left it; whether it was busy again."""
+        try:
+            fd = _open_tracked(line_name(digest), _OPEN_TIDY, where.fd)
+        except OSError:  # deleted (or never a file to tidy): nothing is left
+            return False
+        try:
+            return self._tidy(where, digest, own, fd, held=True)
+        except OSError:
+            return False  # best effort, as in release()
 
     def line(self, key: Hashable) -> tuple[int, ...]:
         """The process ids in key's line, in turn order, as the line file has them now.
