@@ -9,19 +9,24 @@ are coroutines, run in one event loop per worker.
 Every worker of a run is given the same :class:`Run`: ``workdir``, a fresh
 directory of the run that every worker shares (where a file lock lives in
 it is its own business), and for the Redis scenarios the server's URL and a
-tag unique to the run. A contender's :attr:`~Contender.kind` says which
-scenarios it runs in: ``"file"`` (one host) or ``"redis"``. To add a
-contender, subclass :class:`SyncContender` or :class:`AsyncContender` and
-list it in :data:`CONTENDERS`.
+tag unique to the run. A contender's :attr:`~Contender.kinds` say which
+scenarios it runs in: ``"file"`` (one host), ``"redis"``, and the sync
+scenarios ``"sync-file"`` and ``"sync-redis"`` (inturn's sync turns beside
+the sync locks users write). To add a contender, subclass
+:class:`SyncContender` or :class:`AsyncContender` and list it in
+:data:`CONTENDERS`.
 
 The Redis contenders are written as their documentation shows, with their
 defaults: a lock per call for redis-py (``with r.lock(name):``), one lock
 object per key for python-redis-lock and pottery (their examples make the
-lock once and enter it).
+lock once and enter it). In the sync scenarios redis-py's lock is given
+what production code gives it: a lease (``timeout``, inturn's default
+lease) and a bound on the wait (``blocking_timeout``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -68,8 +73,9 @@ class Contender:
 
     name: ClassVar[str] = ""
     is_async: ClassVar[bool] = False
-    #: The scenarios it runs in: "file" (one host), "redis", or "any".
-    kind: ClassVar[str] = "file"
+    #: The kinds of scenario it runs in: "file" (one host), "redis", "sync-file",
+    #: "sync-redis", or "any" (every kind).
+    kinds: ClassVar[tuple[str, ...]] = ("file",)
 
     def available(self) -> str | None:
         """Why this contender cannot run here (a missing package), or None if it can."""
@@ -118,6 +124,7 @@ class InturnFile(AsyncContender):
     """inturn's file backend: ``async with queue.keyed(key):`` on a FileBackend queue."""
 
     name = "inturn-file"
+    kinds = ("file", "sync-file")
 
     async def setup(self, run: Run) -> None:
         backend = run.inturn(".backends.file").FileBackend(run.workdir / "inturn")
@@ -130,10 +137,35 @@ class InturnFile(AsyncContender):
         await self.queue.aclose()
 
 
+class InturnFileSync(SyncContender):
+    """inturn's file backend from plain code: ``with queue.keyed(key):``, no event loop."""
+
+    name = "inturn-file-sync"
+    kinds = ("sync-file",)
+
+    def setup(self, run: Run) -> None:
+        backend = run.inturn(".backends.file").FileBackend(run.workdir / "inturn")
+        self.queue = run.inturn().KeyedQueue(backend=backend)
+
+    def hold(self, key: str) -> AbstractContextManager[Any]:
+        return self.queue.keyed(key)  # type: ignore[no-any-return]
+
+    def teardown(self) -> None:
+        _close_sync(self.queue)
+
+
+def _close_sync(queue: Any) -> None:
+    """Close a queue that plain code used, and its backend."""
+    queue.close()
+    queue.drain_sync()
+    asyncio.run(queue.backend.aclose())
+
+
 class Filelock(SyncContender):
     """PyPI ``filelock`` with its defaults: ``with FileLock(path):``, which polls."""
 
     name = "filelock"
+    kinds = ("file", "sync-file")
 
     def available(self) -> str | None:
         return _missing("filelock")
@@ -200,7 +232,7 @@ class NoLock(SyncContender):
     """No lock at all: not a contender, a check that the harness sees lost updates."""
 
     name = "no-lock"
-    kind = "any"
+    kinds = ("any",)
 
     def hold(self, key: str) -> AbstractContextManager[Any]:
         return nullcontext()
@@ -210,7 +242,7 @@ class InturnRedis(AsyncContender):
     """inturn's Redis backend: ``async with queue.keyed(key):`` on a RedisBackend queue."""
 
     name = "inturn-redis"
-    kind = "redis"
+    kinds = ("redis", "sync-redis")
 
     def available(self) -> str | None:
         return _missing("redis")
@@ -227,10 +259,36 @@ class InturnRedis(AsyncContender):
         await self.queue.aclose()
 
 
+class InturnRedisSync(SyncContender):
+    """inturn's Redis backend from plain code: ``with queue.keyed(key):``, no event loop."""
+
+    name = "inturn-redis-sync"
+    kinds = ("sync-redis",)
+
+    def available(self) -> str | None:
+        return _missing("redis")
+
+    def setup(self, run: Run) -> None:
+        redis_backend = run.inturn(".backends.redis").RedisBackend
+        backend = redis_backend.from_url(run.needs_redis(), namespace=f"bench-{run.tag}")
+        self.queue = run.inturn().KeyedQueue(backend=backend)
+
+    def hold(self, key: str) -> AbstractContextManager[Any]:
+        return self.queue.keyed(key)  # type: ignore[no-any-return]
+
+    def teardown(self) -> None:
+        _close_sync(self.queue)
+
+
+#: The sync scenarios' redis-py lock: its lease (inturn's default lease) and its
+#: longest wait, in seconds (a wait that long fails the run; none comes near it).
+LEASE, WAIT = 10.0, 60.0
+
+
 class _RedisClient(SyncContender):
     """A sync contender on one redis-py client, made in setup and closed in teardown."""
 
-    kind = "redis"
+    kinds = ("redis",)
     needs: ClassVar[str] = "redis"
 
     def available(self) -> str | None:
@@ -252,6 +310,17 @@ class RedisPyLock(_RedisClient):
 
     def hold(self, key: str) -> AbstractContextManager[Any]:
         return self.client.lock(key)
+
+
+class RedisPyLockLease(RedisPyLock):
+    """redis-py's lock as production code takes it: ``with r.lock(name, timeout=...,
+    blocking_timeout=...):`` (a lease, and a bound on the wait); it still polls every 0.1 s."""
+
+    name = "redis-py-lock-lease"
+    kinds = ("sync-redis",)
+
+    def hold(self, key: str) -> AbstractContextManager[Any]:
+        return self.client.lock(key, timeout=LEASE, blocking_timeout=WAIT)
 
 
 class PythonRedisLock(_RedisClient):
@@ -299,10 +368,13 @@ CONTENDERS: dict[str, type[Contender]] = {
     cls.name: cls
     for cls in (
         InturnFile,
+        InturnFileSync,
         Filelock,
         Portalocker,
         InturnRedis,
+        InturnRedisSync,
         RedisPyLock,
+        RedisPyLockLease,
         PythonRedisLock,
         Pottery,
         NoLock,
@@ -310,7 +382,12 @@ CONTENDERS: dict[str, type[Contender]] = {
 }
 
 #: The contenders that ``--before REF`` measures again as ``name@REF``, on inturn at REF.
-VERSIONED: tuple[str, ...] = ("inturn-file", "inturn-redis")
+VERSIONED: tuple[str, ...] = (
+    "inturn-file",
+    "inturn-file-sync",
+    "inturn-redis",
+    "inturn-redis-sync",
+)
 
 
 def contender(name: str) -> Contender:
@@ -325,10 +402,13 @@ def contender(name: str) -> Contender:
 #: The contenders measured unless the command line names others.
 DEFAULT: tuple[str, ...] = (
     "inturn-file",
+    "inturn-file-sync",
     "filelock",
     "portalocker",
     "inturn-redis",
+    "inturn-redis-sync",
     "redis-py-lock",
+    "redis-py-lock-lease",
     "python-redis-lock",
     "pottery",
 )

@@ -10,7 +10,8 @@ The conversation with the parent (bench/multiproc.py), over stdin/stdout:
 
 1. the worker sets its contender up, takes and releases the lock once on a
    key of its own (so that imports and first-use costs fall outside the
-   measurement), and prints ``ready``;
+   measurement), and prints ``ready``; if either raised, it prints
+   ``unavailable:`` and the error on one line instead, and exits;
 2. it waits for one line on stdin: the deadline, in ``time.monotonic_ns()``
    (CLOCK_MONOTONIC is one clock for every process of a Linux host);
 3. until the deadline it loops: note the arrival time, take the lock, note
@@ -45,6 +46,8 @@ from .mp_contenders import AsyncContender, Run, SyncContender, contender
 
 #: Digits of the counter: fixed, so that every write covers the previous one.
 WIDTH = 20
+#: What a worker says instead of ``ready`` when its set-up or first turn raised.
+UNAVAILABLE = "unavailable:"
 
 Records = dict[str, list[int]]
 
@@ -81,6 +84,17 @@ def warm_up_key(key: str) -> str:
     return f"{key}-warm-up-{os.getpid()}"
 
 
+class SetupFailed(Exception):
+    """The contender's set-up or its first turn raised: it cannot run here."""
+
+
+def ready_or_not(error: BaseException) -> SetupFailed:
+    """Tell the parent this worker cannot run its contender, and why; the error to raise."""
+    why = " ".join(f"{type(error).__name__}: {error}".split())[:300]
+    print(f"{UNAVAILABLE} {why}", flush=True)
+    return SetupFailed(why)
+
+
 def wait_for_go() -> int:
     """Tell the parent this worker is ready; return the deadline it answers with."""
     print("ready", flush=True)
@@ -98,10 +112,16 @@ def run_sync(contender: SyncContender, config: dict[str, Any], go: Callable[[], 
     run = run_of(config)
     key: str = config["key"]
     outside: float = config["outside"]
-    contender.setup(run)
     try:
-        with contender.hold(warm_up_key(key)):
-            pass
+        contender.setup(run)
+    except Exception as error:
+        raise ready_or_not(error) from error
+    try:
+        try:
+            with contender.hold(warm_up_key(key)):
+                pass
+        except Exception as error:
+            raise ready_or_not(error) from error
         fd = open_counter(run.workdir)
         arrivals: list[int] = []
         grants: list[int] = []
@@ -132,10 +152,16 @@ async def run_async(
     run = run_of(config)
     key: str = config["key"]
     outside: float = config["outside"]
-    await contender.setup(run)
     try:
-        async with contender.hold(warm_up_key(key)):
-            pass
+        await contender.setup(run)
+    except Exception as error:
+        raise ready_or_not(error) from error
+    try:
+        try:
+            async with contender.hold(warm_up_key(key)):
+                pass
+        except Exception as error:
+            raise ready_or_not(error) from error
         fd = open_counter(run.workdir)
         arrivals: list[int] = []
         grants: list[int] = []
@@ -164,12 +190,15 @@ def main(argv: list[str]) -> int:
     if "package_path" in config:  # an earlier revision of inturn (--before)
         sys.path.insert(0, config["package_path"])
     chosen = contender(config["contender"])
-    if isinstance(chosen, AsyncContender):
-        records = asyncio.run(run_async(chosen, config, wait_for_go))
-    elif isinstance(chosen, SyncContender):
-        records = run_sync(chosen, config, wait_for_go)
-    else:
-        raise TypeError(f"{chosen!r} is neither a SyncContender nor an AsyncContender")
+    try:
+        if isinstance(chosen, AsyncContender):
+            records = asyncio.run(run_async(chosen, config, wait_for_go))
+        elif isinstance(chosen, SyncContender):
+            records = run_sync(chosen, config, wait_for_go)
+        else:
+            raise TypeError(f"{chosen!r} is neither a SyncContender nor an AsyncContender")
+    except SetupFailed:
+        return 3  # the parent has the reason already
     print(json.dumps(records), flush=True)
     return 0
 

@@ -1,7 +1,7 @@
 """Locks shared between processes, on one contended key, side by side.
 
-    python -m bench.multiproc [--repeats 3] [--quick] [--only file|redis] [--before REF]
-                              [--json out.json]
+    python -m bench.multiproc [--repeats 3] [--quick] [--only file|redis|sync|...]
+                              [--before REF] [--json out.json]
 
 Each run starts one contender's worker processes (bench/mp_worker.py), each
 in a fresh interpreter; once all are set up they are released together and
@@ -21,6 +21,19 @@ critical section is still the counter file, which is fine on one host):
 
 - (r1) and (r2): as (f1) and (f2);
 - (r3) one process alone on the key: the cost of an uncontended turn.
+
+Scenarios, sync turns (``--only sync``): inturn's ``with queue.keyed(key):``
+from plain code, no event loop, beside the sync locks users write for the
+same store, and beside inturn's own ``async with`` for reference:
+
+- (s1) 4 processes on one key, on files: inturn's FileBackend, ``filelock``;
+- (s2) one process alone on the key, on files: the uncontended turn;
+- (s3) and (s4): the same on Redis: inturn's RedisBackend, redis-py's
+  ``r.lock(name, timeout=..., blocking_timeout=...)``.
+
+A contender that fails before its workers are ready (its set-up, or its
+first turn on a key of its own, raised) is left out of the rest of the run,
+and the report says why; a failure after that fails the run.
 
 Contenders are interleaved (each repeat runs all of them, in a rotated
 order) and every number is the median of the repeats, so that a noisy
@@ -55,7 +68,7 @@ from .contenders import extract_version
 from .mp_contenders import CONTENDERS, DEFAULT, VERSIONED, contender
 from .mp_metrics import METRICS, measure_run
 from .mp_servers import redis_server
-from .mp_worker import read_counter
+from .mp_worker import UNAVAILABLE, read_counter
 from .targets import check, ratio
 
 KEY = "k"
@@ -93,6 +106,11 @@ class Scenario:
     def processes(self, settings: Settings) -> int:
         return self.workers if self.workers is not None else settings.workers
 
+    @property
+    def on_redis(self) -> bool:
+        """Whether its contenders need the Redis server."""
+        return self.kind in REDIS_KINDS
+
 
 _FILE: dict[str, Any] = {
     "kind": "file",
@@ -107,6 +125,19 @@ _REDIS: dict[str, Any] = {
     "subject": "inturn-redis",
     "ratios": ("redis-py-lock", "python-redis-lock"),
 }
+
+_SYNC_FILE: dict[str, Any] = {
+    "kind": "sync-file",
+    "subject": "inturn-file-sync",
+    "ratios": ("filelock", "inturn-file"),
+}
+_SYNC_REDIS: dict[str, Any] = {
+    "kind": "sync-redis",
+    "subject": "inturn-redis-sync",
+    "ratios": ("redis-py-lock-lease", "inturn-redis"),
+}
+#: Processes on the one key of (s1) and (s3).
+SYNC_WORKERS = 4
 
 SCENARIOS = (
     Scenario("f1", "one key, nothing outside the lock", 0.0, **_FILE),
@@ -137,9 +168,17 @@ SCENARIOS = (
         workers=1,
         min_ops=(("redis-py-lock", 0.95),),
     ),
+    Scenario("s1", "one key, sync turns", 0.0, **_SYNC_FILE, workers=SYNC_WORKERS),
+    Scenario("s2", "one key, sync turns, uncontended", 0.0, **_SYNC_FILE, workers=1),
+    Scenario("s3", "one key on Redis, sync turns", 0.0, **_SYNC_REDIS, workers=SYNC_WORKERS),
+    Scenario("s4", "one key on Redis, sync turns, uncontended", 0.0, **_SYNC_REDIS, workers=1),
 )
 #: The kinds of scenario, for --only.
-KINDS = ("file", "redis")
+KINDS = ("file", "redis", "sync-file", "sync-redis")
+#: The kinds whose contenders need the Redis server.
+REDIS_KINDS = frozenset({"redis", "sync-redis"})
+#: --only's names for several kinds at once.
+GROUPS = {"sync": ("sync-file", "sync-redis")}
 
 
 @dataclass
@@ -174,6 +213,10 @@ def _spawn(config: dict[str, Any]) -> subprocess.Popen[str]:
         env=env,
         text=True,
     )
+
+
+class Unavailable(RuntimeError):
+    """A contender's worker failed before it was ready: its set-up or its first turn raised."""
 
 
 def _line(pipe: IO[str] | None, what: str, until: float | None = None) -> str:
@@ -224,9 +267,9 @@ def run_once(
         config: dict[str, Any] = {
             "contender": contender,
             "workdir": str(workdir),
-            "redis_url": redis_url if scenario.kind == "redis" else None,
+            "redis_url": redis_url if scenario.on_redis else None,
             "tag": tag,
-            "key": KEY if scenario.kind == "file" else f"bench:{tag}:{KEY}",
+            "key": f"bench:{tag}:{KEY}" if scenario.on_redis else KEY,
             "outside": scenario.outside,
         }
         _, at, ref = contender.partition("@")
@@ -237,7 +280,9 @@ def run_once(
         workers = [_spawn(config) for _ in range(scenario.processes(settings))]
         try:
             for worker in workers:
-                _line(worker.stdout, "ready")
+                said = _line(worker.stdout, "ready")
+                if said.startswith(UNAVAILABLE):
+                    raise Unavailable(said[len(UNAVAILABLE) :].strip())
             start = _release(workers, settings.seconds)
             until = time.monotonic() + settings.seconds + GRACE
             for worker in workers:
@@ -269,7 +314,7 @@ def runnable(names: Sequence[str], log: Log) -> list[str]:
 
 
 def _of_kind(names: Sequence[str], kind: str) -> list[str]:
-    return [name for name in names if contender(name).kind in (kind, "any")]
+    return [name for name in names if {kind, "any"} & set(contender(name).kinds)]
 
 
 def _rotated(items: Sequence[str], by: int) -> list[str]:
@@ -298,19 +343,29 @@ def measure(settings: Settings, log: Log) -> dict[str, Any]:
         if scenario.kind in settings.kinds and _of_kind(names, scenario.kind)
     ]
     runs: dict[str, dict[str, list[dict[str, float]]]] = defaultdict(lambda: defaultdict(list))
+    unavailable: dict[str, str] = {}  # contender -> why it was left out
     with ExitStack() as stack:
         url = None
-        if any(scenario.kind == "redis" for scenario in chosen):
+        if any(scenario.on_redis for scenario in chosen):
             url = stack.enter_context(redis_server(log))
             if url is None:
-                chosen = [scenario for scenario in chosen if scenario.kind != "redis"]
+                chosen = [scenario for scenario in chosen if not scenario.on_redis]
         for repeat in range(settings.repeats):
             log(f"multiproc: repeat {repeat + 1}/{settings.repeats}")
             for scenario in chosen:
                 for name in _rotated(_of_kind(names, scenario.kind), repeat):
-                    runs[scenario.name][name].append(
-                        run_once(name, scenario, settings, url, versions)
-                    )
+                    if name in unavailable:
+                        continue
+                    try:
+                        result = run_once(name, scenario, settings, url, versions)
+                    except Unavailable as error:
+                        unavailable[name] = str(error)
+                        log(f"multiproc: leaving {name} out of this run: {error}")
+                        continue
+                    runs[scenario.name][name].append(result)
+    for by_name in runs.values():  # a contender left out late has no column anywhere
+        for name in unavailable:
+            by_name.pop(name, None)
     medians = {
         scenario: {name: _median(samples) for name, samples in by_name.items()}
         for scenario, by_name in runs.items()
@@ -321,6 +376,7 @@ def measure(settings: Settings, log: Log) -> dict[str, Any]:
         "metrics": METRICS,
         "runs": runs,
         "medians": medians,
+        "unavailable": unavailable,
         "targets": [
             {"target": label, "pass": ok, "value": value} for label, ok, value in targets(medians)
         ],
@@ -440,8 +496,10 @@ def report(result: dict[str, Any]) -> str:
         f"## Across processes: {result['machine']}, "
         f"{settings.workers} workers x {settings.seconds:g} s, median of {settings.repeats}\n",
         table(result["medians"], settings),
-        "\nTargets (multi-process):\n",
     ]
+    for name, reason in result.get("unavailable", {}).items():
+        lines.append(f"\nNot measured: {name}, whose workers failed before the start: {reason}")
+    lines.append("\nTargets (multi-process):\n")
     for target in result["targets"]:
         verdict = {True: "PASS", False: "MISS", None: "SKIP"}[target["pass"]]
         lines.append(f"- {verdict} {target['target']}: {target['value']}")
@@ -475,9 +533,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--only",
-        choices=KINDS,
+        choices=(*KINDS, *GROUPS),
         default=None,
-        help="only the file scenarios (f1, f2) or only the Redis ones (r1 to r3)",
+        help="only the file scenarios (f1, f2), the Redis ones (r1 to r3), the sync "
+        "turns on files (s1, s2) or on Redis (s3, s4), or every sync one (s1 to s4)",
     )
     parser.add_argument(
         "--before",
@@ -491,7 +550,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings.before = options.before
     settings.workers = options.workers
     if options.only is not None:
-        settings.kinds = [options.only]
+        settings.kinds = list(GROUPS.get(options.only, (options.only,)))
     if options.seconds is not None:
         settings.seconds = options.seconds
     settings.contenders = [name.strip() for name in options.contenders.split(",") if name.strip()]

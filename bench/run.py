@@ -1,7 +1,7 @@
 """Run every scenario for every contender in one process, and report ratios.
 
     python -m bench [--repeats 3] [--json bench/results.json] [--plot out.png] [--quick]
-                    [--no-multiproc]
+                    [--no-threads] [--no-multiproc]
 
 Contenders are interleaved (each repeat runs all of them, in a rotated
 order) and every number is the median of the repeats, so that a noisy
@@ -16,6 +16,9 @@ whole run is positive, so noise can move that ratio but not flip its sign.
 
 Then scenario (g), bench/flow.py: a batch of keyed messages on a queue
 with max_running, beside a hand-written lock and semaphore.
+
+Then, unless ``--no-threads``, scenario (t), bench/threads.py: sync turns
+taken from threads, beside a hand-written dict of threading.Lock.
 
 Then the targets (bench/targets.py): each PASS or MISS, SKIP when its
 contenders were not measured (the ``--before`` revision's, without it).
@@ -42,7 +45,7 @@ if __package__ in (None, ""):  # run as a script: python bench/run.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     __package__ = "bench"
 
-from . import flow, multiproc, scenarios
+from . import flow, multiproc, scenarios, threads
 from .contenders import ALL, Contender, InturnSlots, at_version
 from .targets import Rows, Target, cell, evaluate, ratio, valid
 
@@ -348,6 +351,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="write raw medians and rows here")
     parser.add_argument("--plot", type=Path, default=None, help="draw the ratios to this PNG")
     parser.add_argument(
+        "--threads",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also measure sync turns from threads (bench/threads.py)",
+    )
+    parser.add_argument(
         "--multiproc",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -380,6 +389,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     flow_rows = flow.derive(flow_medians, flow_sizes)
     print(f"\n## {flow.title(flow_sizes)}: {machine()}, median of {options.repeats}\n")
     print(table(flow_rows, flow.NAMES))
+    thread_result = None
+    if options.threads:
+        thread_sizes = threads.Sizes(options.quick)
+        thread_medians = threads.measure(thread_sizes, options.repeats, log)
+        thread_rows = threads.derive(thread_medians, thread_sizes)
+        thread_result = {"medians": thread_medians, "rows": thread_rows}
+        print(f"\n## {threads.title(thread_sizes)}: {machine()}, median of {options.repeats}\n")
+        print(threads.table(thread_rows, thread_sizes))
     print("\nTargets (the Benchmark issue's and issue 17's; SKIP: not measured in this run):\n")
     results = targets(
         {**rows, **flow_rows}, [*names, *flow.NAMES], sizes, flow_sizes, options.before
@@ -407,6 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         for verdict, label, value in results
                     ],
                     "flow": {"medians": flow_medians, "rows": flow_rows},
+                    "threads": thread_result,
                     "multiproc": across,
                 },
                 indent=2,

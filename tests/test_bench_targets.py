@@ -12,7 +12,7 @@ import math
 from typing import Any
 
 import pytest
-from bench import flow, multiproc, run
+from bench import flow, multiproc, run, threads
 from bench.contenders import ALL
 from bench.targets import INFO, MISS, PASS, SKIP, Target, check, evaluate, ratio
 
@@ -209,3 +209,40 @@ def test_multiprocess_targets_miss_on_a_figure_that_is_not_a_measure() -> None:
     stalled = {"r1": {"inturn-redis": subject, **others, "redis-py-lock": {"ops_per_s": 0.0}}}
     (verdict,) = [ok for label, ok, _ in multiproc.targets(stalled) if "x redis-py-lock" in label]
     assert verdict is False
+
+
+def test_threads_table_gives_ratios_of_costs_only_and_none_of_a_figure_that_is_not_one() -> None:
+    sizes = threads.Sizes(quick=True)
+    medians: dict[str, dict[str, float]] = {"t1": {}}
+    for i, name in enumerate(threads.NAMES):
+        medians["t1"][name] = 100.0 * (i + 1)  # bare cheapest
+    costs = {name: 1_000.0 for name in threads.NAMES if name != threads.FLOOR}
+    for metric, *_ in threads.T2_ROWS:
+        medians[f"t2 {metric}"] = dict(costs)
+    medians["t2 ns_per_turn"]["inturn keyed"] = 3_000.0
+    medians["t2 handoff_p50_us"]["inturn keyed"] = math.nan
+    rows = threads.derive(medians, sizes)
+    assert rows[threads.T1][threads.BASELINE] == 100.0  # above bare
+    text = threads.table(rows, sizes)
+    turn_row = next(line for line in text.splitlines() if "(t2) ns/turn" in line)
+    assert "(3.00x)" in turn_row
+    handoff_row = next(line for line in text.splitlines() if "hand-off" in line)
+    assert "nan |" in handoff_row  # shown as it is, with no ratio
+    order_row = next(line for line in text.splitlines() if "arrival order" in line)
+    assert "x)" not in order_row  # a share, not a cost
+
+
+def test_only_sync_selects_the_sync_scenarios_and_their_contenders() -> None:
+    kinds = multiproc.GROUPS["sync"]
+    chosen = [scenario for scenario in multiproc.SCENARIOS if scenario.kind in kinds]
+    assert [scenario.name for scenario in chosen] == ["s1", "s2", "s3", "s4"]
+    assert [scenario.on_redis for scenario in chosen] == [False, False, True, True]
+    names = list(multiproc.DEFAULT)
+    assert multiproc._of_kind(names, "sync-file") == ["inturn-file", "inturn-file-sync", "filelock"]
+    assert multiproc._of_kind(names, "sync-redis") == [
+        "inturn-redis",
+        "inturn-redis-sync",
+        "redis-py-lock-lease",
+    ]
+    assert "inturn-file-sync" not in multiproc._of_kind(names, "file")
+    assert "redis-py-lock-lease" not in multiproc._of_kind(names, "redis")
