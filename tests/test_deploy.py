@@ -81,7 +81,7 @@ class Gunicorn:
             **os.environ,
             # the inturn under test, whether installed or on PYTHONPATH
             "PYTHONPATH": os.pathsep.join(
-                [str(Path(inturn.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]
+                filter(None, [str(Path(inturn.__file__).parents[1]), os.environ.get("PYTHONPATH")])
             ),
             "INTURN_DEPLOY_READY": str(self.ready),
             **env,
