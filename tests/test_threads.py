@@ -686,9 +686,7 @@ def test_a_plain_def_with_a_timeout_of_its_own(pool: ThreadPoolExecutor) -> None
         pool.submit(impatient).result()
 
 
-def test_what_cannot_decorate_a_plain_def_is_refused_at_decoration(tmp_path: Any) -> None:
-    from inturn.backends.file import FileBackend
-
+def test_what_cannot_decorate_a_plain_def_is_refused_at_decoration() -> None:
     queue = KeyedQueue()
     with pytest.raises(TypeError, match=r"lambda by position.*key="):
         queue.queue_by_key(lambda args: args["x"])
@@ -697,18 +695,6 @@ def test_what_cannot_decorate_a_plain_def_is_refused_at_decoration(tmp_path: Any
         @queue.queue_by_key(key="k", coalesce=True)
         def coalescing() -> None:
             pass
-
-    shared = KeyedQueue(backend=FileBackend(tmp_path))
-    with pytest.raises(TypeError, match="serves async callers only"):
-
-        @shared.queue_by_key(key="k")
-        def plain() -> None:
-            pass
-
-    with pytest.raises(TypeError, match="serves async callers only"):
-        shared.run_sync("k", lambda: None)
-    with pytest.raises(TypeError, match="serves async callers only"), shared.keyed("k"):
-        pass
 
 
 def test_a_key_by_position_and_by_keyword_is_refused() -> None:
@@ -796,21 +782,35 @@ def test_a_queue_with_a_backend_serves_a_loop_of_another_thread_once_the_first_i
     assert queue.stats().completed == 2
 
 
-def test_a_second_open_loop_on_a_queue_with_a_backend_is_told_which_loop_is_open(
-    tmp_path: Any,
-) -> None:
+def test_two_open_loops_in_two_threads_share_a_backend_queues_lines(tmp_path: Any) -> None:
     from inturn.backends.file import FileBackend
 
     queue = KeyedQueue(backend=FileBackend(tmp_path))
+    order: list[str] = []
+    held, release = threading.Event(), threading.Event()
 
-    async def job() -> str:
-        return await queue.run("k", lambda: asyncio.sleep(0, "ran"))
+    async def hold() -> None:
+        async with queue.keyed("k"):
+            held.set()
+            await asyncio.get_running_loop().run_in_executor(None, release.wait, PATIENCE)
+            order.append("first")
+
+    async def follow() -> None:
+        async with queue.keyed("k"):
+            order.append("second")
 
     with loop_thread() as loop:
-        assert in_loop(loop, job()).result(PATIENCE) == "ran"
-        with pytest.raises(RuntimeError, match=r"still open.*its own queue"):
-            asyncio.run(job())
-    assert asyncio.run(job()) == "ran"  # the first loop is closed now
+        first = in_loop(loop, hold())
+        assert held.wait(PATIENCE)
+
+        def let_go() -> None:
+            wait_until(lambda: queue.pending("k") == 1, "the second loop's task in line")
+            release.set()
+
+        threading.Thread(target=let_go).start()
+        asyncio.run(follow())  # a second loop, while the first is open in its thread
+        first.result(PATIENCE)
+    assert order == ["first", "second"]
 
 
 def test_a_coalesced_call_from_a_loop_in_another_thread_gets_the_result() -> None:

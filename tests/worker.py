@@ -240,7 +240,7 @@ def share(spec: str, key: str, counter: str, n: int, threads: int) -> None:
     def increments() -> None:
         try:
             for _ in range(n):
-                # (a queue serves one event loop at a time; the backend, any)
+                # (a queue of its own per job: each thread is another member of the line)
                 asyncio.run(KeyedQueue(backend=backend).run(key, increment, counter))
         except BaseException as error:
             failures.append(error)

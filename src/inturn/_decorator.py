@@ -31,7 +31,6 @@ from ._tasks import in_loop_of, outside_asyncio
 
 if TYPE_CHECKING:
     from ._queue import KeyedQueue
-    from .backends._base import Backend
 
 __all__ = (
     "Decorator",
@@ -64,8 +63,6 @@ class Runner(NamedTuple):
     run_keyed: Callable[..., Coroutine[Any, Any, Any]]
     #: ``(keys, fn, args, kwargs, timeout)``: the same for a thread, blocking it.
     run_keyed_sync: Callable[..., Any]
-    #: The queue's shared backend, or None: it serves async callers only.
-    backend: Backend | None
 
 
 class QueuedFunction(Protocol[P, R_co]):
@@ -415,11 +412,6 @@ def _decorate_sync(
     coalesce: bool,
 ) -> Any:
     """Apply queue_by_key to a plain def: its calls block their thread for the turn."""
-    if runner.backend is not None:
-        raise TypeError(
-            f"inturn: {function_name(target)} is a plain def, and this queue's backend "
-            f"({runner.backend!r}) serves async callers only; decorate an async def"
-        )
     if coalesce:
         raise TypeError(
             "inturn: coalesce=True is for async def functions; "

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
+import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Hashable
 from inspect import isawaitable
 from time import monotonic as _monotonic
@@ -36,6 +38,19 @@ __all__ = ("UNSET", "KeyedQueue")
 
 R = TypeVar("R")
 W = TypeVar("W")
+
+
+#: Every queue of this process, for a forked child to reset (see KeyedQueue._forked).
+_QUEUES: weakref.WeakSet[KeyedQueue] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for queue in list(_QUEUES):
+        queue._forked()
+
+
+if hasattr(os, "register_at_fork"):  # (POSIX)
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @final
@@ -98,8 +113,11 @@ class KeyedQueue:
         With a backend, this process's line for a key still orders its own
         tasks, and the task at its head takes the key's turn from the
         backend, which orders the processes; keys must then be ``str``,
-        ``bytes`` or ``int``, and the callers tasks of one event loop at a
-        time (backends are asyncio clients).
+        ``bytes`` or ``int``. Every caller may use it: tasks of any event
+        loop (one after another or at once, in any thread) and threads,
+        blocking (the file backend waits in the kernel; an asyncio-only
+        backend such as Redis is driven for threads by one small thread of
+        this process). A queue made before a fork works in each child.
     :param max_running: the most work running at once across all keys, or
         ``None`` for no bound. Work first reaches its key's turn, then waits
         for a running slot: work waiting in a key's line holds no slot, so a
@@ -187,6 +205,11 @@ class KeyedQueue:
             self._registry, self._slots, self._timeout, self._max_hold, self._run_keyed
         )
         self._unclaimed: list[Handle[Any]] = []
+        _QUEUES.add(self)
+
+    def _forked(self) -> None:
+        """In a forked child: forget the parent's other threads, tasks and locks (see Registry)."""
+        self._registry.forked(self._slots)
 
     # -- taking turns ---------------------------------------------------------
 
@@ -363,7 +386,11 @@ class KeyedQueue:
         :raises RuntimeError: called inside a running event loop (it would
             block the loop), except by the task that holds ``key`` already.
         :raises TypeError: ``key`` is unhashable, ``fn`` is not callable or
-            is an ``async def`` (use :meth:`run`), or the queue has a backend.
+            is an ``async def`` (use :meth:`run`).
+        :raises ~inturn.LeaseLost: on a shared backend, the turn was lost
+            while ``fn`` ran (see :class:`Turn`); ``fn`` ran.
+        :raises ~inturn.BackendUnavailable: the backend could not be
+            reached; ``fn`` was not called.
         """
         return self._run_keyed_sync((key,), fn, args, kwargs, self._timeout)
 
@@ -584,7 +611,7 @@ class KeyedQueue:
         """
         from ._decorator import Runner, decorate, is_decoratable
 
-        runner = Runner(self, self.run, self._run_keyed, self._run_keyed_sync, self._backend)
+        runner = Runner(self, self.run, self._run_keyed, self._run_keyed_sync)
         if is_decoratable(fn):
             if key is not None or keys is not None:
                 raise TypeError(

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Final, final
 from ._checks import missed
 from ._errors import QueueClosed, QueueFull
 from ._keys import describe, order_keys, unhashable
-from ._line import Deferred, Drain, Gate, Line, ThreadWaiter, Waiter, held_by, wake
+from ._line import Deferred, Drain, Gate, Line, Places, ThreadWaiter, Waiter, held_by, wake
 from ._stats import Tally
 from ._tasks import current_task as _current_task
 from ._tasks import in_loop_of as _soon
@@ -112,6 +112,7 @@ class Registry:
     """
 
     __slots__ = (
+        "__weakref__",
         "_arrival",
         "_lock",
         "_settling",
@@ -188,6 +189,32 @@ class Registry:
                     return task
             return _current_task()
 
+    def forked(self, places: Places | None) -> None:
+        """In a forked child: forget the parent's other threads and tasks, and its locks.
+
+        Only the thread that forked lives on in the child. It keeps the keys
+        it held bare or at the head of a line (a raw ``os.fork()`` inside a
+        ``with keyed()`` block returns into it); every other holder and
+        waiter, and every lock they may have held at that instant, are the
+        parent's. places: the queue's running slots, reset the same way.
+        """
+        me = threading.current_thread()
+        lines = self.lines
+        for key, line in list(lines.items()):
+            if line is me or (type(line) is Line and line.holder is me):
+                lines[key] = me
+            else:
+                del lines[key]
+        if places is not None:
+            places.forked(me)
+        self._lock = threading.Lock()
+        self._arrival = threading.Lock()
+        self._settling = None
+        self._solo = self.owner = self.local = None
+        self._solo_thread = 0
+        self._solo_at = (0, None)
+        self.shared = False
+
     def close(self) -> None:
         """Refuse new turns (a holder may still take its keys again)."""
         self.open = False
@@ -219,13 +246,6 @@ class Registry:
                     self.local = loop if quick else None
                     self.owner = loop if quick and self.plain else None
                     return True
-                if self.backend is not None:
-                    raise RuntimeError(
-                        f"inturn: this queue's backend ({self.backend!r}) serves the tasks "
-                        f"of one event loop at a time, and {solo!r}, which used it first, is "
-                        "still open in another thread; close that loop first (asyncio.run() "
-                        "does when it returns), or give each loop its own queue"
-                    )
                 self.owner = self.local = self._solo = None
                 self._solo_at = (0, None)
                 self.shared = True

@@ -6,12 +6,13 @@ import asyncio
 import contextvars
 import sys
 import threading
-from collections.abc import Awaitable, Callable, Hashable, Mapping
+from collections.abc import Awaitable, Callable, Generator, Hashable, Mapping
 from inspect import isawaitable
 from time import monotonic as _monotonic
 from types import CoroutineType, MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn, final
 
+from ._bridge import acquire_sync, release_sync
 from ._checks import Deadline
 from ._errors import HoldTimeout, LeaseLost
 from ._keys import describe
@@ -22,9 +23,15 @@ from ._tasks import outside_asyncio
 if TYPE_CHECKING:
     from ._registry import Registry
     from ._slots import Slots
-    from .backends._base import Backend, Grant
+    from .backends._base import Grant
 
 __all__ = ("Clock", "Turn", "call_in_turn", "call_in_turn_sync", "current_turn")
+
+# The waits of the protocol on a shared backend (see Turn._take_shared).
+_TAKE = 0  # key's turn in this process's line -> True, or False if the holder held it already
+_GRANT = 1  # key's grant from the backend -> the Grant
+_SLOT = 2  # a running slot (max_running) -> True
+_RELEASE = 3  # release a grant -> None
 
 #: The innermost turn of the current task on a queue with a shared backend.
 _CURRENT: contextvars.ContextVar[Turn | None] = contextvars.ContextVar(
@@ -297,7 +304,9 @@ class Turn:
         registry = self._registry
         backend = registry.backend
         if backend is not None:
-            await self._enter_shared(registry, backend, task)
+            loop = task.get_loop() if task is not None else asyncio.get_running_loop()
+            deadline = Deadline(self._timeout, loop.time)
+            await self._drive(self._take_shared(task, _monotonic()), task, deadline)
         elif registry.plain:
             loop = task.get_loop() if task is not None else asyncio.get_running_loop()
             self._taken = await self._take_all(task, Deadline(self._timeout, loop.time))
@@ -354,10 +363,15 @@ class Turn:
                 "(a thread cannot be cancelled); take it from a task, or without max_hold"
             )
         registry = self._registry
+        holder = self._holder_sync()
+        deadline = Deadline(self._timeout, _monotonic)
+        if registry.backend is not None:
+            self._drive_sync(self._take_shared(holder, _monotonic()), holder, deadline)
+            self._task = holder
+            return self
         flow = None if registry.plain else _Flow()
         start = 0.0 if flow is None else _monotonic()
-        deadline = Deadline(self._timeout, _monotonic)
-        holder, taken = self._take_all_sync(deadline)
+        taken = self._take_all_sync(holder, deadline)
         if flow is not None:
             if self._slots is not None:
                 try:
@@ -371,24 +385,19 @@ class Turn:
         self.token = next(registry.tokens)
         return self
 
-    def _take_all_sync(self, deadline: Deadline) -> tuple[object, tuple[Hashable, ...]]:
-        """Take the turns of the keys for this thread, blocking it; return (holder, keys taken).
+    def _holder_sync(self) -> object:
+        """Who takes a thread's turn: this thread, or a running loop's task that holds the keys.
 
         Inside a running event loop, only a reentrant call is possible: the
         loop's current task holds every key already, and is the holder.
         """
         registry = self._registry
-        keys = self.keys
-        if registry.backend is not None:
-            raise TypeError(
-                f"inturn: this queue's backend ({registry.backend!r}) serves async callers only; "
-                "take its turns with `async with`, `await queue.run(...)` or an async def"
-            )
         if asyncio._get_running_loop() is not None:
             task = _current_task()
             lines = registry.lines
+            keys = self.keys
             if task is not None and all(held_by(lines.get(key), task) for key in keys):
-                return task, ()
+                return task
             raise RuntimeError(
                 "inturn: a blocking turn (run_sync(), `with keyed()`, a decorated plain def) "
                 f"was taken inside a running event loop, for {', '.join(map(describe, keys))}; "
@@ -397,16 +406,20 @@ class Turn:
             )
         if not registry.shared:
             registry.arrive(None)
-        me = threading.current_thread()
+        return threading.current_thread()
+
+    def _take_all_sync(self, holder: object, deadline: Deadline) -> tuple[Hashable, ...]:
+        """Take the keys' turns for holder (see _holder_sync), blocking; return those taken."""
+        registry = self._registry
         taken: list[Hashable] = []
         try:
-            for key in keys:
-                if registry.take_sync(key, me, deadline.left(), self._timeout):
+            for key in self.keys:
+                if registry.take_sync(key, holder, deadline.left(), self._timeout):
                     taken.append(key)  # noqa: PERF401 - one at a time: the rollback needs them
         except BaseException as error:
-            registry.release_all(taken, me, error, None)
+            registry.release_all(taken, holder, error, None)
             raise
-        return me, tuple(taken)
+        return tuple(taken)
 
     def __exit__(
         self,
@@ -414,12 +427,28 @@ class Turn:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._release(exc, None)
+        self._end_sync(exc, None)
 
-    async def _enter_shared(self, registry: Registry, backend: Backend, task: Any) -> None:
-        """Take each key's turn in this process's line, then from the backend, in order."""
-        begun = _monotonic()
-        deadline = Deadline(self._timeout, asyncio.get_running_loop().time)
+    def _end_sync(self, error: BaseException | None, result: Any) -> None:
+        """End a thread's turn whose work ended with error, or with result.
+
+        Raises what :meth:`_end_shared` raises, on a shared backend.
+        """
+        if self._registry.backend is None:
+            self._release(error, result)
+        else:
+            self._drive_sync(self._end_shared(error, result, False), self._task, None)
+
+    # -- the protocol on a shared backend ------------------------------------------------
+    #
+    # Written once, as generators of the waits it needs (_TAKE, _GRANT, _SLOT,
+    # _RELEASE, each with its argument): a driver does each wait and sends the
+    # answer back, or throws in what interrupted it; _drive for a task,
+    # _drive_sync for a thread. (A backend's I/O dwarfs a generator's cost.)
+
+    def _take_shared(self, holder: object, begun: float) -> Generator[tuple[int, Any], Any, None]:
+        """Take each key's turn in this process's line, then from the backend, in order (steps)."""
+        registry = self._registry
         outer = _CURRENT.get()
         taken: list[Hashable] = []
         grants: list[Grant] = []
@@ -428,27 +457,27 @@ class Turn:
         flow = _Flow()
         try:
             for key in self.keys:
-                if not await registry.take(key, task, deadline.left(), self._timeout):
-                    # held already by an enclosing turn of this task: reentrant
-                    holder = _holder(outer, registry, key)
-                    if holder is not None:
-                        holders.append(holder)
-                        tokens[key] = holder.tokens[key]
+                if not (yield _TAKE, key):
+                    # held already by an enclosing turn of this holder: reentrant
+                    enclosing = _holder(outer, registry, key)
+                    if enclosing is not None:
+                        holders.append(enclosing)
+                        tokens[key] = enclosing.tokens[key]
                     continue
                 taken.append(key)
-                grant = await backend.acquire(key, deadline.left())
+                grant = yield _GRANT, key
                 grants.append(grant)
                 tokens[key] = grant.token
             if self._slots is not None:
-                flow.slot = await self._slots.take(task, deadline.left(), self._timeout)
+                flow.slot = yield _SLOT, None
         except BaseException as error:
             if len(grants) < len(taken):  # the backend's turn was not reached
                 registry.missed(error)
             try:
                 for grant in reversed(grants):
-                    await _settle(backend.release(grant))
+                    yield _RELEASE, grant
             finally:
-                registry.release_all(taken, task, error, None)
+                registry.release_all(taken, holder, error, None)
             raise
         self._taken = tuple(taken)
         self._shared = _Shared(grants, tokens, holders, outer)
@@ -456,6 +485,71 @@ class Turn:
         flow.since = registry.started(begun)
         self._flow = flow
         _CURRENT.set(self)
+
+    async def _drive(
+        self, steps: Generator[tuple[int, Any], Any, None], task: Any, deadline: Deadline | None
+    ) -> None:
+        """Run steps for task, awaiting each wait (a release goes on if task is cancelled)."""
+        registry = self._registry
+        backend = registry.backend
+        assert backend is not None
+        slots, limit = self._slots, self._timeout
+        reply: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                step, arg = steps.send(reply) if error is None else steps.throw(error)
+            except StopIteration:
+                return
+            error = reply = None
+            try:
+                if step == _RELEASE:
+                    await _settle(backend.release(arg))
+                    continue
+                assert deadline is not None
+                if step == _TAKE:
+                    reply = await registry.take(arg, task, deadline.left(), limit)
+                elif step == _GRANT:
+                    reply = await backend.acquire(arg, deadline.left())
+                else:
+                    assert slots is not None
+                    reply = await slots.take(task, deadline.left(), limit)
+            except BaseException as problem:  # thrown into the steps, which roll back
+                error = problem
+
+    def _drive_sync(
+        self,
+        steps: Generator[tuple[int, Any], Any, None],
+        holder: object,
+        deadline: Deadline | None,
+    ) -> None:
+        """Run steps for holder (a thread, see _holder_sync), blocking it for each wait."""
+        registry = self._registry
+        backend = registry.backend
+        assert backend is not None
+        slots, limit = self._slots, self._timeout
+        reply: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                step, arg = steps.send(reply) if error is None else steps.throw(error)
+            except StopIteration:
+                return
+            error = reply = None
+            try:
+                if step == _RELEASE:
+                    release_sync(backend, arg)
+                    continue
+                assert deadline is not None
+                if step == _TAKE:
+                    reply = registry.take_sync(arg, holder, deadline.left(), limit)
+                elif step == _GRANT:
+                    reply = acquire_sync(backend, arg, deadline.left())
+                else:
+                    assert slots is not None
+                    reply = slots.take_sync(holder, deadline.left(), limit)
+            except BaseException as problem:  # thrown into the steps, which roll back
+                error = problem
 
     async def __aexit__(
         self,
@@ -493,7 +587,7 @@ class Turn:
             self._end_here(error, result)
             return
         cut = self._cut(error)
-        await self._end_shared(cut or error, result, cut is not None)
+        await self._drive(self._end_shared(cut or error, result, cut is not None), self._task, None)
         if cut is not None:
             raise cut
 
@@ -531,8 +625,10 @@ class Turn:
         if taken:
             registry.ended(error, cut, 0.0 if flow is None else flow.since)
 
-    async def _end_shared(self, error: BaseException | None, result: Any, cut: bool) -> None:
-        """Release the running slot, the backend's grants, then this process's turns.
+    def _end_shared(
+        self, error: BaseException | None, result: Any, cut: bool
+    ) -> Generator[tuple[int, Any], Any, None]:
+        """Release the running slot, the backend's grants, then this process's turns (steps).
 
         Raises :exc:`~inturn.LeaseLost` if a grant's lease ran out and the
         work ended without an error of its own (with one, the loss is noted
@@ -553,7 +649,7 @@ class Turn:
         try:
             for grant in reversed(grants):
                 try:
-                    await _settle(backend.release(grant))
+                    yield _RELEASE, grant
                 except Exception as problem:
                     failure = failure or problem
             lost = [grant for grant in grants if grant.lost]
@@ -620,9 +716,9 @@ def call_in_turn_sync(
         if type(result) is CoroutineType:
             _refuse_coroutine(fn, result)
     except BaseException as error:
-        turn._release(error, None)
+        turn._end_sync(error, None)
         raise
-    turn._release(None, result)
+    turn._end_sync(None, result)
     return result
 
 

@@ -51,6 +51,15 @@ class Backend(Protocol):
       task of its own, and awaits an :class:`asyncio.Future` as it is (a
       backend that returns one vouches that cancelling it does not stop the
       release).
+    - :meth:`acquire` may be called from several event loops at once (in
+      different threads): each call, and the release of its grant, on the
+      loop it was made from.
+    - Threads: a backend may offer ``acquire_sync(key, timeout) -> Grant``
+      and ``release_sync(grant) -> None``, with the same contract, blocking
+      the calling thread (the file backend waits in the kernel). Without
+      them, a thread's calls run on one event loop that the queue keeps in
+      a daemon thread of the process; the thread's work still runs in the
+      thread itself.
     - Keys cross process boundaries, so :meth:`order` accepts only keys that
       every process names alike and sorts them in one order every process
       computes identically (never by ``hash()``, which is salted per process).

@@ -1,0 +1,205 @@
+"""How a thread takes a backend's turn: natively, or through this process's backend loop.
+
+A backend may block a thread itself (``acquire_sync``/``release_sync``, as
+the file backend does: the kernel waits on its ticket). For one that is an
+asyncio client only (Redis), the thread's calls run on one event loop kept
+in a daemon thread of this process, the *backend loop*, made at the first
+such call. Only the backend's calls go there; the caller's work runs in
+the caller's thread.
+
+Guarantees of a bridged call:
+
+- The waiting thread may be interrupted (KeyboardInterrupt, a signal
+  handler's exception such as gunicorn's SystemExit on SIGABRT): the call
+  on the backend loop is cancelled, and a grant it got all the same is
+  released there. Nothing is left holding the key.
+- A forked child makes a backend loop of its own at its first call (the
+  parent's thread does not exist in the child).
+- The backend loop costs one idle thread per process that uses it, no CPU
+  while nobody calls, and lives until the process exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import threading
+from collections.abc import Hashable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, final
+
+from ._keys import describe
+
+if TYPE_CHECKING:
+    from .backends._base import Backend, Grant
+
+__all__ = ("acquire_sync", "release_sync")
+
+#: How long past its own timeout a thread waits for the backend loop's answer
+#: to a call the backend bounds itself: only a backend that broke its contract
+#: (or a backend loop frozen by a callback) needs it.
+_GRACE = 5.0
+
+
+@final
+class _BackendLoop:
+    """This process's event loop for threads' calls to asyncio backends, in a daemon thread."""
+
+    __slots__ = ("_lock", "_loop", "_pid")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pid = 0
+
+    def get(self) -> asyncio.AbstractEventLoop:
+        """The running backend loop of this process, started if need be."""
+        loop = self._loop
+        if loop is not None and self._pid == os.getpid():
+            return loop
+        with self._lock:
+            if self._loop is None or self._pid != os.getpid():
+                # (in a forked child, the parent's loop has no thread: it is left as it is)
+                loop = asyncio.new_event_loop()
+                started = threading.Event()
+                thread = threading.Thread(
+                    target=_serve, args=(loop, started), name="inturn-backend-loop", daemon=True
+                )
+                thread.start()
+                started.wait()
+                self._loop, self._pid = loop, os.getpid()
+            return self._loop
+
+
+def _serve(loop: asyncio.AbstractEventLoop, started: threading.Event) -> None:
+    asyncio.set_event_loop(loop)
+    loop.call_soon(started.set)
+    loop.run_forever()  # (a daemon thread: it ends with the process)
+
+
+_LOOP = _BackendLoop()
+
+
+@final
+class _Call:
+    """One thread's acquire on the backend loop, which the thread may give up.
+
+    Its methods but the constructor run on the backend loop, so they never race.
+    """
+
+    __slots__ = ("abandoned", "backend", "finished", "outcome", "task")
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.outcome: Future[Grant] = Future()
+        self.task: asyncio.Task[Grant] | None = None
+        self.abandoned = False  # the thread gave up
+        self.finished = False  # the acquire ended and _finished saw it
+
+    def start(self, key: Hashable, timeout: float | None) -> None:
+        """Call the backend's acquire."""
+        task = asyncio.ensure_future(self.backend.acquire(key, timeout))
+        self.task = task
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task[Grant]) -> None:
+        """Hand the outcome to the thread, or release a grant the thread no longer waits for."""
+        self.finished = True
+        if self.abandoned:
+            self._drop(task)
+        elif task.cancelled():
+            self.outcome.set_exception(
+                RuntimeError("inturn: the backend's acquire was cancelled on its loop")
+            )
+        elif (error := task.exception()) is not None:
+            self.outcome.set_exception(error)
+        else:
+            self.outcome.set_result(task.result())
+
+    def abandon(self) -> None:
+        """The thread gave up (timed out, interrupted): cancel the call, or release its grant."""
+        self.abandoned = True
+        task = self.task
+        if task is None:
+            return  # interrupted before it could start the call: nothing was asked
+        if not task.done():
+            task.cancel()  # _finished releases a grant it got all the same
+        elif self.finished:
+            self._drop(task)  # handed to the thread, which left before it took it
+        # (else _finished is about to run, and drops it)
+
+    def _drop(self, task: asyncio.Task[Grant]) -> None:
+        if not task.cancelled() and task.exception() is None:
+            _release_here(self.backend, task.result())
+
+
+def _release_here(backend: Backend, grant: Grant) -> asyncio.Future[None]:
+    """(On the backend loop.) Release grant; the future of the release, which goes on alone."""
+    release = backend.release(grant)
+    done = release if isinstance(release, asyncio.Future) else asyncio.ensure_future(release)
+    done.add_done_callback(_consume)
+    return done
+
+
+def _consume(done: asyncio.Future[None]) -> None:
+    if not done.cancelled():
+        done.exception()  # (a failed release was the backend's to log)
+
+
+def acquire_sync(backend: Backend, key: Hashable, timeout: float | None) -> Grant:
+    """backend.acquire(key, timeout) for this thread, blocking it while it waits.
+
+    :raises TimeoutError: as the backend's acquire, or its loop did not answer in time.
+    """
+    native = getattr(backend, "acquire_sync", None)
+    if native is not None:
+        grant: Grant = native(key, timeout)
+        return grant
+    loop = _LOOP.get()
+    call = _Call(backend)
+    try:
+        loop.call_soon_threadsafe(call.start, key, timeout)
+        try:
+            return call.outcome.result(None if timeout is None else timeout + _GRACE)
+        except concurrent.futures.TimeoutError:  # (not the builtin one before 3.11)
+            if call.outcome.done():
+                raise  # the backend's own TimeoutError
+            raise TimeoutError(
+                f"inturn: the backend did not answer within {timeout:g} s (and {_GRACE:g} s "
+                f"more) for key {describe(key)}; the turn was not taken"
+            ) from None
+    except BaseException:
+        # Timed out, interrupted, or refused by the backend: nothing may stay held.
+        loop.call_soon_threadsafe(call.abandon)
+        raise
+
+
+def release_sync(backend: Backend, grant: Grant) -> None:
+    """backend.release(grant) for this thread; returns once the release is done.
+
+    Waits as long as the release takes: a backend's release completes by
+    itself (its contract; Redis's within its socket timeout). If the thread
+    is interrupted meanwhile, the release goes on by itself.
+    """
+    native = getattr(backend, "release_sync", None)
+    if native is not None:
+        native(grant)
+        return
+    outcome: Future[None] = Future()
+
+    def start() -> None:
+        done = _release_here(backend, grant)
+        done.add_done_callback(lambda _: _settle_outcome(done, outcome))
+
+    _LOOP.get().call_soon_threadsafe(start)
+    outcome.result()
+
+
+def _settle_outcome(done: asyncio.Future[None], outcome: Future[Any]) -> None:
+    if done.cancelled():
+        outcome.set_result(None)
+    elif (error := done.exception()) is not None:
+        outcome.set_exception(error)
+    else:
+        outcome.set_result(None)
