@@ -46,7 +46,8 @@ DJANGO = "django_app:application"
 ROWS = 4
 REQUESTS = 400
 CLIENTS = 32
-#: Rounds the baselines fire at most to see an update lost (see test_updates_get_lost).
+#: Rounds a baseline fires at most to see an update lost
+#: (see test_updates_get_lost_without_a_shared_backend).
 BASELINE_ROUNDS = 3
 #: Seconds gunicorn has to stop after SIGTERM before it (and its workers) get SIGKILL.
 STOP_PATIENCE = 10.0
