@@ -19,6 +19,7 @@ The ``deploy`` marker selects them (``-m deploy``, or ``-m "not deploy"``).
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import importlib.util
 import json
@@ -403,3 +404,82 @@ def test_django_view_loses_no_update_on_the_file_backend(
     check_fenced(answers)
     check_raced(answers, "pid")
     check_made_in(server, answers)
+
+
+# gunicorn's worker timeout: an arbiter that finds a worker silent for --timeout
+# seconds sends it SIGABRT, and the worker raises SystemExit wherever it is.
+TIMEOUT = ("--worker-class", "sync", "--workers", "2", "--timeout", "2")
+
+
+def _queue_of(backend_env: dict[str, str]) -> inturn.KeyedQueue:
+    """A queue of the test process itself on the app's backend: another member of its lines."""
+    if backend_env["INTURN_DEPLOY_BACKEND"] == "file":
+        from inturn.backends.file import FileBackend
+
+        return inturn.KeyedQueue(backend=FileBackend(backend_env["INTURN_DEPLOY_DIRECTORY"]))
+    from inturn.backends.redis import RedisBackend
+
+    backend = RedisBackend.from_url(
+        backend_env["INTURN_DEPLOY_REDIS_URL"], namespace=backend_env["INTURN_DEPLOY_NAMESPACE"]
+    )
+    return inturn.KeyedQueue(backend=backend)
+
+
+def _aborted(server: Gunicorn, path: str) -> None:
+    """GET path, which must fail: gunicorn aborts the worker serving it.
+
+    (The worker answers 500 on its way out: gunicorn handles the SystemExit
+    as a request's error, then exits; or the connection just closes.)
+    """
+    with pytest.raises((OSError, http.client.HTTPException, AssertionError)) as failed:
+        server.get(path)
+    if isinstance(failed.value, AssertionError):  # (not served: answered 500)
+        assert f"GET {path}: 500" in str(failed.value)
+
+
+def test_a_waiting_worker_that_gunicorn_aborts_never_runs_its_work(
+    serve: Serve, database: Path, backend_env: dict[str, str]
+) -> None:
+    server = serve(
+        FLASK, TIMEOUT, INTURN_DEPLOY_DB=str(database), INTURN_DEPLOY_LEASE="1", **backend_env
+    )
+    queue = _queue_of(backend_env)
+    try:
+        with queue.keyed("row-1"):  # this process holds the row past the worker's timeout
+            _aborted(server, "/bump/keyed/1")
+        # The aborted worker's place is gone (its process is), and its work never ran.
+        answer = json.loads(server.get("/bump/keyed/1"))
+        assert answer["read"] == 0
+        assert counters(database)[1] == 1
+    finally:
+        asyncio.run(queue.backend.aclose())  # type: ignore[union-attr]
+    assert "WORKER TIMEOUT" in server.log()
+
+
+def test_a_holding_worker_that_gunicorn_aborts_frees_its_turn(
+    serve: Serve, database: Path, backend_env: dict[str, str], tmp_path: Path
+) -> None:
+    held = tmp_path / "held"
+    server = serve(
+        FLASK,
+        TIMEOUT,
+        INTURN_DEPLOY_DB=str(database),
+        INTURN_DEPLOY_LEASE="1",
+        INTURN_DEPLOY_HELD=str(held),
+        **backend_env,
+    )
+    queue = _queue_of(backend_env)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            stuck = pool.submit(_aborted, server, "/hold/1")
+            deadline = time.monotonic() + PATIENCE
+            while not held.exists():  # the worker's turn began (it touched the file in it)
+                assert time.monotonic() < deadline, f"never held:\n{server.log()}"
+                time.sleep(0.01)
+            # Its SystemExit ends the block (file: the kernel closes its ticket besides;
+            # Redis: its release, or its lease running out once its process is gone).
+            assert queue.run_sync("row-1", lambda: "after") == "after"
+            stuck.result(PATIENCE)
+    finally:
+        asyncio.run(queue.backend.aclose())  # type: ignore[union-attr]
+    assert "WORKER TIMEOUT" in server.log()

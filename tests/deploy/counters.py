@@ -7,7 +7,8 @@ The environment says which queue guards the counters:
   ``INTURN_DEPLOY_NAMESPACE``), ``local`` (``inturn.default_queue``: in process
   only, so it guards one worker's threads and nothing between workers) or
   ``none`` (no inturn at all);
-- ``INTURN_DEPLOY_DB``: the SQLite database, with a table ``counters(id, n)``.
+- ``INTURN_DEPLOY_DB``: the SQLite database, with a table ``counters(id, n)``;
+- ``INTURN_DEPLOY_LEASE``: the Redis backend's lease, in seconds (default 10).
 
 The queue is made at import: under ``gunicorn --preload``, in the master,
 before it forks the workers.
@@ -51,6 +52,7 @@ def make_queue() -> KeyedQueue | None:
         backend = RedisBackend.from_url(
             os.environ["INTURN_DEPLOY_REDIS_URL"],
             namespace=os.environ["INTURN_DEPLOY_NAMESPACE"],
+            lease=float(os.environ.get("INTURN_DEPLOY_LEASE", "10")),
         )
         return KeyedQueue(backend=backend)
     raise ValueError(f"INTURN_DEPLOY_BACKEND must be file, redis, local or none, got {kind!r}")

@@ -9,6 +9,9 @@ WSGI app can, all on the same lines:
 - ``async``: ``asyncio.run(orders.run(key, async_fn, ...))``, an event loop per
   request (in a gthread worker, several at once).
 
+``GET /hold/<row_id>`` takes the row's turn and keeps it: a stuck worker,
+for gunicorn's timeout to abort.
+
 Without a queue (``INTURN_DEPLOY_BACKEND=none``), each does its
 read-modify-write unguarded.
 """
@@ -16,6 +19,9 @@ read-modify-write unguarded.
 from __future__ import annotations
 
 import asyncio
+import os
+import time
+from pathlib import Path
 from typing import Any
 
 from counters import add_one, add_one_async, make_queue
@@ -34,6 +40,16 @@ else:
     @orders.queue_by_key(key="row-{row_id}")
     def bump(row_id: int) -> dict[str, Any]:
         return add_one(row_id)
+
+
+@app.get("/hold/<int:row_id>")
+def hold(row_id: int) -> ResponseReturnValue:
+    """Take the row's turn, touch INTURN_DEPLOY_HELD, and keep the turn for a minute (stuck)."""
+    assert orders is not None
+    with orders.keyed(f"row-{row_id}"):
+        Path(os.environ["INTURN_DEPLOY_HELD"]).touch()
+        time.sleep(60)  # until gunicorn's worker timeout aborts this worker
+    return "held"
 
 
 @app.get("/health")
