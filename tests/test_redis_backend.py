@@ -663,3 +663,10 @@ def test_a_client_without_pubsub_is_refused_at_construction() -> None:
 
     with pytest.raises(TypeError, match=r"no pub/sub.*redis-py 8\.0"):
         RedisBackend(OldClusterClient())  # type: ignore[arg-type]
+
+
+def test_the_backends_repr_names_its_server_briefly_and_no_secret() -> None:
+    backend = RedisBackend.from_url("redis://app:s3cret@127.0.0.1:6390/2", namespace="shop")
+    assert repr(backend) == "RedisBackend('127.0.0.1:6390/2', namespace='shop')"
+    unix = RedisBackend.from_url("unix:///run/redis.sock", namespace="shop")
+    assert repr(unix) == "RedisBackend('unix:///run/redis.sock', namespace='shop')"

@@ -417,7 +417,17 @@ def test_workers_forked_after_the_queue_was_used_share_its_lines(
     assert totals == {"c0": 501, "c1": 501, "c2": 500, "c3": 500}
 
 
-def test_loops_and_threads_that_come_and_go_leak_nothing(make: Make) -> None:
+def _connections(kind: str, place: str) -> int:
+    """Clients connected to the Redis server (the file backend has none: 0)."""
+    if kind == "file":
+        return 0
+    import redis
+
+    with redis.Redis.from_url(place) as client:
+        return len(client.client_list()) - 1  # (not counting this one)
+
+
+def test_loops_and_threads_that_come_and_go_leak_nothing(make: Make, kind: str, place: str) -> None:
     queue = make()
     counter = Counter()
 
@@ -432,7 +442,7 @@ def test_loops_and_threads_that_come_and_go_leak_nothing(make: Make) -> None:
     threading.Thread(target=thread).start()
     wait_until(lambda: counter.value == 2, "the warm-up")
     gc.collect()
-    fds, threads = _fds(), set(threading.enumerate())
+    fds, threads, connections = _fds(), set(threading.enumerate()), _connections(kind, place)
     for _ in range(1000):
         asyncio.run(job())
     for _ in range(1000):
@@ -443,6 +453,7 @@ def test_loops_and_threads_that_come_and_go_leak_nothing(make: Make) -> None:
     assert counter.value == 2002
     assert _fds() <= fds
     assert set(threading.enumerate()) <= threads
+    assert _connections(kind, place) <= connections
 
 
 def _take_in_child(queue: KeyedQueue, report: Any) -> None:

@@ -384,11 +384,27 @@ class RedisBackend:
         return LineInfo(portable_key(given), holder, waiters)
 
     def __repr__(self) -> str:
-        return f"RedisBackend({self._client!r}, namespace={self._namespace!r})"
+        # Where, not the client's own repr: that names every connection
+        # setting, and this one goes into error messages.
+        return f"RedisBackend({_where(self._client)!r}, namespace={self._namespace!r})"
 
 
 #: A SCAN pattern for the 40 hex digits of a key's digest.
 _DIGEST: Final = "[0-9a-f]" * 40
+
+
+def _where(client: Any) -> str:
+    """The server a client talks to, briefly: a URL without credentials, or the client's kind."""
+    pool = getattr(client, "connection_pool", None)
+    service = getattr(pool, "service_name", None)
+    if service is not None:
+        return f"sentinel service {service}"
+    settings = getattr(pool, "connection_kwargs", None) or {}
+    if "path" in settings:
+        return f"unix://{settings['path']}"
+    if "host" in settings:
+        return f"{settings['host']}:{settings.get('port', 6379)}/{settings.get('db', 0)}"
+    return type(client).__name__
 
 
 def _ended(session: Session) -> bool:
