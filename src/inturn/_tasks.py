@@ -21,10 +21,14 @@ __all__ = (
     "call_soon_in",
     "current_task",
     "in_loop_of",
+    "loop_here",
     "makes_plain_tasks",
     "outside_asyncio",
     "running_loop",
 )
+
+#: The event loop running in this thread, or None (no error, no getpid(): in C).
+loop_here: Callable[[], asyncio.AbstractEventLoop | None] = asyncio._get_running_loop
 
 if sys.version_info >= (3, 12):
     from asyncio import current_task  # implemented in C: cheap

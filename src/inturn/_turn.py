@@ -18,7 +18,9 @@ from ._errors import HoldTimeout, LeaseLost
 from ._keys import describe
 from ._line import held_by
 from ._tasks import current_task as _current_task
-from ._tasks import outside_asyncio
+from ._tasks import loop_here, outside_asyncio
+
+_current_thread = threading.current_thread
 
 if TYPE_CHECKING:
     from ._registry import Registry
@@ -363,6 +365,19 @@ class Turn:
                 "(a thread cannot be cancelled); take it from a task, or without max_hold"
             )
         registry = self._registry
+        keys = self.keys
+        if registry.plain and registry.shared and len(keys) == 1 and loop_here() is None:
+            # NOTE: a plain queue's free key, taken by a thread: what _holder_sync,
+            # _take_all_sync and Registry.take_sync do, inlined (measured: 3.6 µs
+            # a turn before, with the end inlined as well; see _end_sync).
+            me = _current_thread()
+            key = keys[0]
+            with registry.locked():
+                if registry.open and key not in registry.lines:
+                    registry.lines[key] = me
+                    self._task, self._taken = me, keys
+                    self.token = next(registry.tokens)
+                    return self
         holder = self._holder_sync()
         deadline = Deadline(self._timeout, _monotonic)
         if registry.backend is not None:
@@ -392,7 +407,7 @@ class Turn:
         loop's current task holds every key already, and is the holder.
         """
         registry = self._registry
-        if asyncio._get_running_loop() is not None:
+        if loop_here() is not None:
             task = _current_task()
             lines = registry.lines
             keys = self.keys
@@ -434,7 +449,18 @@ class Turn:
 
         Raises what :meth:`_end_shared` raises, on a shared backend.
         """
-        if self._registry.backend is None:
+        registry = self._registry
+        taken = self._taken
+        if self._flow is None and len(taken) == 1 and registry.shared:
+            # A plain queue's turn on one key (no flow: no backend either), as
+            # _release and Registry.release do it, inlined (see __enter__).
+            holder, self._task, self._taken = self._task, None, ()
+            key = taken[0]
+            with registry.locked():
+                if (line := registry.lines.pop(key)) is not holder:
+                    registry.leave(key, line, error, result)
+                registry.tally.ended(error, False)
+        elif registry.backend is None:
             self._release(error, result)
         else:
             self._drive_sync(self._end_shared(error, result, False), self._task, None)
