@@ -29,6 +29,9 @@ from servers import free_port
 
 from helpers import PATIENCE, wait_until
 
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
+
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX: fork, signals")
 
 #: A queue on a new backend object of the test's place: ``make(**queue_options)``.
@@ -138,6 +141,20 @@ def test_threads_loops_and_other_processes_share_one_line(
         job.result(timeout=PATIENCE * 2)
     assert (counter.value, counter.overlaps) == (4 * 30 + 2 * 15 + 30 + 30, 0)
     assert queue.active_count == other.active_count == 0
+
+
+def test_the_thread_that_takes_the_turn_runs_the_work(make: Make) -> None:
+    queue = make()
+    here = threading.get_ident()
+
+    @queue.queue_by_key(key="k")
+    def where() -> int:
+        return threading.get_ident()
+
+    assert queue.run_sync("k", threading.get_ident) == here
+    assert where() == here
+    with queue.keyed("k"):
+        assert threading.get_ident() == here  # (the block, trivially: nothing hops)
 
 
 def test_threads_and_tasks_take_turns_in_arrival_order(
@@ -530,3 +547,33 @@ def test_a_grant_that_comes_as_its_thread_is_interrupted_is_released_once() -> N
     wait_until(lambda: backend.released != [], "the backend loop releasing the grant")
     assert queue.run_sync("k", lambda: "next") == "next"  # the key is free in process too
     assert backend.released == backend.granted  # each grant released once, in order
+
+
+def _drain_in_child(queue: KeyedQueue, report: Any) -> None:
+    asyncio.run(queue.drain(raise_errors=True))  # the parent's error is not the child's
+    report.send("drained")
+
+
+def test_a_child_does_not_inherit_the_parents_unawaited_errors() -> None:
+    queue = KeyedQueue()
+
+    def fail() -> None:
+        raise ValueError("the parent's")
+
+    async def submit_and_forget() -> None:
+        await queue.submit("k", fail)
+        await queue.drain()  # finished; its error unawaited
+
+    asyncio.run(submit_and_forget())  # the failed work's error waits, unawaited, for a drain
+    context = multiprocessing.get_context("fork")
+    ours, theirs = context.Pipe()
+    child = context.Process(target=_drain_in_child, args=(queue, theirs))
+    child.start()
+    try:
+        assert ours.poll(PATIENCE)
+        assert ours.recv() == "drained"
+    finally:
+        child.join(PATIENCE)
+    with pytest.raises(BaseExceptionGroup, match="failed") as raised:
+        asyncio.run(queue.drain(raise_errors=True))  # the parent's own, still here
+    assert "the parent's" in str(raised.value.exceptions[0])

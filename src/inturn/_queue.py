@@ -208,8 +208,13 @@ class KeyedQueue:
         _QUEUES.add(self)
 
     def _forked(self) -> None:
-        """In a forked child: forget the parent's other threads, tasks and locks (see Registry)."""
+        """In a forked child: forget the parent's other threads, tasks and locks (see Registry).
+
+        The parent's submitted work, and its errors nobody awaited, stay the parent's.
+        """
         self._registry.forked(self._slots)
+        self._submissions.handles.clear()
+        self._unclaimed.clear()
 
     # -- taking turns ---------------------------------------------------------
 
