@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -577,3 +578,39 @@ def test_a_child_does_not_inherit_the_parents_unawaited_errors() -> None:
     with pytest.raises(BaseExceptionGroup, match="failed") as raised:
         asyncio.run(queue.drain(raise_errors=True))  # the parent's own, still here
     assert "the parent's" in str(raised.value.exceptions[0])
+
+
+@pytest.mark.parametrize("concurrency", [1, 2])
+def test_a_raw_fork_inside_a_turn_leaves_the_child_its_holder(concurrency: int) -> None:
+    queue = KeyedQueue(concurrency=concurrency, timeout=PATIENCE)
+    release = threading.Event()
+    others = [  # a parent thread waiting for the key (1), or holding a place beside us (2)
+        threading.Thread(target=queue.run_sync, args=("k", release.wait, PATIENCE))
+    ]
+    child = False
+    with queue.keyed("k"):
+        others[0].start()
+        if concurrency == 1:
+            wait_until(lambda: queue.pending("k") == 1, "the parent's waiter")
+        else:
+            wait_until(lambda: queue.stats().running == 2, "the parent's other holder")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        child = pid == 0
+    if child:  # the block ended in the child too: its turn was the child's to end
+        code = 1
+        try:
+            if queue.active_count == 0 and queue.run_sync("k", lambda: "again") == "again":
+                code = 0
+        finally:
+            os._exit(code)
+    release.set()
+    others[0].join(PATIENCE)
+    deadline = time.monotonic() + PATIENCE
+    while (status := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            raise AssertionError("the child never took the key again")
+        time.sleep(0.01)
+    assert os.waitstatus_to_exitcode(status[1]) == 0

@@ -203,6 +203,8 @@ class Registry:
         for key, line in list(lines.items()):
             if line is me or (type(line) is Line and line.holder is me):
                 lines[key] = me
+            elif type(line) is Gate and me in line.holders:
+                line.forked(me)  # (a Gate is always in the lines while anyone holds it)
             else:
                 del lines[key]
         if places is not None:
