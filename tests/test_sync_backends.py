@@ -614,3 +614,143 @@ def test_a_raw_fork_inside_a_turn_leaves_the_child_its_holder(concurrency: int) 
             raise AssertionError("the child never took the key again")
         time.sleep(0.01)
     assert os.waitstatus_to_exitcode(status[1]) == 0
+
+
+# -- event loops that come and go on a backend that prefers one loop per process -----------
+
+
+class RecordingBackend:
+    """An asyncio-only backend that notes the thread each acquire runs in."""
+
+    prefers_one_loop = True
+
+    def __init__(self) -> None:
+        self.threads: list[int] = []
+        self.released: list[_Grant] = []
+
+    def order(self, keys: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tuple(sorted(set(keys)))
+
+    async def acquire(self, key: Any, timeout: float | None) -> _Grant:
+        self.threads.append(threading.get_ident())
+        return _Grant(key, len(self.threads))
+
+    async def release(self, grant: Any) -> None:
+        self.released.append(grant)
+
+    async def aclose(self) -> None:
+        pass
+
+
+def test_a_loop_per_job_reaches_such_a_backend_through_the_backend_loop() -> None:
+    backend = RecordingBackend()
+    queue = KeyedQueue(backend=backend)
+
+    async def job() -> int:
+        await queue.run("k", lambda: None)
+        return threading.get_ident()
+
+    here = [asyncio.run(job()) for _ in range(5)]  # five jobs, a loop each, in this thread
+    # The first two loops are served directly (a server's loop after one startup run
+    # stays direct); from then on the process runs a loop per job, and they go through
+    # the backend loop: one session for all of them.
+    assert backend.threads[:2] == here[:2]
+    assert len(set(backend.threads[2:])) == 1
+    assert backend.threads[2] != here[0]
+    assert len(backend.released) == 5
+
+
+def test_a_second_loop_at_once_goes_through_the_backend_loop(
+    pool: ThreadPoolExecutor,
+) -> None:
+    backend = RecordingBackend()
+    queue = KeyedQueue(backend=backend)
+    release, held = threading.Event(), threading.Event()
+
+    async def hold() -> None:
+        async with queue.keyed("a"):
+            held.set()
+            await asyncio.get_running_loop().run_in_executor(None, release.wait, PATIENCE)
+
+    async def other() -> None:
+        await queue.run("b", lambda: None)
+
+    first = pool.submit(asyncio.run, hold())
+    assert held.wait(PATIENCE)
+    asyncio.run(other())  # while the first loop lives, in another thread
+    release.set()
+    first.result(PATIENCE)
+    main = threading.get_ident()
+    assert backend.threads[0] != main  # the first loop's own thread (the pool's)
+    assert backend.threads[1] not in (main, backend.threads[0])  # the backend loop's
+
+
+def test_a_task_cancelled_as_its_grant_comes_through_the_backend_loop_releases_it() -> None:
+    class Cancelling(RecordingBackend):
+        victim: asyncio.Task[Any] | None = None
+
+        async def acquire(self, key: Any, timeout: float | None) -> _Grant:
+            grant = await super().acquire(key, timeout)
+            victim = self.victim
+            if victim is not None:  # the waiting task is cancelled just as its grant comes
+                self.victim = None
+                victim.get_loop().call_soon_threadsafe(victim.cancel)
+            return grant
+
+    backend = Cancelling()
+    queue = KeyedQueue(backend=backend)
+    asyncio.run(queue.run("k", lambda: None))  # the two direct loops
+    asyncio.run(queue.run("k", lambda: None))
+
+    async def cancelled() -> None:
+        task = asyncio.create_task(queue.run("k", lambda: None))
+        backend.victim = task
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        wait = asyncio.get_running_loop().run_in_executor(
+            None, wait_until, lambda: len(backend.released) == 3, "the cancelled grant released"
+        )
+        await wait
+        assert await queue.run("k", lambda: "next") == "next"  # the key is free
+
+    asyncio.run(cancelled())
+    assert len(backend.released) == len(backend.threads) == 4
+
+
+def test_other_backends_serve_every_loop_directly(tmp_path: Path) -> None:
+    from inturn.backends.file import FileBackend
+
+    class Direct(FileBackend):
+        threads: list[int]
+
+        async def acquire(self, key: Any, timeout: float | None) -> Any:
+            self.threads.append(threading.get_ident())
+            return await super().acquire(key, timeout)
+
+    backend = Direct(tmp_path)
+    backend.threads = []
+    queue = KeyedQueue(backend=backend)
+    for _ in range(4):
+        asyncio.run(queue.run("k", lambda: None))
+    assert backend.threads == [threading.get_ident()] * 4
+
+
+def test_a_loop_per_job_opens_no_redis_connection_per_job(redis_url: str, namespace: str) -> None:
+    import redis
+
+    from inturn.backends.redis import RedisBackend
+
+    queue = KeyedQueue(backend=RedisBackend.from_url(redis_url, namespace=namespace))
+
+    def connections_made() -> int:
+        with redis.Redis.from_url(redis_url) as client:
+            return int(client.info("stats")["total_connections_received"])
+
+    for _ in range(3):  # two loops of their own, then the backend loop's session
+        asyncio.run(queue.run("k", lambda: None))
+    before = connections_made()
+    for _ in range(20):
+        asyncio.run(queue.run("k", lambda: None))
+    # (1: the count's own; without the backend loop, a job's loop connects 1-2 times)
+    assert connections_made() - before < 5
+    asyncio.run(queue.backend.aclose())  # type: ignore[union-attr]

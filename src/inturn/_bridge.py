@@ -34,7 +34,7 @@ from ._keys import describe
 if TYPE_CHECKING:
     from .backends._base import Backend, Grant
 
-__all__ = ("acquire_sync", "release_sync")
+__all__ = ("acquire_sync", "acquire_via", "release_sync", "release_via")
 
 #: How long past its own timeout a thread waits for the backend loop's answer
 #: to a call the backend bounds itself: only a backend that broke its contract
@@ -104,30 +104,36 @@ class _Call:
         task.add_done_callback(self._finished)
 
     def _finished(self, task: asyncio.Task[Grant]) -> None:
-        """Hand the outcome to the thread, or release a grant the thread no longer waits for."""
+        """Hand the outcome to the caller, or release a grant the caller no longer waits for."""
         self.finished = True
-        if self.abandoned:
+        if self.abandoned or self.outcome.cancelled():  # (cancelled: by a task's wrap_future)
             self._drop(task)
-        elif task.cancelled():
-            self.outcome.set_exception(
-                RuntimeError("inturn: the backend's acquire was cancelled on its loop")
-            )
-        elif (error := task.exception()) is not None:
-            self.outcome.set_exception(error)
-        else:
-            self.outcome.set_result(task.result())
+            return
+        try:
+            if task.cancelled():
+                self.outcome.set_exception(
+                    RuntimeError("inturn: the backend's acquire was cancelled on its loop")
+                )
+            elif (error := task.exception()) is not None:
+                self.outcome.set_exception(error)
+            else:
+                self.outcome.set_result(task.result())
+        except concurrent.futures.InvalidStateError:  # a task's wrap_future cancelled it just now
+            self._drop(task)
 
     def abandon(self) -> None:
-        """The thread gave up (timed out, interrupted): cancel the call, or release its grant."""
+        """The caller gave up (timed out, interrupted): cancel the call, or release its grant."""
+        if self.abandoned:
+            return
         self.abandoned = True
         task = self.task
         if task is None:
             return  # interrupted before it could start the call: nothing was asked
         if not task.done():
             task.cancel()  # _finished releases a grant it got all the same
-        elif self.finished:
-            self._drop(task)  # handed to the thread, which left before it took it
-        # (else _finished is about to run, and drops it)
+        elif self.finished and not self.outcome.cancelled():
+            self._drop(task)  # handed to the caller, which left before it took it
+        # (else _finished dropped it already, or is about to run, and drops it)
 
     def _drop(self, task: asyncio.Task[Grant]) -> None:
         if not task.cancelled() and task.exception() is None:
@@ -182,6 +188,36 @@ def acquire_sync(backend: Backend, key: Hashable, timeout: float | None) -> Gran
         raise
 
 
+async def acquire_via(backend: Backend, key: Hashable, timeout: float | None) -> Grant:
+    """backend.acquire(key, timeout) for a task of another loop, on the backend's loop.
+
+    For a backend that serves further event loops best through one (see
+    Backend's ``prefers_one_loop``): the task waits for the call there.
+    Cancelled or timed out, the call is given up as a thread's is.
+    """
+    loop = _loop_for(backend)
+    call = _Call(backend)
+    try:
+        loop.call_soon_threadsafe(call.start, key, timeout)
+        return await asyncio.wrap_future(call.outcome)
+    except BaseException:
+        loop.call_soon_threadsafe(call.abandon)
+        raise
+
+
+def release_via(backend: Backend, grant: Grant) -> asyncio.Future[None]:
+    """backend.release(grant) on the backend's loop, for acquire_via's grant; it goes on alone."""
+    outcome: Future[None] = Future()
+    _loop_for(backend).call_soon_threadsafe(_release_into, backend, grant, outcome)
+    return asyncio.wrap_future(outcome)
+
+
+def _release_into(backend: Backend, grant: Grant, outcome: Future[None]) -> None:
+    """(On the backend loop.) Release grant; settle outcome once it is done."""
+    done = _release_here(backend, grant)
+    done.add_done_callback(lambda _: _settle_outcome(done, outcome))
+
+
 def release_sync(backend: Backend, grant: Grant) -> None:
     """backend.release(grant) for this thread; returns once the release is done.
 
@@ -194,19 +230,17 @@ def release_sync(backend: Backend, grant: Grant) -> None:
         native(grant)
         return
     outcome: Future[None] = Future()
-
-    def start() -> None:
-        done = _release_here(backend, grant)
-        done.add_done_callback(lambda _: _settle_outcome(done, outcome))
-
-    _loop_for(backend).call_soon_threadsafe(start)
+    _loop_for(backend).call_soon_threadsafe(_release_into, backend, grant, outcome)
     outcome.result()
 
 
 def _settle_outcome(done: asyncio.Future[None], outcome: Future[Any]) -> None:
-    if done.cancelled():
-        outcome.set_result(None)
-    elif (error := done.exception()) is not None:
-        outcome.set_exception(error)
-    else:
-        outcome.set_result(None)
+    try:
+        if done.cancelled():
+            outcome.set_result(None)
+        elif (error := done.exception()) is not None:
+            outcome.set_exception(error)
+        else:
+            outcome.set_result(None)
+    except concurrent.futures.InvalidStateError:
+        pass  # cancelled by a task's wrap_future meanwhile: the release went on all the same

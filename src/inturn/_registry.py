@@ -69,6 +69,10 @@ def _outcome(future: asyncio.Future[Any], error: BaseException | None, result: A
 _UNLOCKED: Final = nullcontext()
 
 
+#: How many event loops in turn a backend that prefers one loop serves directly (see via).
+_DIRECT_LOOPS: Final = 2
+
+
 def _gone(loop: asyncio.AbstractEventLoop, thread: int) -> bool:
     """Whether loop, last run in thread, can run no step any more: closed, or its thread ended."""
     if loop.is_closed():
@@ -114,7 +118,11 @@ class Registry:
     __slots__ = (
         "__weakref__",
         "_arrival",
+        "_direct",
+        "_direct_thread",
+        "_directs_ended",
         "_lock",
+        "_one_loop",
         "_settling",
         "_solo",
         "_solo_at",
@@ -160,6 +168,12 @@ class Registry:
         self._lock = threading.Lock()
         self._arrival = threading.Lock()
         self._settling: _Settling | None = None
+        # Whether the backend prefers one event loop per process; the loop whose
+        # tasks call it directly (and its thread), and how many such ended (see via).
+        self._one_loop: bool = getattr(backend, "prefers_one_loop", False)
+        self._direct: asyncio.AbstractEventLoop | None = None
+        self._direct_thread = 0
+        self._directs_ended = 0
         # The loop whose tasks take a free key with a bare dict insert: the
         # solo loop while the queue is open and plain, else None.
         self.owner: asyncio.AbstractEventLoop | None = None
@@ -212,6 +226,8 @@ class Registry:
         self._lock = threading.Lock()
         self._arrival = threading.Lock()
         self._settling = None
+        self._direct = None
+        self._directs_ended = 0
         self._solo = self.owner = self.local = None
         self._solo_thread = 0
         self._solo_at = (0, None)
@@ -262,6 +278,35 @@ class Registry:
     def guard_for(self, loop: asyncio.AbstractEventLoop) -> AbstractContextManager[object]:
         """guard() for a task of loop, which may first settle the registry's mode (arrive)."""
         return _UNLOCKED if loop is self._solo or self.arrive(loop) else self.locked()
+
+    def via(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Whether loop's tasks reach the backend through the process's backend loop.
+
+        A backend that prefers one loop per process (``prefers_one_loop``:
+        each loop it serves costs it connections, as Redis's sessions do)
+        serves one loop directly at a time: the first to come, for as long
+        as it lives. Other loops at once go through the backend loop, as
+        threads do. Once _DIRECT_LOOPS direct loops ended, the process runs
+        a loop per job (``asyncio.run()`` per task), and every later loop
+        goes through the backend loop: a job's loop is too short-lived to
+        pay for a session. (So a server's loop that follows one startup
+        ``asyncio.run()`` is still served directly.) Other backends serve
+        every loop directly.
+        """
+        if not self._one_loop:
+            return False
+        direct = self._direct
+        if direct is loop:
+            return False
+        with self._arrival:
+            direct = self._direct
+            if direct is not None and _gone(direct, self._direct_thread):
+                self._directs_ended += 1
+                self._direct = direct = None
+            if direct is None and self._directs_ended < _DIRECT_LOOPS:
+                self._direct, self._direct_thread = loop, get_ident()
+                return False
+        return True
 
     def locked(self) -> threading.Lock:
         """The lock of a shared registry's lines, once it is safe to take (see _Settling)."""

@@ -12,7 +12,7 @@ from time import monotonic as _monotonic
 from types import CoroutineType, MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn, final
 
-from ._bridge import acquire_sync, release_sync
+from ._bridge import acquire_sync, acquire_via, release_sync, release_via
 from ._checks import Deadline
 from ._errors import HoldTimeout, LeaseLost
 from ._keys import describe
@@ -171,6 +171,7 @@ class Turn:
         "_taken",
         "_task",
         "_timeout",
+        "_via",
         "keys",
         "token",
     )
@@ -199,6 +200,8 @@ class Turn:
         self._task: object = None  # the task inside the block, None outside it
         self._taken: tuple[Hashable, ...] = ()  # the keys this turn took (not held already)
         self._shared: _Shared | None = None  # on a shared backend, once entered
+        # On a shared backend, whether this task's calls go through the backend loop
+        self._via = False
         # slot, start time and max_hold of a turn that has any, once entered
         self._flow: _Flow | None = None
 
@@ -308,6 +311,7 @@ class Turn:
         if backend is not None:
             loop = task.get_loop() if task is not None else asyncio.get_running_loop()
             deadline = Deadline(self._timeout, loop.time)
+            self._via = registry.via(loop)
             await self._drive(self._take_shared(task, _monotonic()), task, deadline)
         elif registry.plain:
             loop = task.get_loop() if task is not None else asyncio.get_running_loop()
@@ -519,7 +523,7 @@ class Turn:
         registry = self._registry
         backend = registry.backend
         assert backend is not None
-        slots, limit = self._slots, self._timeout
+        slots, limit, via = self._slots, self._timeout, self._via
         reply: Any = None
         error: BaseException | None = None
         while True:
@@ -530,13 +534,15 @@ class Turn:
             error = reply = None
             try:
                 if step == _RELEASE:
-                    await _settle(backend.release(arg))
+                    await _settle(release_via(backend, arg) if via else backend.release(arg))
                     continue
                 assert deadline is not None
                 if step == _TAKE:
                     reply = await registry.take(arg, task, deadline.left(), limit)
                 elif step == _GRANT:
-                    reply = await backend.acquire(arg, deadline.left())
+                    left = deadline.left()
+                    acquire = acquire_via(backend, arg, left) if via else backend.acquire(arg, left)
+                    reply = await acquire
                 else:
                     assert slots is not None
                     reply = await slots.take(task, deadline.left(), limit)

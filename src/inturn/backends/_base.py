@@ -61,6 +61,12 @@ class Backend(Protocol):
       a daemon thread of the process, or on the loop that the backend's
       optional ``thread_loop() -> AbstractEventLoop | None`` names (one it
       is bound to); the thread's work still runs in the thread itself.
+    - A backend whose every event loop costs it a session (connections, a
+      subscription: Redis) may set ``prefers_one_loop = True``: a queue then
+      serves one loop at a time directly (the first, while it lives; at
+      most two in turn) and the tasks of every other loop through the same
+      backend loop as threads, so that an ``asyncio.run()`` per job opens
+      no connection per job.
     - Keys cross process boundaries, so :meth:`order` accepts only keys that
       every process names alike and sorts them in one order every process
       computes identically (never by ``hash()``, which is salted per process).

@@ -256,6 +256,11 @@ class RedisBackend:
             self._current = session
         return session
 
+    #: Each event loop it serves costs a session (connections, a subscription,
+    #: a heartbeat): a queue serves its first loop directly, and every other
+    #: one, like its threads, through one loop of the process (see Backend).
+    prefers_one_loop: Final = True
+
     def thread_loop(self) -> asyncio.AbstractEventLoop | None:
         """The event loop threads' calls must run on: a cluster client's, once it has one.
 
