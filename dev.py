@@ -70,7 +70,11 @@ def ensure_venv(python: str, extras: str, *, dedicated: bool, redis_py: str = ""
     stamp = venv / ".inturn-installed"
     digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + extras.encode()).hexdigest()
     if not stamp.exists() or digest not in stamp.read_text().split():
-        print(f"dev.py: installing inturn{extras} into {venv.name}", flush=True)
+        print(
+            f"dev.py: installing inturn{extras} and what it needs into {venv.name}: done once "
+            "(again only when pyproject.toml changes); the first time takes a minute or so",
+            flush=True,
+        )
         pip = [str(interpreter), "-m", "pip", "--disable-pip-version-check"]
         subprocess.run([*pip, "install", "--quiet", "--upgrade", "pip"], check=True)
         package, *pins = extras.split(" ")

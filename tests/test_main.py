@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import inturn
 from file_checks import spec
 from inturn import KeyedQueue
 from inturn.__main__ import format_lines, main, show_key
@@ -41,6 +42,14 @@ def test_demo_rejects_nonsense(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["demo", "--tasks", "0"])
     assert "at least 1" in capsys.readouterr().err
+
+
+def test_version_prints_the_installed_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"inturn {inturn.__version__}"
+    assert inturn.__version__ != "0+unknown"  # (installed: its metadata says which)
 
 
 def test_demo_in_process(capsys: pytest.CaptureFixture[str]) -> None:

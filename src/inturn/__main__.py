@@ -1,7 +1,8 @@
-"""The command line: ``python -m inturn demo``, and ``inspect`` of Redis or of a directory.
+"""The command line: ``python -m inturn demo``, ``inspect`` (Redis, a directory), ``--version``.
 
 ::
 
+    python -m inturn --version
     python -m inturn demo
     python -m inturn inspect --redis URL [--namespace NAME] [--watch]
     python -m inturn inspect --dir PATH [--watch]
@@ -16,7 +17,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
-from . import BackendUnavailable, KeyedQueue
+from . import BackendUnavailable, KeyedQueue, __version__
 from ._keys import describe
 from .backends import LineInfo
 
@@ -170,6 +171,7 @@ def _open_lines(options: argparse.Namespace) -> tuple[_Lines, str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m inturn", description="inturn's command line")
+    parser.add_argument("--version", action="version", version=f"inturn {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     run_demo = commands.add_parser("demo", help="show lost updates without inturn, none with it")
     run_demo.add_argument("--tasks", type=int, default=1000, help="increments (default 1000)")
