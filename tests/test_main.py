@@ -222,3 +222,58 @@ def test_inspect_of_a_missing_directory_says_so(
     assert exit.value.code == 1
     assert "there is no directory" in capsys.readouterr().err
     assert not (tmp_path / "nowhere").exists()
+
+
+def test_inspect_of_a_url_without_a_scheme_says_how_to_write_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit:
+        main(["inspect", "--redis", "localhost:6379"])
+    assert exit.value.code == 1
+    err = capsys.readouterr().err
+    assert "redis://localhost:6379" in err
+    assert "Traceback" not in err
+
+
+def test_inspect_without_redis_py_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in [name for name in sys.modules if name == "redis" or name.startswith("redis.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.delitem(sys.modules, "inturn.backends.redis", raising=False)
+    monkeypatch.setitem(sys.modules, "redis", None)  # (as if it were not installed)
+    monkeypatch.setitem(sys.modules, "redis.asyncio", None)
+    with pytest.raises(SystemExit) as exit:
+        main(["inspect", "--redis", "redis://localhost:6379"])
+    assert exit.value.code == 1
+    assert "pip install 'inturn[redis]'" in capsys.readouterr().err
+
+
+def test_inspect_json_lists_each_line_for_scripts(
+    directory: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+    import threading
+
+    queue = KeyedQueue(backend=FileBackend(directory))
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with queue.keyed("k"):
+            held.set()
+            release.wait(PATIENCE)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(PATIENCE)
+        assert main(["inspect", "--dir", str(directory), "--json"]) == 0
+    finally:
+        release.set()
+        holder.join(PATIENCE)
+    report = json.loads(capsys.readouterr().out)
+    assert report["where"].startswith("directory ")
+    [line] = report["lines"]
+    assert line["key"] == "'k'"
+    assert line["holder"]["pid"] == os.getpid()
+    assert line["waiters"] == []

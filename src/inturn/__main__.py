@@ -4,14 +4,16 @@
 
     python -m inturn --version
     python -m inturn demo
-    python -m inturn inspect --redis URL [--namespace NAME] [--watch]
-    python -m inturn inspect --dir PATH [--watch]
+    python -m inturn inspect --redis URL [--namespace NAME] [--watch] [--json]
+    python -m inturn inspect --dir PATH [--watch] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import json
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -140,15 +142,44 @@ class _Lines(Protocol):
     async def aclose(self) -> None: ...
 
 
-async def inspect_lines(backend: _Lines, where: str, watch: float | None) -> None:
-    """Print the live lines of backend; with watch, again every watch seconds."""
+def json_lines(lines: Sequence[LineInfo], where: str) -> str:
+    """Render a backend's ``lines()`` for scripts: one JSON object, keys shown as by show_key.
+
+    ``{"where": ..., "lines": [{"key": ..., "holder": {...} or null,
+    "waiters": [...]}]}``, each holder and waiter with the fields of
+    :class:`~inturn.backends.HolderInfo` and :class:`~inturn.backends.WaiterInfo`
+    (null where the backend does not know one).
+    """
+    return json.dumps(
+        {
+            "where": where,
+            "lines": [
+                {
+                    "key": show_key(line.key),
+                    "holder": None if line.holder is None else dataclasses.asdict(line.holder),
+                    "waiters": [dataclasses.asdict(waiter) for waiter in line.waiters],
+                }
+                for line in lines
+            ],
+        }
+    )
+
+
+async def inspect_lines(
+    backend: _Lines, where: str, watch: float | None, as_json: bool = False
+) -> None:
+    """Print the live lines of backend (as JSON with as_json); with watch, every watch seconds."""
+    render = json_lines if as_json else format_lines
     try:
         while True:
-            report = format_lines(await backend.lines(), where)
+            report = render(await backend.lines(), where)
             if watch is None:
                 print(report)
                 return
-            print("\033[2J\033[H" + time.strftime("%H:%M:%S ") + report, flush=True)
+            if as_json:
+                print(report, flush=True)  # one object per line
+            else:
+                print("\033[2J\033[H" + time.strftime("%H:%M:%S ") + report, flush=True)
             await asyncio.sleep(watch)
     finally:
         await backend.aclose()
@@ -157,9 +188,14 @@ async def inspect_lines(backend: _Lines, where: str, watch: float | None) -> Non
 def _open_lines(options: argparse.Namespace) -> tuple[_Lines, str]:
     """The backend that inspect looks at, and how to name where its lines are."""
     if options.redis is not None:
-        from .backends.redis import RedisBackend
+        from .backends.redis import RedisBackend  # (ImportError without redis-py: see main)
 
         namespace = options.namespace or "inturn"
+        if "://" not in options.redis:
+            raise ValueError(
+                f"inturn: {options.redis!r} is not a Redis URL; give it with its scheme: "
+                f"redis://{options.redis}, rediss:// for TLS, or unix:///path/to.sock"
+            )
         return RedisBackend.from_url(options.redis, namespace=namespace), f"namespace {namespace!r}"
     from .backends.file import FileBackend
 
@@ -198,16 +234,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="SECONDS",
         help="refresh every SECONDS (default 1) until interrupted",
     )
+    inspect.add_argument(
+        "--json", action="store_true", help="one JSON object per report, for scripts"
+    )
     options = parser.parse_args(argv)
     if options.command == "inspect":
         if options.dir is not None and options.namespace is not None:
             parser.error("--namespace goes with --redis")
         try:
             backend, place = _open_lines(options)
-            asyncio.run(inspect_lines(backend, place, options.watch))
+            asyncio.run(inspect_lines(backend, place, options.watch, options.json))
         except KeyboardInterrupt:
             pass
-        except (BackendUnavailable, OSError) as error:
+        except (BackendUnavailable, OSError, ImportError, ValueError) as error:
+            # a user's mistake or a missing piece: said in a sentence, never a traceback
             parser.exit(1, f"{error}\n")
         return 0
     if options.tasks < 1 or options.keys < 1:
