@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -252,7 +253,6 @@ def test_inspect_without_redis_py_says_what_to_install(
 def test_inspect_json_lists_each_line_for_scripts(
     directory: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import json
     import threading
 
     queue = KeyedQueue(backend=FileBackend(directory))
@@ -277,3 +277,37 @@ def test_inspect_json_lists_each_line_for_scripts(
     assert line["key"] == "'k'"
     assert line["holder"]["pid"] == os.getpid()
     assert line["waiters"] == []
+
+
+def test_inspect_of_an_empty_namespace_names_those_with_lines(
+    redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import threading
+
+    from inturn.backends.redis import RedisBackend
+
+    namespace = f"shop-{uuid.uuid4().hex[:8]}"
+    queue = KeyedQueue(backend=RedisBackend.from_url(redis_url, namespace=namespace))
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with queue.keyed("k"):
+            held.set()
+            release.wait(PATIENCE)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(PATIENCE)
+        assert main(["inspect", "--redis", redis_url, "--namespace", "shpo"]) == 0
+        text = capsys.readouterr().out
+        assert main(["inspect", "--redis", redis_url, "--namespace", "shpo", "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+    finally:
+        release.set()
+        holder.join(PATIENCE)
+        asyncio.run(queue.backend.aclose())  # type: ignore[union-attr]
+    assert text.startswith("namespace 'shpo': no active lines; namespaces with lines: ")
+    assert repr(namespace) in text
+    assert namespace in report["namespaces_with_lines"]
+    assert report["lines"] == []

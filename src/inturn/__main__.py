@@ -105,15 +105,21 @@ def _lease(left: float | None) -> str:
     return "" if left is None else f", lease {left:.1f} s left"
 
 
-def format_lines(lines: Sequence[LineInfo], where: str) -> str:
+def format_lines(
+    lines: Sequence[LineInfo], where: str, elsewhere: Sequence[str] | None = None
+) -> str:
     """Render a backend's ``lines()`` for people: one block per key, holder then waiters.
 
     where names the place of the lines (``namespace 'shop'``, ``directory
     '/run/app'``). Keys are shown by :func:`show_key`; a host, token or
     lease is shown where the backend knows it (Redis), not on the file backend.
+    elsewhere: with no lines, the other places that have some (Redis's namespaces).
     """
     if not lines:
-        return f"{where}: no active lines"
+        if elsewhere is None:
+            return f"{where}: no active lines"
+        others = ", ".join(map(repr, elsewhere)) if elsewhere else "none"
+        return f"{where}: no active lines; namespaces with lines: {others}"
     out = [f"{where}: {len(lines)} active line{'s' if len(lines) != 1 else ''}"]
     for line in lines:
         out.append(f"  {show_key(line.key)}")
@@ -142,17 +148,22 @@ class _Lines(Protocol):
     async def aclose(self) -> None: ...
 
 
-def json_lines(lines: Sequence[LineInfo], where: str) -> str:
+def json_lines(
+    lines: Sequence[LineInfo], where: str, elsewhere: Sequence[str] | None = None
+) -> str:
     """Render a backend's ``lines()`` for scripts: one JSON object, keys shown as by show_key.
 
     ``{"where": ..., "lines": [{"key": ..., "holder": {...} or null,
     "waiters": [...]}]}``, each holder and waiter with the fields of
     :class:`~inturn.backends.HolderInfo` and :class:`~inturn.backends.WaiterInfo`
-    (null where the backend does not know one).
+    (null where the backend does not know one); with no lines on Redis,
+    ``"namespaces_with_lines"`` too.
     """
+    extra = {} if elsewhere is None else {"namespaces_with_lines": list(elsewhere)}
     return json.dumps(
         {
             "where": where,
+            **extra,
             "lines": [
                 {
                     "key": show_key(line.key),
@@ -170,9 +181,12 @@ async def inspect_lines(
 ) -> None:
     """Print the live lines of backend (as JSON with as_json); with watch, every watch seconds."""
     render = json_lines if as_json else format_lines
+    namespaces = getattr(backend, "namespaces", None)  # (Redis: see format_lines)
     try:
         while True:
-            report = render(await backend.lines(), where)
+            lines = await backend.lines()
+            elsewhere = await namespaces() if namespaces is not None and not lines else None
+            report = render(lines, where, elsewhere)
             if watch is None:
                 print(report)
                 return

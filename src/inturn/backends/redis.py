@@ -360,6 +360,24 @@ class RedisBackend:
         lines = [line for line in found if line is not None]
         return sorted(lines, key=lambda line: portable_name(line.key))
 
+    async def namespaces(self) -> list[str]:
+        """The namespaces that have lines in this Redis now (any backend's), sorted.
+
+        For operators: ``python -m inturn inspect`` names them when the
+        namespace it was given has none (a misspelt one, say).
+
+        :raises ~inturn.BackendUnavailable: Redis could not be reached, or refused.
+        """
+        session = self._session()
+        await session.guard()
+        try:
+            names = await session.scan(f"inturn:{{*:{_DIGEST}}}:line")
+        except (*UNREACHABLE, ResponseError) as error:
+            raise BackendUnavailable(f"inturn: {describe(error)}") from error
+        # "inturn:{<namespace>:<40 hex digits>}:line"
+        start, end = len("inturn:{"), -len(":") - 40 - len("}:line")
+        return sorted({_text(name)[start:end] for name in names})
+
     async def _line(self, session: Session, name: bytes | str) -> LineInfo | None:
         """The line whose ``line`` key is name, as LineInfo; None if it emptied meanwhile."""
         prefix = _text(name)[: -len("line")]
