@@ -35,6 +35,20 @@ _GRANT = 1  # key's grant from the backend -> the Grant
 _SLOT = 2  # a running slot (max_running) -> True
 _RELEASE = 3  # release a grant -> None
 
+
+def _next(
+    steps: Generator[tuple[int, Any], Any, None], reply: Any, error: BaseException | None
+) -> tuple[int, Any] | None:
+    """Give steps the answer to its last wait (or throw in what interrupted it); its next wait.
+
+    None once the steps are done. (What the steps raise goes to the driver's caller.)
+    """
+    try:
+        return steps.send(reply) if error is None else steps.throw(error)
+    except StopIteration:
+        return None
+
+
 #: The innermost turn of the current task on a queue with a shared backend.
 _CURRENT: contextvars.ContextVar[Turn | None] = contextvars.ContextVar(
     "inturn_current_turn", default=None
@@ -526,11 +540,8 @@ class Turn:
         slots, limit, via = self._slots, self._timeout, self._via
         reply: Any = None
         error: BaseException | None = None
-        while True:
-            try:
-                step, arg = steps.send(reply) if error is None else steps.throw(error)
-            except StopIteration:
-                return
+        while (wait := _next(steps, reply, error)) is not None:
+            step, arg = wait
             error = reply = None
             try:
                 if step == _RELEASE:
@@ -562,11 +573,8 @@ class Turn:
         slots, limit = self._slots, self._timeout
         reply: Any = None
         error: BaseException | None = None
-        while True:
-            try:
-                step, arg = steps.send(reply) if error is None else steps.throw(error)
-            except StopIteration:
-                return
+        while (wait := _next(steps, reply, error)) is not None:
+            step, arg = wait
             error = reply = None
             try:
                 if step == _RELEASE:
