@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
 from typing import Any, NoReturn
 
 import pytest
@@ -60,6 +62,29 @@ def wait_until(predicate: Callable[[], bool], what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"never reached: {what}")
         time.sleep(0.0002)
+
+
+@contextmanager
+def holding(queue: KeyedQueue, *keys: Hashable) -> Iterator[None]:
+    """A thread of its own holds keys of queue (``with queue.keyed(...)``) during the block.
+
+    The block starts once the thread's turn began; the turn ends when it ends.
+    """
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with queue.keyed(*keys):
+            held.set()
+            release.wait(PATIENCE)
+
+    holder = threading.Thread(target=hold, name="holder")
+    holder.start()
+    try:
+        assert held.wait(PATIENCE), f"the holder never took {keys}"
+        yield
+    finally:
+        release.set()
+        holder.join(PATIENCE)
 
 
 class Recorder:

@@ -22,7 +22,7 @@ from inturn.backends import HolderInfo, LineInfo, WaiterInfo
 from inturn.backends.file import FileBackend
 from processes import Worker, until
 
-from helpers import PATIENCE
+from helpers import PATIENCE, holding
 
 
 def test_demo_loses_updates_without_inturn_and_none_with_it() -> None:
@@ -253,24 +253,9 @@ def test_inspect_without_redis_py_says_what_to_install(
 def test_inspect_json_lists_each_line_for_scripts(
     directory: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import threading
-
     queue = KeyedQueue(backend=FileBackend(directory))
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with queue.keyed("k"):
-            held.set()
-            release.wait(PATIENCE)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    try:
-        assert held.wait(PATIENCE)
+    with holding(queue, "k"):
         assert main(["inspect", "--dir", str(directory), "--json"]) == 0
-    finally:
-        release.set()
-        holder.join(PATIENCE)
     report = json.loads(capsys.readouterr().out)
     assert report["where"].startswith("directory ")
     [line] = report["lines"]
@@ -282,30 +267,17 @@ def test_inspect_json_lists_each_line_for_scripts(
 def test_inspect_of_an_empty_namespace_names_those_with_lines(
     redis_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import threading
-
     from inturn.backends.redis import RedisBackend
 
     namespace = f"shop-{uuid.uuid4().hex[:8]}"
     queue = KeyedQueue(backend=RedisBackend.from_url(redis_url, namespace=namespace))
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with queue.keyed("k"):
-            held.set()
-            release.wait(PATIENCE)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
     try:
-        assert held.wait(PATIENCE)
-        assert main(["inspect", "--redis", redis_url, "--namespace", "shpo"]) == 0
-        text = capsys.readouterr().out
-        assert main(["inspect", "--redis", redis_url, "--namespace", "shpo", "--json"]) == 0
-        report = json.loads(capsys.readouterr().out)
+        with holding(queue, "k"):
+            assert main(["inspect", "--redis", redis_url, "--namespace", "shpo"]) == 0
+            text = capsys.readouterr().out
+            assert main(["inspect", "--redis", redis_url, "--namespace", "shpo", "--json"]) == 0
+            report = json.loads(capsys.readouterr().out)
     finally:
-        release.set()
-        holder.join(PATIENCE)
         asyncio.run(queue.backend.aclose())  # type: ignore[union-attr]
     assert text.startswith("namespace 'shpo': no active lines; namespaces with lines: ")
     assert repr(namespace) in text

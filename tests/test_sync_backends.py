@@ -28,7 +28,7 @@ import pytest
 from inturn import BackendUnavailable, KeyedQueue, LeaseLost, QueueFull, current_turn
 from servers import free_port
 
-from helpers import PATIENCE, wait_until
+from helpers import PATIENCE, holding, wait_until
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -228,22 +228,12 @@ def test_a_thread_takes_its_own_key_again_with_the_same_token(make: Make) -> Non
 
 def test_a_thread_that_waits_too_long_leaves_the_line(make: Make, pool: ThreadPoolExecutor) -> None:
     holder_queue, queue = make(), make(timeout=0.3)
-    release, held = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with holder_queue.keyed("k"):
-            held.set()
-            release.wait(PATIENCE)
-
-    holder = pool.submit(hold)
-    assert held.wait(PATIENCE)
     ran: list[str] = []
-    with pytest.raises(TimeoutError, match="'k'"):
-        queue.run_sync("k", ran.append, "late")
-    assert ran == []
-    assert not queue.is_active("k")
-    release.set()
-    holder.result(PATIENCE)
+    with holding(holder_queue, "k"):
+        with pytest.raises(TimeoutError, match="'k'"):
+            queue.run_sync("k", ran.append, "late")
+        assert ran == []
+        assert not queue.is_active("k")
     # Nothing of the timed-out wait is left in the backend's line: the key is free at once.
     assert queue.run_sync("k", lambda: "next") == "next"
 
@@ -269,15 +259,6 @@ def test_a_thread_interrupted_while_the_backend_holds_it_leaves_the_line(
     make: Make, pool: ThreadPoolExecutor
 ) -> None:
     holder_queue, queue = make(), make()
-    release, held = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with holder_queue.keyed("k"):
-            held.set()
-            release.wait(PATIENCE)
-
-    holder = pool.submit(hold)
-    assert held.wait(PATIENCE)
     main = threading.get_ident()
 
     def interrupt() -> None:
@@ -285,15 +266,14 @@ def test_a_thread_interrupted_while_the_backend_holds_it_leaves_the_line(
         wait_until(lambda: queue.is_active("k"), "the main thread waiting in the backend")
         signal.pthread_kill(main, signal.SIGINT)
 
-    interrupter = pool.submit(interrupt)
     ran: list[str] = []
-    with pytest.raises(KeyboardInterrupt):
-        queue.run_sync("k", ran.append, "interrupted")
-    interrupter.result(PATIENCE)
-    assert ran == []
-    assert not queue.is_active("k")
-    release.set()
-    holder.result(PATIENCE)
+    with holding(holder_queue, "k"):
+        interrupter = pool.submit(interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            queue.run_sync("k", ran.append, "interrupted")
+        interrupter.result(PATIENCE)
+        assert ran == []
+        assert not queue.is_active("k")
     # The interrupted wait left nothing that holds or blocks the key.
     assert make(timeout=PATIENCE).run_sync("k", lambda: "free") == "free"
 
