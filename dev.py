@@ -23,7 +23,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
-EXTRAS = {"demo": "", "test": "[dev]", "bench": "[dev,bench]", "redis-tests": "[dev]"}
+#: What each command installs beside the package: dependency groups of pyproject.toml.
+GROUPS = {"demo": (), "test": ("dev",), "bench": ("dev", "bench"), "redis-tests": ("dev",)}
 #: The Redis backend's tests (and the conformance suite's Redis servers); the
 #: cluster's need redis-py 8.0, so they run with the newest only.
 REDIS_TESTS = ("tests/test_redis_backend.py", "tests/test_redis_faults.py")
@@ -53,33 +54,39 @@ def _venv_python(venv: Path) -> Path:
     return venv / ("Scripts" if os.name == "nt" else "bin") / "python"
 
 
-def ensure_venv(python: str, extras: str, *, dedicated: bool, redis_py: str = "") -> Path:
-    """Return the venv's interpreter, with inturn{extras} (and redis==redis_py) installed."""
+def ensure_venv(
+    python: str, groups: tuple[str, ...], *, dedicated: bool, redis_py: str = ""
+) -> Path:
+    """Return the venv's interpreter, with inturn, its groups (and redis==redis_py) installed."""
     major, minor = _version_of(python)
     if (major, minor) < (3, 10):
         sys.exit(f"dev.py: inturn needs Python 3.10 or newer; {python} is {major}.{minor}")
     name = f".venv-{major}.{minor}" if dedicated else ".venv"
+    pins = []
     if redis_py:
         name += f"-redis-{redis_py}"
-        extras += f" redis=={redis_py}"
+        pins.append(f"redis=={redis_py}")
     venv = ROOT / name
     interpreter = _venv_python(venv)
     if not interpreter.exists():
         print(f"dev.py: creating {venv.name} with Python {major}.{minor}", flush=True)
         subprocess.run([python, "-m", "venv", str(venv)], check=True)
     stamp = venv / ".inturn-installed"
-    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + extras.encode()).hexdigest()
+    wanted = " ".join([*groups, *pins]).encode()
+    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + wanted).hexdigest()
     if not stamp.exists() or digest not in stamp.read_text().split():
+        what = "inturn" + (f" and the {'/'.join(groups)} tools" if groups else "")
         print(
-            f"dev.py: installing inturn{extras} and what it needs into {venv.name}: done once "
+            f"dev.py: installing {what} into {venv.name}: done once "
             "(again only when pyproject.toml changes); the first time takes a minute or so",
             flush=True,
         )
         pip = [str(interpreter), "-m", "pip", "--disable-pip-version-check"]
-        subprocess.run([*pip, "install", "--quiet", "--upgrade", "pip"], check=True)
-        package, *pins = extras.split(" ")
+        # pip 25.1 or newer installs PEP 735 dependency groups (--group)
+        subprocess.run([*pip, "install", "--quiet", "--upgrade", "pip>=25.1"], check=True)
+        chosen = [option for group in groups for option in ("--group", group)]
         subprocess.run(
-            [*pip, "install", "--quiet", "-e", f".{package}", *pins], check=True, cwd=ROOT
+            [*pip, "install", "--quiet", "-e", ".", *chosen, *pins], check=True, cwd=ROOT
         )
         previous = stamp.read_text() if stamp.exists() else ""
         stamp.write_text(f"{previous}{digest}\n")
@@ -95,7 +102,7 @@ def run(*command: str | Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=sorted(EXTRAS))
+    parser.add_argument("command", choices=sorted(GROUPS))
     parser.add_argument(
         "--python",
         help="the interpreter to build the environment from (default: the one running dev.py); "
@@ -111,7 +118,7 @@ def main() -> None:
     python = options.python or sys.executable
     redis_py = oldest_redis_py() if options.redis_py == "oldest" else options.redis_py
     venv_python = ensure_venv(
-        python, EXTRAS[options.command], dedicated=bool(options.python), redis_py=redis_py
+        python, GROUPS[options.command], dedicated=bool(options.python), redis_py=redis_py
     )
     if options.command == "redis-tests":
         run(venv_python, "-c", "import redis; print('redis-py', redis.__version__)")

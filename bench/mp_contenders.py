@@ -116,7 +116,7 @@ def _missing(module: str) -> str | None:
     try:
         __import__(module)
     except ImportError:
-        return f"{module} is not installed (pip install -e '.[bench]')"
+        return f"{module} is not installed (pip install -e . --group bench)"
     return None
 
 
