@@ -35,6 +35,7 @@ from ._errors import QueueClosed as QueueClosed
 from ._errors import QueueFull as QueueFull
 from ._queue import UNSET as UNSET
 from ._queue import KeyedQueue as KeyedQueue
+from ._stats import Observer as Observer
 from ._stats import QueueStats as QueueStats
 from ._submit import Handle as Handle
 from ._turn import Turn as Turn
@@ -47,7 +48,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 #: The queue behind the module-level :func:`queue_by_key`, :func:`keyed`, :func:`run`
 #: and :func:`run_sync`.
-default_queue = KeyedQueue()
+default_queue = KeyedQueue(name="default")
 
 queue_by_key = default_queue.queue_by_key
 keyed = default_queue.keyed
@@ -63,6 +64,7 @@ __all__ = (
     "InturnError",
     "KeyedQueue",
     "LeaseLost",
+    "Observer",
     "QueueClosed",
     "QueueFull",
     "QueueStats",

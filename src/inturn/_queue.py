@@ -19,7 +19,7 @@ from ._keys import KeySpec, KeysSpec, describe, unhashable
 from ._line import resolve as _resolve
 from ._registry import Registry
 from ._slots import Slots, end_turn
-from ._stats import QueueStats
+from ._stats import Observer, QueueStats, labelled
 from ._submit import Handle, Submissions, failures, submit, unawaited
 from ._tasks import in_loop_of as _soon
 from ._tasks import outside_asyncio, running_loop
@@ -150,6 +150,7 @@ class KeyedQueue:
         "_concurrency",
         "_max_hold",
         "_max_pending",
+        "_name",
         "_registry",
         "_slots",
         "_submissions",
@@ -166,7 +167,14 @@ class KeyedQueue:
         max_running: int | None = None,
         concurrency: int = 1,
         max_hold: float | None = None,
+        name: str | None = None,
     ) -> None:
+        if name is not None and (type(name) is not str or not name or not name.isprintable()):
+            raise (TypeError if not isinstance(name, str) else ValueError)(
+                f"inturn: name= takes a short printable str naming the queue (in its repr, "
+                f"logs and metrics), or None; got {name!r}"
+            )
+        self._name = name
         self._timeout = check_timeout(timeout)
         self._max_pending = check_count("max_pending", max_pending, none=True, least=0)
         if backend is None or isinstance(backend, LocalBackend):
@@ -191,12 +199,7 @@ class KeyedQueue:
             backend=self._backend,
             concurrency=self._concurrency,
             max_pending=self._max_pending,
-            plain=(
-                self._backend is None
-                and max_running is None
-                and self._concurrency == 1
-                and self._max_hold is None
-            ),
+            plain=self._plain(max_running),
         )
         # The running slots, with max_running.
         self._slots = None if max_running is None else Slots(max_running, self._registry)
@@ -206,6 +209,15 @@ class KeyedQueue:
         )
         self._unclaimed: list[Handle[Any]] = []
         _QUEUES.add(self)
+
+    def _plain(self, max_running: int | None) -> bool:
+        """Whether turns are the bare lines: no backend, no flow control (see Registry.plain)."""
+        return (
+            self._backend is None
+            and max_running is None
+            and self._concurrency == 1
+            and self._max_hold is None
+        )
 
     def _forked(self) -> None:
         """In a forked child: forget the parent's other threads, tasks and locks (see Registry).
@@ -330,6 +342,7 @@ class KeyedQueue:
             self._slots.leave(task, False)  # type: ignore[union-attr]  # (since: it has slots)
             if (line := lines.pop(key)) is not task:
                 registry.leave(key, line, None, result)
+            # (Tally.ended inlined: an observed queue never takes this path)
             tally = registry.tally
             tally.completed += 1
             tally.held += _monotonic() - since
@@ -359,12 +372,11 @@ class KeyedQueue:
         with flow control, and of the decorator for keys=, or for a timeout
         or max_hold of its own.
         """
-        return await call_in_turn(
-            Turn(self._registry, self._slots, self._registry.ordered(keys), timeout, hold),
-            fn,
-            args,
-            kwargs,
-        )
+        turn = Turn(self._registry, self._slots, self._registry.ordered(keys), timeout, hold)
+        if self._registry.tally.observer is None:
+            return await call_in_turn(turn, fn, args, kwargs)
+        with labelled(fn):
+            return await call_in_turn(turn, fn, args, kwargs)
 
     @overload
     def run_sync(
@@ -413,7 +425,10 @@ class KeyedQueue:
         turn = Turn(
             self._registry, self._slots, self._registry.ordered(keys), timeout, self._max_hold
         )
-        return call_in_turn_sync(turn, fn, args, kwargs)
+        if self._registry.tally.observer is None:
+            return call_in_turn_sync(turn, fn, args, kwargs)
+        with labelled(fn):
+            return call_in_turn_sync(turn, fn, args, kwargs)
 
     def keyed(
         self,
@@ -671,6 +686,8 @@ class KeyedQueue:
 
         Cheap enough for a metrics exporter to call every second: the counts
         are kept as turns end, and the rest is one pass over the active keys.
+        Safe from any thread (a metrics exporter's, say) while the queue's
+        event loop runs: the counts are then as of one moment or the next.
         """
         registry = self._registry
         with registry.guard():
@@ -691,6 +708,29 @@ class KeyedQueue:
             )
 
     # -- lifecycle ------------------------------------------------------------------
+
+    def observe(self, observer: Observer | None) -> None:
+        """Report each turn of this queue to ``observer`` from now on; ``None`` stops.
+
+        The observer hears of each turn's wait when it starts, of its hold
+        and outcome when it ends, and of each turn that never started
+        (timed out, refused by ``max_pending``, cancelled, the backend
+        unreachable), labelled by the function the turn runs, never by its
+        key: see :class:`~inturn.Observer`. :func:`inturn.otel.instrument`
+        is one observer; a queue has at most one (a new one replaces it).
+
+        An unobserved queue pays nothing for this: its uncontended turns
+        take inlined paths that check for no observer. An observed queue
+        times every turn instead, which costs its uncontended turn about
+        what a queue with ``max_running`` pays. Turns already running when
+        the observer is set are not reported.
+        """
+        self._registry.observe(observer, self._plain(self.max_running))
+
+    @property
+    def name(self) -> str | None:
+        """The queue's name (``name=``): in its repr, and in its logs and metrics."""
+        return self._name
 
     @property
     def closed(self) -> bool:
@@ -805,4 +845,5 @@ class KeyedQueue:
         state = "closed" if not self._registry.open else "open"
         where = "" if self._backend is None else f" on {self._backend!r}"
         mode = ", shared by threads" if self._registry.shared else ""
-        return f"<KeyedQueue {state}{where}{mode}, {active} active {{{', '.join(shown)}}}>"
+        name = "" if self._name is None else f" {self._name!r}"
+        return f"<KeyedQueue{name} {state}{where}{mode}, {active} active {{{', '.join(shown)}}}>"

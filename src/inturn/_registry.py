@@ -29,7 +29,7 @@ from ._checks import missed
 from ._errors import QueueClosed, QueueFull
 from ._keys import describe, order_keys, unhashable
 from ._line import Deferred, Drain, Gate, Line, Places, ThreadWaiter, Waiter, held_by, wake
-from ._stats import Tally
+from ._stats import Observer, Tally
 from ._tasks import current_task as _current_task
 from ._tasks import in_loop_of as _soon
 
@@ -238,6 +238,35 @@ class Registry:
         self.open = False
         self.owner = self.local = None
 
+    def observe(self, observer: Observer | None, plain: bool) -> None:
+        """Tell observer of every turn from now on (None: stop); plain: the queue's own setting.
+
+        An observed queue times every turn, so it takes none of the inlined
+        plain paths (run()'s and keyed()'s on the solo loop, a thread's on a
+        free key): they count a turn without timing it, and they check
+        nothing for an observer, so that an unobserved queue pays nothing.
+        A turn already on such a path ends on it, unreported.
+        """
+        with self._arrival:
+            self.tally.observer = observer
+            self.plain = plain and observer is None
+            self._inline(self._solo)
+
+    def _inline(self, solo: asyncio.AbstractEventLoop | None) -> None:
+        """Set whose tasks take the inlined turns: the solo loop's (or None's).
+
+        ``local``: any in-process queue's, unobserved; ``owner``: a plain one's.
+        """
+        quick = (
+            solo is not None
+            and self.open
+            and self.backend is None
+            and self.concurrency == 1
+            and self.tally.observer is None
+        )
+        self.local = solo if quick else None
+        self.owner = solo if quick and self.plain else None
+
     # -- the thread mode ------------------------------------------------------------
 
     def arrive(self, loop: asyncio.AbstractEventLoop | None) -> bool:
@@ -260,9 +289,7 @@ class Registry:
                     self._solo = loop
                     self._solo_thread = here
                     self._solo_at = (here, loop)
-                    quick = self.open and self.backend is None and self.concurrency == 1
-                    self.local = loop if quick else None
-                    self.owner = loop if quick and self.plain else None
+                    self._inline(loop)
                     return True
                 self.owner = self.local = self._solo = None
                 self._solo_at = (0, None)
@@ -375,13 +402,16 @@ class Registry:
         elif type(line) is not Line:
             lines[key] = line = Line(line)
         if self.max_pending is not None and line.waiting >= self.max_pending:
-            raise QueueFull(
+            refused = QueueFull(
                 f"inturn: key {describe(key)} already has {line.waiting} waiting "
                 f"(max_pending={self.max_pending}); the work was not queued"
             )
+            self.tally.refused(refused)
+            raise refused
         if timeout is not None and timeout <= 0:
-            self.tally.timed_out += 1
-            raise missed_turn(key, 0)
+            missed = missed_turn(key, 0)
+            self.tally.missed(missed)
+            raise missed
         return line  # type: ignore[no-any-return]
 
     def join(
@@ -508,9 +538,10 @@ class Registry:
                 line.holder = me
                 return True
             self._drop(key, line, waiter)
-            self.tally.timed_out += 1
-        assert limit is not None
-        raise missed_turn(key, limit)
+            assert limit is not None
+            missed = missed_turn(key, limit)
+            self.tally.missed(missed)
+        raise missed
 
     def release(
         self, key: Hashable, holder: object, error: BaseException | None, result: Any
@@ -581,7 +612,7 @@ class Registry:
         """Count the wait of a timed turn that was submitted at since and starts now; return now."""
         now = _monotonic()
         with self.guard():
-            self.tally.waited += now - since
+            self.tally.started(now - since)
         return now
 
     def missed(self, error: BaseException) -> None:
@@ -592,9 +623,7 @@ class Registry:
     def ended(self, error: BaseException | None, cut: bool, since: float) -> None:
         """Count a turn that ended (see Tally.ended); a timed one started at since."""
         with self.guard():
-            self.tally.ended(error, cut)
-            if since:
-                self.tally.held += _monotonic() - since
+            self.tally.ended(error, cut, (_monotonic() - since) if since else None)
 
     # -- looking at the lines ----------------------------------------------------------
 
@@ -624,7 +653,9 @@ class Registry:
         """Who holds a key, and how many wait for each key that has waiters. Under the guard."""
         holders: set[object] = set()
         waiting: dict[Hashable, int] = {}
-        for key, line in self.lines.items():
+        # (a copy, made without running Python code: another thread may read
+        # the stats while the solo loop changes the lines without a lock)
+        for key, line in tuple(self.lines.items()):
             kind = type(line)
             if kind is Line:
                 holders.add(line.holder)

@@ -99,8 +99,9 @@ class Slots(Places):
                 self._taken(waiter, me)
                 return True
             self.drop(waiter, True)
-            registry.tally.timed_out += 1
-        raise self.missed(limit)
+            missed = self.missed(limit)
+            registry.tally.missed(missed)
+        raise missed
 
     def vacate(self, holder: object) -> None:
         """End holder's running slot, handing it to the next in the slot line."""
@@ -140,8 +141,9 @@ class Slots(Places):
         if entered is not None:
             return entered
         if timeout is not None and timeout <= 0:
-            self.registry.tally.timed_out += 1
-            raise self.missed(limit)
+            missed = self.missed(limit)
+            self.registry.tally.missed(missed)
+            raise missed
         waiter = make()
         self.waiters.append(waiter)  # type: ignore[arg-type]
         self.waiting += 1
@@ -274,7 +276,4 @@ def end_turn(
         slots.leave(task, False)
     if (line := registry.lines.pop(key)) is not task:
         registry.leave(key, line, error, result)
-    tally = registry.tally
-    tally.ended(error, cut)
-    if since:
-        tally.held += _monotonic() - since
+    registry.tally.ended(error, cut, (_monotonic() - since) if since else None)

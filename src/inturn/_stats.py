@@ -1,19 +1,81 @@
-"""What a queue counts for stats(), and the QueueStats snapshot it gives."""
+"""What a queue counts for stats(), the QueueStats snapshot it gives, and its observer."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import final
+from typing import Protocol, final
 
-__all__ = ("QueueStats", "Tally")
+__all__ = ("FUNCTION", "Observer", "QueueStats", "Tally", "function_label", "labelled")
+
+#: The function whose turn is being taken, on an observed queue: set around
+#: the turn by run(), run_sync(), a decorated function and submitted work, so
+#: that an observer can label what it reports (never with the key).
+FUNCTION: ContextVar[str | None] = ContextVar("inturn.function", default=None)
+
+
+def function_label(fn: object) -> str:
+    """How an observer names the function a turn runs: ``module.qualname``."""
+    name = getattr(fn, "__qualname__", None)
+    if not isinstance(name, str):  # a partial, a callable object
+        name = type(fn).__qualname__
+    module = getattr(fn, "__module__", None)
+    return f"{module}.{name}" if isinstance(module, str) else name
+
+
+@contextmanager
+def labelled(fn: object) -> Iterator[None]:
+    """Label the turns taken inside (in this context) with fn's name, for an observer."""
+    token = FUNCTION.set(function_label(fn))
+    try:
+        yield
+    finally:
+        FUNCTION.reset(token)
+
+
+class Observer(Protocol):
+    """What :meth:`~inturn.KeyedQueue.observe` reports each turn of a queue to.
+
+    ``function`` is the qualified name of the function the turn runs (a
+    decorated function, or what :meth:`~inturn.KeyedQueue.run`,
+    :meth:`~inturn.KeyedQueue.run_sync` or ``submit()`` was given), or
+    ``None`` for a ``keyed()`` block outside any of those. Keys are never
+    reported: they are unbounded. The methods are called in the thread
+    (and task) that takes the turn, at most once per event, while the
+    queue's lock may be held: they must be quick and must not raise
+    (:mod:`inturn.otel` records to OpenTelemetry instruments).
+    """
+
+    def started(self, waited: float, function: str | None) -> None:
+        """A turn started after ``waited`` seconds in line (its keys, a grant, a slot)."""
+
+    def ended(
+        self, held: float | None, error: BaseException | None, cut: bool, function: str | None
+    ) -> None:
+        """A started turn ended after ``held`` seconds, with ``error`` (``None``: it returned).
+
+        ``cut``: its ``max_hold`` cut it. ``error`` is a
+        :exc:`~inturn.LeaseLost` when the work returned but the backend
+        could no longer vouch for its turn. ``held`` is ``None`` for a turn
+        that started before the queue was observed.
+        """
+
+    def missed(self, error: BaseException, function: str | None) -> None:
+        """A turn never started: ``error`` is what its caller got.
+
+        :exc:`TimeoutError` (not reached in time), :exc:`~inturn.QueueFull`
+        (refused at once), :exc:`~inturn.BackendUnavailable`, or a
+        cancellation or interrupt while waiting.
+        """
 
 
 @final
 class Tally:
     """What a queue counts for stats(): how its turns ended, and their times."""
 
-    __slots__ = ("cancelled", "completed", "failed", "held", "timed_out", "waited")
+    __slots__ = ("cancelled", "completed", "failed", "held", "observer", "timed_out", "waited")
 
     def __init__(self) -> None:
         self.completed = 0
@@ -22,9 +84,22 @@ class Tally:
         self.cancelled = 0
         self.waited = 0.0  # seconds from submission to start, summed
         self.held = 0.0  # seconds from start to end, summed
+        # Told of each turn, on an observed queue (see KeyedQueue.observe), whose
+        # turns are then all timed; the plain paths count a turn inline, and
+        # are not taken while it is set.
+        self.observer: Observer | None = None
 
-    def ended(self, error: BaseException | None, cut: bool) -> None:
-        """Count a turn that ended: cut by its max_hold, or by error (None: completed)."""
+    def started(self, waited: float) -> None:
+        """Count the wait of a timed turn that starts now, after waited seconds."""
+        self.waited += waited
+        if self.observer is not None:
+            self.observer.started(waited, FUNCTION.get())
+
+    def ended(self, error: BaseException | None, cut: bool, held: float | None) -> None:
+        """Count a turn that ended: cut by its max_hold, or by error (None: completed).
+
+        ``held``: how long it held its turn, if it was timed.
+        """
         if error is None:
             self.completed += 1
         elif cut:
@@ -33,6 +108,10 @@ class Tally:
             self.failed += 1
         else:
             self.cancelled += 1
+        if held is not None:
+            self.held += held
+        if self.observer is not None:
+            self.observer.ended(held, error, cut, FUNCTION.get())
 
     def missed(self, error: BaseException) -> None:
         """Count a turn that was never reached: timed out, cancelled or failed while waiting."""
@@ -42,6 +121,13 @@ class Tally:
             self.failed += 1
         else:
             self.cancelled += 1
+        if self.observer is not None:
+            self.observer.missed(error, FUNCTION.get())
+
+    def refused(self, error: BaseException) -> None:
+        """Tell the observer of work refused at once (QueueFull): never queued, not counted."""
+        if self.observer is not None:
+            self.observer.missed(error, FUNCTION.get())
 
 
 @final

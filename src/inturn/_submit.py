@@ -52,6 +52,7 @@ from ._keys import describe, unhashable
 from ._line import Deferred
 from ._line import Line as _Line
 from ._slots import end_turn
+from ._stats import FUNCTION, function_label
 from ._tasks import call_soon_in as _call_soon_in
 from ._tasks import current_task as _current_task
 from ._tasks import makes_plain_tasks, running_loop
@@ -419,6 +420,8 @@ async def _run(handle: Handle[Any]) -> Any:
     handle._stage = _STARTED
     queue = handle._queue
     registry = queue.registry
+    if registry.tally.observer is not None:  # (this task's context is its own)
+        FUNCTION.set(function_label(handle._fn))
     key = handle.key
     # (made by a plain loop, the task is known already; an eager one runs this step first)
     task = handle._task or _current_task()
@@ -437,7 +440,7 @@ async def _run(handle: Handle[Any]) -> Any:
             if slots.enter_now(task):  # (a new task holds no slot: True, or None to wait)
                 slot = True
                 now = _monotonic()
-                registry.tally.waited += now - since
+                registry.tally.started(now - since)
                 since = now
             if handle._counted:
                 _uncount(handle, slots)
@@ -550,9 +553,10 @@ async def submit(
                     f"inturn: key {describe(key)} already has {line.waiting} waiting "
                     f"(max_pending={pending}); the work was not queued"
                 )
+                queue.registry.tally.refused(refused)
             elif queue.timeout is not None and queue.timeout <= 0:
-                queue.registry.tally.timed_out += 1
                 refused = missed(f"the turn for key {describe(key)}", 0)
+                queue.registry.tally.missed(refused)
             else:
                 line.waiters.append(handle)
                 line.waiting += 1

@@ -477,7 +477,7 @@ class Turn:
             with registry.locked():
                 if (line := registry.lines.pop(key)) is not holder:
                     registry.leave(key, line, error, result)
-                registry.tally.ended(error, False)
+                registry.tally.ended(error, False, None)
         elif registry.backend is None:
             self._release(error, result)
         else:
@@ -613,7 +613,7 @@ class Turn:
                 if exc is None:
                     registry.tally.completed += 1
                 else:
-                    registry.tally.ended(exc, False)
+                    registry.tally.ended(exc, False, None)
         else:
             await self._end(exc, None)
 

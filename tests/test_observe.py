@@ -1,0 +1,136 @@
+"""A queue's name, its observer (KeyedQueue.observe), and stats() read from another thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+
+from inturn import KeyedQueue, Observer, QueueFull, default_queue
+
+
+class Recorder:
+    """An observer that keeps every event (an Observer)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[Any, ...]] = []
+
+    def started(self, waited: float, function: str | None) -> None:
+        assert waited >= 0
+        self.events.append(("started", function))
+
+    def ended(
+        self, held: float | None, error: BaseException | None, cut: bool, function: str | None
+    ) -> None:
+        assert held is None or held >= 0
+        self.events.append(("ended", type(error).__name__ if error else None, cut, function))
+
+    def missed(self, error: BaseException, function: str | None) -> None:
+        self.events.append(("missed", type(error).__name__, function))
+
+
+def test_a_recorder_is_an_observer() -> None:
+    observer: Observer = Recorder()  # mypy checks the protocol
+    assert observer is not None
+
+
+def test_a_queue_s_name_is_in_its_repr() -> None:
+    assert KeyedQueue(name="shop").name == "shop"
+    assert repr(KeyedQueue(name="shop")).startswith("<KeyedQueue 'shop' open")
+    assert KeyedQueue().name is None
+    assert repr(KeyedQueue()).startswith("<KeyedQueue open")
+    assert default_queue.name == "default"
+
+
+@pytest.mark.parametrize(
+    ("name", "error"), [(3, TypeError), ("", ValueError), ("a\nb", ValueError)]
+)
+def test_a_bad_name_is_refused_at_once(name: Any, error: type[Exception]) -> None:
+    with pytest.raises(error, match="name= takes a short printable str"):
+        KeyedQueue(name=name)
+
+
+async def test_the_observer_hears_each_turn_once_with_its_function() -> None:
+    queue = KeyedQueue(max_pending=0)
+    recorder = Recorder()
+    queue.observe(recorder)
+    release = asyncio.Event()
+    started = asyncio.Event()
+
+    async def hold() -> None:
+        started.set()
+        await release.wait()
+
+    async def fail() -> None:
+        raise KeyError("x")
+
+    holder = asyncio.create_task(queue.run("k", hold))
+    await started.wait()
+    with pytest.raises(QueueFull):
+        await queue.run("k", fail)
+    release.set()
+    await holder
+    with pytest.raises(KeyError):
+        await queue.run("j", fail)
+    async with queue.keyed("j"):
+        pass
+    hold_name = f"{__name__}.{hold.__qualname__}"
+    fail_name = f"{__name__}.{fail.__qualname__}"
+    assert recorder.events == [
+        ("started", hold_name),
+        ("missed", "QueueFull", fail_name),
+        ("ended", None, False, hold_name),
+        ("started", fail_name),
+        ("ended", "KeyError", False, fail_name),
+        ("started", None),
+        ("ended", None, False, None),
+    ]
+    queue.observe(None)
+    await queue.run("k", hold)
+    assert len(recorder.events) == 7
+
+
+def test_stats_are_safe_from_another_thread_while_the_loop_changes_the_lines() -> None:
+    """A metrics exporter's thread reads stats() while the solo loop changes its lines."""
+    queue = KeyedQueue()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    reads = 0
+
+    def export() -> None:
+        nonlocal reads
+        while not stop.is_set():
+            try:
+                queue.stats()
+            except BaseException as error:
+                errors.append(error)
+                return
+            reads += 1
+
+    async def churn() -> None:
+        release = asyncio.Event()
+
+        async def hold() -> None:
+            await release.wait()
+
+        for _ in range(30):
+            # 2,000 keys come and go, each with a waiter: the lines grow and shrink
+            tasks = [asyncio.create_task(queue.run(n, hold)) for n in range(2000)]
+            tasks += [asyncio.create_task(queue.run(n, hold)) for n in range(2000)]
+            await asyncio.sleep(0)
+            release.set()
+            await asyncio.gather(*tasks)
+            release.clear()
+
+    exporter = threading.Thread(target=export)
+    exporter.start()
+    try:
+        asyncio.run(churn())
+    finally:
+        stop.set()
+        exporter.join()
+    assert errors == []
+    assert reads > 0
+    assert not queue.stats().waiting
