@@ -14,10 +14,13 @@ the batch's successes anyway, and the failed entry stays in the group's
 Pending Entries List, with the account's later entries of that batch, held
 back rather than applied past the gap. The next round reads the consumer's
 own pending entries first (``XREADGROUP ... STREAMS s 0``) and applies them;
-a consumer taking over a dead one's entries would ``XAUTOCLAIM`` them. The
-ledger lives in Redis with the stream ID it applied last per account, written
-in one transaction with the balance, so a redelivered entry is never applied
-twice. At the end every entry was applied exactly once and none is pending.
+a consumer taking over a dead one's entries would ``XAUTOCLAIM`` them.
+
+Later, one batch's XACK is lost (as if the consumer died between applying
+and acknowledging), so the whole batch is delivered again. The ledger lives
+in Redis with the stream ID it applied last per account, written in one
+transaction with the balance, so those redelivered entries are skipped, not
+applied twice. At the end every entry was applied exactly once, none pending.
 
 Run: python examples/redis_stream_consumer.py [redis://localhost:6379/0] [--keep]
 (the URL defaults to $REDIS_URL; --keep leaves the stream and ledger for a look)
@@ -65,6 +68,7 @@ class Consumer:
     halted: set[str] = field(default_factory=set)  # accounts with a failed message in this try
     failed: int = 0  # writes that failed
     held: int = 0  # messages held back behind a failed one
+    duplicates: int = 0  # messages skipped as applied in an earlier delivery
     redelivered: int = 0  # pending entries read again
 
 
@@ -88,6 +92,7 @@ async def apply(consumer: Consumer, message: Message) -> bool:
         r, ledger = consumer.redis, consumer.stream
         last = await r.hget(f"{ledger}:last", message.account)
         if last is not None and order(last) >= order(message.id):
+            consumer.duplicates += 1
             return True  # applied in an earlier delivery
         await asyncio.sleep(random.uniform(0, 0.002))  # the rest of the work
         if message.id == consumer.failing and consumer.failed == 0:
@@ -139,7 +144,9 @@ async def next_batch(consumer: Consumer) -> list[Message]:
 async def consume(consumer: Consumer) -> None:
     """Read, apply and acknowledge batch by batch until the group has nothing for us."""
     queue = KeyedQueue(max_running=MAX_RUNNING)
+    rounds = 0
     while messages := await next_batch(consumer):
+        rounds += 1
         consumer.halted.clear()
         handles: list[tuple[Message, Handle[bool]]] = []
         unexpected: Exception | None = None
@@ -154,6 +161,9 @@ async def consume(consumer: Consumer) -> None:
                 print(f"{len(blips.exceptions)} failed ({blips.exceptions[0]}): left pending")
         # the scope exited: every submission has finished; ack those that were applied
         done = [m.id for m, h in handles if h.exception() is None and h.result()]
+        if rounds == 3:  # (1: the blip; 2: its redelivery; 3: a batch of new entries)
+            print(f"XACK of {len(done)} entries lost, as if the consumer died before it")
+            done = []
         if done:
             await consumer.redis.xack(consumer.stream, GROUP, *done)
         print(f"acked {len(done)} of {len(messages)} entries")
@@ -183,6 +193,8 @@ async def check(consumer: Consumer, messages: list[Message]) -> list[str]:
         problems.append(f"peak of {consumer.peak} running at once")
     if consumer.failed != 1 or consumer.held == 0:
         problems.append(f"{consumer.failed} failed, {consumer.held} held back: expected 1, some")
+    if consumer.duplicates != BATCH:
+        problems.append(f"{consumer.duplicates} skipped as applied before: expected {BATCH}")
     return problems
 
 
@@ -218,8 +230,9 @@ async def main() -> int:
     print(f"applied {applications} times, at most {consumer.peak} at once (max {MAX_RUNNING})")
     print(
         f"redelivered {consumer.redelivered} pending entries: {consumer.failed} that failed, "
-        f"{consumer.held} held back behind it; pending at the end {pending}"
+        f"{consumer.held} held back behind it, {consumer.duplicates} applied before"
     )
+    print(f"pending at the end: {pending}")
     for problem in problems:
         print(f"FAILED: {problem}", file=sys.stderr)
     if problems:
