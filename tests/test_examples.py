@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.py"))
+#: Examples that need a server, each run against the session's by a test module of its own.
+NEEDS_A_SERVER = {"redis_stream_consumer": "test_redis_stream_example.py"}
 
 
 def test_there_are_examples() -> None:
@@ -18,10 +20,15 @@ def test_there_are_examples() -> None:
         "chat",
         "batch",
         "partitioned_batch",
+        *NEEDS_A_SERVER,
     }
+    for module in NEEDS_A_SERVER.values():
+        assert (Path(__file__).parent / module).is_file()
 
 
-@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "example", [p for p in EXAMPLES if p.stem not in NEEDS_A_SERVER], ids=lambda p: p.stem
+)
 def test_example_runs(example: Path) -> None:
     result = subprocess.run(
         [sys.executable, str(example)], capture_output=True, text=True, timeout=60
