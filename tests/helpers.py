@@ -131,3 +131,28 @@ def unavailable(what: str) -> NoReturn:
     if os.environ.get("CI"):
         pytest.fail(f"{what} is not available, and CI must test it")
     pytest.skip(f"{what} is not available on this machine")
+
+
+class _Grant:
+    def __init__(self, key: Any, token: int) -> None:
+        self.key, self.token, self.lost = key, token, False
+
+
+class LosingBackend:
+    """A backend whose leases all run out while their work holds them (LeaseLost each turn)."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+
+    def order(self, keys: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tuple(sorted(set(keys)))
+
+    async def acquire(self, key: Any, timeout: float | None) -> _Grant:
+        self.tokens += 1
+        return _Grant(key, self.tokens)
+
+    async def release(self, grant: Any) -> None:
+        grant.lost = True
+
+    async def aclose(self) -> None:
+        pass

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from typing import Any
 
 import pytest
 
-from inturn import KeyedQueue, Observer, QueueFull, default_queue
+from inturn import KeyedQueue, LeaseLost, Observer, QueueFull, default_queue
+
+from helpers import LosingBackend
 
 
 class Recorder:
@@ -134,3 +137,29 @@ def test_stats_are_safe_from_another_thread_while_the_loop_changes_the_lines() -
     assert errors == []
     assert reads > 0
     assert not queue.stats().waiting
+
+
+async def test_a_lost_lease_is_logged_on_inturn_with_the_key_as_given(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    queue = KeyedQueue(backend=LosingBackend())  # type: ignore[arg-type]
+
+    async def work() -> None:
+        raise ValueError("its own")
+
+    caplog.set_level(logging.DEBUG, logger="inturn")
+    with pytest.raises(LeaseLost):
+        await queue.run("acct-7", lambda: None)
+    with pytest.raises(ValueError, match="its own"):
+        await queue.run(b"acct-8", work)
+    records = [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
+    assert [(name, level) for name, level, _ in records] == [("inturn", logging.WARNING)] * 2
+    assert "'acct-7' (token 1)" in records[0][2]
+    assert records[0][2].endswith("the work ran and returned")
+    assert "b'acct-8' (token 2)" in records[1][2]
+    assert records[1][2].endswith("the work ran and raised ValueError")
+
+
+def test_inturn_s_logs_go_nowhere_until_the_application_configures_logging() -> None:
+    handlers = logging.getLogger("inturn").handlers
+    assert [type(handler) for handler in handlers] == [logging.NullHandler]

@@ -15,6 +15,8 @@ import inturn
 from inturn import HoldTimeout, KeyedQueue, LeaseLost, QueueFull
 from inturn.otel import instrument, uninstrument
 
+from helpers import LosingBackend
+
 QUEUE = "inturn.queue.name"
 FUNCTION = "code.function.name"
 
@@ -157,27 +159,6 @@ async def test_timeouts_refusals_errors_and_cuts_are_counted(reader: Any) -> Non
     assert value(found, "inturn.turn.errors", **fail_labels) == 1
     assert value(found, "inturn.turn.timeouts", **block) == 2  # the keyed() wait, and the cut
     assert "inturn.turn.lease_lost" not in found
-
-
-class _Grant:
-    def __init__(self, key: str, token: int) -> None:
-        self.key, self.token, self.lost = key, token, False
-
-
-class LosingBackend:
-    """A backend whose leases all run out while their work holds them."""
-
-    def order(self, keys: tuple[Any, ...]) -> tuple[Any, ...]:
-        return tuple(sorted(set(keys)))
-
-    async def acquire(self, key: Any, timeout: float | None) -> _Grant:
-        return _Grant(key, 1)
-
-    async def release(self, grant: Any) -> None:
-        grant.lost = True
-
-    async def aclose(self) -> None:
-        pass
 
 
 async def test_a_lost_lease_is_counted(reader: Any) -> None:

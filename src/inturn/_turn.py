@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 import sys
 import threading
 from collections.abc import Awaitable, Callable, Generator, Hashable, Mapping
@@ -28,6 +29,10 @@ if TYPE_CHECKING:
     from .backends._base import Grant
 
 __all__ = ("Clock", "Turn", "call_in_turn", "call_in_turn_sync", "current_turn")
+
+#: The core's logger: a turn whose lease was lost (WARNING). Nothing on a turn
+#: that goes well.
+logger = logging.getLogger("inturn")
 
 # The waits of the protocol on a shared backend (see Turn._take_shared).
 _TAKE = 0  # key's turn in this process's line -> True, or False if the holder held it already
@@ -126,6 +131,11 @@ class Clock:
             f"inturn: the work held {what} longer than max_hold={self.limit:g} s "
             "and was cancelled; the next in line started after it finished"
         )
+
+
+def _outcome(error: BaseException | None) -> str:
+    """How a log line says how the work ended."""
+    return "returned" if error is None else f"raised {type(error).__name__}"
 
 
 @final
@@ -700,6 +710,7 @@ class Turn:
                     "the work held it (a lease ran out, or the line's files were deleted); "
                     "another process may have held the key meanwhile"
                 )
+                logger.warning("%s; the work ran and %s", message, _outcome(error))
                 if error is None:
                     error = failure = LeaseLost(message)
                 elif sys.version_info >= (3, 11):  # pragma: no branch
