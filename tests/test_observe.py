@@ -163,3 +163,31 @@ async def test_a_lost_lease_is_logged_on_inturn_with_the_key_as_given(
 def test_inturn_s_logs_go_nowhere_until_the_application_configures_logging() -> None:
     handlers = logging.getLogger("inturn").handlers
     assert [type(handler) for handler in handlers] == [logging.NullHandler]
+
+
+class Broken(Recorder):
+    def started(self, waited: float, function: str | None) -> None:
+        raise RuntimeError("the observer's own bug")
+
+
+async def test_an_observer_that_raises_is_logged_and_the_turns_go_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    queue = KeyedQueue()
+    observer = Broken()
+    queue.observe(observer)
+    release = asyncio.Event()
+
+    async def hold() -> None:
+        await release.wait()
+
+    tasks = [asyncio.create_task(queue.run("k", hold)) for _ in range(3)]
+    await asyncio.sleep(0)
+    release.set()
+    await asyncio.wait_for(asyncio.gather(*tasks), 10)  # every turn ran: none was stuck
+    async with queue.keyed("k"):
+        pass  # and the key is free
+    assert [e[0] for e in observer.events] == ["ended"] * 4
+    errors = [r for r in caplog.records if r.name == "inturn" and r.levelno == logging.ERROR]
+    assert len(errors) == 4
+    assert "observer's started() raised" in errors[0].getMessage()

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Mapping
+import logging
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -14,6 +15,8 @@ __all__ = ("FUNCTION", "Observer", "QueueStats", "Tally", "function_label", "lab
 #: the turn by run(), run_sync(), a decorated function and submitted work, so
 #: that an observer can label what it reports (never with the key).
 FUNCTION: ContextVar[str | None] = ContextVar("inturn.function", default=None)
+
+logger = logging.getLogger("inturn")
 
 
 def function_label(fn: object) -> str:
@@ -43,9 +46,11 @@ class Observer(Protocol):
     :meth:`~inturn.KeyedQueue.run_sync` or ``submit()`` was given), or
     ``None`` for a ``keyed()`` block outside any of those. Keys are never
     reported: they are unbounded. The methods are called in the thread
-    (and task) that takes the turn, at most once per event, while the
-    queue's lock may be held: they must be quick and must not raise
-    (:mod:`inturn.otel` records to OpenTelemetry instruments).
+    (and task) that takes the turn, once per event, while the queue's lock
+    may be held: they must be quick, and must not wait for the queue. An
+    exception they raise is logged on the ``inturn`` logger (ERROR) and
+    dropped: the turn goes on. :mod:`inturn.otel` records to OpenTelemetry
+    instruments.
     """
 
     def started(self, waited: float, function: str | None) -> None:
@@ -93,7 +98,7 @@ class Tally:
         """Count the wait of a timed turn that starts now, after waited seconds."""
         self.waited += waited
         if self.observer is not None:
-            self.observer.started(waited, FUNCTION.get())
+            _tell(self.observer.started, waited, FUNCTION.get())
 
     def ended(self, error: BaseException | None, cut: bool, held: float | None) -> None:
         """Count a turn that ended: cut by its max_hold, or by error (None: completed).
@@ -111,7 +116,7 @@ class Tally:
         if held is not None:
             self.held += held
         if self.observer is not None:
-            self.observer.ended(held, error, cut, FUNCTION.get())
+            _tell(self.observer.ended, held, error, cut, FUNCTION.get())
 
     def missed(self, error: BaseException) -> None:
         """Count a turn that was never reached: timed out, cancelled or failed while waiting."""
@@ -122,12 +127,22 @@ class Tally:
         else:
             self.cancelled += 1
         if self.observer is not None:
-            self.observer.missed(error, FUNCTION.get())
+            _tell(self.observer.missed, error, FUNCTION.get())
 
     def refused(self, error: BaseException) -> None:
         """Tell the observer of work refused at once (QueueFull): never queued, not counted."""
         if self.observer is not None:
-            self.observer.missed(error, FUNCTION.get())
+            _tell(self.observer.missed, error, FUNCTION.get())
+
+
+def _tell(method: Callable[..., None], *args: object) -> None:
+    """Call an observer's method; what it raises is logged, and the turn goes on."""
+    try:
+        method(*args)
+    except Exception:
+        logger.exception(
+            "inturn: the observer's %s() raised; the turn goes on, unreported", method.__name__
+        )
 
 
 @final
