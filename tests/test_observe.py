@@ -142,7 +142,7 @@ def test_stats_are_safe_from_another_thread_while_the_loop_changes_the_lines() -
 async def test_a_lost_lease_is_logged_on_inturn_with_the_key_as_given(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    queue = KeyedQueue(backend=LosingBackend())  # type: ignore[arg-type]
+    queue = KeyedQueue(backend=LosingBackend(), name="ledger")  # type: ignore[arg-type]
 
     async def work() -> None:
         raise ValueError("its own")
@@ -154,6 +154,7 @@ async def test_a_lost_lease_is_logged_on_inturn_with_the_key_as_given(
         await queue.run(b"acct-8", work)
     records = [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
     assert [(name, level) for name, level, _ in records] == [("inturn", logging.WARNING)] * 2
+    assert records[0][2].startswith("inturn: queue 'ledger': the backend could no longer")
     assert "'acct-7' (token 1)" in records[0][2]
     assert records[0][2].endswith("the work ran and returned")
     assert "b'acct-8' (token 2)" in records[1][2]

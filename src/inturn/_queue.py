@@ -200,6 +200,7 @@ class KeyedQueue:
             concurrency=self._concurrency,
             max_pending=self._max_pending,
             plain=self._plain(max_running),
+            name=name,
         )
         # The running slots, with max_running.
         self._slots = None if max_running is None else Slots(max_running, self._registry)

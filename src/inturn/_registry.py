@@ -132,6 +132,7 @@ class Registry:
         "lines",
         "local",
         "max_pending",
+        "name",
         "open",
         "owner",
         "plain",
@@ -141,8 +142,15 @@ class Registry:
     )
 
     def __init__(
-        self, *, backend: Backend | None, concurrency: int, max_pending: int | None, plain: bool
+        self,
+        *,
+        backend: Backend | None,
+        concurrency: int,
+        max_pending: int | None,
+        plain: bool,
+        name: str | None = None,
     ) -> None:
+        self.name = name  # the queue's, for its log lines
         # key -> the holder (a task or a thread), while nobody else asked
         # about the key; key -> Line (or Gate) otherwise.
         self.lines: dict[Hashable, Any] = {}

@@ -710,7 +710,13 @@ class Turn:
                     "the work held it (a lease ran out, or the line's files were deleted); "
                     "another process may have held the key meanwhile"
                 )
-                logger.warning("%s; the work ran and %s", message, _outcome(error))
+                queue = self._registry.name
+                logger.warning(
+                    "inturn: %s%s; the work ran and %s",
+                    "" if queue is None else f"queue {queue!r}: ",
+                    message.removeprefix("inturn: "),
+                    _outcome(error),
+                )
                 if error is None:
                     error = failure = LeaseLost(message)
                 elif sys.version_info >= (3, 11):  # pragma: no branch
