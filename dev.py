@@ -142,6 +142,7 @@ def main() -> None:
     elif options.command == "bench":
         run(venv_python, "-m", "bench", *rest)
     elif options.command == "docs":
+        os.environ.setdefault("NO_MKDOCS_2_WARNING", "1")  # mkdocs-material's banner, every build
         if "--serve" in rest:
             rest.remove("--serve")
             run(venv_python, "-m", "mkdocs", "serve", "--strict", *rest)
