@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Developer commands that set themselves up: ``python3 dev.py demo|test|bench|redis-tests``.
+"""Developer commands that set themselves up: ``python3 dev.py demo|test|bench|redis-tests|docs``.
 
 Each command creates a virtual environment (``.venv``, or ``.venv-X.Y`` for
 ``--python``), installs the package and what the command needs into it when
@@ -10,6 +10,10 @@ library only, so it runs on a fresh machine with nothing but Python 3.10+.
 VERSION`` (or ``oldest``: the lowest ``pyproject.toml`` allows) in a
 virtual environment of its own; set ``INTURN_REDIS_WIRE=public`` to run
 them through redis-py's public API instead of the connection takeover.
+
+``docs`` builds the documentation site into ``site/`` with ``mkdocs build
+--strict`` (a broken link or API reference fails it); other arguments go to
+mkdocs, and ``docs --serve`` serves it with live reload instead.
 """
 
 from __future__ import annotations
@@ -24,7 +28,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 #: What each command installs beside the package: dependency groups of pyproject.toml.
-GROUPS = {"demo": (), "test": ("dev",), "bench": ("dev", "bench"), "redis-tests": ("dev",)}
+GROUPS = {
+    "demo": (),
+    "test": ("dev",),
+    "bench": ("dev", "bench"),
+    "redis-tests": ("dev",),
+    "docs": ("docs",),
+}
 #: The Redis backend's tests (and the conformance suite's Redis servers); the
 #: cluster's need redis-py 8.0, so they run with the newest only.
 REDIS_TESTS = ("tests/test_redis_backend.py", "tests/test_redis_faults.py")
@@ -131,6 +141,13 @@ def main() -> None:
         run(venv_python, "-m", "inturn", "demo", *rest)
     elif options.command == "bench":
         run(venv_python, "-m", "bench", *rest)
+    elif options.command == "docs":
+        os.environ.setdefault("NO_MKDOCS_2_WARNING", "1")  # mkdocs-material's banner, every build
+        if "--serve" in rest:
+            rest.remove("--serve")
+            run(venv_python, "-m", "mkdocs", "serve", "--strict", *rest)
+        else:
+            run(venv_python, "-m", "mkdocs", "build", "--strict", *rest)
     else:
         run(venv_python, "-m", "ruff", "check", ".")
         run(venv_python, "-m", "ruff", "format", "--check", ".")
