@@ -30,6 +30,8 @@ Run: python examples/prometheus_metrics.py
 from __future__ import annotations
 
 import asyncio
+
+# --8<-- [start:collector]
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -70,6 +72,9 @@ class QueueCollector(Collector):
                 waited.add_metric([name], stats.wait_time)
                 held.add_metric([name], stats.hold_time)
         yield from (running, waiting, turns, waited, held)
+
+
+# --8<-- [end:collector]
 
 
 async def main() -> None:

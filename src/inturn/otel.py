@@ -15,25 +15,16 @@ instrumented library, and until it does, every record is a no-op. Importing
 
 Instruments, on the meter ``inturn``:
 
-================================  =============  ======  =========================================
-name                              kind           unit    what
-================================  =============  ======  =========================================
-``inturn.turn.wait.duration``     histogram      s       from asking for a turn to its start
-                                                         (the key's line, a backend's grant, a
-                                                         running slot)
-``inturn.turn.hold.duration``     histogram      s       from a turn's start to its end
-``inturn.turn.timeouts``          counter        {turn}  turns not reached within ``timeout``,
-                                                         and work cut by ``max_hold``
-``inturn.turn.refused``           counter        {turn}  work refused by ``max_pending``
-                                                         (:exc:`~inturn.QueueFull`)
-``inturn.turn.lease_lost``        counter        {turn}  work that returned, but whose turn the
-                                                         backend could no longer vouch for
-                                                         (:exc:`~inturn.LeaseLost`)
-``inturn.turn.errors``            counter        {turn}  work that raised, and turns the
-                                                         backend could not grant
-``inturn.queue.waiting``          gauge          {turn}  turns waiting now (for a key or a slot)
-``inturn.queue.running``          gauge          {turn}  work running now
-================================  =============  ======  =========================================
+| name | kind | unit | what |
+|---|---|---|---|
+| `inturn.turn.wait.duration` | histogram | s | asking for a turn to its start (line, grant, slot) |
+| `inturn.turn.hold.duration` | histogram | s | a turn's start to its end |
+| `inturn.turn.timeouts` | counter | {turn} | not reached within `timeout`, or cut by `max_hold` |
+| `inturn.turn.refused` | counter | {turn} | refused by `max_pending` (`QueueFull`) |
+| `inturn.turn.lease_lost` | counter | {turn} | the work returned, its lease lost (`LeaseLost`) |
+| `inturn.turn.errors` | counter | {turn} | the work raised, or the backend could not grant |
+| `inturn.queue.waiting` | gauge | {turn} | turns waiting now, for a key or a slot |
+| `inturn.queue.running` | gauge | {turn} | work running now |
 
 Every instrument carries ``inturn.queue.name``: the queue's ``name=`` (or
 ``"unnamed"``). The histograms and counters also carry
