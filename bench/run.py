@@ -305,6 +305,7 @@ def plot(rows: dict[str, dict[str, float]], names: list[str], path: Path) -> Non
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
     shown = [
         label
@@ -325,6 +326,10 @@ def plot(rows: dict[str, dict[str, float]], names: list[str], path: Path) -> Non
     ax.set_xticklabels([label.split(" ", 1)[1] for label in shown], rotation=30, ha="right")
     ax.set_ylabel("x handwritten (lower is better)")
     ax.set_yscale("log")
+    # ratios read as ratios (0.5x, 2x), not as powers of ten
+    ax.set_yticks([0.25, 0.5, 1, 2, 4, 8])
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}x"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set_title("inturn and alternatives, as ratios to a hand-written dict of asyncio.Lock")
     ax.legend()
     fig.tight_layout()
