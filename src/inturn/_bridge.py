@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import os
 import threading
 from collections.abc import Hashable
@@ -35,6 +36,10 @@ if TYPE_CHECKING:
     from .backends._base import Backend, Grant
 
 __all__ = ("acquire_sync", "acquire_via", "release_sync", "release_via")
+
+#: Its own logger, under the core's "inturn": what it logs is rare (a thread per
+#: process started; a grant whose caller gave up), and at DEBUG only.
+logger = logging.getLogger("inturn.bridge")
 
 #: How long past its own timeout a thread waits for the backend loop's answer
 #: to a call the backend bounds itself: only a backend that broke its contract
@@ -69,6 +74,11 @@ class _BackendLoop:
                 thread.start()
                 started.wait()
                 self._loop, self._pid = loop, os.getpid()
+                logger.debug(
+                    "inturn: started the backend loop thread of process %d, for threads' "
+                    "calls to asyncio backends",
+                    self._pid,
+                )
             return self._loop
 
 
@@ -137,7 +147,13 @@ class _Call:
 
     def _drop(self, task: asyncio.Task[Grant]) -> None:
         if not task.cancelled() and task.exception() is None:
-            _release_here(self.backend, task.result())
+            grant = task.result()
+            logger.debug(
+                "inturn: releasing the turn on key %s that %s granted after its caller gave up",
+                describe(grant.key),
+                describe(self.backend),
+            )
+            _release_here(self.backend, grant)
 
 
 def _release_here(backend: Backend, grant: Grant) -> asyncio.Future[None]:

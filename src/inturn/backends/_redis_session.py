@@ -20,7 +20,7 @@ import secrets
 import threading
 import time
 import typing
-from collections.abc import AsyncGenerator, Awaitable, Callable, Hashable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +40,21 @@ from ._resp import bulk
 
 __all__ = ("Config", "Member", "RedisGrant", "Session")
 
+#: What this backend logs: only what is rare (connections lost and back, leases that
+#: could not be renewed or were lost), never a turn that went as it should.
 logger = logging.getLogger("inturn.redis")
+
+#: Keys a log line names at most (then how many more).
+_NAMED = 5
+
+
+def _named(members: Iterable[Member]) -> str:
+    """The keys of members for a log line, as their users gave them: a few, then how many more."""
+    keys = [show(member.key) for member in members]
+    if not keys:
+        return "none"
+    more = len(keys) - _NAMED
+    return ", ".join(keys[:_NAMED]) + (f" and {more} more" if more > 0 else "")
 
 
 def _consume(future: asyncio.Future[Any]) -> None:
@@ -317,7 +331,7 @@ class Session:
         await asyncio.wait((greeting,), timeout=lease)
         if not greeting.done():
             if self.link is not None:
-                self.link.drop()
+                self.link.drop(f"no answer to the greeting within {lease:g} s")
             greeting.add_done_callback(_consume)
             raise RedisTimeoutError(f"no answer to the greeting within {lease:g} s")
         greeting.result()
@@ -483,6 +497,13 @@ class Session:
             error = leave.exception()
             if error is None:
                 if leave.result() == 0:
+                    if not member.lost:
+                        logger.warning(
+                            "inturn: Redis no longer had the turn on key %s at its release: "
+                            "its lease ran out, or Redis lost it; another process may have "
+                            "held the key meanwhile",
+                            show(member.key),
+                        )
                     member.lost = True
             else:
                 if demoted(error):  # a failover: what this server granted may be gone
@@ -596,10 +617,11 @@ class Session:
             held = [member for member in self.members.values() if member.grant is not None]
             logger.warning(
                 "inturn: Redis is another server now (run_id %s, was %s); the %d turn(s) "
-                "held count as having lost their lease",
+                "held count as having lost their lease: keys %s",
                 server,
                 self.server,
                 len(held),
+                _named(held),
             )
             for member in held:
                 member.lost = True
@@ -678,11 +700,28 @@ class Session:
         why = describe(problem)
         if why != self._failing:
             self._failing = why
-            logger.warning("inturn: could not renew leases in Redis: %s", why)
+            members = self.members.values()
+            logger.warning(
+                "inturn: could not renew leases in Redis: %s; turns held: keys %s; waiting: %d",
+                why,
+                _named(member for member in members if member.grant is not None),
+                sum(member.grant is None for member in members),
+            )
 
     def _lose(self, member_id: str, member: Member, why: str) -> None:
         """Redis no longer has this member, or could not vouch for it in time."""
         member.lost = True
+        if member.grant is not None:
+            logger.warning(
+                "inturn: lost the lease of the turn on key %s (%s); another process may "
+                "hold the key now, and the turn ends with LeaseLost",
+                show(member.key),
+                why,
+            )
+        else:
+            logger.debug(
+                "inturn: lost the place in Redis of a waiter for key %s (%s)", show(member.key), why
+            )
         if member.grant is None and member.waiting is not None and not member.waiting.done():
             member.waiting.set_exception(
                 BackendUnavailable(

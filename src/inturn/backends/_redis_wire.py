@@ -160,7 +160,9 @@ class _TakenOver(asyncio.Protocol):
         try:
             self._frames.feed(data)
         except ValueError as error:  # not Redis: drop the connection
-            logger.warning("inturn: %s", error)
+            logger.warning(
+                "inturn: Redis sent what is not RESP (%s); dropping the connection", error
+            )
             self.abort()
 
     def eof_received(self) -> None:
@@ -355,9 +357,11 @@ class Link:
     """
 
     __slots__ = (
+        "_broken",
         "_carrier",
         "_closed",
         "_connecting",
+        "_dropped",
         "_greeted",
         "_greeting",
         "_limit",
@@ -388,6 +392,9 @@ class Link:
         self._sent: deque[Call | None] = deque()
         self._connecting: asyncio.Task[None] | None = None
         self._closed = False
+        # For the log: the connection was lost, or dropped, and is not back yet
+        self._broken = False
+        self._dropped = False  # dropped by this process, which said why
         #: The current (or next) connection's greeting: done once it is answered.
         self.greeting: asyncio.Future[Any] | None = None
         #: The future of the latest call: once it is done, so is every earlier one.
@@ -438,6 +445,8 @@ class Link:
             carrier = await _connect(self._make, self, self._limit, False)
         except Exception as error:
             self._connecting = None
+            if self._broken:
+                logger.debug("inturn: could not connect to Redis again: %s", error)
             _fail(greeting, error)
             outbox = self._outbox
             while outbox:
@@ -445,6 +454,9 @@ class Link:
             return
         self._connecting = None
         self._carrier = carrier
+        if self._broken:
+            self._broken = False
+            logger.info("inturn: connected to Redis again")
         hello = Call(HELLO.index, self._greeting, greeting)
         sent: deque[Call | None] = deque([None] * len(SCRIPTS))
         sent.append(hello)
@@ -479,21 +491,36 @@ class Link:
             else:
                 _fail(call.future, reply)
                 if demoted(reply) and self._carrier is not None:
-                    self._carrier.abort()  # reconnect: to the master, wherever it is now
+                    # reconnect: to the master, wherever it is now
+                    self._drop(f"Redis answered {reply} (a failover?)")
         elif not call.future.done():
             call.future.set_result(reply)
 
     def gone(self, error: BaseException) -> None:
         self._carrier = None
         sent, self._sent = self._sent, deque()
+        if not self._closed:
+            if not self._dropped:
+                logger.warning(
+                    "inturn: lost the connection to Redis (%s); the next call connects again",
+                    error,
+                )
+            self._dropped = False
+            self._broken = True
         for call in sent:
             if call is not None:
                 _fail(call.future, error)
 
-    def drop(self) -> None:
-        """Drop the connection (the calls on it fail); the next call connects anew."""
+    def drop(self, why: str) -> None:
+        """Drop the connection (the calls on it fail), logging why; the next call connects anew."""
         if self._carrier is not None:
-            self._carrier.abort()
+            self._drop(why)
+
+    def _drop(self, why: str) -> None:
+        assert self._carrier is not None
+        logger.warning("inturn: %s; dropping the connection to Redis, and connecting again", why)
+        self._dropped = True
+        self._carrier.abort()  # gone() follows
 
     def abandon(self) -> None:
         """Close the connection without its event loop, which will never run again."""
@@ -512,9 +539,7 @@ class Link:
         for call in self._sent:
             if call is not None:
                 if call.sent is not None and time.monotonic() - call.sent > limit:
-                    assert self._carrier is not None
-                    logger.warning("inturn: no reply from Redis within %g s; reconnecting", limit)
-                    self._carrier.abort()
+                    self._drop(f"no reply from Redis within {limit:g} s")
                     return True
                 break
         return False
@@ -570,6 +595,7 @@ class Inbox:
         "_pause",
         "_pinged",
         "_reopening",
+        "_silent",
         "_subscribed",
         "heard",
         "heard_at",
@@ -597,6 +623,7 @@ class Inbox:
         self._closing = False
         self._opening = False  # open() is under way: it deals with a connection lost meanwhile
         self._pinged: float | None = None  # monotonic time of the oldest unanswered ping
+        self._silent = False  # dropped by ping(): the connection said nothing for too long
         #: time.monotonic() when the connection last said anything.
         self.heard_at = 0.0
 
@@ -652,9 +679,13 @@ class Inbox:
     def gone(self, error: BaseException) -> None:
         self._carrier = None
         _fail(self._confirmed, error)
+        silent, self._silent = self._silent, False
         if self._closing or self._opening or self._reopening is not None:
             return
-        logger.warning("inturn: Redis subscription interrupted (%s); reconnecting", error)
+        logger.warning(
+            "inturn: Redis subscription interrupted (%s); reconnecting",
+            f"it said nothing for {self._limit:g} s" if silent else error,
+        )
         self._subscribed()  # the heartbeat catches up on grants missed meanwhile
         self._reopening = asyncio.get_running_loop().create_task(
             self._reopen(), name="inturn-redis-inbox"
@@ -676,8 +707,7 @@ class Inbox:
                     failed = True
                     pause = min(pause * 2, self._limit)
                 else:
-                    if failed:
-                        logger.warning("inturn: Redis subscription back")
+                    logger.info("inturn: Redis subscription back")
                     return
         finally:
             self._reopening = None
@@ -696,9 +726,7 @@ class Inbox:
             self._pinged = now
             carrier.write(b"*1\r\n$4\r\nPING\r\n")
         elif now - self._pinged > self._limit:
-            logger.warning(
-                "inturn: the Redis subscription said nothing for %g s; reconnecting", self._limit
-            )
+            self._silent = True  # gone() says so
             carrier.abort()
 
     def abandon(self) -> None:

@@ -6,7 +6,10 @@ process's files), it has none, and never gets one back. A reader of the
 pipe sees end of file at that moment. A releasing holder writes its
 *hand-off* (``H`` and its token, in one write, so it is read whole) into
 its ticket before closing it: its work is done, and whoever waits on it
-may go on at once.
+may go on at once. A waiter that gives up writes its *leaving* (``L``)
+before closing its ticket: so a ticket closed without a word tells that
+its owner died (killed, crashed, or exited while in line), which is worth
+a line in the log.
 
 Every ticket is opened relative to its directory's descriptor, never
 through a symbolic link; a link in place of a ticket counts as a ticket
@@ -26,7 +29,16 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ("alive", "hand_off", "handed", "peek", "probe", "until_left", "until_left_blocking")
+__all__ = (
+    "LEAVING",
+    "alive",
+    "hand_off",
+    "handed",
+    "peek",
+    "probe",
+    "until_left",
+    "until_left_blocking",
+)
 
 if sys.platform != "win32":  # (the file backend refuses other platforms at construction)
     import fcntl
@@ -37,6 +49,8 @@ _OPEN = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 #: Errors of opening a ticket that mean it is not there: gone, or a link in its place.
 _ABSENT = (errno.ENOENT, errno.ELOOP)
 _HANDED = b"H"
+#: What a waiter that gives up writes into its ticket before closing it.
+LEAVING = b"L"
 #: The longest poll() of the main thread, in ms. Python runs signal handlers
 #: there, between bytecodes; a signal that arrives after poll() let go of
 #: the GIL but before the kernel sleeps interrupts nothing, so its handler
@@ -63,18 +77,18 @@ def _open(directory: int, name: str) -> int | None:
         raise
 
 
-def probe(directory: int, name: str) -> tuple[int | None, bytes]:
+def probe(directory: int, name: str) -> tuple[int | None, bytes | None]:
     """Open ticket name for reading: (fd, data) if its owner is still in line.
 
     The fd is None if the ticket is gone or has no writer (its owner left or
-    died); data is what the owner wrote into it. An fd that is returned
-    reports end of file when the owner leaves. Takes what it reads: the
-    ticket's reader behind it may then miss the hand-off, and look further
-    back, which is safe.
+    died); data is what the owner wrote into it, or None if the ticket is
+    gone. An fd that is returned reports end of file when the owner leaves.
+    Takes what it reads: the ticket's reader behind it may then miss the
+    hand-off, and look further back, which is safe.
     """
     fd = _open(directory, name)
     if fd is None:
-        return None, b""
+        return None, None
     data = b""
     try:
         # Read at once: with no writer this is end of file (and Linux would

@@ -72,6 +72,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import hashlib
+import logging
 import os
 import stat
 import sys
@@ -102,9 +103,21 @@ from ._linefile import (
     ticket_of,
 )
 from ._lines import HolderInfo, LineInfo, WaiterInfo
-from ._tickets import alive, hand_off, handed, peek, probe, until_left, until_left_blocking
+from ._tickets import (
+    LEAVING,
+    alive,
+    hand_off,
+    handed,
+    peek,
+    probe,
+    until_left,
+    until_left_blocking,
+)
 
 __all__ = ("FileBackend", "FileGrant")
+
+#: What this backend logs: only what is rare, never a turn that went as it should.
+logger = logging.getLogger("inturn.file")
 
 if sys.platform == "win32":  # pragma: no cover - checked at construction
     fcntl = None
@@ -387,17 +400,64 @@ def _unlink(directory: int, name: str) -> None:
         pass
 
 
-def _remove(directory: int, name: str) -> None:
+def _remove(directory: int, name: str) -> bool:
     """Delete ticket FIFO name if it is still there (most are: their owners removed them).
 
     Looked up first: a lookup takes no lock of the directory, where a
-    deletion, even of nothing, waits for every other process's.
+    deletion, even of nothing, waits for every other process's. Returns
+    whether it was there.
     """
     try:
         os.stat(name, dir_fd=directory, follow_symlinks=False)
     except FileNotFoundError:
-        return
+        return False
     _unlink(directory, name)
+    return True
+
+
+def _quit(fd: int) -> None:
+    """Close ticket fd of a waiter that gives up, saying so first (see _tickets: LEAVING)."""
+    try:
+        os.write(fd, LEAVING)
+    except OSError:
+        pass  # then it reads as a death in the log: nothing else depends on it
+    _close(fd)
+
+
+def _key_of(portable: bytes | None, digest: str) -> str:
+    """A line's key for the log, from the portable name its line file records."""
+    if portable is not None:
+        try:
+            return describe(portable_key(portable))
+        except ValueError:
+            pass
+    return f"<key with digest {digest[:16]}>"
+
+
+def _died(key: Hashable, where: Directory, tickets: list[str], held: bool) -> None:
+    """Log the owners of tickets, closed without a word: they died in key's line.
+
+    tickets are in the order a waiter met them, its nearest first; if held,
+    the last (the earliest in line) held the key, or was being handed it.
+    """
+    for n, ticket in enumerate(tickets):
+        if held and n == len(tickets) - 1:
+            logger.warning(
+                "inturn: process %d died holding key %s (or as it was handed the key), "
+                "without releasing it; process %d takes the key over (directory %s)",
+                pid_of(ticket),
+                describe(key),
+                os.getpid(),
+                where.path,
+            )
+        else:
+            logger.info(
+                "inturn: process %d died waiting for key %s; its place in line is skipped "
+                "(directory %s)",
+                pid_of(ticket),
+                describe(key),
+                where.path,
+            )
 
 
 @final
@@ -537,16 +597,33 @@ class FileBackend:
         """
         return order_portable(keys)
 
-    def _found_again(self, lost: Directory) -> Directory:
-        """The directory, made and checked again: lost was removed.
+    def _found_again(self, lost: Directory, key: Hashable) -> Directory:
+        """The directory, made and checked again: lost was removed (found by a turn on key).
 
         Once for every thread and loop that found lost removed: the first
         makes it again, the others take that one.
         """
         with self._finding:
             if self._where is lost:
+                logger.warning(
+                    "inturn: the directory %s was removed while in use (by a cleaner of "
+                    "temporary files?); a turn on key %s makes it again. A turn held "
+                    "meanwhile may have lost its exclusion",
+                    lost.path,
+                    describe(key),
+                )
                 self._where = Directory.open(self._given)
             return self._where
+
+    def _failed(self, key: Hashable, error: BaseException, doing: str) -> None:
+        """Log an error of the file system (permissions, a full disk...) that a call on key raises.
+
+        Not a missed deadline: that TimeoutError is the caller's to handle.
+        """
+        if isinstance(error, OSError) and not isinstance(error, TimeoutError):
+            logger.warning(
+                "inturn: could not %s key %s in %s: %s", doing, describe(key), self.directory, error
+            )
 
     async def acquire(self, key: Hashable, timeout: float | None) -> FileGrant:
         """Queue in key's line file and wait until every ticket before ours has left.
@@ -571,8 +648,9 @@ class FileBackend:
         except StopIteration as taken:
             grant: FileGrant = taken.value
             return grant
-        except BaseException:
+        except BaseException as error:
             taking.close()  # leave the line (see _taking)
+            self._failed(key, error, "take a turn on")
             raise
 
     def acquire_sync(self, key: Hashable, timeout: float | None) -> FileGrant:
@@ -605,8 +683,9 @@ class FileBackend:
         except StopIteration as taken:
             grant: FileGrant = taken.value
             return grant
-        except BaseException:
+        except BaseException as error:
             taking.close()  # leave the line (see _taking)
+            self._failed(key, error, "take a turn on")
             raise
 
     def _taking(self, key: Hashable) -> Generator[_Locked | _Left, bytes, FileGrant]:
@@ -622,27 +701,33 @@ class FileBackend:
         name = portable_name(key)
         digest = hashlib.sha256(name).hexdigest()
         ticket = new_ticket()
-        where, line_fd, fd, records, end = yield from self._join(name, digest, ticket)
+        where, line_fd, fd, records, end = yield from self._join(key, name, digest, ticket)
         try:
             before = records[: records.index(record_of(ticket))]
-            token = yield from self._wait_behind(where.fd, digest, before)
+            token = yield from self._wait_behind(key, where, digest, before)
             if time.monotonic() - begun > _LATE:
                 os.utime(fd)  # the ticket's time is when its turn began: for inspect
         except BaseException:
             # Leave the line: with no writer, the tickets behind skip this one.
-            _close(fd)
+            _quit(fd)
             _unlink(where.fd, pipe_name(digest, ticket))
             try:
                 self._tidy(where, digest, ticket, line_fd, held=False)
-            except OSError:
-                pass  # best effort: the caller learns why it left, not why tidying failed
+            except OSError as error:
+                # best effort: the caller learns why it left, not why tidying failed
+                logger.debug(
+                    "inturn: could not tidy the line of key %s in %s: %s",
+                    describe(key),
+                    where.path,
+                    error,
+                )
             raise
         return FileGrant(key, token, fd, line_fd, where, digest, ticket, end)
 
     def _join(
-        self, name: bytes, digest: str, ticket: str
+        self, key: Hashable, name: bytes, digest: str, ticket: str
     ) -> Generator[_Locked | _Left, bytes, tuple[Directory, int, int, list[str], int]]:
-        """Queue ticket in the line file of the key whose portable name is name.
+        """Queue ticket in key's line file (name: the key's portable name).
 
         Returns the directory, the line file's fd (unlocked), the ticket's
         writer fd, the line file's records as they were once it was in, and
@@ -656,7 +741,7 @@ class FileBackend:
             try:
                 line_fd = _open_line(where, line)
             except FileNotFoundError:
-                where = self._found_again(where)  # the directory was removed
+                where = self._found_again(where, key)  # the directory was removed
                 continue
             fd = -1
             made = False
@@ -684,21 +769,33 @@ class FileBackend:
                     _unlink(where.fd, pipe)
                 _close(line_fd)
                 if isinstance(error, FileNotFoundError) and where.gone():
-                    where = self._found_again(where)
+                    where = self._found_again(where, key)
                     continue
                 raise
             return where, line_fd, fd, records, end
 
     def _wait_behind(
-        self, directory: int, digest: str, before: list[str]
+        self, key: Hashable, where: Directory, digest: str, before: list[str]
     ) -> Generator[_Locked | _Left, bytes, int]:
-        """Wait until no ticket listed in before has a writer; return the token to hold with."""
+        """Wait until no ticket listed in before has a writer; return the token to hold with.
+
+        A ticket closed without a word (no hand-off, no leaving) tells that
+        its owner died in line: logged once this process knows whether it
+        was holding (see _died).
+        """
+        directory = where.fd
+        dead: list[str] | None = None  # such tickets met, nearest first (rare: made then)
         for record in reversed(before):
             ticket = ticket_of(record)
             if ticket is None:
                 continue  # the key, a mark, or a piece that a crash left
             fd, data = probe(directory, pipe_name(digest, ticket))
+            if data is None:
+                continue  # gone: its owner left, and removed it
             if fd is not None:
+                if dead:  # they were behind one still in line: they were waiting
+                    _died(key, where, dead, held=False)
+                    dead = None
                 try:
                     if handed(data) is None:  # (else it is handing the key on already)
                         data += yield _Left(fd)
@@ -707,7 +804,15 @@ class FileBackend:
             token = handed(data)
             if token is not None:
                 # It held the key, so every ticket before it has left too.
+                if dead:  # (they never read its hand-off: they were waiting)
+                    _died(key, where, dead, held=False)
                 return max(token + 1, time.time_ns())
+            if not data:
+                if dead is None:
+                    dead = []
+                dead.append(ticket)
+        if dead:
+            _died(key, where, dead, held=True)
         return time.time_ns()
 
     def release(self, grant: Grant) -> Awaitable[None]:
@@ -720,7 +825,11 @@ class FileBackend:
         """
         own = self._granted(grant)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        again = self._leave(own)
+        try:
+            again = self._leave(own)
+        except OSError as error:
+            self._failed(own.key, error, "release")
+            raise
         if again is not None:
             self._retry(done, *again, 0.0)  # at once, then 1 ms...
             return done
@@ -736,7 +845,12 @@ class FileBackend:
         back on later, and its user's work is not held up for a tidy. The
         line file is then left to the key's next turn, which removes it.
         """
-        again = self._leave(self._granted(grant))
+        own = self._granted(grant)
+        try:
+            again = self._leave(own)
+        except OSError as error:
+            self._failed(own.key, error, "release")
+            raise
         if again is None:
             return
         end = time.monotonic() + _RETRY_SYNC_FOR
@@ -752,11 +866,11 @@ class FileBackend:
             )
         return grant
 
-    def _leave(self, grant: FileGrant) -> tuple[Directory, str, str] | None:
+    def _leave(self, grant: FileGrant) -> tuple[Directory, str, str, Hashable] | None:
         """Hand grant's key on and tidy its line file: release's system calls.
 
-        Returns where, digest and ticket of a line whose tidy must be tried
-        again shortly (see _tidy), else None (also for a grant released already).
+        Returns where, digest, ticket and key of a line whose tidy must be
+        tried again shortly (see _tidy), else None (also for a grant released already).
         """
         fd, grant._fd = grant._fd, -1
         if fd < 0:
@@ -770,6 +884,14 @@ class FileBackend:
         finally:
             _close(fd)
             _unlink(where.fd, pipe_name(digest, ticket))
+        if grant._lost:
+            logger.warning(
+                "inturn: the files of the turn on key %s in %s were deleted while it held "
+                "(by another process of this user, or a cleaner of the directory): another "
+                "process may have held the key meanwhile; the turn ends with LeaseLost",
+                describe(grant.key),
+                where.path,
+            )
         if line.st_size > grant._end:
             # Someone queued behind this grant, and was most likely just
             # handed the key: let it have this CPU first. Its work holds
@@ -778,7 +900,7 @@ class FileBackend:
             # on 2 cores, it is worth 10% of a line's turns per second.)
             os.sched_yield()
         if self._tidy(where, digest, ticket, grant._line_fd, held=True):
-            return where, digest, ticket
+            return where, digest, ticket, grant.key
         return None
 
     def _tidy(self, where: Directory, digest: str, own: str, fd: int, held: bool) -> bool:
@@ -832,7 +954,17 @@ class FileBackend:
                 gone.update(found.tickets[: found.tickets.index(own)])
             # A process killed between two of its calls may have left its FIFO:
             # it goes before its record, so that no FIFO outlives the record of it.
-            for ticket in (*found.unfinished, *gone):
+            for ticket in found.unfinished:  # (never own: it finished joining)
+                if _remove(where.fd, pipe_name(digest, ticket)):
+                    # Made, and no record of it: its process died joining.
+                    logger.info(
+                        "inturn: removed the ticket of process %d, which died while joining "
+                        "the line of key %s (directory %s)",
+                        pid_of(ticket),
+                        _key_of(found.key, digest),
+                        where.path,
+                    )
+            for ticket in gone:
                 if ticket != own:  # (its FIFO is removed already)
                     _remove(where.fd, pipe_name(digest, ticket))
             staying = [ticket for ticket in found.tickets if ticket not in gone]
@@ -845,7 +977,13 @@ class FileBackend:
         return False
 
     def _retry(
-        self, done: asyncio.Future[None], where: Directory, digest: str, own: str, pause: float
+        self,
+        done: asyncio.Future[None],
+        where: Directory,
+        digest: str,
+        own: str,
+        key: Hashable,
+        pause: float,
     ) -> None:
         """Tidy again after pause (the line file's lock was busy), until done or it is gone.
 
@@ -858,23 +996,29 @@ class FileBackend:
 
         def again() -> None:
             first, longest = _LOCK_PAUSES
-            if self._tidy_again(where, digest, own) and pause < _RETRY_FOR:
-                self._retry(done, where, digest, own, min(max(pause * 2, first), longest))
+            if self._tidy_again(where, digest, own, key) and pause < _RETRY_FOR:
+                self._retry(done, where, digest, own, key, min(max(pause * 2, first), longest))
             else:
                 _finish(done)
 
         loop.call_later(pause, again)
 
-    def _tidy_again(self, where: Directory, digest: str, own: str) -> bool:
-        """Tidy digest's line file, opened again, after own left it; whether it was busy again."""
+    def _tidy_again(self, where: Directory, digest: str, own: str, key: Hashable) -> bool:
+        """Tidy digest's (key's) line file, opened again, after own left it; whether it was busy."""
         try:
             fd = _open_tracked(line_name(digest), _OPEN_TIDY, where.fd)
         except OSError:  # deleted (or never a file to tidy): nothing is left
             return False
         try:
             return self._tidy(where, digest, own, fd, held=True)
-        except OSError:
-            return False  # best effort, as in release()
+        except OSError as error:  # best effort: the next turn on the key tidies
+            logger.debug(
+                "inturn: could not tidy the line of key %s in %s: %s",
+                describe(key),
+                where.path,
+                error,
+            )
+            return False
 
     def line(self, key: Hashable) -> tuple[int, ...]:
         """The process ids in key's line, in turn order, as the line file has them now.
