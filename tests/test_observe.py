@@ -161,11 +161,6 @@ async def test_a_lost_lease_is_logged_on_inturn_with_the_key_as_given(
     assert records[1][2].endswith("the work ran and raised ValueError")
 
 
-def test_inturn_s_logs_go_nowhere_until_the_application_configures_logging() -> None:
-    handlers = logging.getLogger("inturn").handlers
-    assert [type(handler) for handler in handlers] == [logging.NullHandler]
-
-
 class Broken(Recorder):
     def started(self, waited: float, function: str | None) -> None:
         raise RuntimeError("the observer's own bug")

@@ -22,7 +22,6 @@ settings (timeout, max_pending) or a separate set of lines.
 
 from __future__ import annotations
 
-import logging
 from importlib.metadata import PackageNotFoundError, version
 
 from ._batch import Batch as Batch
@@ -41,10 +40,6 @@ from ._stats import QueueStats as QueueStats
 from ._submit import Handle as Handle
 from ._turn import Turn as Turn
 from ._turn import current_turn as current_turn
-
-# A library logs to its loggers and leaves handlers to the application (see the
-# logging HOWTO): without this, Python's last-resort handler would print them.
-logging.getLogger("inturn").addHandler(logging.NullHandler())
 
 try:
     __version__ = version("inturn")
