@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -254,3 +256,16 @@ def test_instrument_with_no_queue_instruments_the_default_queue(reader: Any) -> 
 def test_instrument_refuses_what_is_not_a_queue() -> None:
     with pytest.raises(TypeError, match="takes KeyedQueue objects"):
         instrument("shop")  # type: ignore[arg-type]
+
+
+def test_importing_inturn_imports_no_client_library() -> None:
+    """OpenTelemetry (and redis-py) load only with inturn.otel (inturn.backends.redis)."""
+    code = (
+        "import sys, inturn, inturn.backends, inturn.backends.file; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'opentelemetry', 'redis'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    code = "import sys, inturn.otel; print('opentelemetry' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"  # (the check above can fail)
