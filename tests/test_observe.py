@@ -187,3 +187,29 @@ async def test_an_observer_that_raises_is_logged_and_the_turns_go_on(
     errors = [r for r in caplog.records if r.name == "inturn" and r.levelno == logging.ERROR]
     assert len(errors) == 4
     assert "observer's started() raised" in errors[0].getMessage()
+
+
+async def test_a_turn_running_when_the_observer_comes_is_never_reported_with_a_hold_time() -> None:
+    queue = KeyedQueue()
+    recorder = Recorder()
+    held: list[float | None] = []
+    recorder.ended = lambda h, e, c, f: held.append(h)  # type: ignore[method-assign]
+    started = asyncio.Event()
+    release = asyncio.Event()
+
+    async def hold() -> None:
+        started.set()
+        await release.wait()
+
+    await queue.run("warm", lambda: None)  # the solo loop's fast path from now on
+    holder = asyncio.create_task(queue.run("k", hold))
+    await started.wait()  # it holds k on the plain path, untimed
+    queue.observe(recorder)
+    release.set()
+    await holder
+    await queue.run("k", lambda: None)  # a turn taken under the observer is timed
+    # the turn taken before is unreported, or reported without a hold time
+    assert len(held) in (1, 2)
+    assert all(h is None for h in held[:-1])
+    assert held[-1] is not None
+    assert held[-1] >= 0

@@ -723,8 +723,9 @@ class KeyedQueue:
         An unobserved queue pays nothing for this: its uncontended turns
         take inlined paths that check for no observer. An observed queue
         times every turn instead, which costs its uncontended turn about
-        what a queue with ``max_running`` pays. Turns already running when
-        the observer is set are not reported.
+        what a queue with ``max_running`` pays. A turn already running when
+        the observer is set is not reported, or only its end, without its
+        hold time.
         """
         self._registry.observe(observer, self._plain(self.max_running))
 

@@ -212,9 +212,9 @@ def instrument(*queues: KeyedQueue, meter_provider: MeterProvider | None = None)
     lease and error, are recorded to the instruments listed in this
     module's docstring, on the meter ``inturn`` of ``meter_provider`` (by
     default the global one, ``opentelemetry.metrics.get_meter_provider()``,
-    which an application may set before or after this call). Turns already
-    running are not recorded. Instrumenting a queue again moves it to
-    ``meter_provider``.
+    which an application may set before or after this call). A turn already
+    running is not recorded, or only its end (an error, say), without its
+    hold time. Instrumenting a queue again moves it to ``meter_provider``.
 
     :raises TypeError: something other than a :class:`~inturn.KeyedQueue` was given.
     """
