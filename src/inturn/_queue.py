@@ -722,8 +722,9 @@ class KeyedQueue:
 
         An unobserved queue pays nothing for this: its uncontended turns
         take inlined paths that check for no observer. An observed queue
-        times every turn instead, which costs its uncontended turn about
-        what a queue with ``max_running`` pays. A turn already running when
+        takes every turn through the general, timed path instead: about
+        9 µs an uncontended turn against 0.8 µs, plus the observer's own
+        cost. A turn already running when
         the observer is set is not reported, or only its end, without its
         hold time.
         """

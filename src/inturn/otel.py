@@ -35,9 +35,11 @@ those. Keys are never an attribute: there are as many as the application
 has rows or accounts, which no metrics backend can store. The gauges read
 :meth:`~inturn.KeyedQueue.stats` when the reader collects.
 
-An instrumented queue times each of its turns, which costs its uncontended
-turn about what ``max_running`` costs; a queue that is not instrumented
-pays nothing (see :meth:`~inturn.KeyedQueue.observe`).
+An instrumented queue takes each of its turns through the general, timed
+path (about 9 µs an uncontended turn, against 0.8 µs), and the SDK adds its
+own cost per record (about 8.5 µs on a 2-core VM, two records a turn); a
+queue that is not instrumented pays nothing (see
+:meth:`~inturn.KeyedQueue.observe`).
 """
 
 from __future__ import annotations
