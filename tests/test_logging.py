@@ -12,6 +12,8 @@ import errno
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import threading
 from collections.abc import AsyncIterator, Hashable
 from pathlib import Path
@@ -23,6 +25,8 @@ import redis.asyncio as aioredis
 from file_checks import line_file, spec
 from inturn import KeyedQueue, LeaseLost
 from inturn import _bridge as bridge
+from inturn.backends import file as file_backend
+from inturn.backends._directory import Directory
 from inturn.backends.file import FileBackend
 from inturn.backends.redis import RedisBackend
 from processes import Worker, until
@@ -365,3 +369,39 @@ async def test_turns_that_go_as_they_should_log_nothing_even_at_debug(
     await turns([KeyedQueue(backend=backend) for _ in range(3)], KEY)
     await turns([KeyedQueue(backend=each) for each in redis], KEY)
     assert ours(logs) == []
+
+
+def test_a_ticket_closed_without_a_word_by_a_live_process_is_no_death(
+    tmp_path: Path, logs: pytest.LogCaptureFixture
+) -> None:
+    """A third reader may take a hand-off (see _tickets.probe): its writer still runs.
+
+    Found by running the quiet-turns test above in a loop: 1 run in 20 logged
+    "process P died holding", P being the test's own process.
+    """
+    dead = subprocess_pid_that_exited()
+    where = Directory(os.open(tmp_path, os.O_RDONLY), tmp_path)
+    tickets = [f"{os.getpid()}.aaaa", f"{dead}.bbbb"]
+    file_backend._died("k", where, tickets, held=True)  # the dead one held
+    assert ours(logs) == [
+        f"inturn.file WARNING inturn: process {dead} died holding key 'k' (or as it was "
+        f"handed the key), without releasing it; process {os.getpid()} takes the key over "
+        f"(directory {tmp_path})"
+    ]
+    logs.clear()
+    file_backend._died("k", where, list(reversed(tickets)), held=True)  # the live one held
+    assert ours(logs) == [
+        f"inturn.file INFO inturn: process {dead} died waiting for key 'k'; its place in "
+        f"line is skipped (directory {tmp_path})"
+    ]
+
+
+def subprocess_pid_that_exited() -> int:
+    """The id of a process that has exited and was reaped."""
+    child = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(child.stdout)

@@ -434,13 +434,41 @@ def _key_of(portable: bytes | None, digest: str) -> str:
     return f"<key with digest {digest[:16]}>"
 
 
+def _gone(pid: int) -> bool:
+    """Whether process pid has ended: it no longer exists, or is a zombie (Linux).
+
+    A process of another user exists. Where /proc is not there, a zombie
+    not yet reaped by its parent counts as running.
+    """
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            state = stat.read().rpartition(b")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in (b"Z", b"X")
+
+
 def _died(key: Hashable, where: Directory, tickets: list[str], held: bool) -> None:
-    """Log the owners of tickets, closed without a word: they died in key's line.
+    """Log the owners of tickets, closed without a word, that died in key's line.
 
     tickets are in the order a waiter met them, its nearest first; if held,
     the last (the earliest in line) held the key, or was being handed it.
+    A ticket closed without a word whose process still runs did not die: a
+    third reader took its hand-off (see _tickets.probe). Such a ticket is
+    not logged, nor one whose process id was reused since (rare: a death
+    left out of the log, never a false one).
     """
     for n, ticket in enumerate(tickets):
+        if not _gone(pid_of(ticket)):
+            continue
         if held and n == len(tickets) - 1:
             logger.warning(
                 "inturn: process %d died holding key %s (or as it was handed the key), "
