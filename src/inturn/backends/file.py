@@ -434,10 +434,15 @@ def _key_of(portable: bytes | None, digest: str) -> str:
     return f"<key with digest {digest[:16]}>"
 
 
-def _gone(pid: int) -> bool:
-    """Whether process pid has ended: it no longer exists, or is a zombie (Linux).
+#: Linux's flag of a process that is exiting: its files are closed before it
+#: becomes a zombie, so a waiter may see its ticket close while it still runs.
+_PF_EXITING = 0x4
 
-    A process of another user exists. Where /proc is not there, a zombie
+
+def _gone(pid: int) -> bool:
+    """Whether process pid has ended, or is ending (Linux: exiting, or a zombie).
+
+    A process of another user exists. Where /proc is not there, a process
     not yet reaped by its parent counts as running.
     """
     if pid == os.getpid():
@@ -450,10 +455,11 @@ def _gone(pid: int) -> bool:
         return False
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
-            state = stat.read().rpartition(b")")[2].split()[0]
-    except (OSError, IndexError):
+            # after "pid (comm)": state ppid pgrp session tty_nr tpgid flags ...
+            fields = stat.read().rpartition(b")")[2].split()
+        return fields[0] in (b"Z", b"X") or bool(int(fields[6]) & _PF_EXITING)
+    except (OSError, IndexError, ValueError):
         return False
-    return state in (b"Z", b"X")
 
 
 def _died(key: Hashable, where: Directory, tickets: list[str], held: bool) -> None:
