@@ -137,9 +137,13 @@ class KeyedQueue:
         only once the cancelled work has finished. ``None``: no limit.
         Async callers only; a blocking call on a queue with it raises
         :exc:`TypeError`.
+    :param name: what to call the queue in its repr, its log lines and its
+        metrics (:meth:`observe`, :mod:`inturn.otel`): a short printable
+        string, or ``None``.
     :raises ValueError: ``timeout`` or ``max_pending`` is negative,
         ``max_running`` or ``concurrency`` is below 1, ``max_hold`` is not
-        positive, or ``concurrency`` is above 1 with a backend.
+        positive, ``concurrency`` is above 1 with a backend, or ``name`` is
+        empty or not printable.
     :raises TypeError: a setting has the wrong type, or ``backend`` is not a
         backend.
     """
