@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -21,6 +23,23 @@ from servers import (
 )
 
 from helpers import Recorder, unavailable
+
+
+@pytest.fixture(autouse=True)
+def _sigint_left_as_it_was(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail the test that leaves SIGINT to a handler other than Python's own.
+
+    Tests that interrupt the main thread with SIGINT need KeyboardInterrupt;
+    an asyncio runner's handler left behind (it cancels a task instead) made
+    one such test wait for ever, once, in CI.
+    """
+    yield
+    handler = signal.getsignal(signal.SIGINT)
+    if handler is not signal.default_int_handler and threading.current_thread() is (
+        threading.main_thread()
+    ):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        pytest.fail(f"{request.node.nodeid} left SIGINT handled by {handler!r}")
 
 
 @pytest.fixture

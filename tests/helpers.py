@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import threading
 import time
 from collections import Counter
@@ -156,3 +157,16 @@ class LosingBackend:
 
     async def aclose(self) -> None:
         pass
+
+
+def main_thread_raises_on_sigint() -> None:
+    """Check that a SIGINT sent to the main thread raises KeyboardInterrupt there.
+
+    A test that interrupts the main thread with SIGINT relies on Python's own
+    handler: an asyncio runner left installed by an earlier test (its handler
+    cancels a task instead) would make it wait for ever.
+    """
+    handler = signal.getsignal(signal.SIGINT)
+    assert handler is signal.default_int_handler, (
+        f"SIGINT is handled by {handler!r}, not Python's default: an earlier test left it"
+    )

@@ -28,7 +28,7 @@ import pytest
 from inturn import BackendUnavailable, KeyedQueue, LeaseLost, QueueFull, current_turn
 from servers import free_port
 
-from helpers import PATIENCE, holding, wait_until
+from helpers import PATIENCE, holding, main_thread_raises_on_sigint, wait_until
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -258,7 +258,8 @@ def test_max_pending_bounds_a_threads_line(make: Make, pool: ThreadPoolExecutor)
 def test_a_thread_interrupted_while_the_backend_holds_it_leaves_the_line(
     make: Make, pool: ThreadPoolExecutor
 ) -> None:
-    holder_queue, queue = make(), make()
+    main_thread_raises_on_sigint()
+    holder_queue, queue = make(), make(timeout=PATIENCE)
     main = threading.get_ident()
 
     def interrupt() -> None:
@@ -521,8 +522,9 @@ class InterruptingBackend:
 
 
 def test_a_grant_that_comes_as_its_thread_is_interrupted_is_released_once() -> None:
+    main_thread_raises_on_sigint()
     backend = InterruptingBackend(threading.get_ident())
-    queue = KeyedQueue(backend=backend)
+    queue = KeyedQueue(backend=backend, timeout=PATIENCE)
     with pytest.raises(KeyboardInterrupt):
         queue.run_sync("k", lambda: None)
     wait_until(lambda: backend.released != [], "the backend loop releasing the grant")

@@ -23,7 +23,7 @@ import pytest
 import inturn
 from inturn import KeyedQueue, QueueClosed, QueueFull
 
-from helpers import PATIENCE, settle, wait_until
+from helpers import PATIENCE, main_thread_raises_on_sigint, settle, wait_until
 
 T = TypeVar("T")
 
@@ -433,7 +433,8 @@ async def test_the_task_holding_a_key_may_take_it_blocking() -> None:
 
 @pytest.mark.skipif(sys.platform == "win32", reason="pthread_kill")
 def test_an_interrupted_thread_leaves_the_line(pool: ThreadPoolExecutor) -> None:
-    queue = KeyedQueue()
+    main_thread_raises_on_sigint()
+    queue = KeyedQueue(timeout=PATIENCE)  # (a lost SIGINT fails the test, not hangs it)
     order: list[str] = []
     release = threading.Event()
     holder = pool.submit(queue.run_sync, "k", release.wait)
@@ -445,12 +446,14 @@ def test_an_interrupted_thread_leaves_the_line(pool: ThreadPoolExecutor) -> None
         signal.pthread_kill(main, signal.SIGINT)
 
     interrupter = pool.submit(interrupt)
-    with pytest.raises(KeyboardInterrupt):
-        queue.run_sync("k", order.append, "interrupted")
-    interrupter.result()
-    assert queue.pending("k") == 0
-    behind = line_up(queue, "k", [lambda: queue.run_sync("k", order.append, "behind")], pool)
-    release.set()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            queue.run_sync("k", order.append, "interrupted")
+        interrupter.result()
+        assert queue.pending("k") == 0
+        behind = line_up(queue, "k", [lambda: queue.run_sync("k", order.append, "behind")], pool)
+    finally:
+        release.set()  # (a failure above must not leave the pool's holder waiting for ever)
     holder.result()
     behind[0].result()
     assert order == ["behind"]
