@@ -25,13 +25,29 @@ from servers import (
 from helpers import Recorder, unavailable
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _python_handles_sigint() -> Iterator[None]:
+    """Give SIGINT to Python's own handler for the session, whatever the session began with.
+
+    Tests interrupt the main thread with SIGINT and expect KeyboardInterrupt.
+    A shell without job control starts a background command with SIGINT
+    ignored, and Python then keeps it ignored: run so (``.ci/run &``), the
+    four such tests failed, and one hung.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.fixture(autouse=True)
 def _sigint_left_as_it_was(request: pytest.FixtureRequest) -> Iterator[None]:
     """Fail the test that leaves SIGINT to a handler other than Python's own.
 
-    Tests that interrupt the main thread with SIGINT need KeyboardInterrupt;
-    an asyncio runner's handler left behind (it cancels a task instead) made
-    one such test wait for ever, once, in CI.
+    Tests that interrupt the main thread with SIGINT need KeyboardInterrupt
+    (an asyncio runner's handler cancels a task instead; SIG_IGN drops it).
     """
     yield
     handler = signal.getsignal(signal.SIGINT)
