@@ -24,6 +24,9 @@ from servers import (
 
 from helpers import Recorder, unavailable
 
+#: The PostgreSQL server's fixtures (postgres_url, own_postgres) live in pg_server.py.
+pytest_plugins = ["pg_server"]
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _python_handles_sigint() -> Iterator[None]:
