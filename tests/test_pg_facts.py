@@ -282,6 +282,36 @@ def test_a_sigkilled_waiter_stays_queued_until_its_turn_then_lets_the_next_throu
         assert granted == ["behind"]
 
 
+def test_client_connection_check_interval_drops_a_dead_waiter_from_the_queue(
+    postgres_url: str, connect: Callable[[], Any]
+) -> None:
+    """With ``client_connection_check_interval`` (a session may set it), a dead waiter leaves.
+
+    The waiting backend checks its socket every interval and ends when the
+    client is gone, so a SIGKILLed waiter no longer waits for its turn.
+    """
+    key = new_key()
+    observer, holder = connect(), connect()
+    holder.execute("SELECT pg_advisory_lock(%s)", (key,))
+    program = (
+        "import sys, psycopg\n"
+        "c = psycopg.connect(sys.argv[1], autocommit=True)\n"
+        "c.execute(\"SET client_connection_check_interval = '100ms'\")\n"
+        "print(c.info.backend_pid, flush=True)\n"
+        "c.execute('SELECT pg_advisory_lock(%s)', (int(sys.argv[2]),))\n"
+    )
+    with python(program, postgres_url, str(key)) as process:
+        assert process.stdout is not None
+        dead_pid = int(process.stdout.readline())
+        eventually(lambda: is_waiting(observer, dead_pid), "the doomed waiter waits")
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+        began = time.monotonic()
+        eventually(lambda: advisory_locks(observer, dead_pid) == [], "the dead waiter left")
+        assert time.monotonic() - began < 2.0
+    holder.execute("SELECT pg_advisory_unlock(%s)", (key,))
+
+
 # c. lock_timeout, statement_timeout and cancel -------------------------------------
 
 
