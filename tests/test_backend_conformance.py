@@ -1,4 +1,4 @@
-"""The guarantees every backend keeps, run against each: in process, file, Redis.
+"""The guarantees every backend keeps, run against each: in process, file, Redis, PostgreSQL.
 
 Every test takes ``queue`` (a :class:`KeyedQueue` on the backend under test)
 or ``make_queue`` (the same with settings of the test's own), from
@@ -29,7 +29,7 @@ from helpers import QueueFactory, Recorder, checkpoints, settle, unavailable
 if sys.version_info < (3, 11):
     from exceptiongroup import ExceptionGroup
 
-BACKENDS = ("local", "file", "redis", "valkey", "redis-cluster")
+BACKENDS = ("local", "file", "redis", "valkey", "redis-cluster", "postgres")
 
 
 @pytest.fixture(params=BACKENDS)
@@ -45,6 +45,19 @@ async def backend(
         yield None
     elif kind == "file":
         yield FileBackend(tmp_path / "lines")
+    elif kind == "postgres":
+        pytest.importorskip("psycopg")
+        from inturn.backends.postgres import PostgresBackend
+        from pg_checks import advisory_locks_left
+
+        url = request.getfixturevalue("postgres_url")  # a server only for this backend
+        backend = PostgresBackend.from_url(url, namespace=f"t-{uuid.uuid4().hex[:12]}")
+        yield backend
+        # No lock held and no waiter queued once the work is done (before aclose,
+        # whose closing of every session would free them anyway).
+        left = await advisory_locks_left(url)
+        await backend.aclose()
+        assert left == []
     else:
         from inturn.backends.redis import RedisBackend
         from redis_checks import cluster_keys_left, keys_left
