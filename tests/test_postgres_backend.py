@@ -1,0 +1,197 @@
+"""What only the PostgreSQL backend does, against a real server (tests/pg_server.py).
+
+The guarantees every backend keeps are in test_backend_conformance.py. Here:
+the constructor's checks, no trace in ``pg_locks`` after a timeout or a
+cancellation (also one that races the grant), tokens across backends, a
+holder or waiter whose session is terminated, and the import boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+psycopg = pytest.importorskip("psycopg")
+
+from inturn import BackendUnavailable, KeyedQueue, LeaseLost  # noqa: E402
+from inturn.backends._pg_keys import lock_id  # noqa: E402
+from inturn.backends.postgres import PostgresBackend  # noqa: E402
+
+from helpers import PATIENCE  # noqa: E402
+from pg_checks import advisory_locks_left  # noqa: E402
+
+
+@pytest.fixture
+async def backend(postgres_url: str) -> AsyncIterator[PostgresBackend]:
+    made = PostgresBackend.from_url(postgres_url, namespace=f"t-{uuid.uuid4().hex[:12]}")
+    yield made
+    await made.aclose()
+
+
+@pytest.fixture
+async def admin(postgres_url: str) -> AsyncIterator[Any]:
+    """A session of the test's own, to look at pg_locks and to end other sessions."""
+    async with await psycopg.AsyncConnection.connect(postgres_url, autocommit=True) as session:
+        yield session
+
+
+async def waiters(admin: Any, lock: int) -> int:
+    """How many sessions wait (not granted) for the advisory lock ``lock``."""
+    unsigned = lock & 0xFFFF_FFFF_FFFF_FFFF
+    cursor = await admin.execute(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+        " AND classid = %s AND objid = %s AND objsubid = 1",
+        (unsigned >> 32, unsigned & 0xFFFF_FFFF),
+    )
+    row = await cursor.fetchone()
+    return int(row[0])
+
+
+async def until(check: Any, what: str) -> None:
+    deadline = asyncio.get_running_loop().time() + PATIENCE
+    while not await check():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"never reached: {what}")
+        await asyncio.sleep(0.005)
+
+
+def test_importing_inturn_imports_no_psycopg() -> None:
+    code = "import sys, inturn, inturn.backends; print('psycopg' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        ({"namespace": "has space"}, ValueError),
+        ({"namespace": ""}, ValueError),
+        ({"max_sessions": 0}, ValueError),
+        ({"max_sessions": True}, TypeError),
+        ({"max_sessions": 1.5}, TypeError),
+    ],
+)
+def test_bad_settings_are_refused(args: dict[str, Any], error: type[Exception]) -> None:
+    with pytest.raises(error, match="inturn: "):
+        PostgresBackend("postgresql://localhost/x", **args)
+
+
+def test_a_pool_or_conninfo_only() -> None:
+    with pytest.raises(TypeError, match="conninfo"):
+        PostgresBackend(42)  # type: ignore[arg-type]
+
+
+def test_repr_names_the_server_without_credentials() -> None:
+    backend = PostgresBackend.from_url("postgresql://me:secret@db.example:6543/shop", namespace="s")
+    assert repr(backend) == "PostgresBackend('db.example:6543/shop', namespace='s')"
+
+
+async def test_a_timed_out_wait_leaves_the_servers_queue(
+    backend: PostgresBackend, admin: Any
+) -> None:
+    grant = await backend.acquire("k", None)
+    with pytest.raises(TimeoutError, match="within 0.05 s"):
+        await backend.acquire("k", 0.05)
+    assert await waiters(admin, lock_id(backend.namespace, "k")) == 0
+    await backend.release(grant)
+    assert not grant.lost
+
+
+async def test_a_cancelled_wait_leaves_the_servers_queue(
+    backend: PostgresBackend, admin: Any
+) -> None:
+    lock = lock_id(backend.namespace, "k")
+    grant = await backend.acquire("k", None)
+    waiter = asyncio.create_task(backend.acquire("k", None))
+    await until(lambda: _is(waiters(admin, lock), 1), "the waiter queued")
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert await waiters(admin, lock) == 0
+    await backend.release(grant)
+    again = await backend.acquire("k", 0)  # nobody else holds it
+    await backend.release(again)
+
+
+async def _is(count: Any, n: int) -> bool:
+    return bool(await count == n)
+
+
+@pytest.mark.parametrize("delay", [0, 1, 2, 3, 5, 8])
+async def test_a_wait_cancelled_as_it_is_granted_leaves_no_lock(
+    backend: PostgresBackend, admin: Any, postgres_url: str, delay: int
+) -> None:
+    """The grant and the cancel race; whichever wins, the key ends up free."""
+    lock = lock_id(backend.namespace, "k")
+    async with await psycopg.AsyncConnection.connect(postgres_url, autocommit=True) as other:
+        await other.execute("SELECT pg_advisory_lock(%s)", (lock,))
+        waiter = asyncio.create_task(backend.acquire("k", None))
+        await until(lambda: _is(waiters(admin, lock), 1), "the waiter queued")
+        await other.execute("SELECT pg_advisory_unlock(%s)", (lock,))
+        for _ in range(delay):
+            await asyncio.sleep(0)
+        waiter.cancel()
+        try:
+            grant = await waiter
+        except asyncio.CancelledError:
+            pass
+        else:  # the grant was complete before the cancel arrived
+            await backend.release(grant)
+    assert await advisory_locks_left(postgres_url) == []
+
+
+async def test_tokens_grow_across_backends(postgres_url: str) -> None:
+    namespace = f"t-{uuid.uuid4().hex[:12]}"
+    one = PostgresBackend.from_url(postgres_url, namespace=namespace)
+    two = PostgresBackend.from_url(postgres_url, namespace=namespace)
+    try:
+        tokens = []
+        for backend in (one, two, one, two):
+            grant = await backend.acquire("k", None)
+            tokens.append(grant.token)
+            await backend.release(grant)
+        assert tokens == sorted(set(tokens))
+    finally:
+        await one.aclose()
+        await two.aclose()
+
+
+async def test_a_holder_whose_session_is_terminated_learns_it(
+    backend: PostgresBackend, admin: Any
+) -> None:
+    queue = KeyedQueue(backend=backend)
+
+    async def work() -> str:
+        await admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory'"
+            " AND granted AND pid <> pg_backend_pid()"
+        )
+        return "ran"
+
+    with pytest.raises(LeaseLost, match="could no longer vouch"):
+        await queue.run("k", work)
+    # and the next turn works, on a new session
+    assert await queue.run("k", lambda: "again") == "again"
+
+
+async def test_a_waiter_whose_session_is_terminated_gets_backend_unavailable(
+    backend: PostgresBackend, admin: Any
+) -> None:
+    lock = lock_id(backend.namespace, "k")
+    grant = await backend.acquire("k", None)
+    waiter = asyncio.create_task(backend.acquire("k", None))
+    await until(lambda: _is(waiters(admin, lock), 1), "the waiter queued")
+    await admin.execute(
+        "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory'"
+        " AND NOT granted AND pid <> pg_backend_pid()"
+    )
+    with pytest.raises(BackendUnavailable, match="the work did not run"):
+        await waiter
+    await backend.release(grant)
+    assert not grant.lost
