@@ -22,9 +22,9 @@ psycopg = pytest.importorskip("psycopg")
 from inturn import BackendUnavailable, KeyedQueue, LeaseLost  # noqa: E402
 from inturn.backends._pg_keys import lock_id  # noqa: E402
 from inturn.backends.postgres import PostgresBackend  # noqa: E402
+from pg_checks import advisory_locks_left  # noqa: E402
 
 from helpers import PATIENCE  # noqa: E402
-from pg_checks import advisory_locks_left  # noqa: E402
 
 
 @pytest.fixture
@@ -96,7 +96,7 @@ async def test_a_timed_out_wait_leaves_the_servers_queue(
     backend: PostgresBackend, admin: Any
 ) -> None:
     grant = await backend.acquire("k", None)
-    with pytest.raises(TimeoutError, match="within 0.05 s"):
+    with pytest.raises(TimeoutError, match=r"within 0\.05 s"):
         await backend.acquire("k", 0.05)
     assert await waiters(admin, lock_id(backend.namespace, "k")) == 0
     await backend.release(grant)
