@@ -33,9 +33,11 @@ from typing import TYPE_CHECKING, Any, final
 from ._keys import describe
 
 if TYPE_CHECKING:
-    from .backends._base import Backend, Grant
+    from collections.abc import Awaitable, Callable
 
-__all__ = ("acquire_sync", "acquire_via", "release_sync", "release_via")
+    from .backends._base import Backend, Grant, Session
+
+__all__ = ("acquire_sync", "acquire_via", "close_sync", "close_via", "release_sync", "release_via")
 
 #: Its own logger, under the core's "inturn": what it logs is rare (a thread per
 #: process started; a grant whose caller gave up), and at DEBUG only.
@@ -100,7 +102,7 @@ class _Call:
 
     __slots__ = ("abandoned", "backend", "finished", "outcome", "task")
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend | Session) -> None:
         self.backend = backend
         self.outcome: Future[Grant] = Future()
         self.task: asyncio.Task[Grant] | None = None
@@ -156,10 +158,15 @@ class _Call:
             _release_here(self.backend, grant)
 
 
-def _release_here(backend: Backend, grant: Grant) -> asyncio.Future[None]:
+def _release_here(backend: Backend | Session, grant: Grant) -> asyncio.Future[None]:
     """(On the backend loop.) Release grant; the future of the release, which goes on alone."""
-    release = backend.release(grant)
-    done = release if isinstance(release, asyncio.Future) else asyncio.ensure_future(release)
+    return _end_here(lambda: backend.release(grant))
+
+
+def _end_here(end: Callable[[], Awaitable[None]]) -> asyncio.Future[None]:
+    """(On the backend loop.) Start end(); the future of it, which goes on alone."""
+    ending = end()
+    done = ending if isinstance(ending, asyncio.Future) else asyncio.ensure_future(ending)
     done.add_done_callback(_consume)
     return done
 
@@ -169,14 +176,14 @@ def _consume(done: asyncio.Future[None]) -> None:
         done.exception()  # (a failed release was the backend's to log)
 
 
-def _loop_for(backend: Backend) -> asyncio.AbstractEventLoop:
+def _loop_for(backend: Backend | Session) -> asyncio.AbstractEventLoop:
     """Where a thread's call to backend runs: the loop it is bound to, or the backend loop."""
     bound = getattr(backend, "thread_loop", None)
     loop = None if bound is None else bound()
     return _LOOP.get() if loop is None else loop
 
 
-def acquire_sync(backend: Backend, key: Hashable, timeout: float | None) -> Grant:
+def acquire_sync(backend: Backend | Session, key: Hashable, timeout: float | None) -> Grant:
     """backend.acquire(key, timeout) for this thread, blocking it while it waits.
 
     :raises TimeoutError: as the backend's acquire, or its loop did not answer in time.
@@ -204,7 +211,7 @@ def acquire_sync(backend: Backend, key: Hashable, timeout: float | None) -> Gran
         raise
 
 
-async def acquire_via(backend: Backend, key: Hashable, timeout: float | None) -> Grant:
+async def acquire_via(backend: Backend | Session, key: Hashable, timeout: float | None) -> Grant:
     """backend.acquire(key, timeout) for a task of another loop, on the backend's loop.
 
     For a backend that serves further event loops best through one (see
@@ -221,20 +228,29 @@ async def acquire_via(backend: Backend, key: Hashable, timeout: float | None) ->
         raise
 
 
-def release_via(backend: Backend, grant: Grant) -> asyncio.Future[None]:
+def release_via(backend: Backend | Session, grant: Grant) -> asyncio.Future[None]:
     """backend.release(grant) on the backend's loop, for acquire_via's grant; it goes on alone."""
+    return _end_via(backend, lambda: backend.release(grant))
+
+
+def close_via(session: Session, error: BaseException | None) -> asyncio.Future[None]:
+    """session.close(error) on the backend's loop, for acquire_via's session; it goes on alone."""
+    return _end_via(session, lambda: session.close(error))
+
+
+def _end_via(owner: Backend | Session, end: Callable[[], Awaitable[None]]) -> asyncio.Future[None]:
     outcome: Future[None] = Future()
-    _loop_for(backend).call_soon_threadsafe(_release_into, backend, grant, outcome)
+    _loop_for(owner).call_soon_threadsafe(_end_into, end, outcome)
     return asyncio.wrap_future(outcome)
 
 
-def _release_into(backend: Backend, grant: Grant, outcome: Future[None]) -> None:
-    """(On the backend loop.) Release grant; settle outcome once it is done."""
-    done = _release_here(backend, grant)
+def _end_into(end: Callable[[], Awaitable[None]], outcome: Future[None]) -> None:
+    """(On the backend loop.) Start end(); settle outcome once it is done."""
+    done = _end_here(end)
     done.add_done_callback(lambda _: _settle_outcome(done, outcome))
 
 
-def release_sync(backend: Backend, grant: Grant) -> None:
+def release_sync(backend: Backend | Session, grant: Grant) -> None:
     """backend.release(grant) for this thread; returns once the release is done.
 
     Waits as long as the release takes: a backend's release completes by
@@ -245,8 +261,17 @@ def release_sync(backend: Backend, grant: Grant) -> None:
     if native is not None:
         native(grant)
         return
+    _end_sync(backend, lambda: backend.release(grant))
+
+
+def close_sync(session: Session, error: BaseException | None) -> None:
+    """session.close(error) for this thread; returns once it is done (as release_sync)."""
+    _end_sync(session, lambda: session.close(error))
+
+
+def _end_sync(owner: Backend | Session, end: Callable[[], Awaitable[None]]) -> None:
     outcome: Future[None] = Future()
-    _loop_for(backend).call_soon_threadsafe(_release_into, backend, grant, outcome)
+    _loop_for(owner).call_soon_threadsafe(_end_into, end, outcome)
     outcome.result()
 
 

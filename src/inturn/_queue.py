@@ -440,6 +440,7 @@ class KeyedQueue:
         *keys: Hashable,
         timeout: float | _Unset | None = UNSET,
         max_hold: float | _Unset | None = UNSET,
+        transaction: bool = False,
     ) -> Turn:
         """Hold one or more keys for the duration of a ``with`` or ``async with`` block.
 
@@ -458,9 +459,16 @@ class KeyedQueue:
             cancelled then, and raises :exc:`~inturn.HoldTimeout` once it has
             ended (see the queue's ``max_hold``); the queue's when not
             given, ``None`` for none. ``async with`` only.
+        :param transaction: on a database backend
+            (:class:`~inturn.backends.postgres.PostgresBackend`), hold the
+            keys on one connection, :attr:`Turn.connection`, and run the
+            block in a transaction on it: leaving the block commits, an
+            exception rolls back, and the keys are free for the next in line
+            only once the commit or rollback has finished. ``async with`` only.
         :returns: a :class:`Turn`, the (async) context manager that takes the
             turns on entry, binds itself, and releases them on exit.
-        :raises TypeError: no key was given, or a key is unhashable (at once).
+        :raises TypeError: no key was given, or a key is unhashable (at once);
+            ``transaction=True`` on a backend without transactions (at once).
         :raises TimeoutError: on entry, the turn was not reached in time.
         :raises QueueFull: on entry, a key already has ``max_pending`` waiters.
         :raises QueueClosed: on entry, the queue is closed.
@@ -470,6 +478,12 @@ class KeyedQueue:
         """
         limit = self._timeout if timeout is UNSET else check_timeout(timeout)  # type: ignore[arg-type]
         hold = self._max_hold if max_hold is UNSET else check_hold(max_hold)  # type: ignore[arg-type]
+        if transaction is not False:
+            self._check_transaction(transaction)
+            if not keys:
+                raise TypeError("inturn: keyed() needs at least one key")
+            ordered = self._registry.ordered(keys)
+            return Turn(self._registry, self._slots, ordered, limit, hold, transaction=True)
         if len(keys) == 1 and self._backend is None:
             try:
                 hash(keys[0])
@@ -479,6 +493,18 @@ class KeyedQueue:
         if not keys:
             raise TypeError("inturn: keyed() needs at least one key")
         return Turn(self._registry, self._slots, self._registry.ordered(keys), limit, hold)
+
+    def _check_transaction(self, transaction: object) -> None:
+        """Refuse keyed(transaction=...) that is not True, or on a backend without transactions."""
+        if transaction is not True:
+            raise TypeError(
+                f"inturn: transaction must be True or False, got {describe(transaction)}"
+            )
+        if not getattr(self._backend, "transactions", False):
+            raise TypeError(
+                f"inturn: keyed(..., transaction=True) needs a backend that takes turns in a "
+                f"database (PostgresBackend); this queue's is {describe(self._backend)}"
+            )
 
     # -- fire and forget ---------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from time import monotonic as _monotonic
 from types import CoroutineType, MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn, final
 
-from ._bridge import acquire_sync, acquire_via, release_sync, release_via
+from ._bridge import acquire_sync, acquire_via, close_sync, close_via, release_sync, release_via
 from ._checks import Deadline
 from ._errors import HoldTimeout, LeaseLost
 from ._keys import describe
@@ -26,7 +26,7 @@ _current_thread = threading.current_thread
 if TYPE_CHECKING:
     from ._registry import Registry
     from ._slots import Slots
-    from .backends._base import Grant
+    from .backends._base import Grant, Session
 
 __all__ = ("Clock", "Turn", "call_in_turn", "call_in_turn_sync", "current_turn")
 
@@ -39,6 +39,7 @@ _TAKE = 0  # key's turn in this process's line -> True, or False if the holder h
 _GRANT = 1  # key's grant from the backend -> the Grant
 _SLOT = 2  # a running slot (max_running) -> True
 _RELEASE = 3  # release a grant -> None
+_CLOSE = 4  # end the turn's session (see backends' Session), with the work's error -> None
 
 
 def _next(
@@ -189,12 +190,15 @@ class Turn:
     __slots__ = (
         "_flow",
         "_hold",
+        "_owns",
         "_registry",
+        "_session",
         "_shared",
         "_slots",
         "_taken",
         "_task",
         "_timeout",
+        "_transaction",
         "_via",
         "keys",
         "token",
@@ -214,6 +218,7 @@ class Turn:
         keys: tuple[Hashable, ...],
         timeout: float | None,
         hold: float | None,
+        transaction: bool = False,
     ) -> None:
         self._registry = registry
         self._slots = slots  # max_running's, or None
@@ -228,6 +233,11 @@ class Turn:
         self._via = False
         # slot, start time and max_hold of a turn that has any, once entered
         self._flow: _Flow | None = None
+        # keyed(transaction=True): the work runs in a transaction on self.connection
+        self._transaction = transaction
+        # On a backend with sessions (see backends' Session): this turn's, while taken
+        self._session: Session | None = None
+        self._owns = False  # whether this turn opened _session (else an enclosing turn did)
 
     @property
     def tokens(self) -> Mapping[Hashable, int]:
@@ -235,6 +245,30 @@ class Turn:
         if self._shared is None:
             return MappingProxyType(dict.fromkeys(self.keys, self.token))
         return MappingProxyType(self._shared.tokens)
+
+    @property
+    def connection(self) -> Any:
+        """The database connection that holds this turn's keys (``keyed(..., transaction=True)``).
+
+        Inside the block, the work's statements on it run in the turn's
+        transaction: leaving the block commits it, an exception rolls it
+        back, and the keys are free for the next in line only once that has
+        finished. Do not commit or close it yourself (``async with
+        turn.connection.transaction():`` makes a savepoint). On
+        :class:`~inturn.backends.postgres.PostgresBackend`, a
+        ``psycopg.AsyncConnection``.
+
+        :raises RuntimeError: outside the block, or the turn was not taken with
+            ``transaction=True``.
+        """
+        session = self._session
+        if session is None or not self._transaction or self._task is None:
+            raise RuntimeError(
+                "inturn: turn.connection exists inside the block of "
+                "`async with queue.keyed(..., transaction=True)`, on a backend that "
+                "takes turns in a database (PostgresBackend)"
+            )
+        return session.connection
 
     @property
     def lease_lost(self) -> bool:
@@ -335,8 +369,12 @@ class Turn:
         if backend is not None:
             loop = task.get_loop() if task is not None else asyncio.get_running_loop()
             deadline = Deadline(self._timeout, loop.time)
-            self._via = registry.via(loop)
-            await self._drive(self._take_shared(task, _monotonic()), task, deadline)
+            via = registry.via(loop)
+            # A transaction's connection must be this loop's; on a loop the backend
+            # does not serve directly (a loop per job), one of the turn's own.
+            self._via = via and not self._transaction
+            steps = self._take_shared(task, _monotonic(), via and self._transaction)
+            await self._drive(steps, task, deadline)
         elif registry.plain:
             loop = task.get_loop() if task is not None else asyncio.get_running_loop()
             self._taken = await self._take_all(task, Deadline(self._timeout, loop.time))
@@ -391,6 +429,11 @@ class Turn:
             raise TypeError(
                 f"inturn: max_hold={self._hold:g} s cannot cut a thread's turn short "
                 "(a thread cannot be cancelled); take it from a task, or without max_hold"
+            )
+        if self._transaction:
+            raise TypeError(
+                "inturn: keyed(..., transaction=True) hands the block an async database "
+                "connection: take it with `async with`, or without transaction=True"
             )
         registry = self._registry
         keys = self.keys
@@ -500,8 +543,13 @@ class Turn:
     # answer back, or throws in what interrupted it; _drive for a task,
     # _drive_sync for a thread. (A backend's I/O dwarfs a generator's cost.)
 
-    def _take_shared(self, holder: object, begun: float) -> Generator[tuple[int, Any], Any, None]:
-        """Take each key's turn in this process's line, then from the backend, in order (steps)."""
+    def _take_shared(
+        self, holder: object, begun: float, own: bool = False
+    ) -> Generator[tuple[int, Any], Any, None]:
+        """Take each key's turn in this process's line, then from the backend, in order (steps).
+
+        ``own``: a backend session should have a connection of its own (see Session).
+        """
         registry = self._registry
         outer = _CURRENT.get()
         taken: list[Hashable] = []
@@ -509,6 +557,7 @@ class Turn:
         tokens: dict[Hashable, int] = {}
         holders: list[Turn] = []
         flow = _Flow()
+        opener = getattr(registry.backend, "session", None)
         try:
             for key in self.keys:
                 if not (yield _TAKE, key):
@@ -519,17 +568,30 @@ class Turn:
                         tokens[key] = enclosing.tokens[key]
                     continue
                 taken.append(key)
-                grant = yield _GRANT, key
-                grants.append(grant)
-                tokens[key] = grant.token
+                if opener is None:
+                    grant = yield _GRANT, key
+                    grants.append(grant)
+                    tokens[key] = grant.token
+            if opener is not None and (taken or self._transaction):
+                # One connection for the turn, asked for once this process's lines
+                # are taken: a turn waiting for one holds no connection, and one
+                # holding a connection waits for nothing of this process, so a
+                # pool of them cannot deadlock (see backends' Session). A turn
+                # nested in another takes its keys on the enclosing turn's.
+                lender = None if self._transaction else _lender(outer, registry)
+                self._owns = lender is None
+                self._session = lender or opener(len(taken), self._transaction, own)
+                for key in taken:
+                    grant = yield _GRANT, key
+                    grants.append(grant)
+                    tokens[key] = grant.token
             if self._slots is not None:
                 flow.slot = yield _SLOT, None
         except BaseException as error:
             if len(grants) < len(taken):  # the backend's turn was not reached
                 registry.missed(error)
             try:
-                for grant in reversed(grants):
-                    yield _RELEASE, grant
+                yield from self._give_back(grants, error)
             finally:
                 registry.release_all(taken, holder, error, None)
             raise
@@ -555,14 +617,20 @@ class Turn:
             error = reply = None
             try:
                 if step == _RELEASE:
-                    await _settle(release_via(backend, arg) if via else backend.release(arg))
+                    source = self._session or backend
+                    await _settle(release_via(source, arg) if via else source.release(arg))
+                    continue
+                if step == _CLOSE:
+                    session, failed = arg
+                    await _settle(close_via(session, failed) if via else session.close(failed))
                     continue
                 assert deadline is not None
                 if step == _TAKE:
                     reply = await registry.take(arg, task, deadline.left(), limit)
                 elif step == _GRANT:
                     left = deadline.left()
-                    acquire = acquire_via(backend, arg, left) if via else backend.acquire(arg, left)
+                    source = self._session or backend
+                    acquire = acquire_via(source, arg, left) if via else source.acquire(arg, left)
                     reply = await acquire
                 else:
                     assert slots is not None
@@ -588,13 +656,16 @@ class Turn:
             error = reply = None
             try:
                 if step == _RELEASE:
-                    release_sync(backend, arg)
+                    release_sync(self._session or backend, arg)
+                    continue
+                if step == _CLOSE:
+                    close_sync(*arg)
                     continue
                 assert deadline is not None
                 if step == _TAKE:
                     reply = registry.take_sync(arg, holder, deadline.left(), limit)
                 elif step == _GRANT:
-                    reply = acquire_sync(backend, arg, deadline.left())
+                    reply = acquire_sync(self._session or backend, arg, deadline.left())
                 else:
                     assert slots is not None
                     reply = slots.take_sync(holder, deadline.left(), limit)
@@ -697,11 +768,7 @@ class Turn:
         _CURRENT.set(shared.outer)
         failure: Exception | None = None
         try:
-            for grant in reversed(grants):
-                try:
-                    yield _RELEASE, grant
-                except Exception as problem:
-                    failure = failure or problem
+            failure = yield from self._give_back(grants, error)
             lost = [grant for grant in grants if grant.lost]
             if lost:
                 what = ", ".join(f"{describe(grant.key)} (token {grant.token})" for grant in lost)
@@ -727,6 +794,32 @@ class Turn:
             self._release(error, result, cut)
         if failure is not None and failure is error:
             raise failure
+
+    def _give_back(
+        self, grants: list[Grant], error: BaseException | None
+    ) -> Generator[tuple[int, Any], Any, Exception | None]:
+        """Release grants, newest first, or close the turn's session (steps).
+
+        Every release is made; the first that failed is returned.
+        """
+        failure: Exception | None = None
+        session = self._session
+        if session is not None and self._owns:
+            self._session = None
+            try:
+                yield _CLOSE, (session, error)
+            except Exception as problem:
+                failure = problem
+            return failure
+        try:
+            for grant in reversed(grants):
+                try:
+                    yield _RELEASE, grant  # (to the session it was taken on, if any)
+                except Exception as problem:
+                    failure = failure or problem
+        finally:
+            self._session = None
+        return failure
 
     def __repr__(self) -> str:
         if self._task is None:
@@ -785,6 +878,16 @@ def _refuse_coroutine(fn: object, result: CoroutineType[Any, Any, Any]) -> NoRet
         f"inturn: {describe(fn)} returned a coroutine, which a thread cannot await; "
         "for async def functions use `await queue.run(...)`"
     )
+
+
+def _lender(turn: Turn | None, registry: Registry) -> Session | None:
+    """The session of the innermost enclosing turn on registry, unless a transaction's."""
+    while turn is not None:
+        if turn._registry is registry and turn._session is not None:
+            return None if turn._transaction else turn._session
+        shared = turn._shared
+        turn = None if shared is None else shared.outer
+    return None
 
 
 def _holder(turn: Turn | None, registry: Registry, key: Hashable) -> Turn | None:

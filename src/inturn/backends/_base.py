@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Hashable
 from typing import Protocol, runtime_checkable
 
-__all__ = ("Backend", "Grant")
+__all__ = ("Backend", "Grant", "Session")
 
 
 @runtime_checkable
@@ -25,6 +25,48 @@ class Grant(Protocol):
     @property
     def lost(self) -> bool:
         """Whether the backend can no longer vouch for this grant (its lease ran out, say)."""
+        ...
+
+
+class Session(Protocol):
+    """One turn's hold on a backend that takes all of a turn's keys on one connection.
+
+    A backend may offer ``session(count, transaction, own) -> Session`` (no
+    I/O): the queue then takes a turn's keys through the session rather than
+    the backend, after it took every key's place in this process's lines,
+    and ends the turn with :meth:`close` (no per-grant release). PostgreSQL
+    does: its locks belong to a connection, so a turn on several keys needs
+    one connection, not one per key, and a pool of connections can never
+    deadlock turns that each wait for a second one.
+
+    ``count`` is how many keys the turn will take; ``transaction`` asks for
+    the turn's work to run in a transaction on :attr:`connection` that
+    :meth:`close` commits (or rolls back); ``own`` says the caller's event
+    loop is short-lived (a loop per job), so the session should not keep a
+    pool for it. Its calls run on one event loop, as the backend's do.
+    """
+
+    @property
+    def connection(self) -> object:
+        """The connection the turn's keys are held on (what ``turn.connection`` gives)."""
+        ...
+
+    async def acquire(self, key: Hashable, timeout: float | None) -> Grant:
+        """As :meth:`Backend.acquire`, on the session's connection (the first call gets one)."""
+        ...
+
+    def release(self, grant: Grant) -> Awaitable[None]:
+        """Give back one grant early (a grant whose caller gave up); :meth:`close` does the rest."""
+        ...
+
+    def close(self, error: BaseException | None) -> Awaitable[None]:
+        """End the turn: commit (error is None) or roll back, then free every key it holds.
+
+        Completes even if the caller is cancelled meanwhile (as a release).
+        Marks a grant ``lost`` whose key was no longer held.
+
+        :raises ~inturn.BackendUnavailable: the transaction did not commit.
+        """
         ...
 
 
@@ -67,6 +109,8 @@ class Backend(Protocol):
       most two in turn) and the tasks of every other loop through the same
       backend loop as threads, so that an ``asyncio.run()`` per job opens
       no connection per job.
+    - A backend whose locks belong to a connection may offer ``session()``
+      (see :class:`Session`): one connection per turn, however many keys.
     - Keys cross process boundaries, so :meth:`order` accepts only keys that
       every process names alike and sorts them in one order every process
       computes identically (never by ``hash()``, which is salted per process).
