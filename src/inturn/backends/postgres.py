@@ -9,32 +9,7 @@
     shop = KeyedQueue(backend=backend)
 
 Installed with ``pip install "inturn[postgres]"`` (psycopg 3 and psycopg_pool).
-A first draft (issue 20): async callers, and threads through the queue's
-backend loop; no ``transaction=True`` yet.
-
-How a line is kept. A key is a session-level advisory lock, named by a
-64-bit id digested from the namespace and the key (``_pg_keys.lock_id``).
-A waiter runs ``pg_advisory_lock(id)`` on a session of its own: the server
-queues it behind the holder in arrival order and wakes it when the holder
-unlocks or its session ends, so nothing polls and a killed holder frees
-the key at once. Each waiter or holder of this process takes one
-connection from a pool (``max_sessions`` at most, per event loop).
-
-One round trip takes a turn: the statement sets ``lock_timeout`` (and
-``client_connection_check_interval``, so a waiter whose client died leaves
-the queue) for itself only, waits for the lock, and then draws the fencing
-token from the sequence ``inturn_token``. The settings are local to the
-statement's own transaction (the connection is in autocommit), so a pool
-that the caller lends keeps its own settings.
-
-Fencing tokens come from one sequence, ``inturn_token``, shared by every
-namespace: ``nextval`` after the grant, in the same statement. A sequence
-rather than a table of counters per key: ``nextval`` writes no row (no
-commit to wait for, no dead tuples per grant), and a number that grows
-for every key grows for each. It is made on first use
-(``CREATE SEQUENCE IF NOT EXISTS``), which needs the CREATE privilege on the
-first schema of the ``search_path``; without it, make it once as an owner
-and ``GRANT USAGE`` on it.
+See :class:`PostgresBackend` for what it guarantees.
 """
 
 from __future__ import annotations
@@ -42,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import math
 import re
+import select
+import sys
 import threading
-import weakref
 from collections.abc import Hashable
 from typing import Any, Final, final
 
@@ -74,13 +50,13 @@ SEQUENCE: Final = "inturn_token"
 #: How often a waiting session checks that its client is still there (PostgreSQL 14+).
 _CHECK_INTERVAL: Final = "1s"
 
-#: Seconds to wait for a session from the pool where the caller gave no time limit
-#: (or 0): past it, the server counts as unreachable.
-_SESSION_WAIT: Final = 30.0
+#: Seconds to wait for a connection to the server (once this process has a session
+#: slot free for it): past it, the server counts as unreachable.
+_CONNECT_WAIT: Final = 10.0
 
 # Wait for the lock, then draw the token. OFFSET 0 keeps each subquery apart, so
 # the settings come first, then the lock, then nextval; set_config(..., true)
-# lasts for this statement's transaction only.
+# lasts for this statement's transaction only (the session is in autocommit).
 _WAIT: Final = (
     "SELECT nextval('" + SEQUENCE + "') FROM ("
     " SELECT pg_advisory_lock(%s) FROM ("
@@ -111,24 +87,21 @@ _UNDO: Final = (
     " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
     " AND classid = %s AND objid = %s AND objsubid = 1"
 )
-_UNLOCK: Final = "SELECT pg_advisory_unlock(%s)"
+# The end of a turn: unlock each of its keys, in one round trip; whether each was held.
+_UNLOCK: Final = (
+    "SELECT array_agg(pg_advisory_unlock(id) ORDER BY n)"
+    " FROM unnest(%s::bigint[]) WITH ORDINALITY AS locks(id, n)"
+)
 _MAKE_SEQUENCE: Final = f"CREATE SEQUENCE IF NOT EXISTS {SEQUENCE} AS bigint"
 
 
 @final
 class PostgresGrant:
-    """The turn on one key: a session of the pool that holds the key's advisory lock."""
+    """The turn on one key: its advisory lock, held by the session of the turn."""
 
-    __slots__ = ("_connection", "_lock", "_pool", "_released", "key", "lost", "token")
+    __slots__ = ("_lock", "_session", "key", "lost", "token")
 
-    def __init__(
-        self,
-        key: Hashable,
-        token: int,
-        lock: int,
-        connection: psycopg.AsyncConnection[Any],
-        pool: AsyncConnectionPool[Any],
-    ) -> None:
+    def __init__(self, key: Hashable, token: int, lock: int, session: _Session) -> None:
         self.key = key
         #: From the sequence ``inturn_token``, drawn after the grant: larger than
         #: every earlier grant's, of this key and every other.
@@ -136,35 +109,84 @@ class PostgresGrant:
         #: True once the session that held the lock is known to have ended under it.
         self.lost = False
         self._lock = lock
-        self._connection = connection
-        self._pool = pool
-        self._released = False
+        self._session = session
 
     def __repr__(self) -> str:
         return f"PostgresGrant(key={self.key!r}, token={self.token}, lost={self.lost})"
 
 
 @final
+class _Place:
+    """What the backend keeps for one event loop: a pool, and the slots of its sessions."""
+
+    __slots__ = ("pool", "slots")
+
+    def __init__(self, pool: AsyncConnectionPool[Any], size: int) -> None:
+        self.pool = pool
+        # One per connection this process may hold: taken before a connection is
+        # asked of the pool, so that a pool that does not answer means a server
+        # that cannot be reached, never one busy with this process's other keys.
+        self.slots = asyncio.Semaphore(size)
+
+
+@final
 class PostgresBackend:
     """Lines shared by every process and host that uses the same database and namespace.
 
+    A key is a session-level advisory lock, named by a 64-bit id digested
+    from the namespace and the key (BLAKE2b: two keys sharing an id share a
+    line, which never breaks exclusion; with 2**64 ids, a collision among a
+    million keys has odds of about 1 in 40 million). A turn waits with
+    ``pg_advisory_lock`` on a connection of its own: the server queues it
+    behind the holder in arrival order and wakes it when the holder unlocks
+    or its session ends.
+
     - Exclusion per key across every process and host, while the holder's
       session lives; FIFO across processes in the server's lock-queue order.
-    - No polling: each waiting key is one ``pg_advisory_lock`` call.
+    - No polling: each waiting key is one ``pg_advisory_lock`` call, and the
+      server shows the waiter with ``wait_event = 'advisory'``.
+    - One round trip takes a key (the lock, then the fencing token from the
+      sequence ``inturn_token``), and one frees every key of a turn.
     - A holder or waiter whose process dies frees its place as soon as the
-      server sees its connection close (a waiter within about a second,
-      by ``client_connection_check_interval``, on PostgreSQL 14+).
+      server sees its connection close (a waiter within about a second, by
+      ``client_connection_check_interval``, on PostgreSQL 14+).
     - ``timeout`` is the server's ``lock_timeout``; cancelling a wait
       cancels the server's query, and a lock granted just then is given back.
     - A holder whose session ended under it (server restart,
-      ``pg_terminate_backend``) learns it at release: its grant is ``lost``,
-      and its call raises :exc:`~inturn.LeaseLost` after the work.
+      ``pg_terminate_backend``, failover) learns it when its turn ends: its
+      grant is ``lost``, and the call raises :exc:`~inturn.LeaseLost` after
+      the work. A waiter whose session ended gets
+      :exc:`~inturn.BackendUnavailable`; a connection that went stale in
+      the pool meanwhile is replaced before the first wait.
+    - Connections are bounded: a turn takes one connection, however many
+      keys it holds, once it has the head of each key's line in this
+      process (so at most one per key), and ``max_sessions`` at most per
+      event loop. A turn beyond them waits in this process for one to come
+      free (within its ``timeout``); a turn holding one never waits for
+      another, so turns cannot deadlock over them. A turn nested inside
+      another takes a second connection.
+    - ``keyed(..., transaction=True)`` runs the block in a transaction on
+      the turn's connection (``turn.connection``): it commits when the block
+      ends, rolls back on an exception, and the keys are unlocked only
+      after that. A commit that fails raises the database's error after
+      the work (the writes did not happen).
 
-    Not guaranteed: a holder cut off from the server (a partition) keeps the
-    key until the server ends its session (TCP keepalives,
-    ``idle_session_timeout``), and learns it only at release. Session locks
-    need a session per holder: a PgBouncer in transaction pooling mode
-    breaks them; connect to PostgreSQL directly or in session mode.
+    Not guaranteed: a holder cut off from the server (a partition, a frozen
+    process) keeps the key until the server ends its session: set
+    ``idle_session_timeout`` (PostgreSQL 14+; a holder's session is idle
+    while the work runs, so it must exceed the longest work) or TCP
+    keepalives (``tcp_keepalives_idle``, ``_interval``, ``_count``, or
+    ``tcp_user_timeout``) on the server. The holder learns it only when its
+    turn ends. Session locks need a session per holder: a PgBouncer in
+    transaction pooling mode breaks them; connect to PostgreSQL directly or
+    through PgBouncer in session mode.
+
+    Fencing tokens come from one sequence, ``inturn_token``, shared by every
+    namespace: ``nextval`` writes no row, and a number that grows for every
+    key grows for each. It is made on first use (``CREATE SEQUENCE IF NOT
+    EXISTS``), which needs the CREATE privilege on the first schema of the
+    ``search_path``; without it, make it once as an owner and ``GRANT USAGE``
+    on it.
 
     :param pool_or_conninfo: a conninfo string or URL (the backend makes a
         pool per event loop), or a ``psycopg_pool.AsyncConnectionPool`` of
@@ -173,8 +195,7 @@ class PostgresBackend:
     :param namespace: keeps the lines of different apps apart (letters,
         digits and ``_.:-``).
     :param max_sessions: connections per event loop at most (a pool the
-        backend makes); each key this process waits for or holds takes one,
-        and a key beyond them waits in this process for one to come free.
+        backend makes).
     :raises ValueError: a bad namespace or max_sessions.
     """
 
@@ -186,10 +207,16 @@ class PostgresBackend:
         "_lock",
         "_max_sessions",
         "_namespace",
-        "_pools",
+        "_places",
         "_sequence_ready",
-        "_sessions",
     )
+
+    #: Each event loop costs a pool of sessions: a queue serves its first loop
+    #: directly, and every other one, like its threads, through one loop.
+    prefers_one_loop: Final = True
+
+    #: ``keyed(..., transaction=True)`` is served (see :class:`PostgresBackend`).
+    transactions: Final = True
 
     def __init__(
         self,
@@ -220,15 +247,11 @@ class PostgresBackend:
             )
         self._namespace = namespace
         self._max_sessions = max_sessions
-        # By event loop: the pool the backend made for it (a conninfo was given).
-        self._pools: dict[asyncio.AbstractEventLoop, AsyncConnectionPool[Any]] = {}
+        # By event loop: its pool and session slots.
+        self._places: dict[asyncio.AbstractEventLoop, _Place] = {}
         self._given_loop: asyncio.AbstractEventLoop | None = None  # where a given pool is used
-        self._lock = threading.Lock()  # held to change _pools
+        self._lock = threading.Lock()  # held to change _places
         self._sequence_ready = False
-        # What each session is known to be: its server's version (for the settings).
-        self._sessions: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], int] = (
-            weakref.WeakKeyDictionary()
-        )
 
     @classmethod
     def from_url(
@@ -251,10 +274,6 @@ class PostgresBackend:
         """
         return order_portable(keys)
 
-    #: Each event loop costs a pool of sessions: a queue serves its first loop
-    #: directly, and every other one, like its threads, through one loop.
-    prefers_one_loop: Final = True
-
     def thread_loop(self) -> asyncio.AbstractEventLoop | None:
         """The loop a given pool serves (threads' calls must run there); None otherwise."""
         loop = self._given_loop
@@ -262,76 +281,127 @@ class PostgresBackend:
             return loop
         return None
 
-    # -- sessions ---------------------------------------------------------------------
+    def session(self, count: int, transaction: bool, own: bool) -> _Session:
+        """A turn's session: its keys on one connection (see ``inturn.backends.Session``)."""
+        return _Session(self, count, transaction, own)
 
-    async def _pool(self) -> AsyncConnectionPool[Any]:
-        """The pool of the running event loop (made and opened on its first call)."""
+    # -- the seam's per-key calls (a turn of a KeyedQueue uses a session) ---------------
+
+    async def acquire(self, key: Hashable, timeout: float | None) -> PostgresGrant:
+        """Wait in key's advisory-lock queue on a connection of its own; return once held.
+
+        ``timeout`` covers waiting for a free session slot (all are taken)
+        and the server's ``lock_timeout``; 0 asks once
+        (``pg_try_advisory_lock``, one round trip).
+
+        :raises TimeoutError: the turn was not reached within ``timeout``;
+            the session left the queue.
+        :raises ~inturn.BackendUnavailable: PostgreSQL could not be reached,
+            or refused; the turn was not taken.
+        """
+        session = _Session(self, 1, False, False)
+        try:
+            return await session.acquire(key, timeout)
+        except BaseException:
+            await _shielded(session.close(None))
+            raise
+
+    async def release(self, grant: Grant) -> None:
+        """Unlock grant's key (the server wakes the next waiter); return its connection.
+
+        Never fails: a session that ended under the holder marks the grant
+        ``lost``.
+        """
+        if not isinstance(grant, PostgresGrant):
+            raise TypeError(
+                f"inturn: {self!r} cannot release {show(grant)}, which it did not grant"
+            )
+        await grant._session.close(None)
+
+    async def aclose(self) -> None:
+        """Close the pools the backend made: their sessions end, and their locks with them.
+
+        A pool of the caller's is left open. The backend may be used again
+        afterwards (it makes new pools).
+        """
+        with self._lock:
+            places = list(self._places.items())
+            self._places.clear()
         loop = asyncio.get_running_loop()
-        if self._given is not None:
-            if self._given_loop is None:
-                self._given_loop = loop
-            elif self._given_loop is not loop:
+        for owner, place in places:
+            if place.pool is self._given:
+                continue
+            if owner is loop:
+                await place.pool.close()
+            elif owner.is_running():  # another thread's loop: close it there
+                closing = asyncio.run_coroutine_threadsafe(place.pool.close(), owner)
+                await asyncio.wait((asyncio.wrap_future(closing),), timeout=_CONNECT_WAIT)
+
+    def __repr__(self) -> str:
+        if self._conninfo is None:
+            where = f"pool {self._given.name!r}" if self._given is not None else "?"
+        else:
+            where = _where(self._conninfo)
+        return f"PostgresBackend({where!r}, namespace={self._namespace!r})"
+
+    # -- connections (for _Session) -----------------------------------------------------
+
+    async def _place(self) -> _Place:
+        """The pool and slots of the running event loop (made and opened on its first call)."""
+        loop = asyncio.get_running_loop()
+        place = self._places.get(loop)
+        if place is None:
+            with self._lock:
+                for other in [other for other in self._places if other.is_closed()]:
+                    del self._places[other]  # its loop ended without closing it
+                place = self._places.get(loop)
+                if place is None:
+                    place = self._places[loop] = self._new_place(loop)
+        if place.pool.closed and place.pool is not self._given:
+            try:
+                await place.pool.open(wait=False)
+            except PoolClosed:  # pragma: no cover - opened meanwhile by another task
+                pass
+        return place
+
+    def _new_place(self, loop: asyncio.AbstractEventLoop) -> _Place:
+        given = self._given
+        if given is not None:
+            if self._given_loop is not None and self._given_loop is not loop:
                 raise RuntimeError(
                     "inturn: a PostgresBackend on a pool of your own serves that pool's "
                     "event loop only; give it a conninfo to serve several"
                 )
-            return self._given
-        pool = self._pools.get(loop)
-        if pool is None:
-            with self._lock:
-                for other in [other for other in self._pools if other.is_closed()]:
-                    del self._pools[other]  # its loop ended without closing it
-                pool = self._pools.get(loop)
-                if pool is None:
-                    assert self._conninfo is not None
-                    pool = self._pools[loop] = AsyncConnectionPool(
-                        self._conninfo,
-                        min_size=1,
-                        max_size=self._max_sessions,
-                        kwargs={"autocommit": True},
-                        timeout=_SESSION_WAIT,
-                        open=False,
-                        name=f"inturn-{self._namespace}",
-                    )
-        if pool.closed:
-            try:
-                await pool.open(wait=False)
-            except PoolClosed:  # pragma: no cover - opened meanwhile by another task
-                pass
-        return pool
+            self._given_loop = loop
+            return _Place(given, given.max_size)
+        assert self._conninfo is not None
+        pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+            self._conninfo,
+            min_size=1,
+            max_size=self._max_sessions,
+            kwargs={"autocommit": True},
+            timeout=_CONNECT_WAIT,
+            check=_check,
+            open=False,
+            name=f"inturn-{self._namespace}",
+        )
+        return _Place(pool, self._max_sessions)
 
-    async def _session(
-        self, pool: AsyncConnectionPool[Any], key: Hashable, timeout: float | None
-    ) -> psycopg.AsyncConnection[Any]:
-        """A connection of pool, in autocommit, with the sequence made (once)."""
-        wait = timeout or _SESSION_WAIT
-        try:
-            connection: psycopg.AsyncConnection[Any] = await pool.getconn(timeout=wait)
-        except PoolTimeout as error:
-            if timeout:
-                raise missed(f"the turn for key {show(key)}", timeout) from None
-            raise BackendUnavailable(
-                f"inturn: no session of {self!r} within {wait:g} s: PostgreSQL could not be "
-                f"reached ({error}), or max_sessions={self._max_sessions} are all taken by "
-                "other keys; the work did not run"
-            ) from error
-        except PoolClosed as error:
-            raise BackendUnavailable(
-                f"inturn: {self!r} was closed; the work did not run"
-            ) from error
-        try:
-            if not connection.autocommit:  # a pool of the caller's
-                await connection.set_autocommit(True)
-            if connection not in self._sessions:
-                self._sessions[connection] = connection.info.server_version
-            if not self._sequence_ready:
-                await self._make_sequence(connection)
-        except BaseException:
-            await _discard(pool, connection)
-            raise
-        return connection
+    async def _connect_own(self, wait: float) -> psycopg.AsyncConnection[Any]:
+        """A connection outside the pools, for a turn on a short-lived event loop."""
+        if self._conninfo is None:
+            raise RuntimeError(
+                "inturn: a PostgresBackend on a pool of your own serves that pool's "
+                "event loop only; give it a conninfo to serve several"
+            )
+        return await psycopg.AsyncConnection.connect(
+            self._conninfo, autocommit=True, connect_timeout=max(1, math.ceil(wait))
+        )
 
-    async def _make_sequence(self, connection: psycopg.AsyncConnection[Any]) -> None:
+    async def _ready(self, connection: psycopg.AsyncConnection[Any]) -> None:
+        """Make the sequence of fencing tokens if it is missing (once per backend)."""
+        if self._sequence_ready:
+            return
         found = await connection.execute("SELECT to_regclass(%s) IS NOT NULL", (SEQUENCE,))
         row = await found.fetchone()
         if not (row and row[0]):
@@ -347,109 +417,340 @@ class PostgresBackend:
                 ) from error
         self._sequence_ready = True
 
-    # -- taking and giving back turns --------------------------------------------------
+
+@final
+class _Session:
+    """One turn's connection and the keys it holds on it (``inturn.backends.Session``).
+
+    Its calls run on one event loop, one at a time: close() waits for an
+    acquire the caller gave up on (a thread's, through the backend loop).
+    """
+
+    __slots__ = (
+        "_backend",
+        "_busy",
+        "_closed",
+        "_connection",
+        "_count",
+        "_grants",
+        "_own",
+        "_place",
+        "_transaction",
+    )
+
+    def __init__(self, backend: PostgresBackend, count: int, transaction: bool, own: bool) -> None:
+        self._backend = backend
+        self._count = count  # keys the turn will take
+        self._transaction = transaction
+        self._own = own  # a connection outside the pools (a short-lived loop)
+        self._place: _Place | None = None  # whose slot and pool the connection is from
+        self._connection: psycopg.AsyncConnection[Any] | None = None
+        self._grants: list[PostgresGrant] = []
+        self._busy: asyncio.Future[None] | None = None  # an acquire under way
+        self._closed = False
+
+    @property
+    def connection(self) -> psycopg.AsyncConnection[Any]:
+        """The connection that holds the turn's keys."""
+        connection = self._connection
+        if connection is None or self._closed:
+            raise RuntimeError("inturn: this turn's session has no connection (it ended)")
+        return connection
+
+    def thread_loop(self) -> asyncio.AbstractEventLoop | None:
+        """Where threads' calls to the session run: as its backend's."""
+        return self._backend.thread_loop()
 
     async def acquire(self, key: Hashable, timeout: float | None) -> PostgresGrant:
-        """Wait in key's advisory-lock queue on a session of the pool; return once held.
-
-        ``timeout`` covers waiting for a session of the pool (when all are
-        taken) and the server's ``lock_timeout``; 0 asks once
-        (``pg_try_advisory_lock``, one round trip).
-
-        :raises TimeoutError: the turn was not reached within ``timeout``;
-            the session left the queue.
-        :raises ~inturn.BackendUnavailable: PostgreSQL could not be reached,
-            or refused; the turn was not taken.
-        """
-        lock = lock_id(self._namespace, key)
+        """Take key on the session's connection (the first key gets the connection)."""
+        if self._closed:
+            raise RuntimeError("inturn: this turn's session ended")
+        backend = self._backend
+        lock = lock_id(backend._namespace, key)
         loop = asyncio.get_running_loop()
         at = None if timeout is None else loop.time() + timeout
-        pool = await self._pool()
-        connection = await self._session(pool, key, timeout)
+        busy = self._busy = loop.create_future()
         try:
-            if timeout == 0:
-                cursor = await connection.execute(_TRY, (lock,))
-            else:
-                left = None if at is None else max(0.0, at - loop.time())
-                limit = "0" if left is None else str(max(1, math.ceil(left * 1000)))
-                checked = self._sessions.get(connection, 0) >= 140000
-                cursor = await connection.execute(
-                    _WAIT_CHECKED if checked else _WAIT, (lock, limit)
-                )
+            if self._connection is None:
+                await self._connect(key, timeout, at)
+            token = await self._wait(key, lock, timeout, at)
+        finally:
+            busy.set_result(None)
+        grant = PostgresGrant(key, token, lock, self)
+        self._grants.append(grant)
+        if self._transaction and len(self._grants) == self._count:
+            # the work's first statement begins the transaction (no round trip here)
+            await self.connection.set_autocommit(False)
+        return grant
+
+    async def _connect(self, key: Hashable, timeout: float | None, at: float | None) -> None:
+        """Get the connection: a free slot (waiting here for one), then one of the pool."""
+        backend = self._backend
+        loop = asyncio.get_running_loop()
+        if self._own:
+            wait = _CONNECT_WAIT if at is None else max(0.0, min(at - loop.time(), _CONNECT_WAIT))
+            try:
+                self._connection = await backend._connect_own(wait)
+            except psycopg.OperationalError as error:
+                raise _unreachable(backend, key, error) from error
+            await self._prepare()
+            return
+        place = await backend._place()
+        await _take_slot(place.slots, key, timeout, at)
+        self._place = place
+        # (timeout=0 asks for the key at once, not for a connection at once)
+        left = _CONNECT_WAIT if at is None or timeout == 0 else max(0.0, at - loop.time())
+        try:
+            self._connection = await place.pool.getconn(timeout=min(left, _CONNECT_WAIT) or 0.001)
+        except PoolTimeout as error:
+            if left < _CONNECT_WAIT:
+                raise missed(f"the turn for key {show(key)}", timeout) from None
+            raise _unreachable(backend, key, error) from error
+        except PoolClosed as error:
+            raise BackendUnavailable(
+                f"inturn: {backend!r} was closed; the work did not run"
+            ) from error
+        await self._prepare()
+
+    async def _prepare(self) -> None:
+        connection = self.connection
+        if not connection.autocommit:  # a pool of the caller's
+            await connection.set_autocommit(True)
+        await self._backend._ready(connection)
+
+    async def _wait(self, key: Hashable, lock: int, timeout: float | None, at: float | None) -> int:
+        """Wait for lock on the connection; return the token drawn with it."""
+        connection = self.connection
+        loop = asyncio.get_running_loop()
+        try:
+            cursor = await connection.execute(*_statement(connection, lock, timeout, at, loop))
             row = await cursor.fetchone()
-        except asyncio.CancelledError:
-            # psycopg cancelled the server's query on the way out; the grant may
-            # have come just before: give it back, in a task a second cancel cannot stop.
-            await _shielded(_undo(pool, connection, lock))
-            raise
         except errors.LockNotAvailable:
-            await _return(pool, connection)
             raise missed(f"the turn for key {show(key)}", timeout) from None
         except psycopg.Error as error:
-            await _undo(pool, connection, lock)
+            await _shielded(self._undo(lock))
             raise BackendUnavailable(
                 f"inturn: PostgreSQL failed the wait for key {show(key)} ({_said(error)}); "
                 "the work did not run"
             ) from error
         except BaseException:
-            await _shielded(_undo(pool, connection, lock))
+            # Cancelled (psycopg cancelled the server's query on the way out): the
+            # grant may have come just before; give it back, whatever comes next.
+            await _shielded(self._undo(lock))
             raise
         if row is None:  # timeout=0, and the key was busy
-            await _return(pool, connection)
             raise missed(f"the turn for key {show(key)}", timeout)
-        return PostgresGrant(key, int(row[0]), lock, connection, pool)
+        return int(row[0])
 
-    async def release(self, grant: Grant) -> None:
-        """Unlock grant's key (the server wakes the next waiter); return the session.
-
-        Never fails: a session that ended under the holder marks the grant
-        ``lost`` and is dropped from the pool.
-        """
-        if not isinstance(grant, PostgresGrant):
-            raise TypeError(
-                f"inturn: {self!r} cannot release {show(grant)}, which it did not grant"
-            )
-        if grant._released:
+    async def _undo(self, lock: int) -> None:
+        """After a wait that failed: make sure lock is not held (a broken session holds none)."""
+        connection = self._connection
+        if connection is None or connection.broken or connection.closed:
             return
-        grant._released = True
-        connection, pool = grant._connection, grant._pool
         try:
-            cursor = await connection.execute(_UNLOCK, (grant._lock,))
-            row = await cursor.fetchone()
+            await connection.execute(_UNDO, (lock, *lock_parts(lock)))
         except psycopg.Error:
-            grant.lost = True  # the session is gone, and the lock with it
-            await _discard(pool, connection)
+            await connection.close()  # its locks go with it; close() sees it closed
+
+    def release(self, grant: Grant) -> Any:
+        """Unlock one grant now (a grant whose caller gave up); close() frees the rest."""
+        assert isinstance(grant, PostgresGrant)
+        return self._release_early(grant)
+
+    async def _release_early(self, grant: PostgresGrant) -> None:
+        if self._closed or grant not in self._grants:
             return
-        except BaseException:
-            await _discard(pool, connection)  # closing the session frees the lock
-            raise
-        if not (row and row[0]):
+        self._grants.remove(grant)
+        connection = self._connection
+        if connection is None or connection.broken or connection.closed:
+            return
+        try:
+            await connection.execute(_UNLOCK, ([grant._lock],))
+        except psycopg.Error:
+            await connection.close()
+
+    async def close(self, error: BaseException | None) -> None:
+        """Commit or roll back (a transaction's), unlock every key, give the connection back."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._busy is not None:
+            await asyncio.wait((self._busy,))  # an acquire given up on, still under way
+        connection, self._connection = self._connection, None
+        grants, self._grants = self._grants, []
+        if connection is None:
+            self._free_slot()
+            return
+        failure: BaseException | None = None
+        try:
+            if self._transaction:
+                failure = await _finish(connection, commit=error is None)
+                if not _ended(connection):
+                    await connection.set_autocommit(True)
+            if grants and not connection.closed:
+                await _unlock(connection, grants)
+        except psycopg.Error:
+            pass  # the session ended: _unlock marked its grants lost
+        finally:
+            if connection.broken or connection.closed:
+                for grant in grants:
+                    grant.lost = True
+            await self._give_back(connection)
+        if failure is not None:
+            raise failure
+
+    async def _give_back(self, connection: psycopg.AsyncConnection[Any]) -> None:
+        place = self._place
+        try:
+            if place is None:
+                await connection.close()
+            else:
+                if not connection.broken and not connection.closed and not connection.autocommit:
+                    await connection.set_autocommit(True)
+                try:
+                    await place.pool.putconn(connection)
+                except PoolClosed:  # pragma: no cover - the backend was closed meanwhile
+                    await connection.close()
+        finally:
+            self._free_slot()
+
+    def _free_slot(self) -> None:
+        place, self._place = self._place, None
+        if place is not None:
+            place.slots.release()
+
+
+async def _check(connection: psycopg.AsyncConnection[Any]) -> None:
+    """The pool's check of a connection it hands out: refuse one whose session ended.
+
+    No round trip: a session the server ended while the connection sat in
+    the pool (a restart, ``pg_terminate_backend``, ``idle_session_timeout``)
+    left its socket readable, with the server's goodbye or the end of the
+    stream; reading that marks the connection bad, and the pool discards it
+    and hands out another. (A session cut off without a word, by a
+    partition, is found out by its first statement instead.)
+    """
+    pgconn = connection.pgconn
+    for _ in range(3):  # (the goodbye, then the end of the stream)
+        if pgconn.status != _OK or not _readable(pgconn.socket):
+            break
+        try:
+            pgconn.consume_input()
+        except psycopg.OperationalError:
+            break
+    if pgconn.status != _OK:
+        raise psycopg.OperationalError("inturn: the session ended while the connection was idle")
+
+
+def _readable(fd: int) -> bool:
+    """Whether fd has something to read now (no wait)."""
+    if _poll is None:  # pragma: no cover - Windows
+        return bool(select.select([fd], [], [], 0)[0])
+    poller = _poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+async def _take_slot(
+    slots: asyncio.Semaphore, key: Hashable, timeout: float | None, at: float | None
+) -> None:
+    """Take one of this process's session slots by at (waiting here while all are taken).
+
+    :raises TimeoutError: none came free in time.
+    """
+    if not slots.locked():
+        await slots.acquire()  # (free: returns at once)
+        return
+    taking = asyncio.ensure_future(slots.acquire())
+    left = None if at is None else max(0.0, at - asyncio.get_running_loop().time())
+    try:
+        await asyncio.wait((taking,), timeout=left)
+    except BaseException:  # cancelled: give back a slot taken just then
+        taking.cancel()
+        await asyncio.wait((taking,))
+        if not taking.cancelled() and taking.exception() is None:
+            slots.release()
+        raise
+    if not taking.done():
+        taking.cancel()
+        await asyncio.wait((taking,))  # a slot it got just then is kept, not lost
+    if taking.cancelled():
+        raise missed(f"the turn for key {show(key)}", timeout)
+    taking.result()
+
+
+def _statement(
+    connection: psycopg.AsyncConnection[Any],
+    lock: int,
+    timeout: float | None,
+    at: float | None,
+    loop: asyncio.AbstractEventLoop,
+) -> tuple[str, tuple[Any, ...]]:
+    """The statement that waits for lock within the time left, and its parameters."""
+    if timeout == 0:
+        return _TRY, (lock,)
+    left = None if at is None else max(0.0, at - loop.time())
+    limit = "0" if left is None else str(max(1, math.ceil(left * 1000)))
+    checked = connection.info.server_version >= 140000
+    return (_WAIT_CHECKED if checked else _WAIT), (lock, limit)
+
+
+async def _unlock(connection: psycopg.AsyncConnection[Any], grants: list[PostgresGrant]) -> None:
+    """Unlock grants' keys in one round trip; mark lost a grant whose key was not held."""
+    cursor = await connection.execute(_UNLOCK, ([grant._lock for grant in grants],))
+    row = await cursor.fetchone()
+    held = row[0] if row else None
+    for grant, was in zip(grants, held or [False] * len(grants), strict=True):
+        if not was:
             grant.lost = True  # not held any more: the session was reset under it
-        await _return(pool, connection)
 
-    async def aclose(self) -> None:
-        """Close the pools the backend made: their sessions end, and their locks with them.
 
-        A pool of the caller's is left open. The backend may be used again
-        afterwards (it makes new pools).
-        """
-        with self._lock:
-            pools = list(self._pools.items())
-            self._pools.clear()
-        loop = asyncio.get_running_loop()
-        for owner, pool in pools:
-            if owner is loop:
-                await pool.close()
-            elif owner.is_running():  # another thread's loop: close it there
-                closing = asyncio.run_coroutine_threadsafe(pool.close(), owner)
-                await asyncio.wait((asyncio.wrap_future(closing),), timeout=_SESSION_WAIT)
+async def _finish(
+    connection: psycopg.AsyncConnection[Any], *, commit: bool
+) -> BaseException | None:
+    """End the turn's transaction: commit if asked, else roll back; the error to raise, if any."""
+    if connection.broken or connection.closed:
+        if commit:
+            return BackendUnavailable(
+                "inturn: the connection of the turn's transaction was lost before it could "
+                "commit; the server rolled the work's writes back, and the keys were freed"
+            )
+        return None
+    if not commit or connection.info.transaction_status == _IN_ERROR:
+        await connection.rollback()
+        if commit:  # the work swallowed a failed statement: nothing of it was kept
+            return errors.InFailedSqlTransaction(
+                "inturn: a statement of the turn's transaction failed and the work went on; "
+                "the transaction was rolled back, so none of its writes were kept"
+            )
+        return None
+    try:
+        await connection.commit()
+    except psycopg.OperationalError as error:
+        if _ended(connection):
+            return BackendUnavailable(
+                f"inturn: the connection was lost at COMMIT ({_said(error)}): whether the "
+                "turn's writes were kept is unknown; the keys were freed"
+            )
+        return error
+    except psycopg.Error as error:  # refused at COMMIT (a deferred constraint, say)
+        if sys.version_info >= (3, 11):  # pragma: no branch
+            error.add_note("inturn: the work ran, but its transaction did not commit")
+        return error
+    return None
 
-    def __repr__(self) -> str:
-        if self._conninfo is None:
-            where = f"pool {self._given.name!r}" if self._given is not None else "?"
-        else:
-            where = _where(self._conninfo)
-        return f"PostgresBackend({where!r}, namespace={self._namespace!r})"
+
+def _ended(connection: psycopg.AsyncConnection[Any]) -> bool:
+    """Whether connection's session is over (closed here, or lost)."""
+    return connection.broken or connection.closed
+
+
+def _unreachable(backend: PostgresBackend, key: Hashable, error: Exception) -> BackendUnavailable:
+    return BackendUnavailable(
+        f"inturn: could not connect to PostgreSQL within {_CONNECT_WAIT:g} s for key "
+        f"{show(key)} ({_said(error) if isinstance(error, psycopg.Error) else error}) "
+        f"through {backend!r}; the work did not run"
+    )
 
 
 def _where(conninfo: str) -> str:
@@ -479,39 +780,6 @@ async def _shielded(step: Any) -> None:
         raise
 
 
-async def _undo(
-    pool: AsyncConnectionPool[Any], connection: psycopg.AsyncConnection[Any], lock: int
-) -> None:
-    """After a wait that failed: make sure lock is not held, then return the session.
-
-    A session in an unknown state is closed instead: that frees its locks too.
-    """
-    if connection.closed or connection.info.transaction_status != _IDLE:
-        await _discard(pool, connection)
-        return
-    try:
-        await connection.execute(_UNDO, (lock, *lock_parts(lock)))
-    except psycopg.Error:
-        await _discard(pool, connection)
-        return
-    await _return(pool, connection)
-
-
-async def _return(pool: AsyncConnectionPool[Any], connection: psycopg.AsyncConnection[Any]) -> None:
-    try:
-        await pool.putconn(connection)
-    except PoolClosed:  # pragma: no cover - the backend was closed meanwhile
-        await connection.close()
-
-
-async def _discard(
-    pool: AsyncConnectionPool[Any], connection: psycopg.AsyncConnection[Any]
-) -> None:
-    """Close a session (its locks and place in queues go with it) and give its slot back."""
-    try:
-        await connection.close()
-    finally:
-        await _return(pool, connection)
-
-
-_IDLE: Final = psycopg.pq.TransactionStatus.IDLE
+_IN_ERROR: Final = psycopg.pq.TransactionStatus.INERROR
+_OK: Final = psycopg.pq.ConnStatus.OK
+_poll = getattr(select, "poll", None)

@@ -1,0 +1,366 @@
+"""Turns of a KeyedQueue on PostgreSQL: one connection per turn, and transaction=True.
+
+Against a real server (tests/pg_server.py). What every backend does is in
+test_backend_conformance.py; the faults across processes are in
+test_postgres_faults.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+psycopg = pytest.importorskip("psycopg")
+
+from inturn import KeyedQueue  # noqa: E402
+from inturn.backends.postgres import PostgresBackend  # noqa: E402
+from pg_checks import advisory_locks_left  # noqa: E402
+
+from helpers import PATIENCE  # noqa: E402
+
+
+def _backend(url: str, **settings: Any) -> PostgresBackend:
+    return PostgresBackend.from_url(url, namespace=f"t-{uuid.uuid4().hex[:12]}", **settings)
+
+
+@pytest.fixture
+async def admin(postgres_url: str) -> AsyncIterator[Any]:
+    """A session of the test's own, to look at pg_locks and the tables."""
+    async with await psycopg.AsyncConnection.connect(postgres_url, autocommit=True) as session:
+        yield session
+
+
+@pytest.fixture
+async def table(admin: Any) -> AsyncIterator[str]:
+    """A table of its own: rows (n int primary key, note text)."""
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    await admin.execute(f"CREATE TABLE {name} (n int PRIMARY KEY, note text)")
+    yield name
+    await admin.execute(f"DROP TABLE {name}")
+
+
+async def _holders(admin: Any) -> list[int]:
+    """The server pids holding advisory locks, one entry per lock."""
+    cursor = await admin.execute(
+        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted ORDER BY pid"
+    )
+    return [int(pid) for (pid,) in await cursor.fetchall()]
+
+
+async def _rows(admin: Any, table: str) -> list[int]:
+    cursor = await admin.execute(f"SELECT n FROM {table} ORDER BY n")
+    return [int(n) for (n,) in await cursor.fetchall()]
+
+
+# -- one connection per turn -------------------------------------------------------------
+
+
+async def test_a_turn_on_several_keys_holds_them_on_one_connection(
+    postgres_url: str, admin: Any
+) -> None:
+    backend = _backend(postgres_url, max_sessions=1)
+    queue = KeyedQueue(backend=backend)
+    try:
+        async with queue.keyed("a", "b", "c"):
+            holders = await _holders(admin)
+        assert len(holders) == 3
+        assert len(set(holders)) == 1
+    finally:
+        await backend.aclose()
+    assert await advisory_locks_left(postgres_url) == []
+
+
+async def test_turns_on_several_keys_never_deadlock_over_connections(postgres_url: str) -> None:
+    """Two connections, three turns of two keys each, all started at once.
+
+    With a connection per key, ("a", "b") and ("c", "d") could each hold one
+    connection and wait for a second: neither would ever finish.
+    """
+    backend = _backend(postgres_url, max_sessions=2)
+    queue = KeyedQueue(backend=backend)
+    inside: list[tuple[str, ...]] = []
+
+    async def turn(*keys: str) -> None:
+        async with queue.keyed(*keys):
+            inside.append(keys)
+            await asyncio.sleep(0)
+
+    try:
+        await asyncio.wait_for(
+            asyncio.gather(turn("a", "b"), turn("c", "d"), turn("b", "c"), turn("d", "e")),
+            PATIENCE,
+        )
+        assert sorted(inside) == [("a", "b"), ("b", "c"), ("c", "d"), ("d", "e")]
+    finally:
+        await backend.aclose()
+
+
+async def test_turns_beyond_max_sessions_wait_here_and_all_run(
+    postgres_url: str, admin: Any
+) -> None:
+    """Five keys at once on two connections: three wait in this process, none on the server."""
+    backend = _backend(postgres_url, max_sessions=2)
+    queue = KeyedQueue(backend=backend)
+    gate = asyncio.Event()
+    entered: list[str] = []
+
+    async def hold(key: str) -> None:
+        async with queue.keyed(key):
+            entered.append(key)
+            await gate.wait()
+
+    try:
+        tasks = [asyncio.create_task(hold(key)) for key in "vwxyz"]
+        deadline = asyncio.get_running_loop().time() + PATIENCE
+        while len(entered) < 2:
+            assert asyncio.get_running_loop().time() < deadline, "two turns never entered"
+            await asyncio.sleep(0.01)
+        for _ in range(20):  # the others stay out: no third connection is made
+            await asyncio.sleep(0.005)
+            assert len(entered) == 2
+            assert len(await _holders(admin)) == 2
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), PATIENCE)
+        assert sorted(entered) == list("vwxyz")
+    finally:
+        gate.set()
+        await backend.aclose()
+
+
+async def test_a_timeout_covers_the_wait_for_a_connection(postgres_url: str) -> None:
+    backend = _backend(postgres_url, max_sessions=1)
+    queue = KeyedQueue(backend=backend)
+    held, done = asyncio.Event(), asyncio.Event()
+
+    async def hold() -> None:
+        async with queue.keyed("a"):
+            held.set()
+            await done.wait()
+
+    async def other() -> None:
+        async with queue.keyed("b", timeout=0.1):
+            pytest.fail("ran without a connection")
+
+    try:
+        holder = asyncio.create_task(hold())
+        await held.wait()
+        with pytest.raises(TimeoutError, match="the work did not run"):
+            await other()
+        done.set()
+        await holder
+        async with queue.keyed("b", timeout=PATIENCE):  # and the slot came back
+            pass
+    finally:
+        await backend.aclose()
+
+
+async def test_a_nested_turn_takes_its_keys_on_the_enclosing_turns_connection(
+    postgres_url: str, admin: Any
+) -> None:
+    """One connection is enough for a turn inside a turn: it cannot wait for a second."""
+    backend = _backend(postgres_url, max_sessions=1)
+    queue = KeyedQueue(backend=backend)
+    try:
+
+        async def inner() -> list[int]:
+            async with queue.keyed("inner"):
+                return await _holders(admin)
+
+        async with queue.keyed("outer"):
+            holders = await asyncio.wait_for(inner(), PATIENCE)
+            after_inner = await _holders(admin)
+        assert len(holders) == 2
+        assert len(set(holders)) == 1
+        assert len(after_inner) == 1  # the inner key was freed at the inner block's end
+    finally:
+        await backend.aclose()
+    assert await advisory_locks_left(postgres_url) == []
+
+
+async def test_a_connection_the_server_ended_in_the_pool_is_replaced(own_postgres: Any) -> None:
+    """After a server restart, the pool's idle connection is stale: the next turn still runs."""
+    backend = _backend(own_postgres.url)
+    queue = KeyedQueue(backend=backend)
+    try:
+        assert await queue.run("k", lambda: "before") == "before"
+        own_postgres.stop("fast")
+        own_postgres.start()
+        assert await queue.run("k", lambda: "after") == "after"
+    finally:
+        await backend.aclose()
+
+
+# -- transaction=True ----------------------------------------------------------------------
+
+
+async def test_a_transaction_turn_commits_when_the_block_ends(
+    postgres_url: str, admin: Any, table: str
+) -> None:
+    backend = _backend(postgres_url)
+    queue = KeyedQueue(backend=backend)
+    try:
+        async with queue.keyed("acct-1", "acct-2", transaction=True) as turn:
+            await turn.connection.execute(f"INSERT INTO {table} VALUES (1, 'x')")
+            assert await _rows(admin, table) == []  # not committed yet
+        assert await _rows(admin, table) == [1]
+    finally:
+        await backend.aclose()
+    assert await advisory_locks_left(postgres_url) == []
+
+
+async def test_a_transaction_turn_rolls_back_on_an_exception(
+    postgres_url: str, admin: Any, table: str
+) -> None:
+    backend = _backend(postgres_url)
+    queue = KeyedQueue(backend=backend)
+    try:
+        with pytest.raises(ZeroDivisionError):
+            async with queue.keyed("acct-1", transaction=True) as turn:
+                await turn.connection.execute(f"INSERT INTO {table} VALUES (1, 'x')")
+                1 / 0  # noqa: B018
+        assert await _rows(admin, table) == []
+        async with queue.keyed("acct-1", transaction=True) as turn:  # the connection is clean
+            await turn.connection.execute(f"INSERT INTO {table} VALUES (2, 'y')")
+        assert await _rows(admin, table) == [2]
+    finally:
+        await backend.aclose()
+    assert await advisory_locks_left(postgres_url) == []
+
+
+async def test_the_next_holder_sees_the_writes_of_the_one_before(
+    postgres_url: str, admin: Any, table: str
+) -> None:
+    """The key is free only once the commit finished: each turn reads its predecessor's row."""
+    namespace = f"t-{uuid.uuid4().hex[:12]}"  # one namespace: as three processes of one app
+    queues = [
+        KeyedQueue(backend=PostgresBackend.from_url(postgres_url, namespace=namespace))
+        for _ in range(3)
+    ]
+    seen: list[int] = []
+
+    async def step(queue: KeyedQueue, n: int) -> None:
+        async with queue.keyed("counter", transaction=True) as turn:
+            cursor = await turn.connection.execute(f"SELECT count(*) FROM {table}")
+            row = await cursor.fetchone()
+            seen.append(int(row[0]))
+            await turn.connection.execute(f"INSERT INTO {table} VALUES (%s, 'x')", (n,))
+
+    try:
+        await asyncio.wait_for(
+            asyncio.gather(*(step(queues[n % 3], n) for n in range(12))), PATIENCE
+        )
+        assert sorted(seen) == list(range(12))
+    finally:
+        for queue in queues:
+            await queue.aclose()
+
+
+async def test_a_commit_the_database_refuses_raises_its_error_after_the_work(
+    postgres_url: str, admin: Any, table: str
+) -> None:
+    name = f"{table}_deferred"
+    await admin.execute(f"CREATE TABLE {name} (n int UNIQUE DEFERRABLE INITIALLY DEFERRED)")
+    backend = _backend(postgres_url)
+    queue = KeyedQueue(backend=backend)
+    ran = False
+    try:
+        with pytest.raises(psycopg.errors.UniqueViolation):
+            async with queue.keyed("k", transaction=True) as turn:
+                await turn.connection.execute(f"INSERT INTO {name} VALUES (1), (1)")
+                ran = True
+        assert ran
+        cursor = await admin.execute(f"SELECT count(*) FROM {name}")
+        assert (await cursor.fetchone())[0] == 0
+    finally:
+        await backend.aclose()
+        await admin.execute(f"DROP TABLE {name}")
+    assert await advisory_locks_left(postgres_url) == []
+
+
+async def test_a_failed_statement_the_work_swallowed_is_not_committed_silently(
+    postgres_url: str, admin: Any, table: str
+) -> None:
+    backend = _backend(postgres_url)
+    queue = KeyedQueue(backend=backend)
+    try:
+        with pytest.raises(psycopg.errors.InFailedSqlTransaction, match="rolled back"):
+            async with queue.keyed("k", transaction=True) as turn:
+                await turn.connection.execute(f"INSERT INTO {table} VALUES (1, 'kept?')")
+                try:
+                    await turn.connection.execute("SELECT 1 / 0")
+                except psycopg.errors.DivisionByZero:
+                    pass
+        assert await _rows(admin, table) == []
+    finally:
+        await backend.aclose()
+    assert await advisory_locks_left(postgres_url) == []
+
+
+async def test_a_commit_inside_the_block_does_not_free_the_keys(
+    postgres_url: str, admin: Any, table: str
+) -> None:
+    backend = _backend(postgres_url)
+    queue = KeyedQueue(backend=backend)
+    try:
+        async with queue.keyed("k", transaction=True) as turn:
+            await turn.connection.execute(f"INSERT INTO {table} VALUES (1, 'x')")
+            await turn.connection.commit()
+            assert len(await _holders(admin)) == 1
+        assert await _rows(admin, table) == [1]
+    finally:
+        await backend.aclose()
+    assert await advisory_locks_left(postgres_url) == []
+
+
+async def test_a_transaction_turn_on_a_loop_per_job(postgres_url: str, table: str) -> None:
+    """asyncio.run() per job: a loop the backend does not serve directly gets its own connection."""
+    backend = _backend(postgres_url)
+    queue = KeyedQueue(backend=backend)
+
+    async def job(n: int) -> None:
+        async with queue.keyed("k", transaction=True) as turn:
+            await turn.connection.execute(f"INSERT INTO {table} VALUES (%s, 'x')", (n,))
+
+    def jobs() -> None:
+        for n in range(4):
+            asyncio.run(job(n))
+
+    thread = threading.Thread(target=jobs)
+    thread.start()
+    await asyncio.to_thread(thread.join, PATIENCE * 4)
+    assert not thread.is_alive()
+    async with await psycopg.AsyncConnection.connect(postgres_url) as check:
+        cursor = await check.execute(f"SELECT n FROM {table} ORDER BY n")
+        assert [n for (n,) in await cursor.fetchall()] == [0, 1, 2, 3]
+    await backend.aclose()
+
+
+async def test_turn_connection_exists_only_inside_a_transaction_turn(postgres_url: str) -> None:
+    backend = _backend(postgres_url)
+    queue = KeyedQueue(backend=backend)
+    try:
+        turn = queue.keyed("k", transaction=True)
+        with pytest.raises(RuntimeError, match="transaction=True"):
+            turn.connection  # noqa: B018
+        async with queue.keyed("k") as plain:
+            with pytest.raises(RuntimeError, match="transaction=True"):
+                plain.connection  # noqa: B018
+    finally:
+        await backend.aclose()
+
+
+def test_transaction_true_is_refused_at_once_where_it_cannot_be_served(
+    postgres_url: str,
+) -> None:
+    with pytest.raises(TypeError, match="needs a backend that takes turns in a database"):
+        KeyedQueue().keyed("k", transaction=True)
+    queue = KeyedQueue(backend=_backend(postgres_url))
+    with pytest.raises(TypeError, match="transaction must be True or False, got 'yes'"):
+        queue.keyed("k", transaction="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="async with"), queue.keyed("k", transaction=True):
+        pytest.fail("a thread's transaction turn ran")
