@@ -219,10 +219,14 @@ async def test_a_transaction_turn_rolls_back_on_an_exception(
     backend = _backend(postgres_url)
     queue = KeyedQueue(backend=backend)
     try:
-        with pytest.raises(ZeroDivisionError):
+
+        async def fails() -> None:
             async with queue.keyed("acct-1", transaction=True) as turn:
                 await turn.connection.execute(f"INSERT INTO {table} VALUES (1, 'x')")
                 1 / 0  # noqa: B018
+
+        with pytest.raises(ZeroDivisionError):
+            await fails()
         assert await _rows(admin, table) == []
         async with queue.keyed("acct-1", transaction=True) as turn:  # the connection is clean
             await turn.connection.execute(f"INSERT INTO {table} VALUES (2, 'y')")
@@ -267,12 +271,16 @@ async def test_a_commit_the_database_refuses_raises_its_error_after_the_work(
     await admin.execute(f"CREATE TABLE {name} (n int UNIQUE DEFERRABLE INITIALLY DEFERRED)")
     backend = _backend(postgres_url)
     queue = KeyedQueue(backend=backend)
-    ran = False
+    ran = []
+
+    async def work() -> None:
+        async with queue.keyed("k", transaction=True) as turn:
+            await turn.connection.execute(f"INSERT INTO {name} VALUES (1), (1)")
+            ran.append(True)
+
     try:
         with pytest.raises(psycopg.errors.UniqueViolation):
-            async with queue.keyed("k", transaction=True) as turn:
-                await turn.connection.execute(f"INSERT INTO {name} VALUES (1), (1)")
-                ran = True
+            await work()
         assert ran
         cursor = await admin.execute(f"SELECT count(*) FROM {name}")
         assert (await cursor.fetchone())[0] == 0
@@ -288,13 +296,17 @@ async def test_a_failed_statement_the_work_swallowed_is_not_committed_silently(
     backend = _backend(postgres_url)
     queue = KeyedQueue(backend=backend)
     try:
-        with pytest.raises(psycopg.errors.InFailedSqlTransaction, match="rolled back"):
+
+        async def swallows() -> None:
             async with queue.keyed("k", transaction=True) as turn:
                 await turn.connection.execute(f"INSERT INTO {table} VALUES (1, 'kept?')")
                 try:
                     await turn.connection.execute("SELECT 1 / 0")
                 except psycopg.errors.DivisionByZero:
                     pass
+
+        with pytest.raises(psycopg.errors.InFailedSqlTransaction, match="rolled back"):
+            await swallows()
         assert await _rows(admin, table) == []
     finally:
         await backend.aclose()
