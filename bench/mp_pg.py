@@ -126,6 +126,7 @@ def postgres_server(log: Callable[[str], None]) -> Iterator[str | None]:
         yield None
         return
     directory = Path(tempfile.mkdtemp(prefix="inturn-bench-pg-"))
+    as_user: dict[str, Any] = {}
     try:
         as_user = _run_as()
         if as_user:
@@ -133,7 +134,7 @@ def postgres_server(log: Callable[[str], None]) -> Iterator[str | None]:
         port = free_port()
         _start(bindir, directory, as_user, port)
     except (RuntimeError, OSError, subprocess.SubprocessError) as error:
-        shutil.rmtree(directory, ignore_errors=True)
+        _remove(bindir, directory, as_user)
         why = " ".join(str(error).split())[:500]
         log(f"multiproc: could not start PostgreSQL ({why}): no PostgreSQL scenarios")
         yield None
@@ -142,12 +143,18 @@ def postgres_server(log: Callable[[str], None]) -> Iterator[str | None]:
         log(f"multiproc: started PostgreSQL from {bindir} on 127.0.0.1:{port}")
         yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
     finally:
-        try:
+        _remove(bindir, directory, as_user)
+
+
+def _remove(bindir: Path, directory: Path, as_user: dict[str, Any]) -> None:
+    """Stop the server if it runs (a start that timed out may have left one), delete its files."""
+    try:
+        if (directory / "data" / "postmaster.pid").exists():
             _run(
                 directory,
                 as_user,
                 *(str(bindir / "pg_ctl"), "stop", "--wait", "--mode", "immediate"),
                 *("--pgdata", str(directory / "data")),
             )
-        finally:
-            shutil.rmtree(directory, ignore_errors=True)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
