@@ -9,10 +9,12 @@ are coroutines, run in one event loop per worker.
 Every worker of a run is given the same :class:`Run`: ``workdir``, a fresh
 directory of the run that every worker shares (where a file lock lives in
 it is its own business), and for the Redis scenarios the server's URL and a
-tag unique to the run. A contender's :attr:`~Contender.kinds` say which
-scenarios it runs in: ``"file"`` (one host), ``"redis"``, and the sync
-scenarios ``"sync-file"`` and ``"sync-redis"`` (inturn's sync turns beside
-the sync locks users write). To add a contender, subclass
+tag unique to the run, and for the PostgreSQL scenarios the server's URL
+and that tag. A contender's :attr:`~Contender.kinds` say which scenarios it
+runs in: ``"file"`` (one host), ``"redis"``, ``"postgres"``, and the sync
+scenarios ``"sync-file"``, ``"sync-redis"`` and ``"sync-postgres"``
+(inturn's sync turns beside the sync locks users write). To add a
+contender, subclass
 :class:`SyncContender` or :class:`AsyncContender` and list it in
 :data:`CONTENDERS`.
 
@@ -22,11 +24,19 @@ object per key for python-redis-lock and pottery (their examples make the
 lock once and enter it). In the sync scenarios redis-py's lock is given
 what production code gives it: a lease (``timeout``, inturn's default
 lease) and a bound on the wait (``blocking_timeout``).
+
+The PostgreSQL contender that is not inturn is what a user writes today: one
+autocommit psycopg connection per process, ``SELECT pg_advisory_lock(id)``
+before the work and ``SELECT pg_advisory_unlock(id)`` after it, the id a
+64-bit digest of the key. The server queues the waiters of a lock in arrival
+order and wakes the next one at the unlock, so its numbers are the server's
+own FIFO and hand-off, which inturn's PostgresBackend is held to.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import importlib
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -57,6 +67,8 @@ class Run:
     #: The inturn package the inturn contenders import: ``inturn``, or an
     #: earlier revision's ``inturn_<ref>`` (``--before``).
     package: str = "inturn"
+    #: The PostgreSQL server of the PostgreSQL scenarios, None in the others.
+    postgres_url: str | None = None
 
     def inturn(self, module: str = "") -> Any:
         """The inturn package of this run (or one of its modules, ``.backends.file`` say)."""
@@ -67,14 +79,19 @@ class Run:
             raise RuntimeError("a Redis contender was run without a Redis server")
         return self.redis_url
 
+    def needs_postgres(self) -> str:
+        if self.postgres_url is None:
+            raise RuntimeError("a PostgreSQL contender was run without a PostgreSQL server")
+        return self.postgres_url
+
 
 class Contender:
     """What every contender has: a name the table and the command line use."""
 
     name: ClassVar[str] = ""
     is_async: ClassVar[bool] = False
-    #: The kinds of scenario it runs in: "file" (one host), "redis", "sync-file",
-    #: "sync-redis", or "any" (every kind).
+    #: The kinds of scenario it runs in: "file" (one host), "redis", "postgres",
+    #: "sync-file", "sync-redis", "sync-postgres", or "any" (every kind).
     kinds: ClassVar[tuple[str, ...]] = ("file",)
 
     def available(self) -> str | None:
@@ -363,6 +380,138 @@ class Pottery(_RedisClient):
         return lock  # type: ignore[no-any-return]
 
 
+def _missing_postgres() -> str | None:
+    return _missing("psycopg") or _missing("psycopg_pool")
+
+
+class InturnPostgres(AsyncContender):
+    """inturn's PostgreSQL backend: ``async with queue.keyed(key):`` on a PostgresBackend queue."""
+
+    name = "inturn-postgres"
+    kinds = ("postgres", "sync-postgres")
+
+    def available(self) -> str | None:
+        return _missing_postgres()
+
+    async def setup(self, run: Run) -> None:
+        postgres_backend = run.inturn(".backends.postgres").PostgresBackend
+        backend = postgres_backend.from_url(run.needs_postgres(), namespace=f"bench-{run.tag}")
+        self.queue = run.inturn().KeyedQueue(backend=backend)
+
+    def hold(self, key: str) -> AbstractAsyncContextManager[Any]:
+        return self.queue.keyed(key)
+
+    async def teardown(self) -> None:
+        await self.queue.aclose()
+
+
+class InturnPostgresSync(SyncContender):
+    """inturn's PostgreSQL backend from plain code: ``with queue.keyed(key):``, no event loop."""
+
+    name = "inturn-postgres-sync"
+    kinds = ("sync-postgres",)
+
+    def available(self) -> str | None:
+        return _missing_postgres()
+
+    def setup(self, run: Run) -> None:
+        postgres_backend = run.inturn(".backends.postgres").PostgresBackend
+        backend = postgres_backend.from_url(run.needs_postgres(), namespace=f"bench-{run.tag}")
+        self.queue = run.inturn().KeyedQueue(backend=backend)
+
+    def hold(self, key: str) -> AbstractContextManager[Any]:
+        return self.queue.keyed(key)  # type: ignore[no-any-return]
+
+    def teardown(self) -> None:
+        _close_sync(self.queue)
+
+
+def advisory_id(key: str) -> int:
+    """A key's advisory-lock id, as a user derives one: 64 bits of a digest, signed."""
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+#: The hand-written loop's two statements.
+LOCK, UNLOCK = "SELECT pg_advisory_lock(%s)", "SELECT pg_advisory_unlock(%s)"
+
+
+class _AdvisoryLock:
+    """``SELECT pg_advisory_lock(id)`` on entry, ``SELECT pg_advisory_unlock(id)`` on exit."""
+
+    __slots__ = ("connection", "params")
+
+    def __init__(self, connection: Any, lock: int) -> None:
+        self.connection = connection
+        self.params = (lock,)
+
+    def __enter__(self) -> None:
+        self.connection.execute(LOCK, self.params)
+
+    def __exit__(self, *exc: object) -> None:
+        self.connection.execute(UNLOCK, self.params)
+
+    async def __aenter__(self) -> None:
+        await self.connection.execute(LOCK, self.params)
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.connection.execute(UNLOCK, self.params)
+
+
+class PgAdvisoryLock(AsyncContender):
+    """The hand-written loop, async: one autocommit ``psycopg.AsyncConnection`` per process,
+    ``SELECT pg_advisory_lock(id)`` ... work ... ``SELECT pg_advisory_unlock(id)``."""
+
+    name = "pg-advisory-lock"
+    kinds = ("postgres",)
+
+    def available(self) -> str | None:
+        return _missing("psycopg")
+
+    async def setup(self, run: Run) -> None:
+        import psycopg
+
+        self.connection = await psycopg.AsyncConnection.connect(
+            run.needs_postgres(), autocommit=True
+        )
+        self.locks: dict[str, _AdvisoryLock] = {}
+
+    def hold(self, key: str) -> AbstractAsyncContextManager[Any]:
+        lock = self.locks.get(key)
+        if lock is None:
+            lock = self.locks[key] = _AdvisoryLock(self.connection, advisory_id(key))
+        return lock
+
+    async def teardown(self) -> None:
+        await self.connection.close()
+
+
+class PgAdvisoryLockSync(SyncContender):
+    """The hand-written loop, sync: one autocommit ``psycopg.Connection`` per process,
+    ``SELECT pg_advisory_lock(id)`` ... work ... ``SELECT pg_advisory_unlock(id)``."""
+
+    name = "pg-advisory-lock-sync"
+    kinds = ("sync-postgres",)
+
+    def available(self) -> str | None:
+        return _missing("psycopg")
+
+    def setup(self, run: Run) -> None:
+        import psycopg
+
+        self.connection = psycopg.Connection.connect(run.needs_postgres(), autocommit=True)
+        self.locks: dict[str, _AdvisoryLock] = {}
+
+    def hold(self, key: str) -> AbstractContextManager[Any]:
+        lock = self.locks.get(key)
+        if lock is None:
+            lock = self.locks[key] = _AdvisoryLock(self.connection, advisory_id(key))
+        return lock
+
+    def teardown(self) -> None:
+        self.connection.close()
+
+
 #: Every contender, by name.
 CONTENDERS: dict[str, type[Contender]] = {
     cls.name: cls
@@ -377,6 +526,10 @@ CONTENDERS: dict[str, type[Contender]] = {
         RedisPyLockLease,
         PythonRedisLock,
         Pottery,
+        InturnPostgres,
+        InturnPostgresSync,
+        PgAdvisoryLock,
+        PgAdvisoryLockSync,
         NoLock,
     )
 }
@@ -387,6 +540,8 @@ VERSIONED: tuple[str, ...] = (
     "inturn-file-sync",
     "inturn-redis",
     "inturn-redis-sync",
+    "inturn-postgres",
+    "inturn-postgres-sync",
 )
 
 
@@ -411,4 +566,8 @@ DEFAULT: tuple[str, ...] = (
     "redis-py-lock-lease",
     "python-redis-lock",
     "pottery",
+    "inturn-postgres",
+    "inturn-postgres-sync",
+    "pg-advisory-lock",
+    "pg-advisory-lock-sync",
 )

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-__all__ = ("ENV", "redis_server", "server_binary")
+__all__ = ("ENV", "free_port", "redis_server", "server_binary")
 
 #: The environment variable naming a server to use instead of starting one.
 ENV = "INTURN_REDIS_URL"
@@ -38,7 +38,8 @@ def server_binary() -> str | None:
     return binary if binary and os.access(binary, os.X_OK) else None
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port of the loopback interface that is free now."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
@@ -67,7 +68,7 @@ def redis_server(log: Callable[[str], None]) -> Iterator[str | None]:
         yield None
         return
     with tempfile.TemporaryDirectory(prefix="inturn-bench-redis-") as directory:
-        port = _free_port()
+        port = free_port()
         process = subprocess.Popen(
             [
                 binary,

@@ -3,8 +3,9 @@
 CONFIG is a JSON object: ``contender`` (a name in bench/mp_contenders.py,
 or ``name@REF`` with ``package`` and ``package_path``: inturn at git REF),
 ``workdir`` (the run's shared directory), ``redis_url`` (the Redis server,
-null in the file scenarios), ``tag`` (unique to the run), ``key`` and
-``outside`` (seconds of work between two turns, 0 for none).
+null outside the Redis scenarios), ``postgres_url`` (the PostgreSQL server,
+null outside the PostgreSQL scenarios), ``tag`` (unique to the run), ``key``
+and ``outside`` (seconds of work between two turns, 0 for none).
 
 The conversation with the parent (bench/multiproc.py), over stdin/stdout:
 
@@ -76,6 +77,7 @@ def run_of(config: dict[str, Any]) -> Run:
         config.get("redis_url"),
         config.get("tag", "run"),
         config.get("package", "inturn"),
+        config.get("postgres_url"),
     )
 
 

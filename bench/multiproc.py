@@ -1,6 +1,6 @@
 """Locks shared between processes, on one contended key, side by side.
 
-    python -m bench.multiproc [--repeats 3] [--quick] [--only file|redis|sync|...]
+    python -m bench.multiproc [--repeats 3] [--quick] [--only file|redis|postgres|sync|...]
                               [--before REF] [--json out.json]
 
 Each run starts one contender's worker processes (bench/mp_worker.py), each
@@ -29,7 +29,18 @@ same store, and beside inturn's own ``async with`` for reference:
 - (s1) 4 processes on one key, on files: inturn's FileBackend, ``filelock``;
 - (s2) one process alone on the key, on files: the uncontended turn;
 - (s3) and (s4): the same on Redis: inturn's RedisBackend, redis-py's
-  ``r.lock(name, timeout=..., blocking_timeout=...)``.
+  ``r.lock(name, timeout=..., blocking_timeout=...)``;
+- (s5) and (s6): the same on PostgreSQL: inturn's PostgresBackend, the
+  hand-written ``pg_advisory_lock`` loop on a sync psycopg connection.
+
+Scenarios, PostgreSQL locks (``--only postgres``; bench/mp_pg.py finds or
+starts the server): inturn's PostgresBackend beside the hand-written loop a
+user writes today, ``SELECT pg_advisory_lock(id)`` ... ``SELECT
+pg_advisory_unlock(id)`` on one autocommit connection per process, whose
+FIFO and hand-off are the server's own:
+
+- (p1) and (p2): as (f1) and (f2);
+- (p3) one process alone on the key: the cost of an uncontended turn.
 
 A contender that fails before its workers are ready (its set-up, or its
 first turn on a key of its own, raised) is left out of the rest of the run,
@@ -67,6 +78,7 @@ if __package__ in (None, ""):  # run as a script: python bench/multiproc.py
 from .contenders import extract_version
 from .mp_contenders import CONTENDERS, DEFAULT, VERSIONED, contender
 from .mp_metrics import METRICS, measure_run
+from .mp_pg import postgres_server
 from .mp_servers import redis_server
 from .mp_worker import UNAVAILABLE, read_counter
 from .targets import check, ratio
@@ -102,6 +114,10 @@ class Scenario:
     min_fairness: float | None = None
     max_handoff_ms: float | None = None
     max_wait_ms: float | None = None
+    #: (baseline, factor): hand-off p50 at most factor times the baseline's.
+    max_handoff_x: tuple[str, float] | None = None
+    #: (baseline, points): arrival order at least the baseline's, less points.
+    min_order_of: tuple[str, float] | None = None
 
     def processes(self, settings: Settings) -> int:
         return self.workers if self.workers is not None else settings.workers
@@ -110,6 +126,11 @@ class Scenario:
     def on_redis(self) -> bool:
         """Whether its contenders need the Redis server."""
         return self.kind in REDIS_KINDS
+
+    @property
+    def on_postgres(self) -> bool:
+        """Whether its contenders need the PostgreSQL server."""
+        return self.kind in POSTGRES_KINDS
 
 
 _FILE: dict[str, Any] = {
@@ -136,7 +157,26 @@ _SYNC_REDIS: dict[str, Any] = {
     "subject": "inturn-redis-sync",
     "ratios": ("redis-py-lock-lease", "inturn-redis"),
 }
-#: Processes on the one key of (s1) and (s3).
+_POSTGRES: dict[str, Any] = {
+    "kind": "postgres",
+    "subject": "inturn-postgres",
+    "ratios": ("pg-advisory-lock",),
+}
+#: Issue 20's targets for the backend: the hand-written loop's ops/s (0.9x) with
+#: its FIFO, and a hand-off p50 within 1.5x the server's (the loop's). The loop's
+#: order is the server's queue; the slack is for arrivals a few µs apart, which
+#: the clients stamp before their requests reach that queue.
+_POSTGRES_TARGETS: dict[str, Any] = {
+    "min_ops": (("pg-advisory-lock", 0.9),),
+    "min_order_of": ("pg-advisory-lock", 1.0),
+    "max_handoff_x": ("pg-advisory-lock", 1.5),
+}
+_SYNC_POSTGRES: dict[str, Any] = {
+    "kind": "sync-postgres",
+    "subject": "inturn-postgres-sync",
+    "ratios": ("pg-advisory-lock-sync", "inturn-postgres"),
+}
+#: Processes on the one key of (s1), (s3) and (s5).
 SYNC_WORKERS = 4
 
 SCENARIOS = (
@@ -168,17 +208,43 @@ SCENARIOS = (
         workers=1,
         min_ops=(("redis-py-lock", 0.95),),
     ),
+    Scenario(
+        "p1",
+        "one key on PostgreSQL, nothing outside the lock",
+        0.0,
+        **_POSTGRES,
+        **_POSTGRES_TARGETS,
+    ),
+    Scenario(
+        "p2",
+        "one key on PostgreSQL, 1 ms outside the lock",
+        0.001,
+        **_POSTGRES,
+        **_POSTGRES_TARGETS,
+    ),
+    Scenario("p3", "one key on PostgreSQL, uncontended", 0.0, **_POSTGRES, workers=1),
     Scenario("s1", "one key, sync turns", 0.0, **_SYNC_FILE, workers=SYNC_WORKERS),
     Scenario("s2", "one key, sync turns, uncontended", 0.0, **_SYNC_FILE, workers=1),
     Scenario("s3", "one key on Redis, sync turns", 0.0, **_SYNC_REDIS, workers=SYNC_WORKERS),
     Scenario("s4", "one key on Redis, sync turns, uncontended", 0.0, **_SYNC_REDIS, workers=1),
+    Scenario(
+        "s5", "one key on PostgreSQL, sync turns", 0.0, **_SYNC_POSTGRES, workers=SYNC_WORKERS
+    ),
+    Scenario(
+        "s6", "one key on PostgreSQL, sync turns, uncontended", 0.0, **_SYNC_POSTGRES, workers=1
+    ),
 )
 #: The kinds of scenario, for --only.
-KINDS = ("file", "redis", "sync-file", "sync-redis")
+KINDS = ("file", "redis", "postgres", "sync-file", "sync-redis", "sync-postgres")
 #: The kinds whose contenders need the Redis server.
 REDIS_KINDS = frozenset({"redis", "sync-redis"})
+#: The kinds whose contenders need the PostgreSQL server.
+POSTGRES_KINDS = frozenset({"postgres", "sync-postgres"})
 #: --only's names for several kinds at once.
-GROUPS = {"sync": ("sync-file", "sync-redis")}
+GROUPS = {
+    "sync": ("sync-file", "sync-redis", "sync-postgres"),
+    "all-postgres": ("postgres", "sync-postgres"),
+}
 
 
 @dataclass
@@ -256,6 +322,7 @@ def run_once(
     settings: Settings,
     redis_url: str | None = None,
     versions: dict[str, tuple[Path, str]] | None = None,
+    postgres_url: str | None = None,
 ) -> dict[str, float]:
     """Start the workers of one run, release them together, and measure their records.
 
@@ -263,13 +330,15 @@ def run_once(
     """
     with tempfile.TemporaryDirectory(prefix="inturn-bench-") as directory:
         workdir = Path(directory)
-        tag = secrets.token_hex(4)  # Redis names of this run: no run sees another's
+        tag = secrets.token_hex(4)  # server-side names of this run: no run sees another's
+        on_server = scenario.on_redis or scenario.on_postgres
         config: dict[str, Any] = {
             "contender": contender,
             "workdir": str(workdir),
             "redis_url": redis_url if scenario.on_redis else None,
+            "postgres_url": postgres_url if scenario.on_postgres else None,
             "tag": tag,
-            "key": f"bench:{tag}:{KEY}" if scenario.on_redis else KEY,
+            "key": f"bench:{tag}:{KEY}" if on_server else KEY,
             "outside": scenario.outside,
         }
         _, at, ref = contender.partition("@")
@@ -345,11 +414,15 @@ def measure(settings: Settings, log: Log) -> dict[str, Any]:
     runs: dict[str, dict[str, list[dict[str, float]]]] = defaultdict(lambda: defaultdict(list))
     unavailable: dict[str, str] = {}  # contender -> why it was left out
     with ExitStack() as stack:
-        url = None
+        url = pg_url = None
         if any(scenario.on_redis for scenario in chosen):
             url = stack.enter_context(redis_server(log))
             if url is None:
                 chosen = [scenario for scenario in chosen if not scenario.on_redis]
+        if any(scenario.on_postgres for scenario in chosen):
+            pg_url = stack.enter_context(postgres_server(log))
+            if pg_url is None:
+                chosen = [scenario for scenario in chosen if not scenario.on_postgres]
         for repeat in range(settings.repeats):
             log(f"multiproc: repeat {repeat + 1}/{settings.repeats}")
             for scenario in chosen:
@@ -357,7 +430,7 @@ def measure(settings: Settings, log: Log) -> dict[str, Any]:
                     if name in unavailable:
                         continue
                     try:
-                        result = run_once(name, scenario, settings, url, versions)
+                        result = run_once(name, scenario, settings, url, versions, pg_url)
                     except Unavailable as error:
                         unavailable[name] = str(error)
                         log(f"multiproc: leaving {name} out of this run: {error}")
@@ -465,6 +538,38 @@ def _bounds(scenario: Scenario, subject: dict[str, float]) -> list[Result]:
     return results
 
 
+def _relative(
+    scenario: Scenario, subject: dict[str, float], values: dict[str, dict[str, float]]
+) -> list[Result]:
+    """The subject's targets that are bounds relative to another contender's metric."""
+    tag = f"({scenario.name}) {scenario.subject}"
+    results: list[Result] = []
+    if scenario.min_order_of is not None:
+        baseline, points = scenario.min_order_of
+        label = f"{tag} arrival order >= {baseline}'s - {points:g} points"
+        other = values.get(baseline)
+        if other is None:
+            results.append((label, None, "not measured"))
+        else:
+            order, floor = subject["arrival_order_pct"], other["arrival_order_pct"]
+            shown = f"{order:.1f}% (its: {floor:.1f}%)"
+            results.append((label, check(order, floor - points, at_most=False), shown))
+    if scenario.max_handoff_x is not None:
+        baseline, factor = scenario.max_handoff_x
+        label = f"{tag} hand-off p50 <= {factor:g}x {baseline}'s"
+        other = values.get(baseline)
+        if other is None:
+            results.append((label, None, "not measured"))
+        else:
+            quotient = ratio(subject["handoff_p50_us"], other["handoff_p50_us"])
+            shown = (
+                f"{quotient:.2f}x ({subject['handoff_p50_us']:,.0f} µs, "
+                f"its: {other['handoff_p50_us']:,.0f} µs)"
+            )
+            results.append((label, check(quotient, factor), shown))
+    return results
+
+
 def targets(medians: dict[str, dict[str, dict[str, float]]]) -> list[Result]:
     """Each scenario's targets: (label, passed or None if not measured, value).
 
@@ -478,6 +583,7 @@ def targets(medians: dict[str, dict[str, dict[str, float]]]) -> list[Result]:
         if subject is None:
             continue
         results.extend(_bounds(scenario, subject))
+        results.extend(_relative(scenario, subject, values))
         for baseline, floor in scenario.min_ops:
             label = f"({scenario.name}) {scenario.subject} ops/s >= {floor:g}x {baseline}"
             other = values.get(baseline)
@@ -535,8 +641,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--only",
         choices=(*KINDS, *GROUPS),
         default=None,
-        help="only the file scenarios (f1, f2), the Redis ones (r1 to r3), the sync "
-        "turns on files (s1, s2) or on Redis (s3, s4), or every sync one (s1 to s4)",
+        help="only the file scenarios (f1, f2), the Redis ones (r1 to r3), the PostgreSQL "
+        "ones (p1 to p3), the sync turns on files (s1, s2), on Redis (s3, s4) or on "
+        "PostgreSQL (s5, s6), every sync one (s1 to s6), or every PostgreSQL one "
+        "(p1 to p3, s5, s6)",
     )
     parser.add_argument(
         "--before",

@@ -235,8 +235,9 @@ def test_threads_table_gives_ratios_of_costs_only_and_none_of_a_figure_that_is_n
 def test_only_sync_selects_the_sync_scenarios_and_their_contenders() -> None:
     kinds = multiproc.GROUPS["sync"]
     chosen = [scenario for scenario in multiproc.SCENARIOS if scenario.kind in kinds]
-    assert [scenario.name for scenario in chosen] == ["s1", "s2", "s3", "s4"]
-    assert [scenario.on_redis for scenario in chosen] == [False, False, True, True]
+    assert [scenario.name for scenario in chosen] == ["s1", "s2", "s3", "s4", "s5", "s6"]
+    assert [scenario.on_redis for scenario in chosen] == [False, False, True, True, False, False]
+    assert [scenario.on_postgres for scenario in chosen] == [False] * 4 + [True] * 2
     names = list(multiproc.DEFAULT)
     assert multiproc._of_kind(names, "sync-file") == ["inturn-file", "inturn-file-sync", "filelock"]
     assert multiproc._of_kind(names, "sync-redis") == [
@@ -244,5 +245,52 @@ def test_only_sync_selects_the_sync_scenarios_and_their_contenders() -> None:
         "inturn-redis-sync",
         "redis-py-lock-lease",
     ]
+    assert multiproc._of_kind(names, "sync-postgres") == [
+        "inturn-postgres",
+        "inturn-postgres-sync",
+        "pg-advisory-lock-sync",
+    ]
     assert "inturn-file-sync" not in multiproc._of_kind(names, "file")
     assert "redis-py-lock-lease" not in multiproc._of_kind(names, "redis")
+    assert "pg-advisory-lock-sync" not in multiproc._of_kind(names, "postgres")
+
+
+def test_only_all_postgres_selects_every_postgres_scenario() -> None:
+    kinds = multiproc.GROUPS["all-postgres"]
+    chosen = [scenario for scenario in multiproc.SCENARIOS if scenario.kind in kinds]
+    assert [scenario.name for scenario in chosen] == ["p1", "p2", "p3", "s5", "s6"]
+    assert all(scenario.on_postgres and not scenario.on_redis for scenario in chosen)
+    names = list(multiproc.DEFAULT)
+    assert multiproc._of_kind(names, "postgres") == ["inturn-postgres", "pg-advisory-lock"]
+
+
+def test_postgres_targets_are_relative_to_the_hand_written_loop() -> None:
+    loop = {
+        "ops_per_s": 2_000.0,
+        "handoff_p50_us": 300.0,
+        "arrival_order_pct": 97.0,
+        "fairness": 1.0,
+        "longest_wait_ms": 5.0,
+    }
+    subject = {**loop, "ops_per_s": 1_900.0, "handoff_p50_us": 420.0, "arrival_order_pct": 96.5}
+
+    def p1(**changed: float) -> dict[str, dict[str, dict[str, float]]]:
+        return {"p1": {"inturn-postgres": {**subject, **changed}, "pg-advisory-lock": loop}}
+
+    good = {label: ok for label, ok, _ in multiproc.targets(p1())}
+    assert len(good) == 3
+    assert all(good.values()), good
+    missed = {
+        "ops_per_s": 1_700.0,  # 0.85x
+        "handoff_p50_us": 460.0,  # 1.53x
+        "arrival_order_pct": 95.5,  # 1.5 points below
+    }
+    for metric, value in missed.items():
+        verdicts = {label: ok for label, ok, _ in multiproc.targets(p1(**{metric: value}))}
+        assert [label for label, ok in verdicts.items() if not ok] != [], metric
+        assert sum(not ok for ok in verdicts.values()) == 1, (metric, verdicts)
+        for bad in (math.nan, -1.0):
+            verdicts = {label: ok for label, ok, _ in multiproc.targets(p1(**{metric: bad}))}
+            assert sum(not ok for ok in verdicts.values()) == 1, (metric, bad, verdicts)
+    alone = {"p1": {"inturn-postgres": subject}}
+    assert [ok for _, ok, _ in multiproc.targets(alone)] == [None, None, None]
