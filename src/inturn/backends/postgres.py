@@ -20,15 +20,17 @@ import re
 import select
 import sys
 import threading
-from collections.abc import Hashable
+import weakref
+from collections.abc import Awaitable, Hashable
 from typing import Any, Final, final
 
 from .._checks import missed
 from .._errors import BackendUnavailable
 from .._keys import describe as show
 from .._keys import order_portable
+from . import _pg_wire
 from ._base import Grant
-from ._pg_keys import lock_id, lock_parts
+from ._pg_keys import lock_id
 
 try:
     import psycopg
@@ -54,43 +56,39 @@ _CHECK_INTERVAL: Final = "1s"
 #: slot free for it): past it, the server counts as unreachable.
 _CONNECT_WAIT: Final = 10.0
 
-# Wait for the lock, then draw the token. OFFSET 0 keeps each subquery apart, so
-# the settings come first, then the lock, then nextval; set_config(..., true)
-# lasts for this statement's transaction only (the session is in autocommit).
-_WAIT: Final = (
-    "SELECT nextval('" + SEQUENCE + "') FROM ("
-    " SELECT pg_advisory_lock(%s) FROM ("
-    "  SELECT set_config('lock_timeout', %s, true) OFFSET 0"
+# The backend's statements, prepared on each connection it uses (once, in one round
+# trip) and then sent by name through _pg_wire: the server plans them once.
+#
+# inturn_wait: wait for the lock, then draw the token. OFFSET 0 keeps each subquery
+# apart, so the settings come first, then the lock, then nextval; set_config(...,
+# true) lasts for this statement's transaction only (the session is in autocommit).
+# $2 is lock_timeout in ms ('0': none). client_connection_check_interval (14+)
+# makes a waiter whose client died leave the queue.
+_WAIT_SQL: Final = (
+    "PREPARE inturn_wait (int8, text) AS SELECT nextval('" + SEQUENCE + "') FROM ("
+    " SELECT pg_advisory_lock($1) FROM ("
+    "  SELECT set_config('lock_timeout', $2, true){check} OFFSET 0"
     " ) AS settings OFFSET 0"
-    ") AS granted"
+    ") AS granted;"
 )
-_WAIT_CHECKED: Final = (
-    "SELECT nextval('" + SEQUENCE + "') FROM ("
-    " SELECT pg_advisory_lock(%s) FROM ("
-    "  SELECT set_config('lock_timeout', %s, true),"
-    "   set_config('client_connection_check_interval', '" + _CHECK_INTERVAL + "', true)"
-    "  OFFSET 0"
-    " ) AS settings OFFSET 0"
-    ") AS granted"
+_CHECK: Final = ", set_config('client_connection_check_interval', '" + _CHECK_INTERVAL + "', true)"
+_PREPARE_REST: Final = (
+    # timeout=0: ask once; no row if the key is busy.
+    "PREPARE inturn_try (int8) AS SELECT nextval('" + SEQUENCE + "') FROM ("
+    " SELECT pg_try_advisory_lock($1) AS got OFFSET 0"
+    ") AS tried WHERE got;"
+    # The end of a turn: unlock each of its keys; whether each was held, in order.
+    "PREPARE inturn_unlock (int8[]) AS SELECT pg_advisory_unlock(id)"
+    " FROM unnest($1) WITH ORDINALITY AS locks(id, n) ORDER BY n;"
 )
-# timeout=0: ask once; no row if the key is busy.
-_TRY: Final = (
-    "SELECT nextval('" + SEQUENCE + "') FROM ("
-    " SELECT pg_try_advisory_lock(%s) AS got OFFSET 0"
-    ") AS tried WHERE got"
-)
-# After a cancelled wait: unlock the key if the grant came just as it was cancelled
-# (one row, true), else nothing (the wait left the queue when it was cancelled).
-_UNDO: Final = (
-    "SELECT pg_advisory_unlock(%s) FROM pg_locks"
-    " WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted"
-    " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-    " AND classid = %s AND objid = %s AND objsubid = 1"
-)
-# The end of a turn: unlock each of its keys, in one round trip; whether each was held.
-_UNLOCK: Final = (
-    "SELECT array_agg(pg_advisory_unlock(id) ORDER BY n)"
-    " FROM unnest(%s::bigint[]) WITH ORDINALITY AS locks(id, n)"
+_WAIT: Final = b"inturn_wait"
+_TRY: Final = b"inturn_try"
+_UNLOCK: Final = b"inturn_unlock"
+# The same, unprepared (a pool of the caller's may DEALLOCATE ALL when it resets
+# a connection: then the unlock is sent as it is, and the rest prepared again).
+_UNLOCK_SQL: Final = (
+    b"SELECT pg_advisory_unlock(id) FROM unnest($1::int8[]) WITH ORDINALITY AS locks(id, n)"
+    b" ORDER BY n"
 )
 _MAKE_SEQUENCE: Final = f"CREATE SEQUENCE IF NOT EXISTS {SEQUENCE} AS bigint"
 
@@ -119,7 +117,7 @@ class PostgresGrant:
 class _Place:
     """What the backend keeps for one event loop: a pool, and the slots of its sessions."""
 
-    __slots__ = ("pool", "slots")
+    __slots__ = ("idle", "pool", "slots")
 
     def __init__(self, pool: AsyncConnectionPool[Any], size: int) -> None:
         self.pool = pool
@@ -127,6 +125,25 @@ class _Place:
         # asked of the pool, so that a pool that does not answer means a server
         # that cannot be reached, never one busy with this process's other keys.
         self.slots = asyncio.Semaphore(size)
+        # Connections the backend took from the pool and keeps between turns, the
+        # last used on top: the pool's getconn and putconn cost about 40 µs a turn.
+        self.idle: list[psycopg.AsyncConnection[Any]] = []
+
+    def take_idle(self) -> psycopg.AsyncConnection[Any] | None:
+        """The connection used last that is still good; None if there is none."""
+        idle = self.idle
+        while idle:
+            connection = idle.pop()
+            if not _stale(connection):
+                return connection
+            _detach(self.pool.putconn(connection))  # (the pool discards a bad one)
+        return None
+
+    async def empty(self) -> None:
+        """Give the idle connections back to the pool."""
+        idle, self.idle = self.idle, []
+        for connection in idle:
+            await self.pool.putconn(connection)
 
 
 @final
@@ -208,6 +225,7 @@ class PostgresBackend:
         "_max_sessions",
         "_namespace",
         "_places",
+        "_prepared",
         "_sequence_ready",
     )
 
@@ -252,6 +270,8 @@ class PostgresBackend:
         self._given_loop: asyncio.AbstractEventLoop | None = None  # where a given pool is used
         self._lock = threading.Lock()  # held to change _places
         self._sequence_ready = False
+        # The connections that have the backend's statements prepared.
+        self._prepared: weakref.WeakSet[psycopg.AsyncConnection[Any]] = weakref.WeakSet()
 
     @classmethod
     def from_url(
@@ -329,13 +349,14 @@ class PostgresBackend:
             self._places.clear()
         loop = asyncio.get_running_loop()
         for owner, place in places:
-            if place.pool is self._given:
-                continue
+            closing = place.empty() if place.pool is self._given else _close(place)
             if owner is loop:
-                await place.pool.close()
+                await closing
             elif owner.is_running():  # another thread's loop: close it there
-                closing = asyncio.run_coroutine_threadsafe(place.pool.close(), owner)
-                await asyncio.wait((asyncio.wrap_future(closing),), timeout=_CONNECT_WAIT)
+                there = asyncio.run_coroutine_threadsafe(closing, owner)
+                await asyncio.wait((asyncio.wrap_future(there),), timeout=_CONNECT_WAIT)
+            else:
+                closing.close()  # its loop ended: its connections went with it
 
     def __repr__(self) -> str:
         if self._conninfo is None:
@@ -399,9 +420,25 @@ class PostgresBackend:
         )
 
     async def _ready(self, connection: psycopg.AsyncConnection[Any]) -> None:
-        """Make the sequence of fencing tokens if it is missing (once per backend)."""
-        if self._sequence_ready:
+        """Prepare the backend's statements on connection (once), after making the sequence."""
+        if connection in self._prepared:
             return
+        if not self._sequence_ready:
+            await self._make_sequence(connection)
+        check = _CHECK if connection.info.server_version >= 140000 else ""
+        script = (_WAIT_SQL.format(check=check) + _PREPARE_REST).encode()
+        try:
+            await asyncio.shield(_pg_wire.send(connection, script))
+        except errors.DuplicatePreparedStatement:  # (prepared before, by this backend)
+            pass
+        self._prepared.add(connection)
+
+    def _forget(self, connection: psycopg.AsyncConnection[Any]) -> None:
+        """The statements prepared on connection are gone (DEALLOCATE ALL by its pool)."""
+        self._prepared.discard(connection)
+
+    async def _make_sequence(self, connection: psycopg.AsyncConnection[Any]) -> None:
+        """Make the sequence of fencing tokens if it is missing (once per backend)."""
         found = await connection.execute("SELECT to_regclass(%s) IS NOT NULL", (SEQUENCE,))
         row = await found.fetchone()
         if not (row and row[0]):
@@ -461,6 +498,8 @@ class _Session:
         """Where threads' calls to the session run: as its backend's."""
         return self._backend.thread_loop()
 
+    # -- taking keys ----------------------------------------------------------------------
+
     async def acquire(self, key: Hashable, timeout: float | None) -> PostgresGrant:
         """Take key on the session's connection (the first key gets the connection)."""
         if self._closed:
@@ -493,64 +532,94 @@ class _Session:
                 self._connection = await backend._connect_own(wait)
             except psycopg.OperationalError as error:
                 raise _unreachable(backend, key, error) from error
-            await self._prepare()
-            return
-        place = await backend._place()
-        await _take_slot(place.slots, key, timeout, at)
-        self._place = place
+        else:
+            place = await backend._place()
+            await _take_slot(place.slots, key, timeout, at)
+            self._place = place
+            self._connection = place.take_idle() or await self._from_pool(place, key, timeout, at)
+        connection = self.connection
+        try:
+            if not connection.autocommit:  # a pool of the caller's
+                await connection.set_autocommit(True)
+            await backend._ready(connection)
+        except psycopg.Error as error:
+            raise BackendUnavailable(
+                f"inturn: PostgreSQL failed the session for key {show(key)} "
+                f"({_said(error)}); the work did not run"
+            ) from error
+
+    async def _from_pool(
+        self, place: _Place, key: Hashable, timeout: float | None, at: float | None
+    ) -> psycopg.AsyncConnection[Any]:
+        loop = asyncio.get_running_loop()
         # (timeout=0 asks for the key at once, not for a connection at once)
         left = _CONNECT_WAIT if at is None or timeout == 0 else max(0.0, at - loop.time())
         try:
-            self._connection = await place.pool.getconn(timeout=min(left, _CONNECT_WAIT) or 0.001)
+            got: psycopg.AsyncConnection[Any] = await place.pool.getconn(
+                timeout=min(left, _CONNECT_WAIT) or 0.001
+            )
+            return got
         except PoolTimeout as error:
             if left < _CONNECT_WAIT:
                 raise missed(f"the turn for key {show(key)}", timeout) from None
-            raise _unreachable(backend, key, error) from error
+            raise _unreachable(self._backend, key, error) from error
         except PoolClosed as error:
             raise BackendUnavailable(
-                f"inturn: {backend!r} was closed; the work did not run"
+                f"inturn: {self._backend!r} was closed; the work did not run"
             ) from error
-        await self._prepare()
-
-    async def _prepare(self) -> None:
-        connection = self.connection
-        if not connection.autocommit:  # a pool of the caller's
-            await connection.set_autocommit(True)
-        await self._backend._ready(connection)
 
     async def _wait(self, key: Hashable, lock: int, timeout: float | None, at: float | None) -> int:
         """Wait for lock on the connection; return the token drawn with it."""
         connection = self.connection
-        loop = asyncio.get_running_loop()
-        try:
-            cursor = await connection.execute(*_statement(connection, lock, timeout, at, loop))
-            row = await cursor.fetchone()
-        except errors.LockNotAvailable:
-            raise missed(f"the turn for key {show(key)}", timeout) from None
-        except psycopg.Error as error:
-            await _shielded(self._undo(lock))
-            raise BackendUnavailable(
-                f"inturn: PostgreSQL failed the wait for key {show(key)} ({_said(error)}); "
-                "the work did not run"
-            ) from error
-        except BaseException:
-            # Cancelled (psycopg cancelled the server's query on the way out): the
-            # grant may have come just before; give it back, whatever comes next.
-            await _shielded(self._undo(lock))
-            raise
-        if row is None:  # timeout=0, and the key was busy
-            raise missed(f"the turn for key {show(key)}", timeout)
-        return int(row[0])
+        statement, params = _statement(lock, timeout, at)
+        for _ in range(2):
+            try:
+                reply = _pg_wire.send(connection, statement, params, prepared=True)
+            except psycopg.OperationalError as error:
+                raise _failed(key, error) from error
+            try:
+                rows = await asyncio.shield(reply)
+            except errors.LockNotAvailable:
+                raise missed(f"the turn for key {show(key)}", timeout) from None
+            except errors.InvalidSqlStatementName:  # deallocated by a pool's reset
+                self._backend._forget(connection)
+                await self._backend._ready(connection)
+                continue
+            except psycopg.Error as error:
+                raise _failed(key, error) from error
+            except BaseException:
+                # Cancelled: cancel the server's wait; if the grant came all the same,
+                # give it back, whatever comes next.
+                await _shielded(self._call_off(reply, lock))
+                raise
+            if not rows:  # timeout=0, and the key was busy
+                raise missed(f"the turn for key {show(key)}", timeout)
+            return int(rows[0][0] or 0)
+        raise _failed(key, errors.InvalidSqlStatementName("prepared statements vanish"))
 
-    async def _undo(self, lock: int) -> None:
-        """After a wait that failed: make sure lock is not held (a broken session holds none)."""
-        connection = self._connection
-        if connection is None or connection.broken or connection.closed:
+    async def _call_off(self, reply: asyncio.Future[_pg_wire.Rows], lock: int) -> None:
+        """Cancel the wait of reply; unlock lock if it was granted before the cancel landed."""
+        connection = self.connection
+        if not reply.done():
+            try:
+                await connection.cancel_safe(timeout=_CONNECT_WAIT)
+            except psycopg.Error:
+                pass
+            await asyncio.wait((reply,), timeout=_CONNECT_WAIT)
+        if not reply.done():  # no answer: end the session, and its locks with it
+            _pg_wire.forget(connection)
+            await connection.close()
             return
+        if reply.cancelled() or reply.exception() is not None:
+            return  # cancelled on the server (QueryCanceled), or the session ended
         try:
-            await connection.execute(_UNDO, (lock, *lock_parts(lock)))
+            await asyncio.shield(
+                _pg_wire.send(connection, _UNLOCK, _unlocking([lock]), prepared=True)
+            )
         except psycopg.Error:
             await connection.close()  # its locks go with it; close() sees it closed
+
+    # -- giving keys back -------------------------------------------------------------------
 
     def release(self, grant: Grant) -> Any:
         """Unlock one grant now (a grant whose caller gave up); close() frees the rest."""
@@ -562,19 +631,87 @@ class _Session:
             return
         self._grants.remove(grant)
         connection = self._connection
-        if connection is None or connection.broken or connection.closed:
+        if connection is None or _ended(connection):
             return
         try:
-            await connection.execute(_UNLOCK, ([grant._lock],))
+            await asyncio.shield(
+                _pg_wire.send(connection, _UNLOCK, _unlocking([grant._lock]), prepared=True)
+            )
         except psycopg.Error:
             await connection.close()
 
-    async def close(self, error: BaseException | None) -> None:
-        """Commit or roll back (a transaction's), unlock every key, give the connection back."""
+    def close(self, error: BaseException | None) -> Awaitable[None]:
+        """Commit or roll back (a transaction's), unlock every key, give the connection back.
+
+        A turn without a transaction, the common case: the unlock is sent at
+        once, and the future returned is settled when the server answered
+        (see ``Backend.release``: it goes on by itself).
+        """
+        connection, grants, busy = self._connection, self._grants, self._busy
+        if (
+            self._closed
+            or self._transaction
+            or (busy is not None and not busy.done())
+            or connection is None
+            or not grants
+            or _ended(connection)
+        ):
+            return self._close(error)
+        self._closed = True
+        self._connection, self._grants = None, []
+        try:
+            reply = _pg_wire.send(
+                connection, _UNLOCK, _unlocking([grant._lock for grant in grants]), prepared=True
+            )
+        except psycopg.OperationalError:  # the session is gone, and its locks with it
+            self._unlocked(connection, grants, None)
+            return _nothing()
+        done = asyncio.get_running_loop().create_future()
+        reply.add_done_callback(lambda answer: self._answered(connection, grants, answer, done))
+        return done
+
+    def _answered(
+        self,
+        connection: psycopg.AsyncConnection[Any],
+        grants: list[PostgresGrant],
+        answer: asyncio.Future[_pg_wire.Rows],
+        done: asyncio.Future[None],
+    ) -> None:
+        """(A callback.) The unlock was answered: mark what was lost, give the connection back."""
+        error = answer.exception()
+        if isinstance(error, errors.InvalidSqlStatementName):  # deallocated by the work
+            self._backend._forget(connection)
+            try:
+                again = _pg_wire.send(
+                    connection, _UNLOCK_SQL, _unlocking([grant._lock for grant in grants])
+                )
+            except psycopg.OperationalError:
+                pass
+            else:
+                again.add_done_callback(
+                    lambda answer: self._answered(connection, grants, answer, done)
+                )
+                return
+        self._unlocked(connection, grants, None if error is not None else answer.result())
+        done.set_result(None)
+
+    def _unlocked(
+        self,
+        connection: psycopg.AsyncConnection[Any],
+        grants: list[PostgresGrant],
+        rows: _pg_wire.Rows | None,
+    ) -> None:
+        """Mark lost each grant whose key was not held (rows of the unlock, None: none was)."""
+        for n, grant in enumerate(grants):
+            if rows is None or n >= len(rows) or rows[n][0] != b"t":
+                grant.lost = True  # the session ended or was reset under it
+        self._give_back(connection)
+
+    async def _close(self, error: BaseException | None) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._busy is not None:
+        if self._busy is not None and not self._busy.done():
             await asyncio.wait((self._busy,))  # an acquire given up on, still under way
         connection, self._connection = self._connection, None
         grants, self._grants = self._grants, []
@@ -582,37 +719,38 @@ class _Session:
             self._free_slot()
             return
         failure: BaseException | None = None
+        rows: _pg_wire.Rows | None = None
         try:
             if self._transaction:
                 failure = await _finish(connection, commit=error is None)
                 if not _ended(connection):
                     await connection.set_autocommit(True)
-            if grants and not connection.closed:
-                await _unlock(connection, grants)
+            if grants and not _ended(connection):
+                locks = [grant._lock for grant in grants]
+                rows = await asyncio.shield(
+                    _pg_wire.send(connection, _UNLOCK, _unlocking(locks), prepared=True)
+                )
         except psycopg.Error:
-            pass  # the session ended: _unlock marked its grants lost
+            pass  # the session ended, and its locks with it
         finally:
-            if connection.broken or connection.closed:
-                for grant in grants:
-                    grant.lost = True
-            await self._give_back(connection)
+            if grants:
+                self._unlocked(connection, grants, rows)
+            else:
+                self._give_back(connection)
         if failure is not None:
             raise failure
 
-    async def _give_back(self, connection: psycopg.AsyncConnection[Any]) -> None:
-        place = self._place
-        try:
-            if place is None:
-                await connection.close()
-            else:
-                if not connection.broken and not connection.closed and not connection.autocommit:
-                    await connection.set_autocommit(True)
-                try:
-                    await place.pool.putconn(connection)
-                except PoolClosed:  # pragma: no cover - the backend was closed meanwhile
-                    await connection.close()
-        finally:
-            self._free_slot()
+    def _give_back(self, connection: psycopg.AsyncConnection[Any]) -> None:
+        """Keep connection for the next turn, or give it back (closing a bad one); free the slot."""
+        place, self._place = self._place, None
+        if place is None:
+            _detach(connection.close())
+            return
+        if _ended(connection) or connection.info.transaction_status != _IDLE:
+            _detach(place.pool.putconn(connection))  # (the pool closes or resets it)
+        else:
+            place.idle.append(connection)
+        place.slots.release()
 
     def _free_slot(self) -> None:
         place, self._place = self._place, None
@@ -620,15 +758,26 @@ class _Session:
             place.slots.release()
 
 
-async def _check(connection: psycopg.AsyncConnection[Any]) -> None:
-    """The pool's check of a connection it hands out: refuse one whose session ended.
+def _failed(key: Hashable, error: Exception) -> BackendUnavailable:
+    said = _said(error) if isinstance(error, psycopg.Error) else str(error)
+    return BackendUnavailable(
+        f"inturn: PostgreSQL failed the wait for key {show(key)} ({said}); the work did not run"
+    )
 
-    No round trip: a session the server ended while the connection sat in
-    the pool (a restart, ``pg_terminate_backend``, ``idle_session_timeout``)
-    left its socket readable, with the server's goodbye or the end of the
-    stream; reading that marks the connection bad, and the pool discards it
-    and hands out another. (A session cut off without a word, by a
-    partition, is found out by its first statement instead.)
+
+def _unlocking(locks: list[int]) -> list[bytes | None]:
+    """The parameters of _UNLOCK (and _UNLOCK_SQL) for locks: one int8 array."""
+    return [("{" + ",".join(map(str, locks)) + "}").encode()]
+
+
+def _stale(connection: psycopg.AsyncConnection[Any]) -> bool:
+    """Whether the server ended connection's session while it sat idle (no round trip).
+
+    A session the server ended (a restart, ``pg_terminate_backend``,
+    ``idle_session_timeout``) left its socket readable, with the server's
+    goodbye or the end of the stream; reading that marks the connection
+    bad. (A session cut off without a word, by a partition, is found out
+    by its first statement instead.)
     """
     pgconn = connection.pgconn
     for _ in range(3):  # (the goodbye, then the end of the stream)
@@ -638,8 +787,33 @@ async def _check(connection: psycopg.AsyncConnection[Any]) -> None:
             pgconn.consume_input()
         except psycopg.OperationalError:
             break
-    if pgconn.status != _OK:
+    return pgconn.status != _OK
+
+
+async def _check(connection: psycopg.AsyncConnection[Any]) -> None:
+    """The pool's check of a connection it hands out: refuse one whose session ended."""
+    if _stale(connection):
         raise psycopg.OperationalError("inturn: the session ended while the connection was idle")
+
+
+async def _close(place: _Place) -> None:
+    await place.empty()
+    await place.pool.close()
+
+
+async def _nothing() -> None:
+    return None
+
+
+def _detach(step: Any) -> None:
+    """Run step in a task of its own, its outcome retrieved (a connection's cleanup)."""
+    task = asyncio.ensure_future(step)
+    task.add_done_callback(_consume)
+
+
+def _consume(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _readable(fd: int) -> bool:
@@ -680,29 +854,14 @@ async def _take_slot(
 
 
 def _statement(
-    connection: psycopg.AsyncConnection[Any],
-    lock: int,
-    timeout: float | None,
-    at: float | None,
-    loop: asyncio.AbstractEventLoop,
-) -> tuple[str, tuple[Any, ...]]:
-    """The statement that waits for lock within the time left, and its parameters."""
+    lock: int, timeout: float | None, at: float | None
+) -> tuple[bytes, list[bytes | None]]:
+    """The prepared statement that waits for lock within the time left, and its parameters."""
     if timeout == 0:
-        return _TRY, (lock,)
-    left = None if at is None else max(0.0, at - loop.time())
+        return _TRY, [str(lock).encode()]
+    left = None if at is None else max(0.0, at - asyncio.get_running_loop().time())
     limit = "0" if left is None else str(max(1, math.ceil(left * 1000)))
-    checked = connection.info.server_version >= 140000
-    return (_WAIT_CHECKED if checked else _WAIT), (lock, limit)
-
-
-async def _unlock(connection: psycopg.AsyncConnection[Any], grants: list[PostgresGrant]) -> None:
-    """Unlock grants' keys in one round trip; mark lost a grant whose key was not held."""
-    cursor = await connection.execute(_UNLOCK, ([grant._lock for grant in grants],))
-    row = await cursor.fetchone()
-    held = row[0] if row else None
-    for grant, was in zip(grants, held or [False] * len(grants), strict=True):
-        if not was:
-            grant.lost = True  # not held any more: the session was reset under it
+    return _WAIT, [str(lock).encode(), limit.encode()]
 
 
 async def _finish(
@@ -781,5 +940,6 @@ async def _shielded(step: Any) -> None:
 
 
 _IN_ERROR: Final = psycopg.pq.TransactionStatus.INERROR
+_IDLE: Final = psycopg.pq.TransactionStatus.IDLE
 _OK: Final = psycopg.pq.ConnStatus.OK
 _poll = getattr(select, "poll", None)
