@@ -64,7 +64,7 @@ def postgres_bindir() -> Path | None:
     return None
 
 
-def _run_as() -> dict[str, object]:
+def run_as() -> dict[str, object]:
     """subprocess arguments that run PostgreSQL's programs as a user they accept."""
     if os.geteuid() != 0:
         return {}
@@ -89,7 +89,7 @@ class PostgresServer:
         self.settings = {**DEFAULT_SETTINGS, **(settings or {})}
         self.port = free_port()
         self.directory = Path(tempfile.mkdtemp(prefix="inturn-pg-"))
-        self.as_user = _run_as()
+        self.as_user = run_as()
         if self.as_user:
             os.chown(self.directory, self.as_user["user"], self.as_user["group"])  # type: ignore[arg-type]
         self.data = self.directory / "data"

@@ -15,6 +15,7 @@ See :class:`PostgresBackend` for what it guarantees.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import re
 import select
@@ -44,6 +45,10 @@ except ImportError as error:  # pragma: no cover - depends on the install
 
 __all__ = ("PostgresBackend", "PostgresGrant")
 
+#: Its own logger, under the core's "inturn": a pooler seen in between (WARNING),
+#: a pooler in transaction mode caught moving a turn's statements (ERROR).
+logger = logging.getLogger("inturn.postgres")
+
 _NAMESPACE = re.compile(r"[A-Za-z0-9_.:\-]{1,100}")
 
 #: The sequence that fencing tokens are drawn from (in the search_path's first schema).
@@ -65,7 +70,8 @@ _CONNECT_WAIT: Final = 10.0
 # $2 is lock_timeout in ms ('0': none). client_connection_check_interval (14+)
 # makes a waiter whose client died leave the queue.
 _WAIT_SQL: Final = (
-    "PREPARE inturn_wait (int8, text) AS SELECT nextval('" + SEQUENCE + "') FROM ("
+    "PREPARE inturn_wait (int8, text) AS SELECT nextval('" + SEQUENCE + "'), pg_backend_pid()"
+    " FROM ("
     " SELECT pg_advisory_lock($1) FROM ("
     "  SELECT set_config('lock_timeout', $2, true){check} OFFSET 0"
     " ) AS settings OFFSET 0"
@@ -74,12 +80,15 @@ _WAIT_SQL: Final = (
 _CHECK: Final = ", set_config('client_connection_check_interval', '" + _CHECK_INTERVAL + "', true)"
 _PREPARE_REST: Final = (
     # timeout=0: ask once; no row if the key is busy.
-    "PREPARE inturn_try (int8) AS SELECT nextval('" + SEQUENCE + "') FROM ("
+    "PREPARE inturn_try (int8) AS SELECT nextval('" + SEQUENCE + "'), pg_backend_pid() FROM ("
     " SELECT pg_try_advisory_lock($1) AS got OFFSET 0"
     ") AS tried WHERE got;"
     # The end of a turn: unlock each of its keys; whether each was held, in order.
-    "PREPARE inturn_unlock (int8[]) AS SELECT pg_advisory_unlock(id)"
+    "PREPARE inturn_unlock (int8[]) AS SELECT pg_advisory_unlock(id), pg_backend_pid()"
     " FROM unnest($1) WITH ORDINALITY AS locks(id, n) ORDER BY n;"
+    # Which server session this is: not the one the client was told of at connect
+    # when a pooler sits in between.
+    "SELECT pg_backend_pid();"
 )
 _WAIT: Final = b"inturn_wait"
 _TRY: Final = b"inturn_try"
@@ -87,8 +96,8 @@ _UNLOCK: Final = b"inturn_unlock"
 # The same, unprepared (a pool of the caller's may DEALLOCATE ALL when it resets
 # a connection: then the unlock is sent as it is, and the rest prepared again).
 _UNLOCK_SQL: Final = (
-    b"SELECT pg_advisory_unlock(id) FROM unnest($1::int8[]) WITH ORDINALITY AS locks(id, n)"
-    b" ORDER BY n"
+    b"SELECT pg_advisory_unlock(id), pg_backend_pid()"
+    b" FROM unnest($1::int8[]) WITH ORDINALITY AS locks(id, n) ORDER BY n"
 )
 _MAKE_SEQUENCE: Final = f"CREATE SEQUENCE IF NOT EXISTS {SEQUENCE} AS bigint"
 
@@ -225,6 +234,7 @@ class PostgresBackend:
         "_max_sessions",
         "_namespace",
         "_places",
+        "_pooled",
         "_prepared",
         "_sequence_ready",
     )
@@ -272,6 +282,7 @@ class PostgresBackend:
         self._sequence_ready = False
         # The connections that have the backend's statements prepared.
         self._prepared: weakref.WeakSet[psycopg.AsyncConnection[Any]] = weakref.WeakSet()
+        self._pooled = False  # a pooler was seen between the backend and the server
 
     @classmethod
     def from_url(
@@ -428,10 +439,20 @@ class PostgresBackend:
         check = _CHECK if connection.info.server_version >= 140000 else ""
         script = (_WAIT_SQL.format(check=check) + _PREPARE_REST).encode()
         try:
-            await asyncio.shield(_pg_wire.send(connection, script))
+            rows = await asyncio.shield(_pg_wire.send(connection, script))
         except errors.DuplicatePreparedStatement:  # (prepared before, by this backend)
-            pass
+            rows = []
         self._prepared.add(connection)
+        if rows and int(rows[-1][0] or 0) != connection.info.backend_pid and not self._pooled:
+            self._pooled = True
+            logger.warning(
+                "inturn: %r: a connection pooler sits between this process and PostgreSQL "
+                "(the server session is not the one the connection was told of); advisory "
+                "locks hold only if it keeps one server session per client, as PgBouncer's "
+                "pool_mode = session does; in transaction mode, connect inturn to "
+                "PostgreSQL directly",
+                self,
+            )
 
     def _forget(self, connection: psycopg.AsyncConnection[Any]) -> None:
         """The statements prepared on connection are gone (DEALLOCATE ALL by its pool)."""
@@ -471,6 +492,7 @@ class _Session:
         "_count",
         "_grants",
         "_own",
+        "_pid",
         "_place",
         "_transaction",
     )
@@ -485,6 +507,7 @@ class _Session:
         self._grants: list[PostgresGrant] = []
         self._busy: asyncio.Future[None] | None = None  # an acquire under way
         self._closed = False
+        self._pid = 0  # the server session that holds the keys (its first grant's)
 
     @property
     def connection(self) -> psycopg.AsyncConnection[Any]:
@@ -558,7 +581,6 @@ class _Session:
             got: psycopg.AsyncConnection[Any] = await place.pool.getconn(
                 timeout=min(left, _CONNECT_WAIT) or 0.001
             )
-            return got
         except PoolTimeout as error:
             if left < _CONNECT_WAIT:
                 raise missed(f"the turn for key {show(key)}", timeout) from None
@@ -567,6 +589,7 @@ class _Session:
             raise BackendUnavailable(
                 f"inturn: {self._backend!r} was closed; the work did not run"
             ) from error
+        return got
 
     async def _wait(self, key: Hashable, lock: int, timeout: float | None, at: float | None) -> int:
         """Wait for lock on the connection; return the token drawn with it."""
@@ -594,8 +617,19 @@ class _Session:
                 raise
             if not rows:  # timeout=0, and the key was busy
                 raise missed(f"the turn for key {show(key)}", timeout)
-            return int(rows[0][0] or 0)
-        raise _failed(key, errors.InvalidSqlStatementName("prepared statements vanish"))
+            token, pid = int(rows[0][0] or 0), int(rows[0][1] or 0)
+            if self._pid and pid != self._pid:
+                logger.error("inturn: %s", _MOVED)
+                raise BackendUnavailable(
+                    f"inturn: {_MOVED}; the work did not run, and the server session "
+                    f"{pid} may hold key {show(key)} until the pooler closes it"
+                )
+            self._pid = pid
+            return token
+        raise BackendUnavailable(
+            "inturn: the statements the backend prepared on its connection vanished twice "
+            f"while it took key {show(key)}; {_MOVED}; the work did not run"
+        )
 
     async def _call_off(self, reply: asyncio.Future[_pg_wire.Rows], lock: int) -> None:
         """Cancel the wait of reply; unlock lock if it was granted before the cancel landed."""
@@ -705,6 +739,14 @@ class _Session:
         for n, grant in enumerate(grants):
             if rows is None or n >= len(rows) or rows[n][0] != b"t":
                 grant.lost = True  # the session ended or was reset under it
+        if rows and int(rows[0][1] or 0) != self._pid:
+            logger.error(
+                "inturn: %s; the turn on %s was not exclusive, and the server session %d "
+                "may hold it until the pooler closes it",
+                _MOVED,
+                ", ".join(show(grant.key) for grant in grants),
+                self._pid,
+            )
         self._give_back(connection)
 
     async def _close(self, error: BaseException | None) -> None:
@@ -756,6 +798,14 @@ class _Session:
         place, self._place = self._place, None
         if place is not None:
             place.slots.release()
+
+
+#: What a pooler in transaction mode does to a session, said once.
+_MOVED: Final = (
+    "a connection pooler in transaction mode (PgBouncer's pool_mode = transaction, or "
+    "alike) ran one turn's statements on different server sessions, which breaks advisory "
+    "locks; connect inturn to PostgreSQL directly, or through the pooler in session mode"
+)
 
 
 def _failed(key: Hashable, error: Exception) -> BackendUnavailable:
