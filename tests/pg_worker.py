@@ -1,4 +1,4 @@
-"""A worker process on the PostgreSQL backend: ``python tests/pg_worker.py URL NAMESPACE COMMAND ...``.
+"""A worker process on the PostgreSQL backend: ``python tests/pg_worker.py URL NAMESPACE CMD ...``.
 
 The backend is ``PostgresBackend.from_url(URL, namespace=NAMESPACE)``; the
 test puts an ``application_name`` of the worker's own in URL, so that it can
