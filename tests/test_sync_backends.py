@@ -1,7 +1,7 @@
 """Every deployment shape on a shared backend: threads, a loop per job, forked workers.
 
-Each test runs on the file backend and on Redis (the session's real
-server). Two queues on two backend objects of one place stand for two
+Each test runs on the file backend, on Redis and on PostgreSQL (the
+session's real servers). Two queues on two backend objects of one place stand for two
 processes (each backend object is its own member of the lines); the tests
 that need real processes fork them, and kill them with SIGKILL. Orders are
 set up by waiting for each caller to be in line, never by sleeping.
@@ -39,16 +39,19 @@ pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX: fork, si
 Make = Callable[..., KeyedQueue]
 
 
-@pytest.fixture(params=["file", "redis"])
+@pytest.fixture(params=["file", "redis", "postgres"])
 def kind(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
 @pytest.fixture
 def place(kind: str, request: pytest.FixtureRequest, tmp_path: Path, namespace: str) -> str:
-    """Where the lines are: a directory, or a Redis URL (namespaced per test)."""
+    """Where the lines are: a directory, or a server's URL (namespaced per test)."""
     if kind == "file":
         return str(tmp_path / "lines")
+    if kind == "postgres":
+        pytest.importorskip("psycopg")
+        return str(request.getfixturevalue("postgres_url"))
     return str(request.getfixturevalue("redis_url"))
 
 
@@ -57,6 +60,10 @@ def backend_of(kind: str, place: str, namespace: str, **options: Any) -> Any:
         from inturn.backends.file import FileBackend
 
         return FileBackend(place)
+    if kind == "postgres":
+        from inturn.backends.postgres import PostgresBackend
+
+        return PostgresBackend.from_url(place, namespace=namespace)  # (no lease: none needed)
     from inturn.backends.redis import RedisBackend
 
     return RedisBackend.from_url(place, namespace=namespace, **options)
@@ -67,7 +74,7 @@ def make(kind: str, place: str, namespace: str) -> Iterator[Make]:
     made: list[KeyedQueue] = []
 
     def make(lease: float | None = None, **options: Any) -> KeyedQueue:
-        extra = {} if lease is None or kind == "file" else {"lease": lease}
+        extra = {} if lease is None or kind != "redis" else {"lease": lease}
         queue = KeyedQueue(backend=backend_of(kind, place, namespace, **extra), **options)
         made.append(queue)
         return queue
@@ -289,6 +296,14 @@ def test_a_lost_turn_raises_lease_lost_at_the_end_of_a_threads_block(
             if kind == "file":
                 for name in os.listdir(place):  # the line's files, deleted under the holder
                     os.unlink(os.path.join(place, name))
+            elif kind == "postgres":
+                import psycopg
+
+                with psycopg.connect(place, autocommit=True) as admin:  # the holder's session
+                    admin.execute(
+                        "SELECT pg_terminate_backend(pid) FROM pg_locks"
+                        " WHERE locktype = 'advisory' AND granted AND pid <> pg_backend_pid()"
+                    )
             else:
                 import redis
 
@@ -313,8 +328,12 @@ def test_an_unreachable_redis_is_backend_unavailable_for_a_thread(namespace: str
     assert not queue.is_active("k")
 
 
+def _short_lease(kind: str) -> dict[str, Any]:
+    return {"lease": 1.0} if kind == "redis" else {}
+
+
 def _hold_forever(kind: str, place: str, namespace: str, ready: Any) -> None:
-    queue = KeyedQueue(backend=backend_of(kind, place, namespace, lease=1.0))
+    queue = KeyedQueue(backend=backend_of(kind, place, namespace, **_short_lease(kind)))
     with queue.keyed("k"):
         ready.send("holding")
         threading.Event().wait()
@@ -379,7 +398,7 @@ def _forked_worker(counters: Path, jobs: int, report: Any) -> None:
 
 
 def test_workers_forked_after_the_queue_was_used_share_its_lines(
-    make: Make, tmp_path: Path, pool: ThreadPoolExecutor
+    make: Make, kind: str, tmp_path: Path, pool: ThreadPoolExecutor
 ) -> None:
     global _FORKED
     queue = _FORKED = make()
@@ -403,7 +422,8 @@ def test_workers_forked_after_the_queue_was_used_share_its_lines(
             assert ours.poll(PATIENCE * 4), "a forked worker never finished"
             after_20, at_end, threads, unraisable = ours.recv()
             assert at_end <= after_20, "file descriptors leaked over the jobs"
-            assert threads <= 2, "threads leaked (one backend loop at most)"
+            # one backend loop at most
+            assert threads <= 2, "threads leaked"
             assert unraisable == []
             worker.join(PATIENCE)
             assert worker.exitcode == 0
@@ -417,9 +437,18 @@ def test_workers_forked_after_the_queue_was_used_share_its_lines(
 
 
 def _connections(kind: str, place: str) -> int:
-    """Clients connected to the Redis server (the file backend has none: 0)."""
+    """Clients connected to the server (the file backend has none: 0)."""
     if kind == "file":
         return 0
+    if kind == "postgres":
+        import psycopg
+
+        with psycopg.connect(place, autocommit=True) as admin:
+            row = admin.execute(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()"
+            ).fetchone()
+            return int(row[0]) if row else 0
     import redis
 
     with redis.Redis.from_url(place) as client:
@@ -436,10 +465,12 @@ def test_loops_and_threads_that_come_and_go_leak_nothing(make: Make, kind: str, 
     def thread() -> None:
         queue.run_sync("k", counter.bump)
 
-    # warm up: the backend loop, and this thread's first turns
-    asyncio.run(job())
+    # warm up: the backend loop (a queue serves two loops directly, the third
+    # through it), and a thread's first turns
+    for _ in range(3):
+        asyncio.run(job())
     threading.Thread(target=thread).start()
-    wait_until(lambda: counter.value == 2, "the warm-up")
+    wait_until(lambda: counter.value == 4, "the warm-up")
     gc.collect()
     fds, threads, connections = _fds(), set(threading.enumerate()), _connections(kind, place)
     for _ in range(1000):
@@ -449,7 +480,7 @@ def test_loops_and_threads_that_come_and_go_leak_nothing(make: Make, kind: str, 
         runner.start()
         runner.join(PATIENCE)
     gc.collect()
-    assert counter.value == 2002
+    assert counter.value == 2004
     assert _fds() <= fds
     assert set(threading.enumerate()) <= threads
     assert _connections(kind, place) <= connections

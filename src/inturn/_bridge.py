@@ -265,7 +265,14 @@ def release_sync(backend: Backend | Session, grant: Grant) -> None:
 
 
 def close_sync(session: Session, error: BaseException | None) -> None:
-    """session.close(error) for this thread; returns once it is done (as release_sync)."""
+    """session.close(error) for this thread; returns once it is done (as release_sync).
+
+    A session with ``close_sync`` (a sync connection's) is closed natively.
+    """
+    native = getattr(session, "close_sync", None)
+    if native is not None:
+        native(error)
+        return
     _end_sync(session, lambda: session.close(error))
 
 

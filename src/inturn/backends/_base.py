@@ -43,7 +43,9 @@ class Session(Protocol):
     the turn's work to run in a transaction on :attr:`connection` that
     :meth:`close` commits (or rolls back); ``own`` says the caller's event
     loop is short-lived (a loop per job), so the session should not keep a
-    pool for it. Its calls run on one event loop, as the backend's do.
+    pool for it. Its calls run on one event loop, as the backend's do; a
+    session may offer ``acquire_sync``, ``release_sync`` and
+    ``close_sync(error)`` for threads, as a backend may.
     """
 
     @property

@@ -12,19 +12,22 @@ and after).
 
 A statement is sent at once, by :func:`send` itself, not by a task that
 starts later: the release of a turn reaches the server without waiting for
-the event loop's next round.
+the event loop's next round. A thread's turns use :func:`send_sync` and
+:func:`answer_sync` on psycopg's sync connections, waiting in ``poll()``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import select
+import time
 from collections.abc import Sequence
 from typing import Any, Final
 
 import psycopg
 from psycopg import errors, pq
 
-__all__ = ("Rows", "forget", "send")
+__all__ = ("Rows", "answer_sync", "forget", "readable", "send", "send_sync")
 
 #: A statement's rows, in text format: each a tuple of its values (None for NULL).
 Rows = list[tuple[bytes | None, ...]]
@@ -56,15 +59,92 @@ def send(
     """
     loop = asyncio.get_running_loop()
     pgconn = connection.pgconn
+    _send(pgconn, sql, params, prepared)
+    answer: asyncio.Future[Rows] = loop.create_future()
+    _Reply(loop, pgconn, answer)
+    return answer
+
+
+def _send(
+    pgconn: pq.abc.PGconn, sql: bytes, params: Sequence[bytes | None] | None, prepared: bool
+) -> None:
     if prepared:
         pgconn.send_query_prepared(sql, params)
     elif params is None:
         pgconn.send_query(sql)
     else:
         pgconn.send_query_params(sql, params)
-    answer: asyncio.Future[Rows] = loop.create_future()
-    _Reply(loop, pgconn, answer)
-    return answer
+
+
+def send_sync(
+    connection: psycopg.Connection[Any],
+    sql: bytes,
+    params: Sequence[bytes | None] | None = None,
+    *,
+    prepared: bool = False,
+) -> None:
+    """As :func:`send`, for a thread: the statement is sent when it returns.
+
+    :raises psycopg.OperationalError: the statement could not be sent.
+    """
+    pgconn = connection.pgconn
+    _send(pgconn, sql, params, prepared)
+    while pgconn.flush():  # (rare: the statement did not fit the socket's buffer)
+        _poll(pgconn.socket, select.POLLOUT, None)
+
+
+def answer_sync(connection: psycopg.Connection[Any], wait: float | None = None) -> Rows | None:
+    """The rows of the statement sent last on connection, waiting for them in this thread.
+
+    An exception raised while it waits (a signal handler's) leaves the
+    answer to come: call it again to collect it. ``wait``: seconds at most;
+    None if no answer came in time.
+
+    :raises psycopg.Error: as :func:`send`'s future.
+    """
+    pgconn = connection.pgconn
+    deadline = None if wait is None else time.monotonic() + wait
+    results: list[pq.abc.PGresult] = []
+    while True:
+        pgconn.consume_input()
+        while not pgconn.is_busy():
+            result = pgconn.get_result()
+            if result is None:
+                return _rows(results)
+            results.append(result)
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            return None
+        _poll(pgconn.socket, select.POLLIN, left)
+
+
+def _poll(fd: int, events: int, wait: float | None) -> None:
+    """Wait until fd is ready for events, or wait seconds pass (None: as long as it takes)."""
+    poller = select.poll()
+    poller.register(fd, events)
+    poller.poll(None if wait is None else max(0, int(wait * 1000) + 1))
+
+
+def readable(fd: int) -> bool:
+    """Whether fd has something to read now (no wait)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+def _rows(results: list[pq.abc.PGresult]) -> Rows:
+    """The rows of a statement's results; raises the error of one that failed."""
+    rows: Rows = []
+    for result in results:
+        if result.status == _TUPLES_OK:
+            width = result.nfields
+            rows.extend(
+                tuple(result.get_value(row, column) for column in range(width))
+                for row in range(result.ntuples)
+            )
+        elif result.status != _COMMAND_OK:
+            raise _error(result)
+    return rows
 
 
 def forget(connection: psycopg.AsyncConnection[Any]) -> None:
@@ -118,17 +198,11 @@ class _Reply:
         self._stop()
         if self.answer.done():
             return
-        rows: Rows = []
-        for result in self.results:
-            if result.status == _TUPLES_OK:
-                width = result.nfields
-                rows.extend(
-                    tuple(result.get_value(row, column) for column in range(width))
-                    for row in range(result.ntuples)
-                )
-            elif result.status != _COMMAND_OK:
-                self.answer.set_exception(_error(result))
-                return
+        try:
+            rows = _rows(self.results)
+        except psycopg.Error as error:
+            self.answer.set_exception(error)
+            return
         self.answer.set_result(rows)
 
     def _fail(self, error: Exception) -> None:
