@@ -455,9 +455,12 @@ def test_an_event_loop_per_job_reuses_sessions(postgres_url: str) -> None:
         before = sessions()
         seen = set(before)
         jobs = 12
-        for i in range(jobs):
-            assert asyncio.run(queue.run("k", lambda i=i: i)) == i
-            seen |= sessions()
+        try:
+            for i in range(jobs):
+                assert asyncio.run(queue.run("k", lambda i=i: i)) == i
+                seen |= sessions()
+        finally:
+            asyncio.run(backend.aclose())
     assert seen == before, f"{len(seen - before)} new sessions in {jobs} jobs"
 
 

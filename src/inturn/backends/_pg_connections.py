@@ -276,21 +276,26 @@ class Connections:
             return
         if not connection.autocommit:  # a pool of the caller's
             await connection.set_autocommit(True)
-        if not self._sequence_ready:
-            found = await connection.execute(_pg_sql.FIND_SEQUENCE, (_pg_sql.SEQUENCE,))
-            row = await found.fetchone()
-            if not (row and row[0]):
-                try:
-                    await connection.execute(_pg_sql.MAKE_SEQUENCE)
-                except psycopg.Error as error:
-                    self._refused(error)
-            self._sequence_ready = True
-        script = _pg_sql.prepare(connection.info.server_version)
-        try:
-            rows = await asyncio.shield(_pg_wire.send(connection, script))
-        except errors.DuplicatePreparedStatement:  # (prepared before, by this backend)
-            rows = []
-        self._prepared_on(connection, rows)
+        for _ in range(2):
+            if not self._sequence_ready:
+                found = await connection.execute(_pg_sql.FIND_SEQUENCE, (_pg_sql.SEQUENCE,))
+                row = await found.fetchone()
+                if not (row and row[0]):
+                    try:
+                        await connection.execute(_pg_sql.MAKE_SEQUENCE)
+                    except psycopg.Error as error:
+                        self._refused(error)
+                self._sequence_ready = True
+            script = _pg_sql.prepare(connection.info.server_version)
+            try:
+                rows = await asyncio.shield(_pg_wire.send(connection, script))
+            except errors.DuplicatePreparedStatement:  # (prepared before, by this backend)
+                rows = []
+            except errors.UndefinedTable:  # the sequence is gone (a restore, a failover)
+                self._sequence_ready = False
+                continue
+            self._prepared_on(connection, rows)
+            return
 
     async def _place(self) -> _Place:
         """The slots and idle connections of the running event loop (made on its first call)."""
@@ -356,20 +361,25 @@ class Connections:
         """As :meth:`ready`, for a thread's connection."""
         if connection in self._prepared:
             return
-        if not self._sequence_ready:
-            row = connection.execute(_pg_sql.FIND_SEQUENCE, (_pg_sql.SEQUENCE,)).fetchone()
-            if not (row and row[0]):
-                try:
-                    connection.execute(_pg_sql.MAKE_SEQUENCE)
-                except psycopg.Error as error:
-                    self._refused(error)
-            self._sequence_ready = True
-        _pg_wire.send_sync(connection, _pg_sql.prepare(connection.info.server_version))
-        try:
-            rows = _pg_wire.answer_sync(connection) or []
-        except errors.DuplicatePreparedStatement:
-            rows = []
-        self._prepared_on(connection, rows)
+        for _ in range(2):
+            if not self._sequence_ready:
+                row = connection.execute(_pg_sql.FIND_SEQUENCE, (_pg_sql.SEQUENCE,)).fetchone()
+                if not (row and row[0]):
+                    try:
+                        connection.execute(_pg_sql.MAKE_SEQUENCE)
+                    except psycopg.Error as error:
+                        self._refused(error)
+                self._sequence_ready = True
+            _pg_wire.send_sync(connection, _pg_sql.prepare(connection.info.server_version))
+            try:
+                rows = _pg_wire.answer_sync(connection) or []
+            except errors.DuplicatePreparedStatement:
+                rows = []
+            except errors.UndefinedTable:  # the sequence is gone (a restore, a failover)
+                self._sequence_ready = False
+                continue
+            self._prepared_on(connection, rows)
+            return
 
     def _thread_place(self) -> _ThreadPlace:
         place = self._threads
