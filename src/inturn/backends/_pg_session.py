@@ -141,11 +141,11 @@ class PgSession:
         statement, params = _pg_sql.waiting(lock, timeout, left)
         for _ in range(2):
             try:
-                reply = _pg_wire.send(connection, statement, params, prepared=True)
+                reply, kept = _pg_wire.send_watched(connection, statement, params, prepared=True)
             except psycopg.OperationalError as error:
                 raise _failed(key, error) from error
             try:
-                rows = await asyncio.shield(reply)
+                rows = await reply
             except errors.InvalidSqlStatementName:  # deallocated by a pool's reset
                 self._connections.forget(connection)
                 await self._connections.ready(connection)
@@ -157,7 +157,7 @@ class PgSession:
             except BaseException:
                 # Cancelled: cancel the server's wait; if the grant came all the same,
                 # give it back, whatever comes next.
-                await _shielded(self._call_off(reply, lock))
+                await _shielded(self._call_off(kept, lock))
                 raise
             return self._token(key, rows, timeout)
         raise _vanished(key)
