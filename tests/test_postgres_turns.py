@@ -376,3 +376,22 @@ def test_transaction_true_is_refused_at_once_where_it_cannot_be_served(
         queue.keyed("k", transaction="yes")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="async with"), queue.keyed("k", transaction=True):
         pytest.fail("a thread's transaction turn ran")
+
+
+async def test_a_pool_of_your_own_serves_its_loop_and_gets_its_connections_back(
+    postgres_url: str,
+) -> None:
+    from psycopg_pool import AsyncConnectionPool
+
+    pool = AsyncConnectionPool(postgres_url, min_size=1, max_size=3, open=False)
+    await pool.open(wait=True)
+    backend = PostgresBackend(pool, namespace=f"t-{uuid.uuid4().hex[:12]}")
+    queue = KeyedQueue(backend=backend)
+    try:
+        assert await asyncio.gather(*(queue.run(k, lambda k=k: k) for k in "abc")) == list("abc")
+        assert pool.get_stats()["pool_size"] <= 3  # (its own bound: max_sessions is its max_size)
+        await backend.aclose()
+        assert pool.get_stats()["pool_available"] == pool.get_stats()["pool_size"]
+        assert not pool.closed  # the backend leaves a pool of yours open
+    finally:
+        await pool.close()

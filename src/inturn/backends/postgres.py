@@ -8,8 +8,8 @@
     backend = PostgresBackend.from_url("postgresql://app@db/shop", namespace="shop")
     shop = KeyedQueue(backend=backend)
 
-Installed with ``pip install "inturn[postgres]"`` (psycopg 3.2+ and
-psycopg_pool). See :class:`PostgresBackend` for what it guarantees.
+Installed with ``pip install "inturn[postgres]"`` (psycopg 3.2+). See
+:class:`PostgresBackend` for what it guarantees.
 """
 
 from __future__ import annotations
