@@ -167,16 +167,35 @@ async def test_a_nested_turn_takes_its_keys_on_the_enclosing_turns_connection(
     queue = KeyedQueue(backend=backend)
     try:
 
-        async def inner() -> list[int]:
-            async with queue.keyed("inner"):
-                return await _holders(admin)
-
         async with queue.keyed("outer"):
-            holders = await asyncio.wait_for(inner(), PATIENCE)
+            # (in this task: a timeout, not wait_for, which would run it in another)
+            async with queue.keyed("inner", timeout=PATIENCE):
+                holders = await _holders(admin)
             after_inner = await _holders(admin)
         assert len(holders) == 2
         assert len(set(holders)) == 1
         assert len(after_inner) == 1  # the inner key was freed at the inner block's end
+    finally:
+        await backend.aclose()
+    assert await advisory_locks_left(postgres_url) == []
+
+
+async def test_tasks_started_inside_a_turn_take_connections_of_their_own(
+    postgres_url: str, admin: Any
+) -> None:
+    """They see the turn as their current one, but must not share its connection."""
+    backend = _backend(postgres_url, max_sessions=3)
+    queue = KeyedQueue(backend=backend)
+
+    async def inner(key: str) -> list[int]:
+        async with queue.keyed(key):
+            await asyncio.sleep(0)  # (both inner turns are held at once)
+            return await _holders(admin)
+
+    try:
+        async with queue.keyed("outer"):
+            seen = await asyncio.wait_for(asyncio.gather(inner("x"), inner("y")), PATIENCE)
+        assert all(len(holders) >= 2 for holders in seen)
     finally:
         await backend.aclose()
     assert await advisory_locks_left(postgres_url) == []

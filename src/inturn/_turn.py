@@ -578,7 +578,7 @@ class Turn:
                 # holding a connection waits for nothing of this process, so a
                 # pool of them cannot deadlock (see backends' Session). A turn
                 # nested in another takes its keys on the enclosing turn's.
-                lender = None if self._transaction else _lender(outer, registry)
+                lender = None if self._transaction else _lender(outer, registry, holder)
                 self._owns = lender is None
                 self._session = lender or opener(len(taken), self._transaction, own)
                 for key in taken:
@@ -880,11 +880,17 @@ def _refuse_coroutine(fn: object, result: CoroutineType[Any, Any, Any]) -> NoRet
     )
 
 
-def _lender(turn: Turn | None, registry: Registry) -> Session | None:
-    """The session of the innermost enclosing turn on registry, unless a transaction's."""
+def _lender(turn: Turn | None, registry: Registry, holder: object) -> Session | None:
+    """The session of holder's innermost enclosing turn on registry, unless a transaction's.
+
+    Only the holder's own: a task started inside a turn sees the turn as its
+    current one too, but must not send on its connection at the same time.
+    """
     while turn is not None:
         if turn._registry is registry and turn._session is not None:
-            return None if turn._transaction else turn._session
+            if turn._transaction or turn._task is not holder:
+                return None
+            return turn._session
         shared = turn._shared
         turn = None if shared is None else shared.outer
     return None
