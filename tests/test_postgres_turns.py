@@ -17,7 +17,7 @@ import pytest
 
 psycopg = pytest.importorskip("psycopg")
 
-from inturn import KeyedQueue  # noqa: E402
+from inturn import BackendUnavailable, KeyedQueue  # noqa: E402
 from inturn.backends.postgres import PostgresBackend  # noqa: E402
 from pg_checks import advisory_locks_left  # noqa: E402
 
@@ -166,7 +166,6 @@ async def test_a_nested_turn_takes_its_keys_on_the_enclosing_turns_connection(
     backend = _backend(postgres_url, max_sessions=1)
     queue = KeyedQueue(backend=backend)
     try:
-
         async with queue.keyed("outer"):
             # (in this task: a timeout, not wait_for, which would run it in another)
             async with queue.keyed("inner", timeout=PATIENCE):
@@ -414,3 +413,21 @@ async def test_a_pool_of_your_own_serves_its_loop_and_gets_its_connections_back(
         assert not pool.closed  # the backend leaves a pool of yours open
     finally:
         await pool.close()
+
+
+async def test_missing_privileges_are_named_and_the_work_does_not_run(own_postgres: Any) -> None:
+    """A user who may not make the sequence of tokens, then one who may not use it."""
+    async with await psycopg.AsyncConnection.connect(own_postgres.url, autocommit=True) as admin:
+        await admin.execute("CREATE ROLE plain LOGIN")  # PostgreSQL 15: no CREATE on public
+        url = own_postgres.url.replace("postgres@", "plain@", 1)
+        ran: list[str] = []
+        for fix in ("CREATE SEQUENCE inturn_token", "GRANT USAGE ON SEQUENCE inturn_token"):
+            backend = _backend(url)
+            try:
+                with pytest.raises(BackendUnavailable, match=fix) as raised:
+                    await KeyedQueue(backend=backend).run("k", ran.append, "ran")
+                assert "the work did not run" in str(raised.value)
+            finally:
+                await backend.aclose()
+            await admin.execute("CREATE SEQUENCE IF NOT EXISTS inturn_token")  # (no grant)
+        assert ran == []

@@ -32,7 +32,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import AsyncGenerator, Hashable
+from collections.abc import AsyncGenerator, Generator, Hashable
 from typing import Any, Final, final
 
 import psycopg
@@ -79,6 +79,14 @@ class Lease:
     def __init__(self, connection: Any, place: _Place | _ThreadPlace | None) -> None:
         self.connection = connection
         self._place = place  # None: a connection of its own, closed when given back
+
+    def abandon(self) -> None:
+        """After a take that failed: give back the connection, or the slot alone if none yet."""
+        if self.connection is not None or self._place is None:
+            self.give_back()
+            return
+        place, self._place = self._place, None
+        place.slots.release()
 
     def give_back(self) -> None:
         """Keep the connection for the next turn, or close it (a bad one, or one's own)."""
@@ -236,10 +244,7 @@ class Connections:
             lease.connection = place.take_idle() or await self._connect(place, key, timeout, at)
             await self.ready(lease.connection)
         except BaseException:
-            if lease.connection is None:
-                place.slots.release()
-            else:
-                lease.give_back()
+            lease.abandon()
             raise
         return lease
 
@@ -249,7 +254,7 @@ class Connections:
         try:
             await self.ready(lease.connection)
         except BaseException:
-            lease.give_back()
+            lease.abandon()
             raise
         return lease
 
@@ -276,19 +281,33 @@ class Connections:
             return
         if not connection.autocommit:  # a pool of the caller's
             await connection.set_autocommit(True)
+        steps = self._readying(connection)
+        answer: _pg_wire.Rows | BaseException | None = None
+        while (sql := _next(steps, answer)) is not None:
+            try:
+                answer = await asyncio.shield(_pg_wire.send(connection, *sql))
+            except psycopg.Error as error:
+                answer = error
+
+    def _readying(
+        self, connection: Any
+    ) -> Generator[tuple[bytes, list[bytes | None] | None], _pg_wire.Rows, None]:
+        """The statements that ready connection, each sent back its rows (or thrown its error).
+
+        Written once for both kinds of connection: :meth:`ready` and
+        :meth:`ready_sync` send them.
+        """
         for _ in range(2):
             if not self._sequence_ready:
-                found = await connection.execute(_pg_sql.FIND_SEQUENCE, (_pg_sql.SEQUENCE,))
-                row = await found.fetchone()
-                if not (row and row[0]):
+                found = yield _pg_sql.FIND_SEQUENCE, [_pg_sql.SEQUENCE.encode()]
+                if not (found and found[0][0] == b"t"):
                     try:
-                        await connection.execute(_pg_sql.MAKE_SEQUENCE)
+                        yield _pg_sql.MAKE_SEQUENCE, None
                     except psycopg.Error as error:
                         self._refused(error)
                 self._sequence_ready = True
-            script = _pg_sql.prepare(connection.info.server_version)
             try:
-                rows = await asyncio.shield(_pg_wire.send(connection, script))
+                rows = yield _pg_sql.prepare(connection.info.server_version), None
             except errors.DuplicatePreparedStatement:  # (prepared before, by this backend)
                 rows = []
             except errors.UndefinedTable:  # the sequence is gone (a restore, a failover)
@@ -337,10 +356,7 @@ class Connections:
             lease.connection = place.take_idle() or self._connect_sync(key, timeout, deadline)
             self.ready_sync(lease.connection)
         except BaseException:
-            if lease.connection is None:
-                place.slots.release()
-            else:
-                lease.give_back()
+            lease.abandon()
             raise
         return lease
 
@@ -361,25 +377,14 @@ class Connections:
         """As :meth:`ready`, for a thread's connection."""
         if connection in self._prepared:
             return
-        for _ in range(2):
-            if not self._sequence_ready:
-                row = connection.execute(_pg_sql.FIND_SEQUENCE, (_pg_sql.SEQUENCE,)).fetchone()
-                if not (row and row[0]):
-                    try:
-                        connection.execute(_pg_sql.MAKE_SEQUENCE)
-                    except psycopg.Error as error:
-                        self._refused(error)
-                self._sequence_ready = True
-            _pg_wire.send_sync(connection, _pg_sql.prepare(connection.info.server_version))
+        steps = self._readying(connection)
+        answer: _pg_wire.Rows | BaseException | None = None
+        while (sql := _next(steps, answer)) is not None:
             try:
-                rows = _pg_wire.answer_sync(connection) or []
-            except errors.DuplicatePreparedStatement:
-                rows = []
-            except errors.UndefinedTable:  # the sequence is gone (a restore, a failover)
-                self._sequence_ready = False
-                continue
-            self._prepared_on(connection, rows)
-            return
+                _pg_wire.send_sync(connection, *sql)
+                answer = _pg_wire.answer_sync(connection) or []
+            except psycopg.Error as error:
+                answer = error
 
     def _thread_place(self) -> _ThreadPlace:
         place = self._threads
@@ -425,7 +430,7 @@ class Connections:
                 f"inturn: the sequence {_pg_sql.SEQUENCE} of fencing tokens does not exist "
                 f"and this user may not create it ({error}); make it once as an owner: "
                 f"CREATE SEQUENCE {_pg_sql.SEQUENCE}; GRANT USAGE ON SEQUENCE "
-                f"{_pg_sql.SEQUENCE} TO ..."
+                f"{_pg_sql.SEQUENCE} TO ...; the work did not run"
             ) from error
         raise error
 
@@ -467,6 +472,19 @@ class Connections:
         self._given_loop = None
         self._prepared = weakref.WeakSet()
         self._lock = threading.Lock()
+
+
+def _next(
+    steps: Generator[tuple[bytes, list[bytes | None] | None], _pg_wire.Rows, None],
+    answer: _pg_wire.Rows | BaseException | None,
+) -> tuple[bytes, list[bytes | None] | None] | None:
+    """Send steps the answer to its last statement (or throw its error in); its next one."""
+    try:
+        if isinstance(answer, BaseException):
+            return steps.throw(answer)
+        return steps.send(answer)  # type: ignore[arg-type]  # (None: the first)
+    except StopIteration:
+        return None
 
 
 def stale(connection: Any) -> bool:

@@ -418,8 +418,15 @@ class PgSession:
 
 def _failed(key: Hashable, error: Exception) -> BackendUnavailable:
     reason = said(error) if isinstance(error, psycopg.Error) else str(error)
+    fix = ""
+    if isinstance(error, errors.InsufficientPrivilege):
+        fix = (
+            f"; the user needs USAGE on the sequence of fencing tokens: GRANT USAGE ON "
+            f"SEQUENCE {_pg_sql.SEQUENCE} TO ..."
+        )
     return BackendUnavailable(
-        f"inturn: PostgreSQL failed the wait for key {show(key)} ({reason}); the work did not run"
+        f"inturn: PostgreSQL failed the wait for key {show(key)} ({reason}){fix}; "
+        "the work did not run"
     )
 
 

@@ -28,8 +28,8 @@ __all__ = (
 #: The sequence that fencing tokens are drawn from (in the search_path's first schema).
 SEQUENCE: Final = "inturn_token"
 
-FIND_SEQUENCE: Final = "SELECT to_regclass(%s) IS NOT NULL"
-MAKE_SEQUENCE: Final = f"CREATE SEQUENCE IF NOT EXISTS {SEQUENCE} AS bigint"
+FIND_SEQUENCE: Final = b"SELECT to_regclass($1) IS NOT NULL"
+MAKE_SEQUENCE: Final = f"CREATE SEQUENCE IF NOT EXISTS {SEQUENCE} AS bigint".encode()
 
 #: How often a waiting session checks that its client is still there (PostgreSQL 14+).
 _CHECK_INTERVAL: Final = "1s"
