@@ -25,6 +25,8 @@ import pytest
 psycopg = pytest.importorskip("psycopg")
 from psycopg import errors  # noqa: E402
 
+pytestmark = pytest.mark.server
+
 #: How long a checkpoint waits for the server to reach a state before the test fails.
 PATIENCE = 15.0
 

@@ -195,3 +195,32 @@ async def test_a_waiter_whose_session_is_terminated_gets_backend_unavailable(
         await waiter
     await backend.release(grant)
     assert not grant.lost
+
+
+async def test_a_waiter_waits_in_the_servers_lock_queue_without_polling(
+    backend: PostgresBackend, admin: Any
+) -> None:
+    """One statement per wait: the waiter's session sits in the lock queue (wait event
+    'advisory') and sends nothing more while it waits."""
+    lock = lock_id(backend.namespace, "k")
+    grant = await backend.acquire("k", None)
+    waiter = asyncio.create_task(backend.acquire("k", None))
+    await until(lambda: _is(waiters(admin, lock), 1), "the waiter queued")
+
+    async def state() -> tuple[Any, ...]:
+        cursor = await admin.execute(
+            "SELECT a.wait_event_type, a.wait_event, a.query_start, a.xact_start"
+            " FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
+            " WHERE l.locktype = 'advisory' AND NOT l.granted"
+        )
+        row = await cursor.fetchone()
+        assert row is not None
+        return tuple(row)
+
+    first = await state()
+    assert first[:2] == ("Lock", "advisory")
+    for _ in range(20):  # while it waits, its one statement is still the one running
+        await asyncio.sleep(0.01)
+        assert await state() == first
+    await backend.release(grant)
+    await backend.release(await waiter)

@@ -40,6 +40,8 @@ from processes import Worker, stopped  # noqa: E402
 
 from helpers import PATIENCE  # noqa: E402
 
+pytestmark = pytest.mark.server
+
 WORKER = Path(__file__).with_name("pg_worker.py")
 
 #: How long a fault may take to show beyond what causes it (a session's end

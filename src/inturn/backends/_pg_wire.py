@@ -84,8 +84,14 @@ def send_watched(
     _send(pgconn, sql, params, prepared)
     answer: asyncio.Future[Rows] = loop.create_future()
     kept: asyncio.Future[Rows] = loop.create_future()
+    kept.add_done_callback(_retrieved)  # (most often nobody looks at it)
     _Reply(loop, pgconn, (answer, kept))
     return answer, kept
+
+
+def _retrieved(future: asyncio.Future[Rows]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _send(
