@@ -392,8 +392,36 @@ def test_transaction_true_is_refused_at_once_where_it_cannot_be_served(
     queue = KeyedQueue(backend=_backend(postgres_url))
     with pytest.raises(TypeError, match="transaction must be True or False, got 'yes'"):
         queue.keyed("k", transaction="yes")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="async with"), queue.keyed("k", transaction=True):
-        pytest.fail("a thread's transaction turn ran")
+
+
+def test_a_threads_transaction_turn_commits_or_rolls_back(postgres_url: str) -> None:
+    """A thread's turn gets a sync connection, in a transaction, as a task's gets an async one."""
+    backend = _backend(postgres_url)
+    queue = KeyedQueue(backend=backend)
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(postgres_url, autocommit=True) as admin:
+        admin.execute(f"CREATE TABLE {name} (n int PRIMARY KEY)")
+
+        def rows() -> list[int]:
+            return [n for (n,) in admin.execute(f"SELECT n FROM {name} ORDER BY n").fetchall()]
+
+        def fails() -> None:
+            with queue.keyed("a", "b", transaction=True) as turn:
+                turn.connection.execute(f"INSERT INTO {name} VALUES (2)")
+                raise KeyError("rolled back")
+
+        try:
+            with queue.keyed("a", "b", transaction=True) as turn:
+                assert isinstance(turn.connection, psycopg.Connection)
+                turn.connection.execute(f"INSERT INTO {name} VALUES (1)")
+                assert rows() == []  # not committed yet
+            assert rows() == [1]
+            with pytest.raises(KeyError, match="rolled back"):
+                fails()
+            assert rows() == [1]
+        finally:
+            admin.execute(f"DROP TABLE {name}")
+            asyncio.run(backend.aclose())
 
 
 async def test_a_pool_of_your_own_serves_its_loop_and_gets_its_connections_back(

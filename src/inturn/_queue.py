@@ -464,7 +464,7 @@ class KeyedQueue:
             keys on one connection, :attr:`Turn.connection`, and run the
             block in a transaction on it: leaving the block commits, an
             exception rolls back, and the keys are free for the next in line
-            only once the commit or rollback has finished. ``async with`` only.
+            only once the commit or rollback has finished.
         :returns: a :class:`Turn`, the (async) context manager that takes the
             turns on entry, binds itself, and releases them on exit.
         :raises TypeError: no key was given, or a key is unhashable (at once);

@@ -256,7 +256,8 @@ class Turn:
         finished. Do not commit or close it yourself (``async with
         turn.connection.transaction():`` makes a savepoint). On
         :class:`~inturn.backends.postgres.PostgresBackend`, a
-        ``psycopg.AsyncConnection``.
+        ``psycopg.AsyncConnection`` in ``async with``, a ``psycopg.Connection``
+        in a thread's ``with``.
 
         :raises RuntimeError: outside the block, or the turn was not taken with
             ``transaction=True``.
@@ -265,7 +266,7 @@ class Turn:
         if session is None or not self._transaction or self._task is None:
             raise RuntimeError(
                 "inturn: turn.connection exists inside the block of "
-                "`async with queue.keyed(..., transaction=True)`, on a backend that "
+                "`(async) with queue.keyed(..., transaction=True)`, on a backend that "
                 "takes turns in a database (PostgresBackend)"
             )
         return session.connection
@@ -429,11 +430,6 @@ class Turn:
             raise TypeError(
                 f"inturn: max_hold={self._hold:g} s cannot cut a thread's turn short "
                 "(a thread cannot be cancelled); take it from a task, or without max_hold"
-            )
-        if self._transaction:
-            raise TypeError(
-                "inturn: keyed(..., transaction=True) hands the block an async database "
-                "connection: take it with `async with`, or without transaction=True"
             )
         registry = self._registry
         keys = self.keys

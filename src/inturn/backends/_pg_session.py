@@ -16,8 +16,8 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from collections.abc import Awaitable, Hashable
-from typing import TYPE_CHECKING, Any, Final, final
+from collections.abc import Awaitable, Generator, Hashable
+from typing import TYPE_CHECKING, Any, Final, Literal, final
 
 import psycopg
 from psycopg import errors
@@ -306,7 +306,10 @@ class PgSession:
             except BaseException:  # interrupted (a signal handler's exception)
                 self._call_off_sync(lock)
                 raise
-            return self._granted(key, self._token(key, rows, timeout), lock)
+            grant = self._granted(key, self._token(key, rows, timeout), lock)
+            if self._transaction and len(self._grants) == self._count:
+                connection.autocommit = False  # (the work's first statement begins it)
+            return grant
         raise _vanished(key)
 
     def _call_off_sync(self, lock: int) -> None:
@@ -349,7 +352,7 @@ class PgSession:
             connection.close()
 
     def close_sync(self, error: BaseException | None) -> None:
-        """As :meth:`close`, for a thread (no transaction: a thread's turn has none)."""
+        """As :meth:`close`, for a thread."""
         if self._closed:
             return
         self._closed = True
@@ -358,7 +361,12 @@ class PgSession:
             return
         connection = lease.connection
         rows: _pg_wire.Rows | None = None
+        failure: BaseException | None = None
         try:
+            if self._transaction:
+                failure = _finish_sync(connection, commit=error is None)
+                if not _ended(connection):
+                    connection.autocommit = True
             if self._grants and not _ended(connection):
                 locks = _pg_sql.unlocking([grant.lock for grant in self._grants])
                 try:
@@ -374,6 +382,8 @@ class PgSession:
             pass  # the session ended, and its locks with it
         finally:
             self._unlocked(rows)
+        if failure is not None:
+            raise failure
 
     # -- both ---------------------------------------------------------------------------------
 
@@ -442,10 +452,15 @@ def _ended(connection: Any) -> bool:
     return bool(connection.broken or connection.closed)
 
 
-async def _finish(
-    connection: psycopg.AsyncConnection[Any], *, commit: bool
-) -> BaseException | None:
-    """End the turn's transaction: commit if asked, else roll back; the error to raise, if any."""
+def _ending(
+    connection: Any, *, commit: bool
+) -> Generator[Literal["commit", "rollback"], None, BaseException | None]:
+    """End the turn's transaction: the call to make on connection (each thrown its error,
+    if any); returns the error to raise after the work, if any.
+
+    Written once for both kinds of connection: :func:`_finish` and
+    :func:`_finish_sync` make the calls.
+    """
     if _ended(connection):
         if commit:
             return BackendUnavailable(
@@ -454,7 +469,7 @@ async def _finish(
             )
         return None
     if not commit or connection.info.transaction_status == _IN_ERROR:
-        await connection.rollback()
+        yield "rollback"
         if commit:  # the work swallowed a failed statement: nothing of it was kept
             return errors.InFailedSqlTransaction(
                 "inturn: a statement of the turn's transaction failed and the work went on; "
@@ -462,7 +477,7 @@ async def _finish(
             )
         return None
     try:
-        await connection.commit()
+        yield "commit"
     except psycopg.OperationalError as error:
         if _ended(connection):
             return BackendUnavailable(
@@ -475,6 +490,40 @@ async def _finish(
             error.add_note("inturn: the work ran, but its transaction did not commit")
         return error
     return None
+
+
+async def _finish(
+    connection: psycopg.AsyncConnection[Any], *, commit: bool
+) -> BaseException | None:
+    """End the turn's transaction (see _ending); the error to raise after the work, if any."""
+    steps = _ending(connection, commit=commit)
+    try:
+        call = next(steps)
+        while True:
+            try:
+                await getattr(connection, call)()
+            except psycopg.Error as error:
+                call = steps.throw(error)
+            else:
+                call = steps.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+
+
+def _finish_sync(connection: psycopg.Connection[Any], *, commit: bool) -> BaseException | None:
+    """As :func:`_finish`, on a thread's connection."""
+    steps = _ending(connection, commit=commit)
+    try:
+        call = next(steps)
+        while True:
+            try:
+                getattr(connection, call)()
+            except psycopg.Error as error:
+                call = steps.throw(error)
+            else:
+                call = steps.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
 
 
 async def _shielded(step: Any) -> None:
