@@ -459,3 +459,21 @@ async def test_missing_privileges_are_named_and_the_work_does_not_run(own_postgr
                 await backend.aclose()
             await admin.execute("CREATE SEQUENCE IF NOT EXISTS inturn_token")  # (no grant)
         assert ran == []
+
+
+async def test_statements_deallocated_by_the_work_still_unlock_the_keys(
+    postgres_url: str, table: str
+) -> None:
+    """The work may run DEALLOCATE ALL (or DISCARD) on its connection: the keys are unlocked
+    all the same, and the next turn prepares the statements again."""
+    backend = _backend(postgres_url, max_sessions=1)
+    queue = KeyedQueue(backend=backend)
+    try:
+        async with queue.keyed("a", "b", transaction=True) as turn:
+            await turn.connection.execute(f"INSERT INTO {table} VALUES (1, 'x')")
+            await turn.connection.execute("DEALLOCATE ALL")
+        assert not turn.lease_lost
+        assert await advisory_locks_left(postgres_url) == []
+        assert await queue.run("a", lambda: "again") == "again"  # (the same connection)
+    finally:
+        await backend.aclose()

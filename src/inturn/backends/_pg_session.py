@@ -266,10 +266,16 @@ class PgSession:
                     await connection.set_autocommit(True)
             if self._grants and not _ended(connection):
                 locks = _pg_sql.unlocking([grant.lock for grant in self._grants])
-                unlock = _pg_wire.send(connection, _pg_sql.UNLOCK, locks, prepared=True)
-                rows = await asyncio.shield(unlock)
+                try:
+                    unlock = _pg_wire.send(connection, _pg_sql.UNLOCK, locks, prepared=True)
+                    rows = await asyncio.shield(unlock)
+                except errors.InvalidSqlStatementName:  # deallocated by the work
+                    self._connections.forget(connection)
+                    rows = await asyncio.shield(
+                        _pg_wire.send(connection, _pg_sql.UNLOCK_SQL, locks)
+                    )
         except psycopg.Error:
-            pass  # the session ended, and its locks with it
+            pass  # the session ended, or is ended by _unlocked, and its locks with it
         finally:
             self._unlocked(rows)
         if failure is not None:
@@ -376,10 +382,8 @@ class PgSession:
                     self._connections.forget(connection)
                     _pg_wire.send_sync(connection, _pg_sql.UNLOCK_SQL, locks)
                     rows = _pg_wire.answer_sync(connection, CONNECT_WAIT)
-                if rows is None:  # no answer: end the session, and its locks with it
-                    connection.close()
         except psycopg.Error:
-            pass  # the session ended, and its locks with it
+            pass  # the session ended, or is ended by _unlocked, and its locks with it
         finally:
             self._unlocked(rows)
         if failure is not None:
@@ -407,9 +411,18 @@ class PgSession:
         return grant
 
     def _unlocked(self, rows: _pg_wire.Rows | None) -> None:
-        """Mark lost each grant whose key was not held (rows of the unlock; None: none was);
-        give the connection back."""
+        """Mark lost each grant whose key was not held (rows of the unlock); give the
+        connection back.
+
+        rows None: the unlock got no answer. If the session ended, its grants
+        are lost; if it lives, it is ended now, and its locks with it (a
+        connection is never kept holding a lock).
+        """
         grants, self._grants = self._grants, []
+        lease = self._lease
+        if rows is None and grants and lease is not None and not _ended(lease.connection):
+            lease.connection.pgconn.finish()  # (the turn held its keys until now)
+            rows = [(b"t", str(self._pid).encode())] * len(grants)
         for n, grant in enumerate(grants):
             if rows is None or n >= len(rows) or rows[n][0] != b"t":
                 grant.lost = True  # the session ended or was reset under it
@@ -421,7 +434,7 @@ class PgSession:
                 ", ".join(show(grant.key) for grant in grants),
                 self._pid,
             )
-        lease, self._lease = self._lease, None
+        self._lease = None
         if lease is not None:
             lease.give_back()
 
