@@ -20,7 +20,7 @@ import pytest
 psycopg = pytest.importorskip("psycopg")
 
 from inturn import BackendUnavailable, KeyedQueue, LeaseLost  # noqa: E402
-from inturn.backends._pg_keys import lock_id  # noqa: E402
+from inturn.backends._pg_keys import lock_id, lock_parts  # noqa: E402
 from inturn.backends.postgres import PostgresBackend  # noqa: E402
 from pg_checks import advisory_locks_left  # noqa: E402
 
@@ -43,11 +43,10 @@ async def admin(postgres_url: str) -> AsyncIterator[Any]:
 
 async def waiters(admin: Any, lock: int) -> int:
     """How many sessions wait (not granted) for the advisory lock ``lock``."""
-    unsigned = lock & 0xFFFF_FFFF_FFFF_FFFF
     cursor = await admin.execute(
         "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
         " AND classid = %s AND objid = %s AND objsubid = 1",
-        (unsigned >> 32, unsigned & 0xFFFF_FFFF),
+        lock_parts(lock),
     )
     row = await cursor.fetchone()
     return int(row[0])

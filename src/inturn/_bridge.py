@@ -31,6 +31,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, final
 
 from ._keys import describe
+from ._tasks import retrieve
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -167,13 +168,8 @@ def _end_here(end: Callable[[], Awaitable[None]]) -> asyncio.Future[None]:
     """(On the backend loop.) Start end(); the future of it, which goes on alone."""
     ending = end()
     done = ending if isinstance(ending, asyncio.Future) else asyncio.ensure_future(ending)
-    done.add_done_callback(_consume)
+    done.add_done_callback(retrieve)  # (a failed release was the backend's to log)
     return done
-
-
-def _consume(done: asyncio.Future[None]) -> None:
-    if not done.cancelled():
-        done.exception()  # (a failed release was the backend's to log)
 
 
 def _loop_for(backend: Backend | Session) -> asyncio.AbstractEventLoop:

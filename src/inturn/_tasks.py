@@ -52,6 +52,13 @@ else:  # pragma: no cover - depends on the interpreter
         return _get(_loop())
 
 
+def retrieve(future: asyncio.Future[Any]) -> None:
+    """(A done callback.) Retrieve future's outcome, so that an error nobody awaits is not
+    logged as never retrieved: whoever owns it reports it otherwise, or it does not matter."""
+    if not future.cancelled():
+        future.exception()
+
+
 def in_loop_of(future: asyncio.Future[Any], callback: Callable[..., None], *args: Any) -> bool:
     """Call callback(*args) in future's loop: now if it runs this code, else from its thread.
 

@@ -19,7 +19,7 @@ from ._errors import HoldTimeout, LeaseLost
 from ._keys import describe
 from ._line import held_by
 from ._tasks import current_task as _current_task
-from ._tasks import loop_here, outside_asyncio
+from ._tasks import loop_here, outside_asyncio, retrieve
 
 _current_thread = threading.current_thread
 
@@ -77,12 +77,6 @@ def current_turn() -> Turn | None:
     return _CURRENT.get()
 
 
-def _consume(task: asyncio.Future[Any]) -> None:
-    """Retrieve a detached release's outcome, so an error is not logged as never retrieved."""
-    if not task.cancelled():
-        task.exception()
-
-
 async def _settle(release: Awaitable[None]) -> None:
     """Await a backend release that a second cancellation of the caller cannot interrupt.
 
@@ -94,7 +88,7 @@ async def _settle(release: Awaitable[None]) -> None:
         await release
         return
     task = asyncio.ensure_future(release)
-    task.add_done_callback(_consume)
+    task.add_done_callback(retrieve)
     await asyncio.shield(task)
 
 

@@ -41,6 +41,7 @@ from psycopg import errors
 from .._checks import missed
 from .._errors import BackendUnavailable
 from .._keys import describe as show
+from .._tasks import retrieve
 from . import _pg_sql, _pg_wire
 
 __all__ = ("CONNECT_WAIT", "Connections", "Lease", "logger", "said", "stale")
@@ -578,10 +579,4 @@ def said(error: psycopg.Error) -> str:
 
 def _detach(step: Any) -> None:
     """Run step in a task of its own, its outcome retrieved (a connection's cleanup)."""
-    task = asyncio.ensure_future(step)
-    task.add_done_callback(_consume)
-
-
-def _consume(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()
+    asyncio.ensure_future(step).add_done_callback(retrieve)

@@ -27,6 +27,8 @@ from typing import Any, Final
 import psycopg
 from psycopg import errors, pq
 
+from .._tasks import retrieve
+
 __all__ = ("Rows", "answer_sync", "forget", "readable", "send", "send_sync", "send_watched")
 
 #: A statement's rows, in text format: each a tuple of its values (None for NULL).
@@ -84,14 +86,9 @@ def send_watched(
     _send(pgconn, sql, params, prepared)
     answer: asyncio.Future[Rows] = loop.create_future()
     kept: asyncio.Future[Rows] = loop.create_future()
-    kept.add_done_callback(_retrieved)  # (most often nobody looks at it)
+    kept.add_done_callback(retrieve)  # (most often nobody looks at it)
     _Reply(loop, pgconn, (answer, kept))
     return answer, kept
-
-
-def _retrieved(future: asyncio.Future[Rows]) -> None:
-    if not future.cancelled():
-        future.exception()
 
 
 def _send(

@@ -32,7 +32,7 @@ from .._checks import missed
 from .._errors import BackendUnavailable
 from .._keys import describe as show
 from .._keys import portable_name
-from .._tasks import abandon_task
+from .._tasks import abandon_task, retrieve
 from ._redis_errors import UNREACHABLE, demoted, describe, unavailable
 from ._redis_scripts import ENQUEUE, HELLO, LEAVE, LOOK, RENEW, SCRIPTS, Script
 from ._redis_wire import Call, Inbox, Link
@@ -55,12 +55,6 @@ def _named(members: Iterable[Member]) -> str:
         return "none"
     more = len(keys) - _NAMED
     return ", ".join(keys[:_NAMED]) + (f" and {more} more" if more > 0 else "")
-
-
-def _consume(future: asyncio.Future[Any]) -> None:
-    """Retrieve a future's outcome, so an error nobody awaits is not logged as never retrieved."""
-    if not future.cancelled():
-        future.exception()
 
 
 @dataclass(frozen=True)
@@ -173,7 +167,7 @@ class _ClusterCalls:
 
         def done(task: asyncio.Task[Any]) -> None:
             if call.future.done():
-                _consume(task)
+                retrieve(task)
             elif task.cancelled():
                 call.future.cancel()
             elif (error := task.exception()) is not None:
@@ -332,7 +326,7 @@ class Session:
         if not greeting.done():
             if self.link is not None:
                 self.link.drop(f"no answer to the greeting within {lease:g} s")
-            greeting.add_done_callback(_consume)
+            greeting.add_done_callback(retrieve)
             raise RedisTimeoutError(f"no answer to the greeting within {lease:g} s")
         greeting.result()
 
@@ -378,9 +372,9 @@ class Session:
             if member.grant is None:  # waiting: (on a Link, the leave goes after its enqueue)
                 if member.waiting is not None and not member.waiting.done():
                     member.waiting.set_exception(closed)
-                    _consume(member.waiting)  # (its acquire may fail before it awaits this)
+                    retrieve(member.waiting)  # (its acquire may fail before it awaits this)
                 del self.members[member_id]
-                self._leave(member, member_id).future.add_done_callback(_consume)
+                self._leave(member, member_id).future.add_done_callback(retrieve)
         if self._cleanups:  # places given up just now: let them leave their lines
             await asyncio.wait(self._cleanups, timeout=self.config.lease)
         link = self.link
@@ -556,11 +550,11 @@ class Session:
 
     async def _leave_after(self, enqueue: Call, member: Member, member_id: str) -> None:
         """Leave the line once the enqueue call has finished (whatever its outcome)."""
-        enqueue.future.add_done_callback(_consume)
+        enqueue.future.add_done_callback(retrieve)
         if self.link is None:  # a cluster's calls are not in order: wait for the enqueue
             await asyncio.wait((enqueue.future,))
         leave = self._leave(member, member_id).future
-        leave.add_done_callback(_consume)
+        leave.add_done_callback(retrieve)
         await asyncio.wait((leave,))
 
     def _detach(self, coro: Awaitable[None]) -> None:
@@ -662,7 +656,7 @@ class Session:
         if not futures:
             return
         for future in futures:  # (whatever becomes of this wait: the heartbeat may be cancelled)
-            future.add_done_callback(_consume)
+            future.add_done_callback(retrieve)
         done, _ = await asyncio.wait(futures, timeout=limit)
         problem: BaseException | None = None
         now = time.monotonic()
