@@ -177,11 +177,7 @@ class PgSession:
             return
         if reply.cancelled() or reply.exception() is not None:
             return  # cancelled on the server (QueryCanceled), or the session ended
-        unlock = _pg_wire.send(connection, _pg_sql.UNLOCK, _pg_sql.unlocking([lock]), prepared=True)
-        try:
-            await asyncio.shield(unlock)
-        except psycopg.Error:
-            await connection.close()  # its locks go with it; close() sees it closed
+        await _unlock_now(connection, [lock])
 
     def release(self, grant: Grant) -> Awaitable[None]:
         """Unlock one grant now (a grant whose caller gave up); close() frees the rest."""
@@ -193,13 +189,8 @@ class PgSession:
         assert isinstance(grant, PostgresGrant)
         self._grants.remove(grant)
         connection = self._lease.connection if self._lease is not None else None
-        if connection is None or _ended(connection):
-            return
-        locks = _pg_sql.unlocking([grant.lock])
-        try:
-            await asyncio.shield(_pg_wire.send(connection, _pg_sql.UNLOCK, locks, prepared=True))
-        except psycopg.Error:
-            await connection.close()
+        if connection is not None and not _ended(connection):
+            await _unlock_now(connection, [grant.lock])
 
     def close(self, error: BaseException | None) -> Awaitable[None]:
         """Commit or roll back (a transaction's), unlock every key, give the connection back.
@@ -335,12 +326,7 @@ class PgSession:
         if rows is None:
             connection.close()  # no answer: end the session, and its locks with it
             return
-        try:
-            _pg_wire.send_sync(connection, _pg_sql.UNLOCK, _pg_sql.unlocking([lock]), prepared=True)
-            _pg_wire.answer_sync(connection, CONNECT_WAIT)
-        except BaseException:
-            connection.close()
-            raise
+        _unlock_now_sync(connection, [lock])
 
     def release_sync(self, grant: Grant) -> None:
         """As :meth:`release`, for a thread."""
@@ -348,14 +334,7 @@ class PgSession:
             return
         assert isinstance(grant, PostgresGrant)
         self._grants.remove(grant)
-        connection = self.connection
-        try:
-            _pg_wire.send_sync(
-                connection, _pg_sql.UNLOCK, _pg_sql.unlocking([grant.lock]), prepared=True
-            )
-            _pg_wire.answer_sync(connection, CONNECT_WAIT)
-        except psycopg.Error:
-            connection.close()
+        _unlock_now_sync(self.connection, [grant.lock])
 
     def close_sync(self, error: BaseException | None) -> None:
         """As :meth:`close`, for a thread."""
@@ -437,6 +416,28 @@ class PgSession:
         self._lease = None
         if lease is not None:
             lease.give_back()
+
+
+async def _unlock_now(connection: psycopg.AsyncConnection[Any], locks: list[int]) -> None:
+    """Unlock locks at once; a session that cannot is ended, and its locks with it."""
+    unlock = _pg_wire.send(connection, _pg_sql.UNLOCK, _pg_sql.unlocking(locks), prepared=True)
+    try:
+        await asyncio.shield(unlock)
+    except psycopg.Error:
+        await connection.close()
+
+
+def _unlock_now_sync(connection: psycopg.Connection[Any], locks: list[int]) -> None:
+    """As :func:`_unlock_now`, for a thread (a session interrupted meanwhile is ended too)."""
+    try:
+        _pg_wire.send_sync(connection, _pg_sql.UNLOCK, _pg_sql.unlocking(locks), prepared=True)
+        if _pg_wire.answer_sync(connection, CONNECT_WAIT) is None:
+            connection.close()
+    except psycopg.Error:
+        connection.close()
+    except BaseException:
+        connection.close()
+        raise
 
 
 def _failed(key: Hashable, error: Exception) -> BackendUnavailable:
