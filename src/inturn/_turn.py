@@ -570,7 +570,7 @@ class Turn:
                 # nested in another takes its keys on the enclosing turn's.
                 lender = None if self._transaction else _lender(outer, registry, holder)
                 self._owns = lender is None
-                self._session = lender or opener(len(taken), self._transaction, own)
+                self._session = lender or opener(len(taken), self._transaction, own, _depth(outer))
                 for key in taken:
                     grant = yield _GRANT, key
                     grants.append(grant)
@@ -884,6 +884,22 @@ def _lender(turn: Turn | None, registry: Registry, holder: object) -> Session | 
         shared = turn._shared
         turn = None if shared is None else shared.outer
     return None
+
+
+def _depth(turn: Turn | None) -> int:
+    """How many sessions the enclosing turns, from turn outwards, hold (see Session).
+
+    A turn started inside them (a task made in their block, say) draws its
+    connection from the next tier, so that they never hold the ones it needs.
+    """
+    sessions: list[Session] = []
+    while turn is not None:
+        session = turn._session
+        if session is not None and not any(session is seen for seen in sessions):
+            sessions.append(session)
+        shared = turn._shared
+        turn = None if shared is None else shared.outer
+    return len(sessions)
 
 
 def _holder(turn: Turn | None, registry: Registry, key: Hashable) -> Turn | None:

@@ -31,19 +31,22 @@ class Grant(Protocol):
 class Session(Protocol):
     """One turn's hold on a backend that takes all of a turn's keys on one connection.
 
-    A backend may offer ``session(count, transaction, own) -> Session`` (no
-    I/O): the queue then takes a turn's keys through the session rather than
-    the backend, after it took every key's place in this process's lines,
-    and ends the turn with :meth:`close` (no per-grant release). PostgreSQL
-    does: its locks belong to a connection, so a turn on several keys needs
-    one connection, not one per key, and a pool of connections can never
-    deadlock turns that each wait for a second one.
+    A backend may offer ``session(count, transaction, own, depth) -> Session``
+    (no I/O): the queue then takes a turn's keys through the session rather
+    than the backend, after it took every key's place in this process's
+    lines, and ends the turn with :meth:`close` (no per-grant release).
+    PostgreSQL does: its locks belong to a connection, so a turn on several
+    keys needs one connection, not one per key, and a pool of connections can
+    never deadlock turns that each wait for a second one.
 
     ``count`` is how many keys the turn will take; ``transaction`` asks for
     the turn's work to run in a transaction on :attr:`connection` that
     :meth:`close` commits (or rolls back); ``own`` says the caller's event
     loop is short-lived (a loop per job), so the session should not keep a
-    pool for it. Its calls run on one event loop, as the backend's do; a
+    pool for it; ``depth`` is how many sessions the turns around this one
+    hold (in its context: a task made inside a turn's block has that turn
+    around it), so that a bounded pool can keep connections apart for turns
+    their holders wait for. Its calls run on one event loop, as the backend's do; a
     session may offer ``acquire_sync``, ``release_sync`` and
     ``close_sync(error)`` for threads, as a backend may.
     """

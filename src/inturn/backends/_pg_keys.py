@@ -1,4 +1,4 @@
-"""Keys to PostgreSQL advisory lock ids: a sketch for the PostgreSQL backend (issue 20), not wired.
+"""Keys to PostgreSQL advisory lock ids, for the PostgreSQL backend.
 
 An advisory lock is named by one signed 64-bit integer. A key's id is the
 first 8 bytes of a BLAKE2b digest of the namespace and the key's portable

@@ -1,23 +1,23 @@
 """One turn on PostgreSQL: its connection, and the keys it holds on it.
 
 A turn of a KeyedQueue takes all its keys through one :class:`PgSession`
-(``inturn.backends.Session``), driven by a task (``acquire``, ``close``)
-or by a thread (``acquire_sync``, ``close_sync``, called natively by the
-queue's bridge). Its calls run one at a time: ``close`` waits for an
-``acquire`` its caller gave up on.
+(``inturn.backends.Session``), driven by a task (``acquire``, ``release``,
+``close``) or by a thread (``acquire_sync``, ``release_sync``,
+``close_sync``, called natively by the queue). Each is written once, as
+steps (:mod:`._pg_steps`), and driven by :class:`._pg_drive.Run` for a task
+or :func:`._pg_drive.drive_sync` for a thread. Its calls run one at a time:
+``close`` waits for an ``acquire`` its caller gave up on.
 
-Statements go through :mod:`._pg_wire`: a task's unlock is sent the moment
-``close`` is called, and the future it returns is settled by the server's
-answer (it goes on by itself, as ``Backend.release`` asks).
+A task's unlock is sent the moment ``close`` is called, and the future it
+returns is settled by the server's answer (it goes on by itself, as
+``Backend.release`` asks).
 """
 
 from __future__ import annotations
 
 import asyncio
-import sys
-import time
 from collections.abc import Awaitable, Generator, Hashable
-from typing import TYPE_CHECKING, Any, Final, Literal, final
+from typing import TYPE_CHECKING, Any, Final, final
 
 import psycopg
 from psycopg import errors
@@ -25,17 +25,31 @@ from psycopg import errors
 from .._checks import missed
 from .._errors import BackendUnavailable
 from .._keys import describe as show
-from . import _pg_sql, _pg_wire
-from ._pg_connections import CONNECT_WAIT, Lease, logger, said
+from . import _pg_sql
+from ._pg_drive import Run, drive_sync
 from ._pg_keys import lock_id
+from ._pg_places import Lease
+from ._pg_ready import logger
+from ._pg_steps import (
+    AUTOCOMMIT,
+    Ended,
+    Op,
+    ending,
+    ending_transaction,
+    lost,
+    now,
+    said,
+    waiting,
+)
 
 if TYPE_CHECKING:
     from ._base import Grant
     from ._pg_connections import Connections
+    from ._pg_wire import Outcome, Rows
 
 __all__ = ("PgSession", "PostgresGrant")
 
-_IN_ERROR: Final = psycopg.pq.TransactionStatus.INERROR
+_OK: Final = psycopg.pq.ConnStatus.OK
 
 #: What a pooler in transaction mode does to a session, said once.
 _MOVED: Final = (
@@ -56,7 +70,8 @@ class PostgresGrant:
         #: From the sequence ``inturn_token``, drawn after the grant: larger than
         #: every earlier grant's, of this key and every other.
         self.token = token
-        #: True once the session that held the lock is known to have ended under it.
+        #: True once the session that held the lock is known to have ended under it,
+        #: or could not confirm at the end of the turn that it still held it.
         self.lost = False
         self.lock = lock  # the advisory lock's id
         self.session = session
@@ -74,27 +89,37 @@ class PgSession:
         "_closed",
         "_connections",
         "_count",
+        "_generation",
         "_grants",
         "_lease",
         "_namespace",
-        "_own",
         "_pid",
+        "_tier",
         "_transaction",
     )
 
     def __init__(
-        self, connections: Connections, namespace: str, count: int, transaction: bool, own: bool
+        self,
+        connections: Connections,
+        namespace: str,
+        count: int,
+        transaction: bool,
+        own: bool,
+        depth: int = 0,
     ) -> None:
         self._connections = connections
         self._namespace = namespace
         self._count = count  # keys the turn will take
         self._transaction = transaction
-        self._own = own  # a connection outside the pools (a short-lived loop)
+        # the tier of connection slots (see _pg_connections); None: a connection of its
+        # own, outside the slots (a short-lived loop)
+        self._tier: int | None = None if own else depth
         self._lease: Lease | None = None
         self._grants: list[PostgresGrant] = []
-        self._busy: asyncio.Future[None] | None = None  # a task's acquire under way
+        self._busy: Run | None = None  # a task's acquire, or early release, under way
         self._closed = False
         self._pid = 0  # the server session that holds the keys (its first grant's)
+        self._generation = connections.generation  # (a forked child's differs)
 
     @property
     def connection(self) -> Any:
@@ -111,266 +136,198 @@ class PgSession:
     # -- a task's turn ------------------------------------------------------------------------
 
     async def acquire(self, key: Hashable, timeout: float | None) -> PostgresGrant:
-        """Take key on the session's connection (the first key gets the connection)."""
-        if self._closed:
-            raise RuntimeError("inturn: this turn's session ended")
-        lock = lock_id(self._namespace, key)
-        loop = asyncio.get_running_loop()
-        at = None if timeout is None else loop.time() + timeout
-        busy = self._busy = loop.create_future()
+        """Take key on the session's connection (the first key gets the connection).
+
+        Cancelled, it calls the wait off before it raises: the lock is not
+        kept (a grant that came just then is given back).
+        """
+        run = self._busy = Run(self._acquiring(key, timeout), self._connections)
         try:
-            if self._lease is None:
-                connections = self._connections
-                if self._own:
-                    self._lease = await connections.take_own(key, at)
-                else:
-                    self._lease = await connections.take(key, timeout, at)
-            token = await self._wait(key, lock, timeout, at)
-        finally:
-            busy.set_result(None)
-        grant = self._granted(key, token, lock)
-        if self._transaction and len(self._grants) == self._count:
-            # the work's first statement begins the transaction (no round trip here)
-            await self.connection.set_autocommit(False)
+            grant: PostgresGrant = await run.result
+        except asyncio.CancelledError:
+            result = run.result
+            if run.done and not result.cancelled() and result.exception() is None:
+                # granted as the caller was cancelled: give it back now
+                run = self._busy = Run(self._releasing(result.result()), self._connections)
+            else:
+                run.interrupt(asyncio.CancelledError())
+            await run.ended()  # (cancelled again: the rest goes on by itself)
+            raise
         return grant
-
-    async def _wait(self, key: Hashable, lock: int, timeout: float | None, at: float | None) -> int:
-        """Wait for lock on the connection; return the token drawn with it."""
-        connection = self.connection
-        left = None if at is None else max(0.0, at - asyncio.get_running_loop().time())
-        statement, params = _pg_sql.waiting(lock, timeout, left)
-        for _ in range(2):
-            try:
-                reply, kept = _pg_wire.send_watched(connection, statement, params, prepared=True)
-            except psycopg.OperationalError as error:
-                raise _failed(key, error) from error
-            try:
-                rows = await reply
-            except errors.InvalidSqlStatementName:  # deallocated by a pool's reset
-                self._connections.forget(connection)
-                await self._connections.ready(connection)
-                continue
-            except errors.LockNotAvailable:
-                raise missed(f"the turn for key {show(key)}", timeout) from None
-            except psycopg.Error as error:
-                raise _failed(key, error) from error
-            except BaseException:
-                # Cancelled: cancel the server's wait; if the grant came all the same,
-                # give it back, whatever comes next.
-                await _shielded(self._call_off(kept, lock))
-                raise
-            return self._token(key, rows, timeout)
-        raise _vanished(key)
-
-    async def _call_off(self, reply: asyncio.Future[_pg_wire.Rows], lock: int) -> None:
-        """Cancel the wait of reply; unlock lock if it was granted before the cancel landed."""
-        connection = self.connection
-        if not reply.done():
-            try:
-                await connection.cancel_safe(timeout=CONNECT_WAIT)
-            except psycopg.Error:
-                pass
-            await asyncio.wait((reply,), timeout=CONNECT_WAIT)
-        if not reply.done():  # no answer: end the session, and its locks with it
-            _pg_wire.forget(connection)
-            await connection.close()
-            return
-        if reply.cancelled() or reply.exception() is not None:
-            return  # cancelled on the server (QueryCanceled), or the session ended
-        await _unlock_now(connection, [lock])
 
     def release(self, grant: Grant) -> Awaitable[None]:
         """Unlock one grant now (a grant whose caller gave up); close() frees the rest."""
-        return self._release_early(grant)
-
-    async def _release_early(self, grant: Grant) -> None:
-        if self._closed or grant not in self._grants:
-            return
-        assert isinstance(grant, PostgresGrant)
-        self._grants.remove(grant)
-        connection = self._lease.connection if self._lease is not None else None
-        if connection is not None and not _ended(connection):
-            await _unlock_now(connection, [grant.lock])
+        if self._inherited():
+            return _done()
+        run = self._busy = Run(self._releasing(grant), self._connections)
+        return run.result
 
     def close(self, error: BaseException | None) -> Awaitable[None]:
         """Commit or roll back (a transaction's), unlock every key, give the connection back.
 
-        A turn without a transaction, the common case: the unlock is sent at
-        once, and the future returned is settled when the server answered.
+        The unlock is sent at once, and the future returned is settled when
+        the server answered (or when ``unreachable_after`` passed without an
+        answer: the connection is then closed). Completes even if its caller
+        is cancelled.
         """
-        lease, grants, busy = self._lease, self._grants, self._busy
-        if (
-            self._closed
-            or self._transaction
-            or (busy is not None and not busy.done())
-            or lease is None
-            or not grants
-            or _ended(lease.connection)
-        ):
-            return self._close(error)
-        self._closed = True
-        connection = lease.connection
-        locks = _pg_sql.unlocking([grant.lock for grant in grants])
-        try:
-            reply = _pg_wire.send(connection, _pg_sql.UNLOCK, locks, prepared=True)
-        except psycopg.OperationalError:  # the session is gone, and its locks with it
-            self._unlocked(None)
-            return _nothing()
-        done = asyncio.get_running_loop().create_future()
-        reply.add_done_callback(lambda answer: self._answered(answer, done))
-        return done
+        if self._inherited() or self._closed:
+            return _done()
+        busy = self._busy
+        if busy is not None and not busy.done:  # an acquire given up on, still under way
+            ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            busy.on_end(lambda: _forward(self._end(error), ended))
+            return ended
+        return self._end(error)
 
-    def _answered(self, answer: asyncio.Future[_pg_wire.Rows], done: asyncio.Future[None]) -> None:
-        """(A callback.) The unlock was answered: mark what was lost, give the connection back."""
-        error = answer.exception()
-        if isinstance(error, errors.InvalidSqlStatementName):  # deallocated by the work
-            assert self._lease is not None
-            connection = self._lease.connection
-            self._connections.forget(connection)
-            locks = _pg_sql.unlocking([grant.lock for grant in self._grants])
-            try:
-                again = _pg_wire.send(connection, _pg_sql.UNLOCK_SQL, locks)
-            except psycopg.OperationalError:
-                pass
-            else:
-                again.add_done_callback(lambda answer: self._answered(answer, done))
-                return
-        self._unlocked(None if error is not None else answer.result())
-        done.set_result(None)
-
-    async def _close(self, error: BaseException | None) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._busy is not None and not self._busy.done():
-            await asyncio.wait((self._busy,))  # an acquire given up on, still under way
-        lease = self._lease
-        if lease is None:
-            return
-        connection = lease.connection
-        failure: BaseException | None = None
-        rows: _pg_wire.Rows | None = None
-        try:
-            if self._transaction:
-                failure = await _finish(connection, commit=error is None)
-                if not _ended(connection):
-                    await connection.set_autocommit(True)
-            if self._grants and not _ended(connection):
-                locks = _pg_sql.unlocking([grant.lock for grant in self._grants])
-                try:
-                    unlock = _pg_wire.send(connection, _pg_sql.UNLOCK, locks, prepared=True)
-                    rows = await asyncio.shield(unlock)
-                except errors.InvalidSqlStatementName:  # deallocated by the work
-                    self._connections.forget(connection)
-                    rows = await asyncio.shield(
-                        _pg_wire.send(connection, _pg_sql.UNLOCK_SQL, locks)
-                    )
-        except psycopg.Error:
-            pass  # the session ended, or is ended by _unlocked, and its locks with it
-        finally:
-            self._unlocked(rows)
-        if failure is not None:
-            raise failure
+    def _end(self, error: BaseException | None) -> asyncio.Future[Any]:
+        return Run(self._ending(error), self._connections).result
 
     # -- a thread's turn ---------------------------------------------------------------------
 
     def acquire_sync(self, key: Hashable, timeout: float | None) -> PostgresGrant:
         """As :meth:`acquire`, for a thread, on a sync connection, blocking it while it waits."""
-        if self._closed:
-            raise RuntimeError("inturn: this turn's session ended")
-        lock = lock_id(self._namespace, key)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if self._lease is None:
-            self._lease = self._connections.take_sync(key, timeout, deadline)
-        connection = self._lease.connection
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        statement, params = _pg_sql.waiting(lock, timeout, left)
-        for _ in range(2):
-            try:
-                _pg_wire.send_sync(connection, statement, params, prepared=True)
-            except psycopg.OperationalError as error:
-                raise _failed(key, error) from error
-            try:
-                rows = _pg_wire.answer_sync(connection) or []
-            except errors.InvalidSqlStatementName:
-                self._connections.forget(connection)
-                self._connections.ready_sync(connection)
-                continue
-            except errors.LockNotAvailable:
-                raise missed(f"the turn for key {show(key)}", timeout) from None
-            except psycopg.Error as error:
-                raise _failed(key, error) from error
-            except BaseException:  # interrupted (a signal handler's exception)
-                self._call_off_sync(lock)
-                raise
-            grant = self._granted(key, self._token(key, rows, timeout), lock)
-            if self._transaction and len(self._grants) == self._count:
-                connection.autocommit = False  # (the work's first statement begins it)
-            return grant
-        raise _vanished(key)
-
-    def _call_off_sync(self, lock: int) -> None:
-        """As :meth:`_call_off`, for a thread; an interrupt meanwhile ends the session."""
-        connection = self.connection
-        try:
-            try:
-                connection.cancel_safe(timeout=CONNECT_WAIT)
-            except psycopg.Error:
-                pass
-            rows = _pg_wire.answer_sync(connection, CONNECT_WAIT)
-        except psycopg.Error:
-            return  # cancelled on the server (QueryCanceled), or the session ended
-        except BaseException:
-            connection.close()
-            raise
-        if rows is None:
-            connection.close()  # no answer: end the session, and its locks with it
-            return
-        _unlock_now_sync(connection, [lock])
+        grant: PostgresGrant = drive_sync(self._acquiring(key, timeout), self._connections)
+        return grant
 
     def release_sync(self, grant: Grant) -> None:
         """As :meth:`release`, for a thread."""
-        if self._closed or grant not in self._grants:
-            return
-        assert isinstance(grant, PostgresGrant)
-        self._grants.remove(grant)
-        _unlock_now_sync(self.connection, [grant.lock])
+        if not self._inherited():
+            drive_sync(self._releasing(grant), self._connections)
 
     def close_sync(self, error: BaseException | None) -> None:
         """As :meth:`close`, for a thread."""
-        if self._closed:
+        if not (self._inherited() or self._closed):
+            drive_sync(self._ending(error), self._connections)
+
+    # -- the steps, for both ------------------------------------------------------------------
+
+    def _acquiring(self, key: Hashable, timeout: float | None) -> Generator[Op, Any, Any]:
+        """Take key (the first key: a connection for the session first); its grant."""
+        if self._closed or self._inherited():
+            raise RuntimeError("inturn: this turn's session ended")
+        connections = self._connections
+        lock = lock_id(self._namespace, key)
+        until = None if timeout is None else now() + timeout
+        if self._lease is None:
+            self._lease = yield from connections.taking(key, timeout, until, self._tier)
+        connection = self._lease.connection
+        held = any(grant.lock == lock for grant in self._grants)
+        last = self._transaction and len(self._grants) + 1 >= self._count
+        for _ in range(2):
+            ready = connections.ready.of(connection)
+            left = None if until is None else max(0.0, until - now())
+            after = ready.role_timeout if last else "0"
+            statement = _pg_sql.waiting(lock, timeout, left, after)
+            answer = yield from waiting(
+                connection, lock, statement, until, held, ready.pid, connections.limits
+            )
+            if isinstance(answer, list):
+                break
+            if isinstance(answer, errors.InvalidSqlStatementName | errors.UndefinedTable):
+                # deallocated (a pool's reset), or the sequence is gone (a restore)
+                if isinstance(answer, errors.UndefinedTable):
+                    connections.ready.sequence_gone()
+                connections.ready.forget(connection)
+                yield from connections.ready.readying(connection, key, timeout, until)
+                continue
+            raise self._refusal(key, timeout, until, answer)
+        else:
+            raise BackendUnavailable(
+                "inturn: the statements the backend prepared on its connection vanished twice "
+                f"while it took key {show(key)}; {_MOVED}; the work did not run"
+            )
+        grant = PostgresGrant(key, self._token(key, answer, timeout), lock, self)
+        self._grants.append(grant)
+        if last:
+            yield (AUTOCOMMIT, connection, False)  # (the work's first statement begins it)
+        return grant
+
+    def _releasing(self, grant: Grant) -> Generator[Op, Any, None]:
+        """Unlock one grant of the session now."""
+        if self._closed or self._inherited() or grant not in self._grants:
             return
+        assert isinstance(grant, PostgresGrant)
+        self._grants.remove(grant)
+        connection = self._lease.connection if self._lease is not None else None
+        if connection is not None and connection.pgconn.status == _OK:
+            yield from ending(connection, [grant.lock], now() + self._limits_wait())
+
+    def _ending(self, error: BaseException | None) -> Generator[Op, Any, None]:
+        """End the turn: commit or roll back, unlock every key, give the connection back."""
         self._closed = True
         lease = self._lease
         if lease is None:
             return
         connection = lease.connection
-        rows: _pg_wire.Rows | None = None
+        locks = [grant.lock for grant in self._grants]
+        ended: Ended = ([True] * len(locks), None)  # (a thread interrupted meanwhile)
         failure: BaseException | None = None
         try:
-            if self._transaction:
-                failure = _finish_sync(connection, commit=error is None)
-                if not _ended(connection):
-                    connection.autocommit = True
-            if self._grants and not _ended(connection):
-                locks = _pg_sql.unlocking([grant.lock for grant in self._grants])
-                try:
-                    _pg_wire.send_sync(connection, _pg_sql.UNLOCK, locks, prepared=True)
-                    rows = _pg_wire.answer_sync(connection, CONNECT_WAIT)
-                except errors.InvalidSqlStatementName:
-                    self._connections.forget(connection)
-                    _pg_wire.send_sync(connection, _pg_sql.UNLOCK_SQL, locks)
-                    rows = _pg_wire.answer_sync(connection, CONNECT_WAIT)
-        except psycopg.Error:
-            pass  # the session ended, or is ended by _unlocked, and its locks with it
+            if connection.pgconn.status != _OK:
+                ended = (None, None)
+            elif self._transaction:
+                pid = self._connections.ready.of(connection).pid
+                limits = self._connections.limits
+                ended, failure = yield from ending_transaction(
+                    connection, locks, error is None, pid, limits
+                )
+            elif locks:
+                ended = yield from ending(connection, locks, now() + self._limits_wait())
         finally:
-            self._unlocked(rows)
+            self._unlocked(ended)
         if failure is not None:
             raise failure
 
+    def _limits_wait(self) -> float:
+        return self._connections.limits.unreachable_after
+
     # -- both ---------------------------------------------------------------------------------
 
-    def _token(self, key: Hashable, rows: _pg_wire.Rows, timeout: float | None) -> int:
+    def _inherited(self) -> bool:
+        """In a forked child, a session of the parent's: what it holds is left alone.
+
+        The child never speaks on the parent's connection (its locks are the
+        parent's); its own part of the turn ends without a word to the server.
+        """
+        if self._generation == self._connections.generation:
+            return False
+        self._closed = True
+        self._lease = None
+        self._grants = []
+        return True
+
+    def _refusal(
+        self, key: Hashable, timeout: float | None, until: float | None, answer: Outcome | None
+    ) -> Exception:
+        """Why a wait did not take its lock (the lock is not kept: see waiting())."""
+        if isinstance(answer, errors.LockNotAvailable) or (
+            answer is None and until is not None and now() >= until
+        ):
+            return missed(f"the turn for key {show(key)}", timeout)
+        if answer is None:
+            wait = self._limits_wait()
+            return BackendUnavailable(
+                f"inturn: PostgreSQL did not answer the wait for key {show(key)}, nor a check "
+                f"on a new connection, within {wait:g} s each; its connection was closed, and "
+                "the work did not run"
+            )
+        assert isinstance(answer, psycopg.Error)
+        reason = said(answer)
+        fix = ""
+        if isinstance(answer, errors.InsufficientPrivilege):
+            fix = (
+                f"; the user needs USAGE on the sequence of fencing tokens: GRANT USAGE ON "
+                f"SEQUENCE {_pg_sql.SEQUENCE} TO ..."
+            )
+        what = "lost its session during" if lost(answer) else "failed"
+        failure = BackendUnavailable(
+            f"inturn: PostgreSQL {what} the wait for key {show(key)} ({reason}){fix}; "
+            "the work did not run"
+        )
+        failure.__cause__ = answer
+        return failure
+
+    def _token(self, key: Hashable, rows: Rows, timeout: float | None) -> int:
         """The token of a granted wait (its rows); checks that the server session is the same."""
         if not rows:  # timeout=0, and the key was busy
             raise missed(f"the turn for key {show(key)}", timeout)
@@ -384,28 +341,14 @@ class PgSession:
         self._pid = pid
         return token
 
-    def _granted(self, key: Hashable, token: int, lock: int) -> PostgresGrant:
-        grant = PostgresGrant(key, token, lock, self)
-        self._grants.append(grant)
-        return grant
-
-    def _unlocked(self, rows: _pg_wire.Rows | None) -> None:
-        """Mark lost each grant whose key was not held (rows of the unlock); give the
-        connection back.
-
-        rows None: the unlock got no answer. If the session ended, its grants
-        are lost; if it lives, it is ended now, and its locks with it (a
-        connection is never kept holding a lock).
-        """
+    def _unlocked(self, ended: Ended) -> None:
+        """Mark lost each grant whose key was not held to the end; give the connection back."""
+        held, pid = ended
         grants, self._grants = self._grants, []
-        lease = self._lease
-        if rows is None and grants and lease is not None and not _ended(lease.connection):
-            lease.connection.pgconn.finish()  # (the turn held its keys until now)
-            rows = [(b"t", str(self._pid).encode())] * len(grants)
         for n, grant in enumerate(grants):
-            if rows is None or n >= len(rows) or rows[n][0] != b"t":
-                grant.lost = True  # the session ended or was reset under it
-        if rows and int(rows[0][1] or 0) != self._pid:
+            if held is None or n >= len(held) or not held[n]:
+                grant.lost = True  # the session ended or was reset under it, or it is unknown
+        if pid is not None and self._pid and pid != self._pid:
             logger.error(
                 "inturn: %s; the turn on %s was not exclusive, and the server session %d "
                 "may hold it until the pooler closes it",
@@ -413,142 +356,31 @@ class PgSession:
                 ", ".join(show(grant.key) for grant in grants),
                 self._pid,
             )
-        self._lease = None
+        lease, self._lease = self._lease, None
         if lease is not None:
             lease.give_back()
 
 
-async def _unlock_now(connection: psycopg.AsyncConnection[Any], locks: list[int]) -> None:
-    """Unlock locks at once; a session that cannot is ended, and its locks with it."""
-    unlock = _pg_wire.send(connection, _pg_sql.UNLOCK, _pg_sql.unlocking(locks), prepared=True)
-    try:
-        await asyncio.shield(unlock)
-    except psycopg.Error:
-        await connection.close()
+def _forward(source: asyncio.Future[Any], target: asyncio.Future[None]) -> None:
+    """Settle target as source settles (source: an ending, which settles by itself)."""
+
+    def settle(done: asyncio.Future[Any]) -> None:
+        if target.done():
+            if not done.cancelled():
+                done.exception()  # (retrieved: the caller gave up)
+            return
+        if done.cancelled():
+            target.cancel()
+        elif (error := done.exception()) is not None:
+            target.set_exception(error)
+        else:
+            target.set_result(None)
+
+    source.add_done_callback(settle)
 
 
-def _unlock_now_sync(connection: psycopg.Connection[Any], locks: list[int]) -> None:
-    """As :func:`_unlock_now`, for a thread (a session interrupted meanwhile is ended too)."""
-    try:
-        _pg_wire.send_sync(connection, _pg_sql.UNLOCK, _pg_sql.unlocking(locks), prepared=True)
-        if _pg_wire.answer_sync(connection, CONNECT_WAIT) is None:
-            connection.close()
-    except psycopg.Error:
-        connection.close()
-    except BaseException:
-        connection.close()
-        raise
-
-
-def _failed(key: Hashable, error: Exception) -> BackendUnavailable:
-    reason = said(error) if isinstance(error, psycopg.Error) else str(error)
-    fix = ""
-    if isinstance(error, errors.InsufficientPrivilege):
-        fix = (
-            f"; the user needs USAGE on the sequence of fencing tokens: GRANT USAGE ON "
-            f"SEQUENCE {_pg_sql.SEQUENCE} TO ..."
-        )
-    return BackendUnavailable(
-        f"inturn: PostgreSQL failed the wait for key {show(key)} ({reason}){fix}; "
-        "the work did not run"
-    )
-
-
-def _vanished(key: Hashable) -> BackendUnavailable:
-    return BackendUnavailable(
-        "inturn: the statements the backend prepared on its connection vanished twice "
-        f"while it took key {show(key)}; {_MOVED}; the work did not run"
-    )
-
-
-def _ended(connection: Any) -> bool:
-    """Whether connection's session is over (closed here, or lost)."""
-    return bool(connection.broken or connection.closed)
-
-
-def _ending(
-    connection: Any, *, commit: bool
-) -> Generator[Literal["commit", "rollback"], None, BaseException | None]:
-    """End the turn's transaction: the call to make on connection (each thrown its error,
-    if any); returns the error to raise after the work, if any.
-
-    Written once for both kinds of connection: :func:`_finish` and
-    :func:`_finish_sync` make the calls.
-    """
-    if _ended(connection):
-        if commit:
-            return BackendUnavailable(
-                "inturn: the connection of the turn's transaction was lost before it could "
-                "commit; the server rolled the work's writes back, and the keys were freed"
-            )
-        return None
-    if not commit or connection.info.transaction_status == _IN_ERROR:
-        yield "rollback"
-        if commit:  # the work swallowed a failed statement: nothing of it was kept
-            return errors.InFailedSqlTransaction(
-                "inturn: a statement of the turn's transaction failed and the work went on; "
-                "the transaction was rolled back, so none of its writes were kept"
-            )
-        return None
-    try:
-        yield "commit"
-    except psycopg.OperationalError as error:
-        if _ended(connection):
-            return BackendUnavailable(
-                f"inturn: the connection was lost at COMMIT ({said(error)}): whether the "
-                "turn's writes were kept is unknown; the keys were freed"
-            )
-        return error
-    except psycopg.Error as error:  # refused at COMMIT (a deferred constraint, say)
-        if sys.version_info >= (3, 11):  # pragma: no branch
-            error.add_note("inturn: the work ran, but its transaction did not commit")
-        return error
-    return None
-
-
-async def _finish(
-    connection: psycopg.AsyncConnection[Any], *, commit: bool
-) -> BaseException | None:
-    """End the turn's transaction (see _ending); the error to raise after the work, if any."""
-    steps = _ending(connection, commit=commit)
-    try:
-        call = next(steps)
-        while True:
-            try:
-                await getattr(connection, call)()
-            except psycopg.Error as error:
-                call = steps.throw(error)
-            else:
-                call = steps.send(None)
-    except StopIteration as done:
-        return done.value  # type: ignore[no-any-return]
-
-
-def _finish_sync(connection: psycopg.Connection[Any], *, commit: bool) -> BaseException | None:
-    """As :func:`_finish`, on a thread's connection."""
-    steps = _ending(connection, commit=commit)
-    try:
-        call = next(steps)
-        while True:
-            try:
-                getattr(connection, call)()
-            except psycopg.Error as error:
-                call = steps.throw(error)
-            else:
-                call = steps.send(None)
-    except StopIteration as done:
-        return done.value  # type: ignore[no-any-return]
-
-
-async def _shielded(step: Any) -> None:
-    """Run step to its end even if the caller is cancelled again meanwhile."""
-    task = asyncio.ensure_future(step)
-    try:
-        await asyncio.shield(task)
-    except asyncio.CancelledError:
-        await asyncio.wait((task,))  # the cleanup goes on: wait for it, then be cancelled
-        raise
-
-
-async def _nothing() -> None:
-    return None
+def _done() -> asyncio.Future[None]:
+    """A release with nothing to do."""
+    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    done.set_result(None)
+    return done

@@ -5,6 +5,16 @@ trip (:func:`prepare`), then sends them by name: the server plans them
 once. Every statement that takes or frees a lock also returns
 ``pg_backend_pid()``, the server session it ran in, so that a pooler that
 moves a turn's statements between server sessions is caught.
+
+What a session is set to, once, when it is readied (and again after a
+transaction turn's work had it): ``statement_timeout = 0``, so that a role's
+statement timeout never cuts a wait short (the wait is bounded by the turn's
+own ``timeout``, as ``lock_timeout``), and ``client_connection_check_interval``
+(14+), so that a waiter whose client died leaves the server's queue. Both
+are armed when a statement starts, so they are set for the session: set in
+the waiting statement itself, they would come too late for that wait. A
+transaction turn's work gets the role's own ``statement_timeout`` back for
+its statements (the last wait of the turn sets it, see :data:`WAIT`).
 """
 
 from __future__ import annotations
@@ -12,15 +22,22 @@ from __future__ import annotations
 import math
 from typing import Final
 
+from ._pg_keys import lock_parts
+
 __all__ = (
     "FIND_SEQUENCE",
     "MAKE_SEQUENCE",
+    "PREPARED",
+    "PROBE",
     "SEQUENCE",
     "TRY",
+    "UNDO",
     "UNLOCK",
     "UNLOCK_SQL",
     "WAIT",
     "prepare",
+    "resetting",
+    "undoing",
     "unlocking",
     "waiting",
 )
@@ -34,32 +51,48 @@ MAKE_SEQUENCE: Final = f"CREATE SEQUENCE IF NOT EXISTS {SEQUENCE} AS bigint".enc
 #: How often a waiting session checks that its client is still there (PostgreSQL 14+).
 _CHECK_INTERVAL: Final = "1s"
 
-# client_connection_check_interval (14+) makes a waiter whose client died leave the
-# queue. It is armed when a statement starts, so it is set for the session: set in
-# the waiting statement, it would come too late for that wait.
+# The session's settings (see the module): statement_timeout off, the client check on.
+_SETTINGS: Final = "SET statement_timeout = 0;"
 _CHECK: Final = "SET client_connection_check_interval = '" + _CHECK_INTERVAL + "';"
-_STATEMENTS: Final = (
-    # inturn_wait: wait for the lock, then draw the token. OFFSET 0 keeps each
-    # subquery apart, so the setting comes first, then the lock, then nextval;
-    # set_config(..., true) lasts for this statement's transaction only (the session
-    # is in autocommit). $2 is lock_timeout in ms ('0': none).
-    "PREPARE inturn_wait (int8, text) AS"
-    " SELECT nextval('" + SEQUENCE + "'), pg_backend_pid() FROM ("
-    " SELECT pg_advisory_lock($1) FROM ("
-    "  SELECT set_config('lock_timeout', $2, true) OFFSET 0"
-    " ) AS settings OFFSET 0"
-    ") AS granted;"
-    # timeout=0: ask once; no row if the key is busy.
-    "PREPARE inturn_try (int8) AS"
-    " SELECT nextval('" + SEQUENCE + "'), pg_backend_pid() FROM ("
-    " SELECT pg_try_advisory_lock($1) AS got OFFSET 0"
-    ") AS tried WHERE got;"
-    # The end of a turn: unlock each of its keys; whether each was held, in order.
+
+# The lock, then the token. OFFSET 0 keeps each subquery apart, so that they run
+# inside out. set_config(..., true) lasts for this statement's transaction only (the
+# session is in autocommit): lock_timeout is the turn's time left ($2 in ms, '0':
+# none) for the advisory wait, and '0' again for nextval, so that a LockNotAvailable
+# always means "the lock was not granted" (nextval held up by a DDL of another
+# session is bounded by the client instead, and then the lock is given back).
+# $3 (WAIT) or $2 (TRY) is the session's statement_timeout from the next statement
+# on: '0', or the role's own for the work of a transaction turn.
+_WAIT: Final = (
+    "PREPARE inturn_wait (int8, text, text) AS"
+    " SELECT nextval('" + SEQUENCE + "'), pg_backend_pid(),"
+    " set_config('statement_timeout', $3, false) FROM ("
+    "  SELECT set_config('lock_timeout', '0', true) FROM ("
+    "   SELECT pg_advisory_lock($1) FROM ("
+    "    SELECT set_config('lock_timeout', $2, true) OFFSET 0"
+    "   ) AS settings OFFSET 0"
+    "  ) AS granted OFFSET 0"
+    " ) AS unbounded;"
+)
+# timeout=0: ask once; no row if the key is busy.
+_TRY: Final = (
+    "PREPARE inturn_try (int8, text) AS"
+    " SELECT nextval('" + SEQUENCE + "'), pg_backend_pid(),"
+    " set_config('statement_timeout', $2, false) FROM ("
+    "  SELECT got, set_config('lock_timeout', '0', true) FROM ("
+    "   SELECT pg_try_advisory_lock($1) AS got OFFSET 0"
+    "  ) AS tried OFFSET 0"
+    " ) AS unbounded WHERE got;"
+)
+# The end of a turn: unlock each of its keys; whether each was held, in order.
+_UNLOCK: Final = (
     "PREPARE inturn_unlock (int8[]) AS SELECT pg_advisory_unlock(id), pg_backend_pid()"
     " FROM unnest($1) WITH ORDINALITY AS locks(id, n) ORDER BY n;"
-    # Which server session this is: not the one the client was told of at connect
-    # when a pooler sits in between.
-    "SELECT pg_backend_pid();"
+)
+# Which server session this is (not the one the client was told of at connect when a
+# pooler sits in between), and the role's own statement_timeout (in ms): the first row.
+_WHO: Final = (
+    "SELECT (SELECT reset_val FROM pg_settings WHERE name = 'statement_timeout'), pg_backend_pid();"
 )
 
 WAIT: Final = b"inturn_wait"
@@ -67,29 +100,70 @@ TRY: Final = b"inturn_try"
 UNLOCK: Final = b"inturn_unlock"
 
 #: UNLOCK, unprepared: for a connection whose statements were deallocated meanwhile
-#: (``DEALLOCATE ALL`` by a pool's reset, or by the work).
+#: (``DEALLOCATE ALL`` by a pool's reset).
 UNLOCK_SQL: Final = (
     b"SELECT pg_advisory_unlock(id), pg_backend_pid()"
     b" FROM unnest($1::int8[]) WITH ORDINALITY AS locks(id, n) ORDER BY n"
 )
 
+#: After a wait that failed or was given up on, when the lock may have been granted
+#: before it failed: unlock it once if this session holds it (else no row). A
+#: session-level advisory lock outlives the statement that took it.
+UNDO: Final = (
+    b"SELECT pg_advisory_unlock($1) FROM pg_locks"
+    b" WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted"
+    b" AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+    b" AND classid = $2::oid AND objid = $3::oid AND objsubid = 1"
+)
+
+#: The statements of ours a connection has, to deallocate (prepared by another backend).
+PREPARED: Final = (
+    b"SELECT 'DEALLOCATE ' || name FROM pg_prepared_statements"
+    b" WHERE name IN ('inturn_wait', 'inturn_try', 'inturn_unlock')"
+)
+
+#: Whether a server session is still there (asked on a connection of its own, while
+#: a statement of that session has gone unanswered for long).
+PROBE: Final = b"SELECT count(*) FROM pg_stat_activity WHERE pid = $1"
+
 
 def prepare(server_version: int) -> bytes:
-    """The script that prepares the statements (its last row: the server session's pid)."""
+    """The script that readies a session: its settings, the statements (first row: _WHO)."""
     check = _CHECK if server_version >= 140000 else ""
-    return (check + _STATEMENTS).encode()
+    return (_WHO + _SETTINGS + check + _WAIT + _TRY + _UNLOCK).encode()
+
+
+def resetting(locks: list[int], server_version: int) -> bytes:
+    """Unlock locks (rows as UNLOCK's), then undo what a transaction turn's work may have
+    set on the session: its settings, role, temporary tables, listens, cursors and any
+    session advisory lock of its own; the backend's settings again. Simple protocol."""
+    ids = "{" + ",".join(map(str, locks)) + "}"
+    check = _CHECK if server_version >= 140000 else ""
+    return (
+        "SELECT pg_advisory_unlock(id), pg_backend_pid() FROM unnest('" + ids + "'::int8[])"
+        " WITH ORDINALITY AS locks(id, n) ORDER BY n;"
+        "CLOSE ALL; RESET SESSION AUTHORIZATION; RESET ALL; UNLISTEN *; DISCARD TEMP;"
+        "SELECT pg_advisory_unlock_all();" + _SETTINGS + check
+    ).encode()
 
 
 def waiting(
-    lock: int, timeout: float | None, left: float | None
+    lock: int, timeout: float | None, left: float | None, after: str
 ) -> tuple[bytes, list[bytes | None]]:
-    """The statement that takes lock within left seconds (``timeout=0``: at once); its params."""
+    """The statement that takes lock within left seconds (``timeout=0``: at once); its
+    params. ``after``: the session's statement_timeout once it is done."""
     if timeout == 0:
-        return TRY, [str(lock).encode()]
+        return TRY, [str(lock).encode(), after.encode()]
     limit = "0" if left is None else str(max(1, math.ceil(left * 1000)))
-    return WAIT, [str(lock).encode(), limit.encode()]
+    return WAIT, [str(lock).encode(), limit.encode(), after.encode()]
 
 
 def unlocking(locks: list[int]) -> list[bytes | None]:
     """The parameters of UNLOCK (and UNLOCK_SQL) for locks: one int8 array."""
     return [("{" + ",".join(map(str, locks)) + "}").encode()]
+
+
+def undoing(lock: int) -> list[bytes | None]:
+    """The parameters of UNDO for lock: its id, and how pg_locks shows it."""
+    classid, objid = lock_parts(lock)
+    return [str(lock).encode(), str(classid).encode(), str(objid).encode()]

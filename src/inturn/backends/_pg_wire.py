@@ -10,10 +10,13 @@ and ``turn.connection`` for the work), and the backend sends statements
 here only while nobody else uses the connection (before the work has it,
 and after).
 
-A statement is sent at once, by :func:`send` itself, not by a task that
-starts later: the release of a turn reaches the server without waiting for
-the event loop's next round. A thread's turns use :func:`send_sync` and
-:func:`answer_sync` on psycopg's sync connections, waiting in ``poll()``.
+A statement is sent at once, by :func:`send` itself; its answer is read
+into a :class:`Reply` (by the event loop's reader for a task, by
+:func:`answer_sync` in a thread), which keeps it whatever becomes of those
+who wait for it: a wait given up on can still learn later what the server
+did. A connection is closed by :func:`discard` only, which first takes its
+socket out of the event loop's selector (a socket left there would haunt
+the next connection given the same descriptor number).
 """
 
 from __future__ import annotations
@@ -21,127 +24,167 @@ from __future__ import annotations
 import asyncio
 import select
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import psycopg
 from psycopg import errors, pq
 
-from .._tasks import retrieve
-
-__all__ = ("Rows", "answer_sync", "forget", "readable", "send", "send_sync", "send_watched")
+__all__ = (
+    "Outcome",
+    "Reply",
+    "Rows",
+    "answer",
+    "answer_sync",
+    "discard",
+    "readable",
+    "send",
+    "settle",
+)
 
 #: A statement's rows, in text format: each a tuple of its values (None for NULL).
 Rows = list[tuple[bytes | None, ...]]
+
+#: What a statement came to: its rows, or its error (psycopg's, by the server's
+#: SQLSTATE: ``LockNotAvailable``, ``QueryCanceled``...; ``OperationalError`` if the
+#: connection was lost).
+Outcome = Rows | psycopg.Error
 
 _TUPLES_OK: Final = pq.ExecStatus.TUPLES_OK
 _COMMAND_OK: Final = pq.ExecStatus.COMMAND_OK
 _SQLSTATE: Final = pq.DiagnosticField.SQLSTATE
 
 
+class Reply:
+    """One statement's answer: read as it arrives, kept once complete.
+
+    For a task (``loop`` given), the loop's reader reads it and calls
+    :attr:`callback` once it is complete; for a thread, :func:`answer_sync`
+    reads it. :attr:`outcome` is None until then.
+    """
+
+    __slots__ = ("callback", "fd", "loop", "outcome", "pgconn", "results")
+
+    def __init__(self, pgconn: pq.abc.PGconn, loop: asyncio.AbstractEventLoop | None) -> None:
+        self.pgconn = pgconn
+        self.loop = loop
+        self.outcome: Outcome | None = None
+        self.callback: Callable[[], None] | None = None
+        self.results: list[pq.abc.PGresult] = []
+        self.fd = pgconn.socket
+        if loop is not None:
+            if pgconn.flush():  # (rare: the statement did not fit the socket's buffer)
+                loop.add_writer(self.fd, self._flush)
+            loop.add_reader(self.fd, self._read)
+        else:
+            while pgconn.flush():
+                _poll(self.fd, select.POLLOUT, None)
+
+    def collect(self) -> bool:
+        """Read what the socket has; True once the answer is complete (then kept)."""
+        pgconn = self.pgconn
+        try:
+            pgconn.consume_input()
+            while not pgconn.is_busy():
+                result = pgconn.get_result()
+                if result is None:
+                    self.outcome = _outcome(self.results)
+                    self.results = []
+                    return True
+                self.results.append(result)
+        except psycopg.OperationalError as error:
+            self.outcome = error
+            return True
+        return False
+
+    def _read(self) -> None:
+        if self.collect():
+            self._done()
+
+    def _flush(self) -> None:
+        try:
+            if self.pgconn.flush():
+                return
+        except psycopg.OperationalError as error:
+            self.outcome = error
+            self._done()
+            return
+        assert self.loop is not None
+        self.loop.remove_writer(self.fd)
+
+    def _done(self) -> None:
+        self.stop()
+        callback, self.callback = self.callback, None
+        if callback is not None:
+            callback()
+
+    def stop(self) -> None:
+        """Stop reading (the answer is in, or the connection is being closed)."""
+        if self.loop is not None:
+            self.loop.remove_reader(self.fd)
+            self.loop.remove_writer(self.fd)
+
+
 def send(
-    connection: psycopg.AsyncConnection[Any],
+    connection: Any,
     sql: bytes,
     params: Sequence[bytes | None] | None = None,
     *,
     prepared: bool = False,
-) -> asyncio.Future[Rows]:
-    """Send a statement on connection now; the future of its rows.
+    loop: asyncio.AbstractEventLoop | None = None,
+) -> Reply:
+    """Send a statement on connection now; the reply to read its answer from.
 
     ``sql`` with ``params`` (``$1``..., text); or, ``prepared``, the name of
     a statement prepared on the connection, with its params; or, without
     params, one or more statements separated by ``;`` (the simple protocol).
-
-    The future fails with the psycopg error of the server's answer
-    (``LockNotAvailable``, ``QueryCanceled``...), or ``OperationalError``
-    if the connection was lost; it is settled whatever becomes of its
-    awaiters (shield it to wait for it from a task that may be cancelled).
+    ``loop``: the event loop whose reader reads the answer (a task's), or
+    None (a thread's: :func:`answer_sync`).
 
     :raises psycopg.OperationalError: the statement could not be sent.
     """
-    loop = asyncio.get_running_loop()
     pgconn = connection.pgconn
-    _send(pgconn, sql, params, prepared)
-    answer: asyncio.Future[Rows] = loop.create_future()
-    _Reply(loop, pgconn, (answer,))
-    return answer
-
-
-def send_watched(
-    connection: psycopg.AsyncConnection[Any],
-    sql: bytes,
-    params: Sequence[bytes | None] | None = None,
-    *,
-    prepared: bool = False,
-) -> tuple[asyncio.Future[Rows], asyncio.Future[Rows]]:
-    """As :func:`send`, with two futures of the same answer: one to await, one to keep.
-
-    A task awaits the first directly (a cancellation of the task cancels it);
-    the second is settled by the answer all the same, for what comes after
-    (whether a wait that was cancelled got its lock). Cheaper than
-    ``asyncio.shield``, which costs the awaiting task a turn of the loop.
-    """
-    loop = asyncio.get_running_loop()
-    pgconn = connection.pgconn
-    _send(pgconn, sql, params, prepared)
-    answer: asyncio.Future[Rows] = loop.create_future()
-    kept: asyncio.Future[Rows] = loop.create_future()
-    kept.add_done_callback(retrieve)  # (most often nobody looks at it)
-    _Reply(loop, pgconn, (answer, kept))
-    return answer, kept
-
-
-def _send(
-    pgconn: pq.abc.PGconn, sql: bytes, params: Sequence[bytes | None] | None, prepared: bool
-) -> None:
     if prepared:
         pgconn.send_query_prepared(sql, params)
     elif params is None:
         pgconn.send_query(sql)
     else:
         pgconn.send_query_params(sql, params)
+    return Reply(pgconn, loop)
 
 
-def send_sync(
-    connection: psycopg.Connection[Any],
-    sql: bytes,
-    params: Sequence[bytes | None] | None = None,
-    *,
-    prepared: bool = False,
-) -> None:
-    """As :func:`send`, for a thread: the statement is sent when it returns.
+async def answer(reply: Reply) -> Outcome:
+    """The outcome of reply (a task's), once it is complete."""
+    if reply.outcome is None:
+        assert reply.loop is not None
+        arrived: asyncio.Future[None] = reply.loop.create_future()
+        reply.callback = lambda: settle(arrived)
+        try:
+            await arrived
+        finally:
+            reply.callback = None
+    assert reply.outcome is not None
+    return reply.outcome
 
-    :raises psycopg.OperationalError: the statement could not be sent.
+
+def settle(future: asyncio.Future[None]) -> None:
+    """Settle future (if nobody did)."""
+    if not future.done():
+        future.set_result(None)
+
+
+def answer_sync(reply: Reply, until: float | None) -> Outcome | None:
+    """The outcome of reply, waiting for it in this thread until ``until`` (monotonic).
+
+    None if it did not come in time. An exception raised while it waits (a
+    signal handler's) leaves the answer to come: call it again to collect it.
     """
-    pgconn = connection.pgconn
-    _send(pgconn, sql, params, prepared)
-    while pgconn.flush():  # (rare: the statement did not fit the socket's buffer)
-        _poll(pgconn.socket, select.POLLOUT, None)
-
-
-def answer_sync(connection: psycopg.Connection[Any], wait: float | None = None) -> Rows | None:
-    """The rows of the statement sent last on connection, waiting for them in this thread.
-
-    An exception raised while it waits (a signal handler's) leaves the
-    answer to come: call it again to collect it. ``wait``: seconds at most;
-    None if no answer came in time.
-
-    :raises psycopg.Error: as :func:`send`'s future.
-    """
-    pgconn = connection.pgconn
-    deadline = None if wait is None else time.monotonic() + wait
-    results: list[pq.abc.PGresult] = []
-    while True:
-        pgconn.consume_input()
-        while not pgconn.is_busy():
-            result = pgconn.get_result()
-            if result is None:
-                return _rows(results)
-            results.append(result)
-        left = None if deadline is None else deadline - time.monotonic()
+    while reply.outcome is None and not reply.collect():
+        left = None if until is None else until - time.monotonic()
         if left is not None and left <= 0:
             return None
-        _poll(pgconn.socket, select.POLLIN, left)
+        _poll(reply.fd, select.POLLIN, left)
+    return reply.outcome
 
 
 def _poll(fd: int, events: int, wait: float | None) -> None:
@@ -158,8 +201,29 @@ def readable(fd: int) -> bool:
     return bool(poller.poll(0))
 
 
-def _rows(results: list[pq.abc.PGresult]) -> Rows:
-    """The rows of a statement's results; raises the error of one that failed."""
+def discard(connection: Any, reply: Reply | None = None) -> None:
+    """Close connection now, without a word to the server (its session ends, and its locks).
+
+    Its socket leaves the running event loop's selector first (``reply``'s,
+    if one is still being read).
+    """
+    if reply is not None:
+        reply.stop()
+    pgconn = connection.pgconn
+    if isinstance(connection, psycopg.AsyncConnection) and pgconn.status == pq.ConnStatus.OK:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is not None:
+            fd = pgconn.socket
+            loop.remove_reader(fd)
+            loop.remove_writer(fd)
+    pgconn.finish()
+
+
+def _outcome(results: list[pq.abc.PGresult]) -> Outcome:
+    """The rows of a statement's results, or the error of one that failed."""
     rows: Rows = []
     for result in results:
         if result.status == _TUPLES_OK:
@@ -169,80 +233,8 @@ def _rows(results: list[pq.abc.PGresult]) -> Rows:
                 for row in range(result.ntuples)
             )
         elif result.status != _COMMAND_OK:
-            raise _error(result)
+            return _error(result)
     return rows
-
-
-def forget(connection: psycopg.AsyncConnection[Any]) -> None:
-    """Stop waiting for an answer on connection (before closing it): its future stays unsettled."""
-    loop = asyncio.get_running_loop()
-    fd = connection.pgconn.socket
-    loop.remove_reader(fd)
-    loop.remove_writer(fd)
-
-
-class _Reply:
-    """Reads one statement's answer when the socket has it, and settles the future."""
-
-    __slots__ = ("answers", "fd", "loop", "pgconn", "results")
-
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        pgconn: pq.abc.PGconn,
-        answers: tuple[asyncio.Future[Rows], ...],
-    ) -> None:
-        self.loop = loop
-        self.pgconn = pgconn
-        self.answers = answers
-        self.fd = pgconn.socket
-        self.results: list[pq.abc.PGresult] = []
-        if pgconn.flush():  # (rare: the statement did not fit the socket's buffer)
-            loop.add_writer(self.fd, self._flush)
-        loop.add_reader(self.fd, self._read)
-
-    def _flush(self) -> None:
-        try:
-            if self.pgconn.flush():
-                return
-        except psycopg.OperationalError as error:
-            self._fail(error)
-            return
-        self.loop.remove_writer(self.fd)
-
-    def _read(self) -> None:
-        pgconn = self.pgconn
-        try:
-            pgconn.consume_input()
-            while not pgconn.is_busy():
-                result = pgconn.get_result()
-                if result is None:
-                    self._settle()
-                    return
-                self.results.append(result)
-        except psycopg.OperationalError as error:
-            self._fail(error)
-
-    def _settle(self) -> None:
-        self._stop()
-        try:
-            rows = _rows(self.results)
-        except psycopg.Error as error:
-            self._fail(error)
-            return
-        for answer in self.answers:
-            if not answer.done():
-                answer.set_result(rows)
-
-    def _fail(self, error: Exception) -> None:
-        self._stop()
-        for answer in self.answers:
-            if not answer.done():
-                answer.set_exception(error)
-
-    def _stop(self) -> None:
-        self.loop.remove_reader(self.fd)
-        self.loop.remove_writer(self.fd)
 
 
 def _error(result: pq.abc.PGresult) -> psycopg.Error:

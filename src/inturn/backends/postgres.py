@@ -34,8 +34,10 @@ try:  # (only for a pool of the caller's)
 except ImportError:  # pragma: no cover - depends on the install
     AsyncConnectionPool = None  # type: ignore[assignment, misc]
 
+from .._checks import check_seconds
 from ._pg_connections import Connections
 from ._pg_session import PgSession, PostgresGrant
+from ._pg_steps import Limits
 
 __all__ = ("PostgresBackend", "PostgresGrant")
 
@@ -134,6 +136,8 @@ class PostgresBackend:
         *,
         namespace: str = "inturn",
         max_sessions: int = 20,
+        session_wait: float | None = 30.0,
+        unreachable_after: float = 10.0,
     ) -> None:
         if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
             raise ValueError(
@@ -144,6 +148,10 @@ class PostgresBackend:
             raise TypeError(f"inturn: max_sessions must be an int, got {show(max_sessions)}")
         if max_sessions < 1:
             raise ValueError(f"inturn: max_sessions must be >= 1, got {show(max_sessions)}")
+        session_wait = check_seconds("session_wait", session_wait, zero=True)
+        after = check_seconds("unreachable_after", unreachable_after, zero=False)
+        if after is None:
+            raise ValueError("inturn: unreachable_after must be a number of seconds, got None")
         if isinstance(pool_or_conninfo, str):
             self._where = _where(pool_or_conninfo)
         elif AsyncConnectionPool is not None and isinstance(pool_or_conninfo, AsyncConnectionPool):
@@ -154,16 +162,29 @@ class PostgresBackend:
                 f"psycopg_pool.AsyncConnectionPool, got {show(pool_or_conninfo)}"
             )
         self._namespace = namespace
-        self._connections = Connections(pool_or_conninfo, max_sessions, repr(self))
+        limits = Limits(session_wait, after)
+        self._connections = Connections(pool_or_conninfo, max_sessions, limits, repr(self))
 
     @classmethod
     def from_url(
-        cls, url: str, *, namespace: str = "inturn", max_sessions: int = 20
+        cls,
+        url: str,
+        *,
+        namespace: str = "inturn",
+        max_sessions: int = 20,
+        session_wait: float | None = 30.0,
+        unreachable_after: float = 10.0,
     ) -> PostgresBackend:
         """A backend on ``url`` (``postgresql://user@host:port/db?sslmode=...``)."""
         if not isinstance(url, str):
             raise TypeError(f"inturn: url must be a str, got {show(url)}")
-        return cls(url, namespace=namespace, max_sessions=max_sessions)
+        return cls(
+            url,
+            namespace=namespace,
+            max_sessions=max_sessions,
+            session_wait=session_wait,
+            unreachable_after=unreachable_after,
+        )
 
     @property
     def namespace(self) -> str:
@@ -181,9 +202,9 @@ class PostgresBackend:
         """The loop a given pool serves (other loops' calls must run there); None otherwise."""
         return self._connections.thread_loop()
 
-    def session(self, count: int, transaction: bool, own: bool) -> PgSession:
+    def session(self, count: int, transaction: bool, own: bool, depth: int = 0) -> PgSession:
         """A turn's session: its keys on one connection (see ``inturn.backends.Session``)."""
-        return PgSession(self._connections, self._namespace, count, transaction, own)
+        return PgSession(self._connections, self._namespace, count, transaction, own, depth)
 
     # -- the seam's per-key calls (a KeyedQueue's turn takes its keys through a session) --
 

@@ -1,0 +1,253 @@
+"""The two drivers of the PostgreSQL backend's steps (:mod:`._pg_steps`).
+
+:class:`Run` drives steps for a task: the ops it waits on resume it from
+callbacks (the socket's reader, a timer), so a turn costs no task of its
+own and a statement goes out the moment its step yields it; the rare ops
+that psycopg offers only as coroutines (connect, cancel, a check on a new
+connection, autocommit) run in a task. :func:`drive_sync` drives steps for
+a thread, blocking it for each op. Both throw an interrupt of their caller
+(a task's cancellation, a signal handler's exception) into the steps at the
+op it came during, and go on with the ops the steps yield then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any, final
+
+import psycopg
+
+from .._tasks import retrieve
+from ._pg_steps import ANSWER, AUTOCOMMIT, CANCEL, CLOSE, CONNECT, PROBE, SEND, SLOT, Steps
+from ._pg_wire import Reply, answer_sync, discard, send, settle
+
+if TYPE_CHECKING:
+    from ._pg_connections import Connections
+
+__all__ = ("Run", "drive_sync")
+
+
+@final
+class Run:
+    """Steps driven for a task on the running event loop; :attr:`result` is their outcome.
+
+    ``interruptible``: whether the caller may :meth:`interrupt` it (a wait);
+    an ending is not, and goes on whatever becomes of :attr:`result`'s
+    awaiters (as ``Backend.release`` asks).
+    """
+
+    __slots__ = (
+        "_connections",
+        "_ended",
+        "_loop",
+        "_pending",
+        "_reply",
+        "_steps",
+        "_task",
+        "_timer",
+        "done",
+        "interrupted",
+        "result",
+    )
+
+    def __init__(self, steps: Steps, connections: Connections) -> None:
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._steps = steps
+        self._connections = connections
+        self._reply: Reply | None = None  # the statement sent last
+        self._timer: asyncio.TimerHandle | None = None  # the bound of the answer waited for
+        self._task: asyncio.Future[Any] | None = None  # the coroutine op waited for
+        self._pending: BaseException | None = None  # an interrupt to throw in at the next op
+        self._ended: list[Callable[[], None]] = []  # called once the steps are done
+        self.interrupted = False
+        self.done = False
+        self.result: asyncio.Future[Any] = loop.create_future()
+        self._go(None, None)
+
+    def interrupt(self, error: BaseException) -> None:
+        """Throw error into the steps at the op they wait on (once; not if they are done)."""
+        if self.done or self.interrupted:
+            return
+        self.interrupted = True
+        reply = self._reply
+        if reply is not None and reply.callback is not None:  # waiting for an answer
+            reply.callback = None
+            self._cancel_timer()
+            self._go(None, error)
+        else:  # waiting for a coroutine op: cancelled, it resumes the steps with error
+            self._pending = error
+            if self._task is not None:
+                self._task.cancel()
+
+    def on_end(self, callback: Callable[[], None]) -> None:
+        """Call callback once the steps are done (at once if they are)."""
+        if self.done:
+            callback()
+        else:
+            self._ended.append(callback)
+
+    def ended(self) -> asyncio.Future[None]:
+        """A future settled once the steps are done."""
+        future: asyncio.Future[None] = self._loop.create_future()
+        self.on_end(lambda: settle(future))
+        return future
+
+    def _go(self, value: Any, error: BaseException | None) -> None:
+        """Send value (or throw error) into the steps; do their ops until one must wait."""
+        steps = self._steps
+        while True:
+            if error is None and self._pending is not None:
+                error, self._pending = self._pending, None
+            try:
+                op = steps.send(value) if error is None else steps.throw(error)
+            except StopIteration as stop:
+                self._end(stop.value, None)
+                return
+            except BaseException as problem:
+                self._end(None, problem)
+                return
+            value = error = None
+            verb = op[0]
+            if verb == SEND:
+                try:
+                    self._reply = send(op[1], op[2], op[3], prepared=op[4], loop=self._loop)
+                except psycopg.OperationalError as failed:
+                    value = failed
+            elif verb == ANSWER:
+                reply = self._reply
+                assert reply is not None
+                if reply.outcome is not None:
+                    value = reply.outcome
+                    continue
+                until = op[1]
+                if until is not None:
+                    delay = until - time.monotonic()
+                    if delay <= 0:
+                        continue  # (value None: no answer by until)
+                    self._timer = self._loop.call_later(delay, self._expired)
+                reply.callback = self._answered
+                return
+            elif verb == CLOSE:
+                discard(op[1], self._reply)
+                self._reply = None
+            elif verb == SLOT and self._connections.try_slot(op[1]):
+                value = True
+            else:
+                self._wait_for(self._coroutine(op))
+                return
+
+    def _coroutine(self, op: tuple[Any, ...]) -> Coroutine[Any, Any, Any]:
+        verb, connections = op[0], self._connections
+        if verb == SLOT:
+            return connections.slot(op[1], op[2])
+        if verb == CONNECT:
+            return connections.connect(op[1], op[2])
+        if verb == PROBE:
+            return connections.probe(op[1], op[2])
+        if verb == CANCEL:
+            return _cancel(op[1], op[2])
+        assert verb == AUTOCOMMIT
+        return op[1].set_autocommit(op[2])  # type: ignore[no-any-return]
+
+    def _wait_for(self, coroutine: Coroutine[Any, Any, Any]) -> None:
+        task = self._task = asyncio.ensure_future(coroutine)
+        task.add_done_callback(self._resumed)
+
+    def _resumed(self, task: asyncio.Future[Any]) -> None:
+        self._task = None
+        if task.cancelled():
+            self._go(None, self._pending or asyncio.CancelledError())
+        elif (problem := task.exception()) is not None:
+            self._go(None, problem)
+        else:
+            self._go(task.result(), None)
+
+    def _answered(self) -> None:
+        self._cancel_timer()
+        reply = self._reply
+        assert reply is not None
+        self._go(reply.outcome, None)
+
+    def _expired(self) -> None:
+        self._timer = None
+        reply = self._reply
+        if reply is not None and reply.callback is not None:
+            reply.callback = None
+            self._go(None, None)
+
+    def _cancel_timer(self) -> None:
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+
+    def _end(self, value: Any, error: BaseException | None) -> None:
+        self.done = True
+        result = self.result
+        if not result.done():
+            if error is None:
+                result.set_result(value)
+            else:
+                result.set_exception(error)
+                if isinstance(error, asyncio.CancelledError):
+                    result.add_done_callback(retrieve)
+        ended, self._ended = self._ended, []
+        for callback in ended:
+            callback()
+
+
+async def _cancel(connection: psycopg.AsyncConnection[Any], until: float) -> None:
+    """Ask the server to cancel connection's statement, by until (a lost request is fine:
+    the steps then end the session)."""
+    left = until - time.monotonic()
+    if left > 0:
+        try:
+            await connection.cancel_safe(timeout=left)
+        except (psycopg.Error, OSError):
+            pass
+
+
+def drive_sync(steps: Steps, connections: Connections) -> Any:
+    """Drive steps in this thread, blocking it for each op; their return value."""
+    value: Any = None
+    error: BaseException | None = None
+    reply: Reply | None = None
+    while True:
+        try:
+            op = steps.send(value) if error is None else steps.throw(error)
+        except StopIteration as stop:
+            return stop.value
+        value = error = None
+        verb = op[0]
+        try:
+            if verb == SEND:
+                try:
+                    reply = send(op[1], op[2], op[3], prepared=op[4])
+                except psycopg.OperationalError as failed:
+                    value = failed
+            elif verb == ANSWER:
+                assert reply is not None
+                value = answer_sync(reply, op[1])
+            elif verb == CLOSE:
+                discard(op[1])
+                reply = None
+            elif verb == SLOT:
+                value = connections.slot_sync(op[1], op[2])
+            elif verb == CONNECT:
+                value = connections.connect_sync(op[1], op[2])
+            elif verb == PROBE:
+                value = connections.probe_sync(op[1], op[2])
+            elif verb == CANCEL:
+                left = op[2] - time.monotonic()
+                if left > 0:
+                    try:
+                        op[1].cancel_safe(timeout=left)
+                    except (psycopg.Error, OSError):
+                        pass
+            else:
+                assert verb == AUTOCOMMIT
+                op[1].autocommit = op[2]
+        except BaseException as problem:  # interrupted (a signal handler's exception)
+            error = problem

@@ -1,0 +1,240 @@
+"""Where a PostgresBackend keeps connections: the places of its loops and threads.
+
+A *place* (one per event loop, :class:`LoopPlace`, and one for the threads
+of a process, :class:`ThreadPlace`) holds the slots of ``max_sessions``
+connections per tier (see :mod:`._pg_connections`) and the connections kept
+between turns, the last used on top. A :class:`Lease` is one turn's slot
+and connection, given back once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+from collections.abc import Callable
+from typing import Any, Final, final
+
+import psycopg
+
+from .._tasks import retrieve
+from . import _pg_wire
+
+__all__ = ("Lease", "LoopPlace", "Slots", "ThreadPlace", "alive", "guard", "reusable", "stale")
+
+_OK: Final = psycopg.pq.ConnStatus.OK
+_IDLE: Final = psycopg.pq.TransactionStatus.IDLE
+
+
+@final
+class Lease:
+    """A session's connection, and the slot it holds; given back once."""
+
+    __slots__ = ("connection", "place", "tier")
+
+    def __init__(self, tier: int) -> None:
+        self.tier = tier
+        self.connection: Any = None
+        #: the slot, of a loop or of the threads (None: a connection of its own, or none yet)
+        self.place: LoopPlace | ThreadPlace | None = None
+
+    def take_idle(self) -> Any:
+        """A connection kept by the place, if it has one that is still good."""
+        assert self.place is not None
+        self.connection = self.place.take_idle()
+        return self.connection
+
+    def abandon(self) -> None:
+        """After a take that failed: give back the connection, or the slot alone if none yet."""
+        if self.connection is not None or self.place is None:
+            self.give_back()
+            return
+        place, self.place = self.place, None
+        place.release(self.tier)
+
+    def give_back(self) -> None:
+        """Keep the connection for the next turn, or close it (a bad one, or one's own)."""
+        place, self.place = self.place, None
+        connection, self.connection = self.connection, None
+        if place is not None:
+            place.give_back(connection, self.tier)
+        elif connection is not None:
+            _pg_wire.discard(connection)
+
+
+@final
+class Slots:
+    """A tier's slots for one event loop: FIFO, handed on directly to the next waiter."""
+
+    __slots__ = ("free", "waiters")
+
+    def __init__(self, size: int) -> None:
+        self.free = size
+        self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    def try_take(self) -> bool:
+        if self.free and not self.waiters:
+            self.free -= 1
+            return True
+        return False
+
+    def give(self) -> None:
+        waiters = self.waiters
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)  # (the slot is the waiter's now)
+                return
+        self.free += 1
+
+
+@final
+class LoopPlace:
+    """What the backend keeps for one event loop: its slots per tier, and idle connections."""
+
+    __slots__ = ("given", "guard", "idle", "size", "tiers")
+
+    def __init__(self, size: int, given: Any = None) -> None:
+        self.size = size
+        self.tiers: list[Slots] = []
+        self.idle: list[psycopg.AsyncConnection[Any]] = []
+        self.given = given  # the caller's pool, whose connections these are
+        # closes the idle connections when the loop shuts down (see _guard)
+        self.guard: Any = None
+
+    def slots(self, tier: int) -> Slots:
+        tiers = self.tiers
+        while len(tiers) <= tier:
+            tiers.append(Slots(self.size))
+        return tiers[tier]
+
+    def release(self, tier: int) -> None:
+        self.tiers[tier].give()
+
+    def take_idle(self) -> psycopg.AsyncConnection[Any] | None:
+        """The connection used last that is still good; None if there is none."""
+        idle = self.idle
+        while idle:
+            connection = idle.pop()
+            if not stale(connection):
+                return connection
+            self._drop(connection)
+        return None
+
+    def give_back(self, connection: psycopg.AsyncConnection[Any] | None, tier: int) -> None:
+        if connection is not None:
+            if reusable(connection):
+                self.idle.append(connection)
+            else:
+                self._drop(connection)
+        self.release(tier)
+
+    def _drop(self, connection: psycopg.AsyncConnection[Any]) -> None:
+        if self.given is None:
+            _pg_wire.discard(connection)
+        else:  # (the caller's pool closes or resets a connection it gets back in a bad state)
+            asyncio.ensure_future(self.given.putconn(connection)).add_done_callback(retrieve)
+
+    async def close(self) -> None:
+        """Close the idle connections (or give them back to the caller's pool)."""
+        idle, self.idle = self.idle, []
+        for connection in idle:
+            if self.given is None:
+                _pg_wire.discard(connection)
+            else:
+                await self.given.putconn(connection)
+
+
+@final
+class ThreadPlace:
+    """The same for the threads of this process."""
+
+    __slots__ = ("idle", "lock", "size", "tiers")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.tiers: list[threading.BoundedSemaphore] = []
+        self.lock = threading.Lock()  # held to add a tier
+        self.idle: collections.deque[psycopg.Connection[Any]] = collections.deque()
+
+    def slots(self, tier: int) -> threading.BoundedSemaphore:
+        tiers = self.tiers
+        if len(tiers) <= tier:
+            with self.lock:
+                while len(tiers) <= tier:
+                    tiers.append(threading.BoundedSemaphore(self.size))
+        return tiers[tier]
+
+    def release(self, tier: int) -> None:
+        self.tiers[tier].release()
+
+    def take_idle(self) -> psycopg.Connection[Any] | None:
+        while True:
+            try:
+                connection = self.idle.pop()
+            except IndexError:
+                return None
+            if not stale(connection):
+                return connection
+            _pg_wire.discard(connection)
+
+    def give_back(self, connection: psycopg.Connection[Any] | None, tier: int) -> None:
+        try:
+            if connection is not None:
+                if reusable(connection):
+                    self.idle.append(connection)
+                else:
+                    _pg_wire.discard(connection)
+        finally:
+            self.release(tier)
+
+    def close(self) -> None:
+        while self.idle:
+            _pg_wire.discard(self.idle.pop())
+
+
+def stale(connection: Any) -> bool:
+    """Whether the server ended connection's session while it sat idle (no round trip).
+
+    A session the server ended (a restart, ``pg_terminate_backend``,
+    ``idle_session_timeout``) left its socket readable, with the server's
+    goodbye or the end of the stream; reading that marks the connection
+    bad. (A session cut off without a word, by a partition, is found out by
+    its first statement instead.)
+    """
+    pgconn = connection.pgconn
+    for _ in range(3):  # (the goodbye, then the end of the stream)
+        if pgconn.status != _OK or not _pg_wire.readable(pgconn.socket):
+            break
+        try:
+            pgconn.consume_input()
+        except psycopg.OperationalError:
+            break
+    return bool(pgconn.status != _OK)
+
+
+def alive(answer: _pg_wire.Outcome | None) -> bool:
+    """Whether the answer of PROBE counts a session."""
+    return isinstance(answer, list) and bool(answer) and answer[0][0] not in (None, b"0")
+
+
+def reusable(connection: Any) -> bool:
+    return bool(
+        connection.pgconn.status == _OK
+        and connection.autocommit
+        and connection.pgconn.transaction_status == _IDLE
+    )
+
+
+async def guard(place: LoopPlace, dropped: Callable[[], None]) -> Any:
+    """Close place's idle connections when its loop shuts down (``shutdown_asyncgens()``).
+
+    ``asyncio.run`` closes every async generator still open after its tasks
+    are done: a loop that ends leaves no connection behind.
+    """
+    try:
+        yield
+    finally:
+        place.guard = None  # (it is this generator, closing)
+        dropped()
+        await place.close()

@@ -1,0 +1,188 @@
+"""Readying a PostgresBackend's connection: once per connection, before its first wait.
+
+Written once as steps (:mod:`._pg_steps`), for both kinds of connection:
+autocommit on, the sequence of fencing tokens made on first use (a race
+with another session making it at the same moment is no error), then, in
+one round trip, the session's settings and the backend's statements
+(:func:`._pg_sql.prepare`). Bounded by the turn's time and
+``unreachable_after``: a connection that does not answer in time, or
+whose caller is interrupted meanwhile, is closed.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Generator, Hashable
+from typing import Any, final
+
+import psycopg
+from psycopg import errors
+
+from .._checks import missed
+from .._errors import BackendUnavailable
+from .._keys import describe as show
+from . import _pg_sql, _pg_wire
+from ._pg_steps import AUTOCOMMIT, CLOSE, Limits, Op, asking, lost, now, said
+
+__all__ = ("Readiness", "Ready", "logger")
+
+#: The backend's logger, under the core's "inturn".
+logger = logging.getLogger("inturn.postgres")
+
+
+@final
+class Ready:
+    """What readying a connection learnt: its server session, and the role's statement_timeout."""
+
+    __slots__ = ("pid", "role_timeout")
+
+    def __init__(self, pid: int, role_timeout: str) -> None:
+        self.pid = pid
+        self.role_timeout = role_timeout
+
+
+@final
+class Readiness:
+    """Which connections of a backend are readied, and the steps that ready one."""
+
+    __slots__ = ("_pooled", "_ready", "_sequence_ready", "limits", "owner")
+
+    def __init__(self, limits: Limits, owner: str) -> None:
+        self.limits = limits
+        self.owner = owner  # the backend, as its logs name it
+        self._sequence_ready = False
+        # The connections readied: their statements prepared, their settings made.
+        self._ready: weakref.WeakKeyDictionary[Any, Ready] = weakref.WeakKeyDictionary()
+        self._pooled = False  # a pooler was seen between the backend and the server
+
+    def of(self, connection: Any) -> Ready:
+        """What readying connection learnt (it was readied)."""
+        return self._ready[connection]
+
+    def forget(self, connection: Any) -> None:
+        """The statements prepared on connection are gone (``DEALLOCATE ALL``, a restore)."""
+        self._ready.pop(connection, None)
+
+    def sequence_gone(self) -> None:
+        """The sequence of tokens vanished (a restore): make it again at the next ready."""
+        self._sequence_ready = False
+
+    def forked(self) -> Any:
+        """(In a forked child.) Forget the parent's connections; what they were, to keep."""
+        ready, self._ready = self._ready, weakref.WeakKeyDictionary()
+        return ready
+
+    def until(self, timeout: float | None, until: float | None) -> float:
+        """Connecting and readying: the turn's time left, at most unreachable_after.
+
+        (timeout=0 asks for the key at once, not for a connection at once.)
+        """
+        bound = now() + self.limits.unreachable_after
+        return bound if until is None or timeout == 0 else min(bound, until)
+
+    def readying(
+        self, connection: Any, key: Hashable, timeout: float | None, until: float | None
+    ) -> Generator[Op, Any, None]:
+        """Autocommit, the sequence made, the settings and statements (once per connection)."""
+        if connection in self._ready:
+            return
+        if not connection.autocommit:  # a pool of the caller's
+            yield (AUTOCOMMIT, connection, True)
+        bound = self.until(timeout, until)
+
+        def ask(sql: bytes, params: list[bytes | None] | None = None) -> Any:
+            return self._asking(connection, sql, params, bound, key, timeout, until)
+
+        for _ in range(2):
+            if not self._sequence_ready:
+                found = yield from ask(_pg_sql.FIND_SEQUENCE, [_pg_sql.SEQUENCE.encode()])
+                if not (isinstance(found, list) and found and found[0][0] == b"t"):
+                    made = yield from ask(_pg_sql.MAKE_SEQUENCE)
+                    self._refused(made)
+                self._sequence_ready = True
+            rows = yield from ask(_pg_sql.prepare(connection.info.server_version))
+            if isinstance(rows, errors.DuplicatePreparedStatement):  # (by another backend)
+                ours = yield from ask(_pg_sql.PREPARED)
+                if isinstance(ours, list) and ours:
+                    yield from ask(b";".join(row[0] or b"" for row in ours))
+                continue
+            if isinstance(rows, errors.UndefinedTable):  # the sequence is gone (a restore)
+                self._sequence_ready = False
+                continue
+            if not isinstance(rows, list):
+                raise self._failed_ready(key, rows)
+            self._readied(connection, rows)
+            return
+        raise BackendUnavailable(
+            f"inturn: {self.owner} could not ready a connection for key {show(key)} "
+            "(its statements or its sequence vanished twice); the work did not run"
+        )
+
+    def _asking(
+        self,
+        connection: Any,
+        sql: bytes,
+        params: list[bytes | None] | None,
+        bound: float,
+        key: Hashable,
+        timeout: float | None,
+        until: float | None,
+    ) -> Generator[Op, Any, Any]:
+        """One statement that readies connection: its outcome; a connection that does not
+        answer by bound, or was interrupted meanwhile, is closed."""
+        try:
+            answer = yield from asking(connection, sql, params, bound)
+        except BaseException:
+            yield (CLOSE, connection)
+            raise
+        if answer is None or lost(answer):
+            yield (CLOSE, connection)
+            if answer is None and until is not None and timeout != 0 and now() >= until:
+                raise missed(f"the turn for key {show(key)} (a connection readied)", timeout)
+            why = (
+                f"no answer within {self.limits.unreachable_after:g} s"
+                if answer is None
+                else said(answer)  # type: ignore[arg-type]
+            )
+            raise BackendUnavailable(
+                f"inturn: PostgreSQL did not ready a connection for key {show(key)} ({why}) "
+                f"through {self.owner}; the work did not run"
+            )
+        return answer
+
+    def _readied(self, connection: Any, rows: _pg_wire.Rows) -> None:
+        role_timeout = (rows[0][0] or b"0").decode() if rows else "0"
+        pid = int(rows[0][1] or 0) if rows else connection.info.backend_pid
+        self._ready[connection] = Ready(pid, role_timeout)
+        if pid != connection.info.backend_pid and not self._pooled:
+            self._pooled = True
+            logger.warning(
+                "inturn: %s: a connection pooler sits between this process and PostgreSQL "
+                "(the server session is not the one the connection was told of); advisory "
+                "locks hold only if it keeps one server session per client, as PgBouncer's "
+                "pool_mode = session does; in transaction mode, connect inturn to "
+                "PostgreSQL directly",
+                self.owner,
+            )
+
+    def _refused(self, made: Any) -> None:
+        """Whether making the sequence failed for good (raised here) or not."""
+        if isinstance(made, list | errors.DuplicateTable | errors.UniqueViolation):
+            return  # made, or made at the same moment by another session
+        if isinstance(made, errors.InsufficientPrivilege):
+            raise BackendUnavailable(
+                f"inturn: the sequence {_pg_sql.SEQUENCE} of fencing tokens does not exist "
+                f"and this user may not create it ({said(made)}); make it once as an owner: "
+                f"CREATE SEQUENCE {_pg_sql.SEQUENCE}; GRANT USAGE ON SEQUENCE "
+                f"{_pg_sql.SEQUENCE} TO ...; the work did not run"
+            ) from made
+        raise made
+
+    def _failed_ready(self, key: Hashable, error: psycopg.Error) -> BackendUnavailable:
+        failure = BackendUnavailable(
+            f"inturn: PostgreSQL refused to ready a connection for key {show(key)} "
+            f"({said(error)}) through {self.owner}; the work did not run"
+        )
+        failure.__cause__ = error
+        return failure

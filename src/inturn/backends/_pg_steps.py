@@ -1,0 +1,341 @@
+"""The PostgreSQL backend's protocol, written once as steps for two drivers.
+
+Each operation of the backend (take a connection, ready it, wait for a
+lock, give back a lock a failed wait may hold, end a turn) is a generator
+that yields the I/O it needs as an *op* (a tuple whose first item is one of
+the verbs below) and is sent the op's answer; :mod:`._pg_drive` performs
+the ops for a task (callbacks on the event loop) or for a thread (blocking,
+with deadlines). Nothing here does I/O, and nothing here knows which driver
+runs it. An interrupt of the caller (a task's cancellation, a signal
+handler's exception in a thread) is thrown in at the op it waited on; the
+steps then give back what the interrupted op may have taken, and re-raise.
+
+Times are ``time.monotonic()`` seconds; every wait has a bound, or is
+checked every ``unreachable_after`` seconds (see :class:`Limits`).
+
+The ops and their answers:
+
+- ``(SEND, connection, sql, params, prepared)``: send a statement now; None,
+  or the ``psycopg.OperationalError`` of a statement that could not be sent.
+- ``(ANSWER, until)``: the outcome of the statement sent last (rows, or its
+  psycopg error), or None if it did not come by ``until`` (None: no bound).
+  Asked again after a wait given up on, it gives the outcome kept meanwhile.
+- ``(CANCEL, connection, until)``: ask the server to cancel the statement in
+  flight (a cancel request on a connection of its own); None.
+- ``(CLOSE, connection)``: close connection now (its session ends, and its
+  locks with it); None.
+- ``(PROBE, pid, until)``: whether server session pid is still there, asked
+  on a new connection; False if no answer came by ``until``.
+- ``(AUTOCOMMIT, connection, on)``: psycopg's autocommit for the work; None.
+- ``(SLOT, lease, bound)``: one of the process's connection slots for
+  ``lease``'s tier, waiting while all are taken, until ``bound``; whether
+  one was taken (it is then the lease's).
+- ``(CONNECT, lease, until)``: a new connection for lease; None, or the
+  error that kept it from being made.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Generator
+from typing import Any, Final, final
+
+import psycopg
+from psycopg import errors
+
+from .._errors import BackendUnavailable
+from . import _pg_sql
+from ._pg_wire import Outcome
+
+__all__ = (
+    "ANSWER",
+    "AUTOCOMMIT",
+    "CANCEL",
+    "CLOSE",
+    "CONNECT",
+    "PROBE",
+    "SEND",
+    "SLOT",
+    "Ended",
+    "Limits",
+    "Op",
+    "Steps",
+    "answering",
+    "asking",
+    "ending",
+    "ending_transaction",
+    "giving_back",
+    "lost",
+    "said",
+    "waiting",
+)
+
+SEND: Final = 0
+ANSWER: Final = 1
+CANCEL: Final = 2
+CLOSE: Final = 3
+PROBE: Final = 4
+AUTOCOMMIT: Final = 5
+SLOT: Final = 6
+CONNECT: Final = 7
+
+_OK: Final = psycopg.pq.ConnStatus.OK
+_IDLE: Final = psycopg.pq.TransactionStatus.IDLE
+_IN_ERROR: Final = psycopg.pq.TransactionStatus.INERROR
+
+#: An op: a verb, then its arguments.
+Op = tuple[Any, ...]
+#: An operation written as steps, returning T.
+Steps = Generator[Op, Any, Any]
+
+
+@final
+class Limits:
+    """The backend's bounds on what it waits for (seconds)."""
+
+    __slots__ = ("margin", "session_wait", "unreachable_after")
+
+    def __init__(self, session_wait: float | None, unreachable_after: float) -> None:
+        #: How long a turn waits for a connection slot when all are taken (None: no bound).
+        self.session_wait = session_wait
+        #: How long a statement may go unanswered before the server is checked (or, for
+        #: a statement that should answer at once, counted as unreachable).
+        self.unreachable_after = unreachable_after
+        #: What a turn may take beyond its timeout: half for the server's own
+        #: lock_timeout answer to arrive, the rest to call the wait off.
+        self.margin = 1.0
+
+
+def now() -> float:
+    return time.monotonic()
+
+
+def lost(outcome: Outcome | None) -> bool:
+    """Whether an outcome says the connection itself is gone (its session with it).
+
+    The client's own connection errors have no SQLSTATE; the server's that
+    end a session are class 08 (connection) and 57P (shut down, terminated).
+    Other ``OperationalError`` s (``QueryCanceled``, ``LockNotAvailable``) leave
+    the session as it was.
+    """
+    if not isinstance(outcome, psycopg.OperationalError):
+        return False
+    state = outcome.sqlstate
+    return state is None or state.startswith(("08", "57P"))
+
+
+def asking(
+    connection: Any,
+    sql: bytes,
+    params: list[bytes | None] | None = None,
+    until: float | None = None,
+    *,
+    prepared: bool = False,
+) -> Generator[Op, Any, Outcome | None]:
+    """Send one statement and take its outcome by until (None: it did not come)."""
+    failed = yield (SEND, connection, sql, params, prepared)
+    if failed is not None:
+        return failed  # type: ignore[no-any-return]
+    answer: Outcome | None = yield (ANSWER, until)
+    return answer
+
+
+def answering(pid: int, bound: float | None, limits: Limits) -> Generator[Op, Any, Outcome | None]:
+    """The outcome of the statement in flight by bound; while none comes, check every
+    ``unreachable_after`` that the server still has session pid (None: no answer by
+    bound, or the server is not there)."""
+    every = limits.unreachable_after
+    while True:
+        check = now() + every
+        answer: Outcome | None = yield (ANSWER, check if bound is None else min(bound, check))
+        if answer is not None or (bound is not None and now() >= bound):
+            return answer
+        if not (yield (PROBE, pid, now() + every)):
+            return None
+
+
+def waiting(
+    connection: Any,
+    lock: int,
+    statement: tuple[bytes, list[bytes | None]],
+    until: float | None,
+    held: bool,
+    pid: int,
+    limits: Limits,
+) -> Generator[Op, Any, Outcome | None]:
+    """Wait for lock on connection: the outcome of the waiting statement (rows: granted;
+    an error: not granted, and given back if it may have been), or None if no answer
+    came (by ``until`` plus half the margin, or from a server that is not there).
+
+    The lock is never kept when this does not return rows: a wait that failed
+    after its grant, or that was given up on (no answer, an interrupt), is
+    called off by :func:`giving_back`, within the margin.
+    """
+    failed = yield (SEND, connection, statement[0], statement[1], True)
+    if failed is not None:
+        return failed  # type: ignore[no-any-return]
+    bound = None if until is None else until + limits.margin / 2
+    try:
+        answer = yield from answering(pid, bound, limits)
+    except BaseException:  # interrupted: the lock may come, or have come, all the same
+        yield from giving_back(connection, lock, None, held, now() + limits.margin)
+        raise
+    if answer is None:
+        # the turn's time ran out (the server's lock_timeout should have answered), or
+        # the server is not there: give up on it
+        end = now() + limits.margin / 2 if until is None else until + limits.margin
+        yield from giving_back(connection, lock, None, held, end)
+    elif not isinstance(answer, list):
+        yield from giving_back(connection, lock, answer, held, now() + limits.margin)
+    return answer
+
+
+def giving_back(
+    connection: Any, lock: int, answer: Outcome | None, held: bool, until: float
+) -> Generator[Op, Any, None]:
+    """Make sure connection's session does not keep lock after a wait that will not be used.
+
+    ``answer``: the wait's outcome if known (None: it may still be running);
+    ``held``: whether the session held lock already before the wait (two keys
+    of one digest): then one hold cannot be told from the other, and the
+    session is ended. Whatever cannot be done by until ends the session too:
+    a connection is never kept holding a lock nobody uses.
+    """
+    try:
+        if answer is None:
+            answer = yield (ANSWER, now())  # (in already?)
+        if answer is None:
+            yield (CANCEL, connection, until)
+            answer = yield (ANSWER, until)
+        if answer is None or held:
+            yield (CLOSE, connection)
+            return
+        if lost(answer) or isinstance(
+            answer, errors.LockNotAvailable | errors.InvalidSqlStatementName
+        ):
+            return  # the session is gone, or the lock was certainly not granted
+        if isinstance(answer, list):
+            if not answer:
+                return  # timeout=0, and the key was busy
+            undone = yield from asking(
+                connection, _pg_sql.UNLOCK, _pg_sql.unlocking([lock]), until, prepared=True
+            )
+        else:  # it failed after the grant, or where: ask the server
+            undone = yield from asking(connection, _pg_sql.UNDO, _pg_sql.undoing(lock), until)
+        if not isinstance(undone, list):
+            yield (CLOSE, connection)
+    except BaseException:  # interrupted again: end the session, and its locks with it
+        yield (CLOSE, connection)
+        raise
+
+
+#: What the end of a turn learnt: whether each lock was still held (None: unknown,
+#: the session is gone or did not answer in time), and the server session that said
+#: so (None: not asked).
+Ended = tuple[list[bool] | None, int | None]
+
+
+def ending(connection: Any, locks: list[int], until: float) -> Generator[Op, Any, Ended]:
+    """Unlock locks: the end of a turn, or a grant given back early.
+
+    A session that is gone, or could not answer by until, is ended here (a
+    connection is never kept holding a lock); whether its keys were held
+    until now is then unknown.
+    """
+    params = _pg_sql.unlocking(locks)
+    try:
+        answer = yield from asking(connection, _pg_sql.UNLOCK, params, until, prepared=True)
+        if isinstance(answer, errors.InvalidSqlStatementName):  # deallocated (a pool's reset)
+            answer = yield from asking(connection, _pg_sql.UNLOCK_SQL, params, until)
+    except BaseException:  # a thread interrupted meanwhile: the session ends with its locks
+        yield (CLOSE, connection)
+        raise
+    return (yield from _unlocked(connection, answer, len(locks)))
+
+
+def ending_transaction(
+    connection: Any, locks: list[int], commit: bool, pid: int, limits: Limits
+) -> Generator[Op, Any, tuple[Ended, BaseException | None]]:
+    """End a transaction turn: COMMIT (or ROLLBACK), then unlock locks and reset the
+    session (see :func:`._pg_sql.resetting`); returns what :func:`ending` does, and
+    the error to raise after the work, if any."""
+    try:
+        failure = yield from _finishing(connection, commit, pid, limits)
+        if _ended(connection):
+            return (None, None), failure
+        yield (AUTOCOMMIT, connection, True)
+        reset = _pg_sql.resetting(locks, connection.info.server_version)
+        answer = yield from asking(connection, reset, None, now() + limits.unreachable_after)
+    except BaseException:  # a thread interrupted meanwhile: the session ends with its locks
+        yield (CLOSE, connection)
+        raise
+    if isinstance(answer, list):
+        answer = answer[: len(locks)]  # (the rest: pg_advisory_unlock_all's)
+    return (yield from _unlocked(connection, answer, len(locks))), failure
+
+
+def _unlocked(connection: Any, answer: Outcome | None, count: int) -> Generator[Op, Any, Ended]:
+    if isinstance(answer, list):
+        return [row[0] == b"t" for row in answer], int(answer[0][1] or 0) if answer else None
+    yield (CLOSE, connection)
+    if answer is None or lost(answer):
+        return None, None
+    # refused (a cancel request that came late, an administrator's): the session lived
+    # until now, and its locks end with it
+    return [True] * count, None
+
+
+def _finishing(
+    connection: Any, commit: bool, pid: int, limits: Limits
+) -> Generator[Op, Any, BaseException | None]:
+    """COMMIT, or ROLLBACK (asked for, or a statement failed); the error to raise, if any.
+
+    A COMMIT may take long (a large transaction, a synchronous standby): it
+    is checked, not bounded.
+    """
+    status = connection.pgconn.transaction_status
+    if _ended(connection):
+        if not commit:
+            return None
+        return BackendUnavailable(
+            "inturn: the connection of the turn's transaction was lost before it could "
+            "commit; the server rolled the work's writes back, and the keys were freed"
+        )
+    if status == _IDLE:
+        return None  # the work ran no statement
+    if not commit or status == _IN_ERROR:
+        answer = yield from asking(connection, b"ROLLBACK", None, now() + limits.unreachable_after)
+        if not isinstance(answer, list):
+            yield (CLOSE, connection)  # (the server rolls back as the session ends)
+        if commit:  # the work swallowed a failed statement: nothing of it was kept
+            return errors.InFailedSqlTransaction(
+                "inturn: a statement of the turn's transaction failed and the work went on; "
+                "the transaction was rolled back, so none of its writes were kept"
+            )
+        return None
+    failed = yield (SEND, connection, b"COMMIT", None, False)
+    answer = failed if failed is not None else (yield from answering(pid, None, limits))
+    if isinstance(answer, list):
+        return None
+    if answer is None or lost(answer):
+        yield (CLOSE, connection)
+        why = "no answer came" if answer is None else said(answer)
+        return BackendUnavailable(
+            f"inturn: the connection was lost at COMMIT ({why}): whether the turn's writes "
+            "were kept is unknown; the keys were freed"
+        )
+    if sys.version_info >= (3, 11):  # pragma: no branch
+        answer.add_note("inturn: the work ran, but its transaction did not commit")
+    return answer
+
+
+def _ended(connection: Any) -> bool:
+    """Whether connection's session is over (closed here, or lost)."""
+    return bool(connection.pgconn.status != _OK)
+
+
+def said(error: psycopg.Error) -> str:
+    """What PostgreSQL or the connection said, on one line, with its SQLSTATE."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    return f"{error.sqlstate}: {text}" if error.sqlstate else text
