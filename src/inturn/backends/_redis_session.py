@@ -47,6 +47,19 @@ logger = logging.getLogger("inturn.redis")
 #: Keys a log line names at most (then how many more).
 _NAMED = 5
 
+#: Forks between the process that imported this module and this one: a session made
+#: with a smaller count is an ancestor's, whose connections and members are not ours.
+_forks = 0
+
+
+def _count_fork() -> None:
+    global _forks
+    _forks += 1
+
+
+if hasattr(os, "register_at_fork"):  # (POSIX)
+    os.register_at_fork(after_in_child=_count_fork)
+
 
 def _named(members: Iterable[Member]) -> str:
     """The keys of members for a log line, as their users gave them: a few, then how many more."""
@@ -195,6 +208,7 @@ class Session:
         "closing",
         "config",
         "counter",
+        "forks",
         "id",
         "inbox",
         "info",
@@ -214,6 +228,8 @@ class Session:
         self.id = secrets.token_hex(8)
         self.channel = config.channels + self.id
         self.info = f"{config.host} {os.getpid()}"
+        #: _forks when it was made: another count here means a forked child inherited it.
+        self.forks = _forks
         self.counter = itertools.count(1)
         #: By member id ("<session id>/<n>"): every member in a line now.
         self.members: dict[str, Member] = {}
@@ -478,7 +494,11 @@ class Session:
         a Future that completes by itself, whatever becomes of its awaiter.
         It never fails: a release Redis did not take is logged (the key frees
         itself within the lease), and a lease found gone marks the member lost.
+        In a forked child, a turn its parent was granted ends here alone (see
+        :meth:`_inherited`).
         """
+        if self.forks != _forks:
+            return self._inherited(grant)
         done = self.loop.create_future()
         member_id = grant._member
         member = self.members.pop(member_id, None)
@@ -512,6 +532,23 @@ class Session:
                 done.set_result(None)
 
         leave.add_done_callback(answered)
+        return done
+
+    def _inherited(self, grant: RedisGrant) -> asyncio.Future[None]:
+        """(In a forked child.) End a turn the parent was granted, without a word to Redis.
+
+        The member, its lease and the connections are the parent's: it still
+        holds the key, and renews it, until it leaves the turn itself. The
+        child only forgets its copy (and waits behind the parent, as any
+        other process, if it takes the key again). The future is done already.
+        """
+        self.members.pop(grant._member, None)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # a task forked: asyncio disowns the child's copy of its loop
+            loop = self.loop
+        done = loop.create_future()
+        done.set_result(None)
         return done
 
     def _enqueue(self, member: Member, member_id: str, key: Hashable) -> Call:

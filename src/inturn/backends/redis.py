@@ -36,10 +36,11 @@ made (on one server; a cluster's client routes them), a subscription that
 wakes its waiters (the release pushes the turn, nothing polls), and a
 heartbeat that renews every lease it has every ``lease / 3`` seconds. The
 heartbeat's reply also hands a waiter a grant whose message was lost, and
-tells a holder that its lease is gone. A forked child starts afresh; a
-session ends with its event loop. The connections are made by redis-py
-(``pool.make_connection()``: TLS, AUTH, HELLO, Sentinel discovery stay
-redis-py's) and then read and written by this process (``_redis_wire``).
+tells a holder that its lease is gone. A forked child starts afresh (a turn
+it inherited ends in it alone); a session ends with its event loop. The
+connections are made by redis-py (``pool.make_connection()``: TLS, AUTH,
+HELLO, Sentinel discovery stay redis-py's) and then read and written by
+this process (``_redis_wire``).
 """
 
 from __future__ import annotations
@@ -120,9 +121,13 @@ class RedisBackend:
     - No stale state: a line's keys are deleted when it empties, and all of
       them carry a TTL.
     - Fork and event loops: a process forked from one that made or used the
-      backend gets an identity, connections and heartbeat of its own; any
-      event loop may use it, one after another or at once (each gets its
-      own), and a loop that ends (``asyncio.run``) closes its share.
+      backend gets an identity, connections and heartbeat of its own, and
+      never touches its parent's; any event loop may use it, one after
+      another or at once (each gets its own), and a loop that ends
+      (``asyncio.run``) closes its share. A turn held across a raw
+      ``os.fork()`` stays the parent's: the child's copy ends in the child
+      without a word to Redis (nor is it renewed there), and the parent
+      keeps the key until it leaves the turn itself.
 
     Not guaranteed: exclusion across a Redis failover or restart that loses
     the line's data. The holders learn it (their leases count as lost, so
