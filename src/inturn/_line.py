@@ -196,12 +196,13 @@ class Places(Waiting):
         self.producers: deque[tuple[asyncio.Future[None], Hashable]] | None = None
         self.unplaced = 0
 
-    def forked(self, me: object) -> None:
-        """In a forked child: the places as if only me (the thread that forked) had come."""
-        held = me in self.holders
+    def forked(self, keep: tuple[object, ...]) -> None:
+        """In a forked child: the places as if only those of keep (the thread that forked,
+        and the task it ran then) had come."""
+        held = [holder for holder in keep if holder in self.holders]
         Places.__init__(self, self.size)
-        if held:
-            self.enter(me)
+        for holder in held:
+            self.enter(holder)
 
     def enter(self, holder: object) -> bool | None:
         """Take a free place for holder: False if taken now, True if it holds one, None if not."""

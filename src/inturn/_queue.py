@@ -21,8 +21,8 @@ from ._registry import Registry
 from ._slots import Slots, end_turn
 from ._stats import Observer, QueueStats, labelled
 from ._submit import Handle, Submissions, failures, submit, unawaited
+from ._tasks import current_task, loop_here, outside_asyncio, running_loop
 from ._tasks import in_loop_of as _soon
-from ._tasks import outside_asyncio, running_loop
 from ._turn import Turn, call_in_turn, call_in_turn_sync
 from .backends._base import Backend
 from .backends._local import LocalBackend
@@ -44,13 +44,30 @@ W = TypeVar("W")
 _QUEUES: weakref.WeakSet[KeyedQueue] = weakref.WeakSet()
 
 
+#: The task whose step forked, if any (a raw ``os.fork()`` inside ``async with keyed()``).
+_forking: list[object] = [None]
+
+
+def _before_fork() -> None:
+    _forking[0] = None if loop_here() is None else current_task()
+
+
 def _after_fork_in_child() -> None:
+    task, _forking[0] = _forking[0], None
     for queue in list(_QUEUES):
-        queue._forked()
+        queue._forked(task)
+
+
+def _after_fork_in_parent() -> None:
+    _forking[0] = None
 
 
 if hasattr(os, "register_at_fork"):  # (POSIX)
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(
+        before=_before_fork,
+        after_in_child=_after_fork_in_child,
+        after_in_parent=_after_fork_in_parent,
+    )
 
 
 @final
@@ -224,12 +241,13 @@ class KeyedQueue:
             and self._max_hold is None
         )
 
-    def _forked(self) -> None:
+    def _forked(self, task: object) -> None:
         """In a forked child: forget the parent's other threads, tasks and locks (see Registry).
 
-        The parent's submitted work, and its errors nobody awaited, stay the parent's.
+        task: the one whose step forked, if any. The parent's submitted work,
+        and its errors nobody awaited, stay the parent's.
         """
-        self._registry.forked(self._slots)
+        self._registry.forked(self._slots, task)
         self._submissions.handles.clear()
         self._unclaimed.clear()
 

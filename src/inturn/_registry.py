@@ -211,26 +211,29 @@ class Registry:
                     return task
             return _current_task()
 
-    def forked(self, places: Places | None) -> None:
+    def forked(self, places: Places | None, task: object = None) -> None:
         """In a forked child: forget the parent's other threads and tasks, and its locks.
 
-        Only the thread that forked lives on in the child. It keeps the keys
-        it held bare or at the head of a line (a raw ``os.fork()`` inside a
-        ``with keyed()`` block returns into it); every other holder and
-        waiter, and every lock they may have held at that instant, are the
-        parent's. places: the queue's running slots, reset the same way.
+        Only the thread that forked lives on in the child, in the step of the
+        task it ran then, if any. They keep the keys they held bare or at the
+        head of a line (a raw ``os.fork()`` inside a ``with keyed()`` block
+        returns into it); every other holder and waiter, and every lock they
+        may have held at that instant, are the parent's. places: the queue's
+        running slots, reset the same way.
         """
-        me = threading.current_thread()
+        keep = (threading.current_thread(), task)
         lines = self.lines
         for key, line in list(lines.items()):
-            if line is me or (type(line) is Line and line.holder is me):
-                lines[key] = me
-            elif type(line) is Gate and me in line.holders:
-                line.forked(me)  # (a Gate is always in the lines while anyone holds it)
+            if line in keep:
+                continue
+            if type(line) is Line and line.holder in keep:
+                lines[key] = line.holder
+            elif type(line) is Gate and any(holder in line.holders for holder in keep):
+                line.forked(keep)  # (a Gate is always in the lines while anyone holds it)
             else:
                 del lines[key]
         if places is not None:
-            places.forked(me)
+            places.forked(keep)
         self._lock = threading.Lock()
         self._arrival = threading.Lock()
         self._settling = None
