@@ -156,7 +156,10 @@ class Connections:
             failed = yield (CONNECT, lease, self.ready.until(timeout, until))
             if failed is not None:
                 raise self._unreachable(key, timeout, until, failed)
-        yield from self.ready.readying(lease.connection, key, timeout, until)
+        connection = lease.connection
+        lease.ready = self.ready.of(connection) or (
+            yield from self.ready.readying(connection, key, timeout, until)
+        )
 
     # -- what the drivers do for the steps ------------------------------------------------
 

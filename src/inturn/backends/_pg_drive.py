@@ -41,7 +41,6 @@ class Run:
     __slots__ = (
         "_connections",
         "_ended",
-        "_loop",
         "_pending",
         "_reply",
         "_steps",
@@ -49,12 +48,13 @@ class Run:
         "_timer",
         "done",
         "interrupted",
+        "loop",
         "result",
     )
 
     def __init__(self, steps: Steps, connections: Connections) -> None:
         loop = asyncio.get_running_loop()
-        self._loop = loop
+        self.loop = loop
         self._steps = steps
         self._connections = connections
         self._reply: Reply | None = None  # the statement sent last
@@ -91,7 +91,7 @@ class Run:
 
     def ended(self) -> asyncio.Future[None]:
         """A future settled once the steps are done."""
-        future: asyncio.Future[None] = self._loop.create_future()
+        future: asyncio.Future[None] = self.loop.create_future()
         self.on_end(lambda: settle(future))
         return future
 
@@ -113,7 +113,7 @@ class Run:
             verb = op[0]
             if verb == SEND:
                 try:
-                    self._reply = send(op[1], op[2], op[3], prepared=op[4], loop=self._loop)
+                    self._reply = send(op[1], op[2], op[3], prepared=op[4], loop=self.loop)
                 except psycopg.OperationalError as failed:
                     value = failed
             elif verb == ANSWER:
@@ -127,7 +127,7 @@ class Run:
                     delay = until - time.monotonic()
                     if delay <= 0:
                         continue  # (value None: no answer by until)
-                    self._timer = self._loop.call_later(delay, self._expired)
+                    self._timer = self.loop.call_later(delay, self._expired)
                 reply.callback = self._answered
                 return
             elif verb == CLOSE:

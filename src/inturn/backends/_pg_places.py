@@ -30,11 +30,13 @@ _IDLE: Final = psycopg.pq.TransactionStatus.IDLE
 class Lease:
     """A session's connection, and the slot it holds; given back once."""
 
-    __slots__ = ("connection", "place", "tier")
+    __slots__ = ("connection", "place", "ready", "tier")
 
     def __init__(self, tier: int) -> None:
         self.tier = tier
         self.connection: Any = None
+        #: What readying the connection learnt (a ``_pg_ready.Ready``), once it is readied.
+        self.ready: Any = None
         #: the slot, of a loop or of the threads (None: a connection of its own, or none yet)
         self.place: LoopPlace | ThreadPlace | None = None
 

@@ -56,9 +56,9 @@ class Readiness:
         self._ready: weakref.WeakKeyDictionary[Any, Ready] = weakref.WeakKeyDictionary()
         self._pooled = False  # a pooler was seen between the backend and the server
 
-    def of(self, connection: Any) -> Ready:
-        """What readying connection learnt (it was readied)."""
-        return self._ready[connection]
+    def of(self, connection: Any) -> Ready | None:
+        """What readying connection learnt; None if it was not readied (or is no more)."""
+        return self._ready.get(connection)
 
     def forget(self, connection: Any) -> None:
         """The statements prepared on connection are gone (``DEALLOCATE ALL``, a restore)."""
@@ -83,10 +83,12 @@ class Readiness:
 
     def readying(
         self, connection: Any, key: Hashable, timeout: float | None, until: float | None
-    ) -> Generator[Op, Any, None]:
-        """Autocommit, the sequence made, the settings and statements (once per connection)."""
-        if connection in self._ready:
-            return
+    ) -> Generator[Op, Any, Ready]:
+        """Autocommit, the sequence made, the settings and statements (once per connection);
+        what it learnt."""
+        ready = self._ready.get(connection)
+        if ready is not None:
+            return ready
         if not connection.autocommit:  # a pool of the caller's
             yield (AUTOCOMMIT, connection, True)
         bound = self.until(timeout, until)
@@ -112,8 +114,7 @@ class Readiness:
                 continue
             if not isinstance(rows, list):
                 raise self._failed_ready(key, rows)
-            self._readied(connection, rows)
-            return
+            return self._readied(connection, rows)
         raise BackendUnavailable(
             f"inturn: {self.owner} could not ready a connection for key {show(key)} "
             "(its statements or its sequence vanished twice); the work did not run"
@@ -151,10 +152,10 @@ class Readiness:
             )
         return answer
 
-    def _readied(self, connection: Any, rows: _pg_wire.Rows) -> None:
+    def _readied(self, connection: Any, rows: _pg_wire.Rows) -> Ready:
         role_timeout = (rows[0][0] or b"0").decode() if rows else "0"
         pid = int(rows[0][1] or 0) if rows else connection.info.backend_pid
-        self._ready[connection] = Ready(pid, role_timeout)
+        ready = self._ready[connection] = Ready(pid, role_timeout)
         if pid != connection.info.backend_pid and not self._pooled:
             self._pooled = True
             logger.warning(
@@ -165,6 +166,7 @@ class Readiness:
                 "PostgreSQL directly",
                 self.owner,
             )
+        return ready
 
     def _refused(self, made: Any) -> None:
         """Whether making the sequence failed for good (raised here) or not."""

@@ -92,6 +92,7 @@ class PgSession:
         "_generation",
         "_grants",
         "_lease",
+        "_loop",
         "_namespace",
         "_pid",
         "_tier",
@@ -120,6 +121,7 @@ class PgSession:
         self._closed = False
         self._pid = 0  # the server session that holds the keys (its first grant's)
         self._generation = connections.generation  # (a forked child's differs)
+        self._loop: asyncio.AbstractEventLoop | None = None  # a task's turn's
 
     @property
     def connection(self) -> Any:
@@ -142,6 +144,7 @@ class PgSession:
         kept (a grant that came just then is given back).
         """
         run = self._busy = Run(self._acquiring(key, timeout), self._connections)
+        self._loop = run.loop
         try:
             grant: PostgresGrant = await run.result
         except asyncio.CancelledError:
@@ -158,7 +161,7 @@ class PgSession:
     def release(self, grant: Grant) -> Awaitable[None]:
         """Unlock one grant now (a grant whose caller gave up); close() frees the rest."""
         if self._inherited():
-            return _done()
+            return self._done()
         run = self._busy = Run(self._releasing(grant), self._connections)
         return run.result
 
@@ -171,13 +174,21 @@ class PgSession:
         is cancelled.
         """
         if self._inherited() or self._closed:
-            return _done()
+            return self._done()
         busy = self._busy
         if busy is not None and not busy.done:  # an acquire given up on, still under way
             ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             busy.on_end(lambda: _forward(self._end(error), ended))
             return ended
         return self._end(error)
+
+    def _done(self) -> asyncio.Future[None]:
+        """A release with nothing to do (a forked child of a task has no running loop:
+        the future is of the loop the turn was taken in)."""
+        loop = self._loop or asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        done.set_result(None)
+        return done
 
     def _end(self, error: BaseException | None) -> asyncio.Future[Any]:
         return Run(self._ending(error), self._connections).result
@@ -210,11 +221,13 @@ class PgSession:
         until = None if timeout is None else now() + timeout
         if self._lease is None:
             self._lease = yield from connections.taking(key, timeout, until, self._tier)
-        connection = self._lease.connection
-        held = any(grant.lock == lock for grant in self._grants)
-        last = self._transaction and len(self._grants) + 1 >= self._count
+        lease = self._lease
+        connection = lease.connection
+        grants = self._grants
+        held = bool(grants) and lock in [grant.lock for grant in grants]
+        last = self._transaction and len(grants) + 1 >= self._count
         for _ in range(2):
-            ready = connections.ready.of(connection)
+            ready = lease.ready
             left = None if until is None else max(0.0, until - now())
             after = ready.role_timeout if last else "0"
             statement = _pg_sql.waiting(lock, timeout, left, after)
@@ -225,10 +238,11 @@ class PgSession:
                 break
             if isinstance(answer, errors.InvalidSqlStatementName | errors.UndefinedTable):
                 # deallocated (a pool's reset), or the sequence is gone (a restore)
+                readiness = connections.ready
                 if isinstance(answer, errors.UndefinedTable):
-                    connections.ready.sequence_gone()
-                connections.ready.forget(connection)
-                yield from connections.ready.readying(connection, key, timeout, until)
+                    readiness.sequence_gone()
+                readiness.forget(connection)
+                lease.ready = yield from readiness.readying(connection, key, timeout, until)
                 continue
             raise self._refusal(key, timeout, until, answer)
         else:
@@ -266,7 +280,7 @@ class PgSession:
             if connection.pgconn.status != _OK:
                 ended = (None, None)
             elif self._transaction:
-                pid = self._connections.ready.of(connection).pid
+                pid = lease.ready.pid if lease.ready is not None else 0
                 limits = self._connections.limits
                 ended, failure = yield from ending_transaction(
                     connection, locks, error is None, pid, limits
@@ -377,10 +391,3 @@ def _forward(source: asyncio.Future[Any], target: asyncio.Future[None]) -> None:
             target.set_result(None)
 
     source.add_done_callback(settle)
-
-
-def _done() -> asyncio.Future[None]:
-    """A release with nothing to do."""
-    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    done.set_result(None)
-    return done

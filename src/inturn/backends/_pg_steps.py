@@ -46,7 +46,7 @@ from psycopg import errors
 
 from .._errors import BackendUnavailable
 from . import _pg_sql
-from ._pg_wire import Outcome
+from ._pg_wire import Outcome, Rows
 
 __all__ = (
     "ANSWER",
@@ -107,8 +107,9 @@ class Limits:
         self.margin = 1.0
 
 
-def now() -> float:
-    return time.monotonic()
+#: The clock of every bound: ``time.monotonic()`` (an event loop's ``time()`` may be
+#: another, as uvloop's is).
+now: Final = time.monotonic
 
 
 def lost(outcome: Outcome | None) -> bool:
@@ -251,6 +252,8 @@ def ending(connection: Any, locks: list[int], until: float) -> Generator[Op, Any
     except BaseException:  # a thread interrupted meanwhile: the session ends with its locks
         yield (CLOSE, connection)
         raise
+    if isinstance(answer, list):
+        return _held(answer)
     return (yield from _unlocked(connection, answer, len(locks)))
 
 
@@ -275,9 +278,15 @@ def ending_transaction(
     return (yield from _unlocked(connection, answer, len(locks))), failure
 
 
+def _held(rows: Rows) -> Ended:
+    """What the rows of an unlock say: whether each lock was held; the server session."""
+    return [row[0] == b"t" for row in rows], int(rows[0][1] or 0) if rows else None
+
+
 def _unlocked(connection: Any, answer: Outcome | None, count: int) -> Generator[Op, Any, Ended]:
+    """What an unlock's outcome says; a session that did not say it is ended."""
     if isinstance(answer, list):
-        return [row[0] == b"t" for row in answer], int(answer[0][1] or 0) if answer else None
+        return _held(answer)
     yield (CLOSE, connection)
     if answer is None or lost(answer):
         return None, None
