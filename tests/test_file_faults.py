@@ -313,6 +313,32 @@ async def test_a_line_file_deleted_under_its_holder_is_reported(
     assert files(directory) == []
 
 
+async def test_a_line_file_deleted_and_made_again_by_another_turn_is_reported(
+    backend: FileBackend, directory: Path
+) -> None:
+    """The new file may have the old one's inode number (ext4 gives it at once): it is read."""
+    first, second = KeyedQueue(backend=backend), KeyedQueue(backend=backend)
+    gate = asyncio.Event()
+    others: list[asyncio.Task[bool]] = []
+    seen: list[bool] = []
+
+    async def hold() -> None:
+        async with first.keyed("k") as turn:
+            os.unlink(line_file(directory, "k"))  # another process of this user
+            # Outside the guarantee: another turn makes the file again and takes the key.
+            others.append(asyncio.create_task(second.run("k", gate.wait)))
+            await until(lambda: backend.line("k") == (os.getpid(),), "the other took the key")
+            seen.append(turn.lease_lost)
+
+    with pytest.raises(LeaseLost):
+        await hold()
+    assert seen == [True]
+    assert backend.line("k") == (os.getpid(),)  # the other's line, as it was
+    gate.set()
+    await others[0]
+    assert files(directory) == []
+
+
 @pytest.mark.parametrize("removed", ["line file", "directory"])
 async def test_a_holding_process_whose_files_are_removed_is_told(
     directory: Path, backend: FileBackend, workers: list[Worker], removed: str

@@ -25,7 +25,8 @@ that found the lock busy, see _retry):
   under a shared ``flock`` of the line file, so arrivals never wait for
   each other: it appends a mark that its ticket is coming, makes the
   FIFO, appends the ticket (each one ``O_APPEND`` write), and reads the
-  tickets before its own.
+  tickets before its own. It then closes the line file (it opens it again
+  to tidy up), so a turn keeps one file open while it holds: its ticket.
 - A process holds the key once every ticket before its own has no writer,
   or has handed the key on. It waits, in its event loop, on the nearest one
   that still has a writer. A holder that releases writes ``H<token>`` into
@@ -61,6 +62,12 @@ tidied. A compaction killed between its write and its cut leaves records
 that read back right (see ``_linefile.py``), and its write is never
 longer than the kernel does at once.
 
+A process with no file descriptor left (see ``_file_limits.py``) is
+refused before it is in line, or leaves the line as at a timeout. A join
+that fails once its mark is written (no descriptor left for its FIFO)
+takes the mark out under the exclusive lock, or deletes the line file if
+the mark was all that was in it (see _withdraw).
+
 Every file is opened relative to the directory's descriptor and never
 through a symbolic link (see ``_directory.py`` for which directories are
 accepted); if the directory is removed, the next turn makes it again,
@@ -84,17 +91,19 @@ from pathlib import Path
 from typing import NamedTuple, final
 
 from .._checks import missed
-from .._keys import describe, order_portable, portable_key, portable_name
+from .._keys import describe, order_portable, portable_name
 from ._base import Grant
 from ._directory import Directory
+from ._file_deaths import died as _died
+from ._file_deaths import died_joining
+from ._file_inspect import pids_in_line, snapshots
+from ._file_limits import out_of_files
 from ._linefile import (
-    Records,
     joined,
     joining,
     line_name,
     new_ticket,
     parse,
-    pid_of,
     pipe_name,
     queued_in,
     read_records,
@@ -102,13 +111,12 @@ from ._linefile import (
     render,
     ticket_of,
 )
-from ._lines import HolderInfo, LineInfo, WaiterInfo
+from ._lines import LineInfo
 from ._tickets import (
     LEAVING,
     alive,
     hand_off,
     handed,
-    peek,
     probe,
     until_left,
     until_left_blocking,
@@ -141,8 +149,6 @@ _LOCK_PAUSES = (0.001, 0.05)
 _LATE = 0.05
 #: How a line file is opened: for appending, made if missing, never through a link.
 _OPEN_LINE = os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
-#: How a line file is read by whoever is not in its line: never through a link.
-_OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 #: How a tidy that found the lock busy opens the line file again: never made, never a link.
 _OPEN_TIDY = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 #: How long (about: the last pause, in seconds) a release tries again to tidy a line it left last.
@@ -231,6 +237,58 @@ def _unlinked(fd: int) -> bool:
     replaces one), so one that still has a name has the name it was opened by.
     """
     return os.fstat(fd).st_nlink == 0
+
+
+#: A line file's identity: its device and inode numbers.
+_Identity = tuple[int, int]
+
+
+def _own_line(
+    where: Directory, digest: str, ticket: str, line: _Identity
+) -> tuple[int, os.stat_result | None, bool]:
+    """Open digest's line file, which ticket is in: (fd, its stat, whether it was replaced).
+
+    Replaced: the file at its name is not the one ticket queued in (the
+    identity line), or does not list ticket (a file made anew may get the
+    inode number of the one deleted, and ext4 gives it at once). fd is -1
+    if there is none (deleted: replaced), or no descriptor is left (then
+    only its identity is compared, by its name).
+    """
+    try:
+        fd = _open_tracked(line_name(digest), _OPEN_TIDY, where.fd)
+    except FileNotFoundError:
+        return -1, None, True
+    except OSError:
+        try:
+            info = os.stat(line_name(digest), dir_fd=where.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return -1, None, True
+        return -1, info, (info.st_dev, info.st_ino) != line
+    try:
+        info = os.fstat(fd)
+        return fd, info, (info.st_dev, info.st_ino) != line or not _lists(fd, ticket)
+    except BaseException:
+        _close(fd)
+        raise
+
+
+def _lists(fd: int, ticket: str) -> bool:
+    """Whether line file fd lists ticket (read again under the shared lock if it seems not to).
+
+    Read without the lock, a compaction that writes meanwhile may tear the
+    record; if a tidier holds the lock, it cannot be read again: the file,
+    the one ticket queued in, is trusted to list it still.
+    """
+    assert fcntl is not None
+    record = record_of(ticket)
+    if record in read_records(fd):
+        return True
+    if not _flock_now(fd, fcntl.LOCK_SH):
+        return True
+    try:
+        return record in read_records(fd)
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
 
 
 def _flock_now(fd: int, mode: int) -> bool:
@@ -350,49 +408,6 @@ def _rewrite(fd: int, key: bytes | None, tickets: list[str]) -> None:
     os.ftruncate(fd, len(data))
 
 
-def _read_line(directory: int, digest: str) -> Records | None:
-    """The records of digest's line file, read without its lock; None if there is none."""
-    try:
-        fd = os.open(line_name(digest), _OPEN_READ, dir_fd=directory)
-    except OSError as error:
-        if error.errno in (errno.ENOENT, errno.ELOOP):
-            return None
-        raise
-    try:
-        return parse(read_records(fd))
-    finally:
-        os.close(fd)
-
-
-def _in_line(directory: int, digest: str, tickets: list[str]) -> list[tuple[str, os.stat_result]]:
-    """The tickets still in line, with the stat of each one's FIFO, in turn order."""
-    return [
-        (ticket, info)
-        for ticket in tickets
-        if (info := peek(directory, pipe_name(digest, ticket))) is not None
-    ]
-
-
-def _snapshot(directory: int, digest: str, now: float) -> LineInfo | None:
-    """Digest's line as it is: None if nobody is in it, or it does not record its key."""
-    found = _read_line(directory, digest)
-    if found is None or found.key is None:
-        return None
-    here = _in_line(directory, digest, found.tickets)
-    if not here:
-        return None
-    try:
-        key = portable_key(found.key)
-    except ValueError:
-        return None  # (not a key this backend wrote)
-    (first, since), *rest = here
-    return LineInfo(
-        key,
-        HolderInfo(None, pid_of(first), max(0.0, now - since.st_mtime)),
-        tuple(WaiterInfo(None, pid_of(t), max(0.0, now - info.st_mtime)) for t, info in rest),
-    )
-
-
 def _unlink(directory: int, name: str) -> None:
     try:
         os.unlink(name, dir_fd=directory)
@@ -415,83 +430,63 @@ def _remove(directory: int, name: str) -> bool:
     return True
 
 
+def _compact(where: Directory, digest: str, fd: int, own: str, gone: set[str], held: bool) -> None:
+    """Drop gone tickets (and, if own held, those before it) from line file fd, or delete it.
+
+    The caller holds the file's exclusive lock: no process is joining, so
+    a mark without its ticket is a process that died joining (or own's).
+    The file is deleted if no ticket stays in it.
+    """
+    records = read_records(fd)
+    found = parse(records)
+    if held and own in found.tickets:
+        gone.update(found.tickets[: found.tickets.index(own)])
+    # A process killed between two of its calls may have left its FIFO:
+    # it goes before its record, so that no FIFO outlives the record of it.
+    for ticket in found.unfinished:
+        if _remove(where.fd, pipe_name(digest, ticket)) and ticket != own:
+            died_joining(ticket, found.key, digest, where)  # made, and no record of it
+    for ticket in gone:
+        if ticket != own:  # (its FIFO is removed already)
+            _remove(where.fd, pipe_name(digest, ticket))
+    staying = [ticket for ticket in found.tickets if ticket not in gone]
+    if not staying:
+        os.unlink(line_name(digest), dir_fd=where.fd)  # under the lock: see _join's check
+    elif len(staying) + (found.key is not None) < len(records):
+        _rewrite(fd, found.key, staying)
+
+
+def _untidy(key: Hashable, where: Directory, error: OSError) -> None:
+    """Log a tidy that failed: it is best effort, and the key's next turn tidies the line."""
+    logger.debug(
+        "inturn: could not tidy the line of key %s in %s: %s", describe(key), where.path, error
+    )
+
+
 def _quit(fd: int) -> None:
-    """Close ticket fd of a waiter that gives up, saying so first (see _tickets: LEAVING)."""
+    """Say, in ticket fd, that its waiter gives up (see _tickets: LEAVING); it is closed next."""
     try:
         os.write(fd, LEAVING)
     except OSError:
         pass  # then it reads as a death in the log: nothing else depends on it
-    _close(fd)
 
 
-def _key_of(portable: bytes | None, digest: str) -> str:
-    """A line's key for the log, from the portable name its line file records."""
-    if portable is not None:
+def _line_in_place_of(fd: int, where: Directory, digest: str) -> int:
+    """Close ticket fd and open digest's line file in its descriptor; -1 if it cannot be.
+
+    One step for this process's other turns (see _OPENING): none of them
+    can take the descriptor in between, so a turn that leaves with no other
+    descriptor left (and its owner's other threads busy) can tidy its line.
+    """
+    with _OPENING:
+        _OPEN.discard(fd)
+        os.close(fd)
         try:
-            return describe(portable_key(portable))
-        except ValueError:
-            pass
-    return f"<key with digest {digest[:16]}>"
-
-
-#: Linux's flag of a process that is exiting: its files are closed before it
-#: becomes a zombie, so a waiter may see its ticket close while it still runs.
-_PF_EXITING = 0x4
-
-
-def _gone(pid: int) -> bool:
-    """Whether process pid has ended, or is ending (Linux: exiting, or a zombie).
-
-    A process of another user exists. Where /proc is not there, a process
-    not yet reaped by its parent counts as running.
-    """
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            # after "pid (comm)": state ppid pgrp session tty_nr tpgid flags ...
-            fields = stat.read().rpartition(b")")[2].split()
-        return fields[0] in (b"Z", b"X") or bool(int(fields[6]) & _PF_EXITING)
-    except (OSError, IndexError, ValueError):
-        return False
-
-
-def _died(key: Hashable, where: Directory, tickets: list[str], held: bool) -> None:
-    """Log the owners of tickets, closed without a word, that died in key's line.
-
-    tickets are in the order a waiter met them, its nearest first; if held,
-    the last (the earliest in line) held the key, or was being handed it.
-    A ticket closed without a word whose process still runs did not die: a
-    third reader took its hand-off (see _tickets.probe). Such a ticket is
-    not logged, nor one whose process id was reused since (rare: a death
-    left out of the log, never a false one).
-    """
-    for n, ticket in enumerate(tickets):
-        if not _gone(pid_of(ticket)):
-            continue
-        if held and n == len(tickets) - 1:
-            logger.warning(
-                "inturn: process %d died holding key %s (or as it was handed the key), "
-                "without releasing it; process %d takes the key over (directory %s)",
-                pid_of(ticket),
-                describe(key),
-                os.getpid(),
-                where.path,
-            )
-        else:
-            logger.info(
-                "inturn: process %d died waiting for key %s; its place in line is skipped "
-                "(directory %s)",
-                pid_of(ticket),
-                describe(key),
-                where.path,
-            )
+            line = os.open(line_name(digest), _OPEN_TIDY, dir_fd=where.fd)
+        except OSError:  # gone (or taken by a thread outside inturn): see _tidy_again
+            return -1
+        _OPEN.add(line)
+    return line
 
 
 @final
@@ -502,7 +497,7 @@ class FileGrant:
         "_digest",
         "_end",
         "_fd",
-        "_line_fd",
+        "_line",
         "_lost",
         "_ticket",
         "_where",
@@ -515,7 +510,7 @@ class FileGrant:
         key: Hashable,
         token: int,
         fd: int,
-        line_fd: int,
+        line: _Identity,
         where: Directory,
         digest: str,
         ticket: str,
@@ -526,8 +521,8 @@ class FileGrant:
         #: The fencing token: one above the previous holder's while the key's
         #: line is busy, and the wall clock in nanoseconds when it starts anew.
         self.token = token
-        self._fd = fd  # the writer end of this grant's ticket: open while it holds
-        self._line_fd = line_fd  # its line file, as it queued in it (not locked)
+        self._fd = fd  # the writer end of this grant's ticket: open while it holds, its one file
+        self._line = line  # the identity of its line file, as it queued in it
         self._where = where  # the directory of both
         self._digest = digest
         self._ticket = ticket
@@ -543,12 +538,20 @@ class FileGrant:
         files: another process of this user, or a cleaner of the directory.
         Another process may then have been given the key meanwhile, and the
         turn raises :exc:`~inturn.LeaseLost` when it ends. Found from the
-        link counts of the files the grant keeps open, a system call each;
-        a line file truncated or edited in place is not detected.
+        link count of its ticket, which the grant keeps open, and the line
+        file at its name: its identity (device and inode number), and that
+        it lists the grant's ticket, a few system calls. Not detected: a line
+        file edited in place; one deleted and made again with the same inode
+        number, found by a release with no file descriptor left to read it.
         """
         if self._fd < 0:
             return self._lost
-        return _unlinked(self._fd) or _unlinked(self._line_fd)
+        if _unlinked(self._fd):
+            return True
+        fd, _, replaced = _own_line(self._where, self._digest, self._ticket, self._line)
+        if fd >= 0:
+            _close(fd)
+        return replaced
 
     def __repr__(self) -> str:
         held = "held" if self._fd >= 0 else "released"
@@ -578,6 +581,11 @@ class FileBackend:
       for a line file's lock, held for a few system calls: a process frozen
       inside them (SIGSTOP, a debugger) delays the others, who give up at
       their deadline.
+    - File descriptors: a key held costs one (its ticket), a key waited for
+      two, while it waits. A turn that finds no descriptor left (the
+      process's ``RLIMIT_NOFILE``, or the system's table) is refused with
+      :exc:`~inturn.BackendUnavailable`: its work does not run, and nothing
+      it made stays in the directory.
     - Files are named by a digest of the key, so any ``str``, ``bytes`` or
       ``int`` key is safe, however long and whatever it contains. A line's
       files are deleted by its last holder (tickets of crashed processes by
@@ -659,6 +667,17 @@ class FileBackend:
                 "inturn: could not %s key %s in %s: %s", doing, describe(key), self.directory, error
             )
 
+    def _not_taken(self, key: Hashable, error: BaseException) -> None:
+        """Log why a turn on key was not taken (see _failed).
+
+        :raises ~inturn.BackendUnavailable: from error, which says that no
+            file descriptor was left (see _file_limits).
+        """
+        self._failed(key, error, "take a turn on")
+        refusal = out_of_files(key, self.directory, error)
+        if refusal is not None:
+            raise refusal from error
+
     async def acquire(self, key: Hashable, timeout: float | None) -> FileGrant:
         """Queue in key's line file and wait until every ticket before ours has left.
 
@@ -667,6 +686,8 @@ class FileBackend:
 
         :raises TimeoutError: the turn was not reached within ``timeout``;
             this process's ticket left the line.
+        :raises ~inturn.BackendUnavailable: no file descriptor was left (its
+            cause: the OSError); nothing of the turn stays.
         """
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
@@ -684,7 +705,7 @@ class FileBackend:
             return grant
         except BaseException as error:
             taking.close()  # leave the line (see _taking)
-            self._failed(key, error, "take a turn on")
+            self._not_taken(key, error)
             raise
 
     def acquire_sync(self, key: Hashable, timeout: float | None) -> FileGrant:
@@ -703,6 +724,7 @@ class FileBackend:
 
         :raises TimeoutError: the turn was not reached within ``timeout``;
             this process's ticket left the line.
+        :raises ~inturn.BackendUnavailable: as :meth:`acquire`.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         taking = self._taking(key)
@@ -719,7 +741,7 @@ class FileBackend:
             return grant
         except BaseException as error:
             taking.close()  # leave the line (see _taking)
-            self._failed(key, error, "take a turn on")
+            self._not_taken(key, error)
             raise
 
     def _taking(self, key: Hashable) -> Generator[_Locked | _Left, bytes, FileGrant]:
@@ -735,7 +757,7 @@ class FileBackend:
         name = portable_name(key)
         digest = hashlib.sha256(name).hexdigest()
         ticket = new_ticket()
-        where, line_fd, fd, records, end = yield from self._join(key, name, digest, ticket)
+        where, fd, line, records, end = yield from self._join(key, name, digest, ticket)
         try:
             before = records[: records.index(record_of(ticket))]
             token = yield from self._wait_behind(key, where, digest, before)
@@ -744,28 +766,22 @@ class FileBackend:
         except BaseException:
             # Leave the line: with no writer, the tickets behind skip this one.
             _quit(fd)
+            line_fd = _line_in_place_of(fd, where, digest)
             _unlink(where.fd, pipe_name(digest, ticket))
-            try:
-                self._tidy(where, digest, ticket, line_fd, held=False)
-            except OSError as error:
-                # best effort: the caller learns why it left, not why tidying failed
-                logger.debug(
-                    "inturn: could not tidy the line of key %s in %s: %s",
-                    describe(key),
-                    where.path,
-                    error,
-                )
+            self._tidy_again(where, digest, ticket, key, held=False, line_fd=line_fd)
             raise
-        return FileGrant(key, token, fd, line_fd, where, digest, ticket, end)
+        return FileGrant(key, token, fd, line, where, digest, ticket, end)
 
     def _join(
         self, key: Hashable, name: bytes, digest: str, ticket: str
-    ) -> Generator[_Locked | _Left, bytes, tuple[Directory, int, int, list[str], int]]:
+    ) -> Generator[_Locked | _Left, bytes, tuple[Directory, int, _Identity, list[str], int]]:
         """Queue ticket in key's line file (name: the key's portable name).
 
-        Returns the directory, the line file's fd (unlocked), the ticket's
-        writer fd, the line file's records as they were once it was in, and
-        the offset where its record ends.
+        Returns the directory, the ticket's writer fd (the one descriptor a
+        turn keeps: the line file is closed once ticket is in it), the line
+        file's identity, its records as they were once ticket was in, and
+        the offset where ticket's record ends. If it fails, nothing it made
+        stays: its FIFO is removed, and its mark withdrawn (see _withdraw).
         """
         assert fcntl is not None
         where = self._where
@@ -778,7 +794,7 @@ class FileBackend:
                 where = self._found_again(where, key)  # the directory was removed
                 continue
             fd = -1
-            made = False
+            made = marked = False
             try:
                 if not _flock_soon(line_fd, fcntl.LOCK_SH):
                     yield _Locked(line_fd, fcntl.LOCK_SH)
@@ -789,6 +805,7 @@ class FileBackend:
                 _check_regular(where, line, info)
                 # The mark first, then the FIFO: a crash between leaves a mark, not a stray FIFO.
                 os.write(line_fd, joining(ticket, name if info.st_size == 0 else None))
+                marked = True
                 os.mkfifo(pipe, 0o600, dir_fd=where.fd)
                 made = True
                 fd = _open_tracked(pipe, _OPEN_TICKET, where.fd)
@@ -801,12 +818,16 @@ class FileBackend:
                     _close(fd)
                 if made:
                     _unlink(where.fd, pipe)
-                _close(line_fd)
+                if marked:  # (no descriptor left for its FIFO, say)
+                    self._withdraw(where, digest, ticket, line_fd, key)
+                else:
+                    _close(line_fd)
                 if isinstance(error, FileNotFoundError) and where.gone():
                     where = self._found_again(where, key)
                     continue
                 raise
-            return where, line_fd, fd, records, end
+            _close(line_fd)  # opened again to tidy: a turn keeps one descriptor, its ticket's
+            return where, fd, (info.st_dev, info.st_ino), records, end
 
     def _wait_behind(
         self, key: Hashable, where: Directory, digest: str, before: list[str]
@@ -910,14 +931,23 @@ class FileBackend:
         if fd < 0:
             return None
         where, digest, ticket = grant._where, grant._digest, grant._ticket
+        line_fd = -1
         try:
             # Before the hand-off: once it is written, the next holder may tidy both away.
-            line = os.fstat(grant._line_fd)
-            grant._lost = line.st_nlink == 0 or _unlinked(fd)
+            line_fd, line, replaced = _own_line(where, digest, ticket, grant._line)
+            grant._lost = replaced or _unlinked(fd)
             os.write(fd, hand_off(grant.token))  # whoever waits on this ticket goes on
-        finally:
+        except BaseException:
+            if line_fd >= 0:
+                _close(line_fd)
             _close(fd)
             _unlink(where.fd, pipe_name(digest, ticket))
+            raise
+        if line_fd < 0 and not replaced:  # no descriptor was left for it: the ticket's is
+            line_fd = _line_in_place_of(fd, where, digest)
+        else:
+            _close(fd)
+        _unlink(where.fd, pipe_name(digest, ticket))
         if grant._lost:
             logger.warning(
                 "inturn: the files of the turn on key %s in %s were deleted while it held "
@@ -926,14 +956,18 @@ class FileBackend:
                 describe(grant.key),
                 where.path,
             )
-        if line.st_size > grant._end:
+        if line is not None and line.st_size > grant._end:
             # Someone queued behind this grant, and was most likely just
             # handed the key: let it have this CPU first. Its work holds
             # up the whole line; this process's tidy and next turn do
             # not. (A no-op on an idle CPU; on a busy one, 8 processes
             # on 2 cores, it is worth 10% of a line's turns per second.)
             os.sched_yield()
-        if self._tidy(where, digest, ticket, grant._line_fd, held=True):
+        if replaced:  # not the file it queued in: left to whoever is in it
+            if line_fd >= 0:
+                _close(line_fd)
+            return None
+        if self._tidy_again(where, digest, ticket, grant.key, line_fd=line_fd):
             return where, digest, ticket, grant.key
         return None
 
@@ -980,35 +1014,28 @@ class FileBackend:
                 # Taken by one queueing behind own (it tidies after its turn),
                 # or by a tidier that may have seen own still in line.
                 return not _behind(read_records(fd), own)
-            if _unlinked(fd):
-                return False
-            records = read_records(fd)
-            found = parse(records)
-            if held and own in found.tickets:
-                gone.update(found.tickets[: found.tickets.index(own)])
-            # A process killed between two of its calls may have left its FIFO:
-            # it goes before its record, so that no FIFO outlives the record of it.
-            for ticket in found.unfinished:  # (never own: it finished joining)
-                if _remove(where.fd, pipe_name(digest, ticket)):
-                    # Made, and no record of it: its process died joining.
-                    logger.info(
-                        "inturn: removed the ticket of process %d, which died while joining "
-                        "the line of key %s (directory %s)",
-                        pid_of(ticket),
-                        _key_of(found.key, digest),
-                        where.path,
-                    )
-            for ticket in gone:
-                if ticket != own:  # (its FIFO is removed already)
-                    _remove(where.fd, pipe_name(digest, ticket))
-            staying = [ticket for ticket in found.tickets if ticket not in gone]
-            if not staying:
-                os.unlink(line_name(digest), dir_fd=where.fd)  # under the lock: see _join's check
-            elif len(staying) + (found.key is not None) < len(records):
-                _rewrite(fd, found.key, staying)
+            if not _unlinked(fd):
+                _compact(where, digest, fd, own, gone, held)
         finally:
             _close(fd)
         return False
+
+    def _withdraw(self, where: Directory, digest: str, own: str, fd: int, key: Hashable) -> None:
+        """Take the mark of own, whose join failed, out of line file fd (shared-locked); close fd.
+
+        Needs no other descriptor (none may be left): it probes no ticket.
+        If another process holds the lock, it is joining (and tidies after
+        its turn) or tidying, and the mark reads as "died here" to the next
+        tidy under the exclusive lock.
+        """
+        assert fcntl is not None
+        try:
+            if _flock_now(fd, fcntl.LOCK_EX) and not _unlinked(fd):
+                _compact(where, digest, fd, own, {own}, held=False)
+        except OSError as error:
+            _untidy(key, where, error)
+        finally:
+            _close(fd)
 
     def _retry(
         self,
@@ -1037,21 +1064,31 @@ class FileBackend:
 
         loop.call_later(pause, again)
 
-    def _tidy_again(self, where: Directory, digest: str, own: str, key: Hashable) -> bool:
-        """Tidy digest's (key's) line file, opened again, after own left it; whether it was busy."""
+    def _tidy_again(
+        self,
+        where: Directory,
+        digest: str,
+        own: str,
+        key: Hashable,
+        held: bool = True,
+        line_fd: int = -1,
+    ) -> bool:
+        """Tidy digest's (key's) line file after own left it; whether it was busy (see _tidy).
+
+        Opened again, unless line_fd is it. Best effort: an error is logged
+        (see _untidy), and the key's next turn tidies.
+        """
         try:
-            fd = _open_tracked(line_name(digest), _OPEN_TIDY, where.fd)
-        except OSError:  # deleted (or never a file to tidy): nothing is left
+            fd = line_fd if line_fd >= 0 else _open_tracked(line_name(digest), _OPEN_TIDY, where.fd)
+        except FileNotFoundError:  # deleted: nothing is left
+            return False
+        except OSError as error:  # (no descriptor left, say)
+            _untidy(key, where, error)
             return False
         try:
-            return self._tidy(where, digest, own, fd, held=True)
-        except OSError as error:  # best effort: the next turn on the key tidies
-            logger.debug(
-                "inturn: could not tidy the line of key %s in %s: %s",
-                describe(key),
-                where.path,
-                error,
-            )
+            return self._tidy(where, digest, own, fd, held)
+        except OSError as error:
+            _untidy(key, where, error)
             return False
 
     def line(self, key: Hashable) -> tuple[int, ...]:
@@ -1063,12 +1100,7 @@ class FileBackend:
         Takes no lock and nothing from a ticket: it never waits, and never
         disturbs the line.
         """
-        where = self._where
-        digest = hashlib.sha256(portable_name(key)).hexdigest()
-        found = _read_line(where.fd, digest)
-        if found is None:
-            return ()
-        return tuple(pid_of(ticket) for ticket, _ in _in_line(where.fd, digest, found.tickets))
+        return pids_in_line(self._where.fd, hashlib.sha256(portable_name(key)).hexdigest())
 
     async def lines(self) -> list[LineInfo]:
         """A snapshot of every line in the directory, from its files alone, sorted by key.
@@ -1082,14 +1114,7 @@ class FileBackend:
         left, for the key's next turn to remove), and a line whose file
         does not record its key (only one edited by another process).
         """
-        where = self._where
-        now = time.time()
-        found = []
-        for name in os.listdir(where.fd):
-            digest = name.partition(".")[0]
-            if name == line_name(digest) and (line := _snapshot(where.fd, digest, now)):
-                found.append(line)
-        return sorted(found, key=lambda line: portable_name(line.key))
+        return snapshots(self._where.fd)
 
     async def aclose(self) -> None:
         """Nothing to close: every grant's files are closed by its release."""
