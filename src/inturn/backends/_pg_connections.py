@@ -43,6 +43,7 @@ import psycopg
 from .._checks import missed
 from .._errors import BackendUnavailable
 from .._keys import describe as show
+from .._tasks import loop_here
 from . import _pg_sql, _pg_wire
 from ._pg_places import Lease, LoopPlace, ThreadPlace, alive, guard
 from ._pg_ready import Readiness
@@ -128,51 +129,46 @@ class Connections:
         """
         lease = Lease(tier or 0)
         try:
-            yield from self._getting(lease, key, timeout, until, tier)
-        except BaseException:
+            if tier is not None:
+                if not self.try_slot(lease) and not (yield (SLOT, lease, until)):
+                    raise self._no_slot(key, timeout, until, tier)  # noqa: TRY301
+                lease.take_idle()
+            if lease.connection is None:
+                failed = yield (CONNECT, lease, self.ready.until(timeout, until))
+                if failed is not None:
+                    raise self._unreachable(key, timeout, until, failed)  # noqa: TRY301
+            if lease.ready is None:
+                lease.ready = yield from self.ready.readying(lease.connection, key, timeout, until)
+        except BaseException:  # (raised here, or thrown in: an interrupt)
             lease.abandon()
             raise
         return lease
 
-    def _getting(
-        self,
-        lease: Lease,
-        key: Hashable,
-        timeout: float | None,
-        until: float | None,
-        tier: int | None,
-    ) -> Generator[Op, Any, None]:
-        if tier is not None:
-            wait = self.limits.session_wait
-            bound = until if wait is None else now() + wait
-            if until is not None and bound is not None:
-                bound = min(bound, until)
-            if not (yield (SLOT, lease, bound)):
-                if until is not None and now() >= until:
-                    raise missed(f"the turn for key {show(key)} (a connection)", timeout)
-                raise self._no_slot(key, tier)
-            lease.take_idle()
-        if lease.connection is None:
-            failed = yield (CONNECT, lease, self.ready.until(timeout, until))
-            if failed is not None:
-                raise self._unreachable(key, timeout, until, failed)
-        connection = lease.connection
-        lease.ready = self.ready.of(connection) or (
-            yield from self.ready.readying(connection, key, timeout, until)
-        )
-
     # -- what the drivers do for the steps ------------------------------------------------
 
     def try_slot(self, lease: Lease) -> bool:
-        """(A task's.) Take a free slot of lease's tier at once, if there is one."""
-        place = self._place()
-        if place.slots(lease.tier).try_take():
+        """Take a free slot of lease's tier at once, if there is one: a task's of its event
+        loop's, a thread's (no loop runs in it) of the process's threads'."""
+        place: LoopPlace | ThreadPlace
+        if loop_here() is None:
+            place = self._thread_place()
+            taken = place.slots(lease.tier).acquire(False)
+        else:
+            place = self._place()
+            taken = place.slots(lease.tier).try_take()
+        if taken:
             lease.place = place
-            return True
-        return False
+        return taken
 
-    async def slot(self, lease: Lease, bound: float | None) -> bool:
-        """(A task's.) Wait for a slot of lease's tier until bound; whether it came."""
+    def _slot_wait(self, until: float | None) -> float | None:
+        """Seconds to wait for a slot: the turn's time left, at most session_wait."""
+        wait = self.limits.session_wait
+        left = None if until is None else max(0.0, until - time.monotonic())
+        return wait if left is None else left if wait is None else min(left, wait)
+
+    async def slot(self, lease: Lease, until: float | None) -> bool:
+        """(A task's.) Wait for a slot of lease's tier (see :meth:`_slot_wait`); whether
+        it came."""
         place = self._place()
         slots = place.slots(lease.tier)
         if slots.try_take():
@@ -180,7 +176,7 @@ class Connections:
             return True
         waiter = asyncio.get_running_loop().create_future()
         slots.waiters.append(waiter)
-        left = None if bound is None else max(0.0, bound - time.monotonic())
+        left = self._slot_wait(until)
         try:
             await asyncio.wait((waiter,), timeout=left)
         finally:
@@ -190,11 +186,10 @@ class Connections:
                 waiter.cancel()
         return lease.place is not None
 
-    def slot_sync(self, lease: Lease, bound: float | None) -> bool:
+    def slot_sync(self, lease: Lease, until: float | None) -> bool:
         """(A thread's.) As :meth:`slot`."""
         place = self._thread_place()
-        left = None if bound is None else max(0.0, bound - time.monotonic())
-        if not place.slots(lease.tier).acquire(timeout=left):
+        if not place.slots(lease.tier).acquire(timeout=self._slot_wait(until)):
             return False
         lease.place = place
         return True
@@ -245,8 +240,8 @@ class Connections:
         assert self._conninfo is not None
         checking = await psycopg.AsyncConnection.connect(self._conninfo, **kwargs)
         try:
-            reply = _pg_wire.send(
-                checking, _pg_sql.PROBE, [str(pid).encode()], loop=asyncio.get_running_loop()
+            reply = _pg_wire.ask(
+                checking, _pg_sql.PROBE, [str(pid).encode()], False, asyncio.get_running_loop()
             )
             return alive(await _pg_wire.answer(reply))
         finally:
@@ -263,8 +258,8 @@ class Connections:
         except psycopg.Error:
             return False
         try:
-            reply = _pg_wire.send(checking, _pg_sql.PROBE, [str(pid).encode()])
-            answer = _pg_wire.answer_sync(reply, until)
+            _pg_wire.send(checking, _pg_sql.PROBE, [str(pid).encode()])
+            answer = _pg_wire.answer_sync(checking.pgconn, [], until, True)
         except psycopg.Error:
             return False
         finally:
@@ -322,7 +317,12 @@ class Connections:
             )
         return self._conninfo
 
-    def _no_slot(self, key: Hashable, tier: int) -> BackendUnavailable:
+    def _no_slot(
+        self, key: Hashable, timeout: float | None, until: float | None, tier: int
+    ) -> Exception:
+        """TimeoutError if the turn's own time ran out; else the session_wait's refusal."""
+        if until is not None and now() >= until:
+            return missed(f"the turn for key {show(key)} (a connection)", timeout)
         level = f" at nesting level {tier}" if tier else ""
         return BackendUnavailable(
             f"inturn: no connection of {self.owner} came free for key {show(key)} within "
@@ -370,7 +370,7 @@ class Connections:
 
     def forked(self) -> None:
         """(In a forked child.) Leave the parent's connections alone; make new ones."""
-        _INHERITED.append((self._places, self._threads, self.ready.forked()))
+        _INHERITED.append((self._places, self._threads))
         self._places = {}
         self._threads = None
         self._given_loop = None

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any, final
 import psycopg
 
 from .._tasks import retrieve
-from ._pg_steps import ANSWER, AUTOCOMMIT, CANCEL, CLOSE, CONNECT, PROBE, SEND, SLOT, Steps
-from ._pg_wire import Reply, answer_sync, discard, send, settle
+from ._pg_steps import ANSWER, ASK, AUTOCOMMIT, CANCEL, CLOSE, CONNECT, PROBE, SLOT, Steps
+from ._pg_wire import Reply, answer_sync, ask, discard, send, settle
 
 if TYPE_CHECKING:
     from ._pg_connections import Connections
@@ -111,18 +111,23 @@ class Run:
                 return
             value = error = None
             verb = op[0]
-            if verb == SEND:
-                try:
-                    self._reply = send(op[1], op[2], op[3], prepared=op[4], loop=self.loop)
-                except psycopg.OperationalError as failed:
-                    value = failed
-            elif verb == ANSWER:
+            if verb in (ASK, ANSWER):
+                if verb == ASK:
+                    self._reply = None
+                    try:
+                        self._reply = ask(op[1], op[2], op[3], op[4], self.loop)
+                    except psycopg.OperationalError as failed:
+                        value = failed
+                        continue
+                    until = op[5]
+                else:
+                    until = op[1]
                 reply = self._reply
-                assert reply is not None
+                if reply is None:
+                    continue  # (value None: the statement never went out)
                 if reply.outcome is not None:
                     value = reply.outcome
                     continue
-                until = op[1]
                 if until is not None:
                     delay = until - time.monotonic()
                     if delay <= 0:
@@ -133,8 +138,6 @@ class Run:
             elif verb == CLOSE:
                 discard(op[1], self._reply)
                 self._reply = None
-            elif verb == SLOT and self._connections.try_slot(op[1]):
-                value = True
             else:
                 self._wait_for(self._coroutine(op))
                 return
@@ -213,7 +216,8 @@ def drive_sync(steps: Steps, connections: Connections) -> Any:
     """Drive steps in this thread, blocking it for each op; their return value."""
     value: Any = None
     error: BaseException | None = None
-    reply: Reply | None = None
+    pgconn: Any = None  # where the statement asked last runs (None: it never went out)
+    results: list[Any] = []  # what of its answer was read
     while True:
         try:
             op = steps.send(value) if error is None else steps.throw(error)
@@ -222,17 +226,20 @@ def drive_sync(steps: Steps, connections: Connections) -> Any:
         value = error = None
         verb = op[0]
         try:
-            if verb == SEND:
+            if verb == ASK:
+                pgconn = None
                 try:
-                    reply = send(op[1], op[2], op[3], prepared=op[4])
+                    send(op[1], op[2], op[3], prepared=op[4])
                 except psycopg.OperationalError as failed:
                     value = failed
+                else:
+                    pgconn, results = op[1].pgconn, []
+                    value = answer_sync(pgconn, results, op[5], True)
             elif verb == ANSWER:
-                assert reply is not None
-                value = answer_sync(reply, op[1])
+                value = None if pgconn is None else answer_sync(pgconn, results, op[1], False)
             elif verb == CLOSE:
                 discard(op[1])
-                reply = None
+                pgconn = None
             elif verb == SLOT:
                 value = connections.slot_sync(op[1], op[2])
             elif verb == CONNECT:

@@ -40,11 +40,12 @@ class Lease:
         #: the slot, of a loop or of the threads (None: a connection of its own, or none yet)
         self.place: LoopPlace | ThreadPlace | None = None
 
-    def take_idle(self) -> Any:
-        """A connection kept by the place, if it has one that is still good."""
+    def take_idle(self) -> None:
+        """Take a connection kept by the place, if it has one that is still good."""
         assert self.place is not None
-        self.connection = self.place.take_idle()
-        return self.connection
+        kept = self.place.take_idle()
+        if kept is not None:
+            self.connection, self.ready = kept
 
     def abandon(self) -> None:
         """After a take that failed: give back the connection, or the slot alone if none yet."""
@@ -59,7 +60,7 @@ class Lease:
         place, self.place = self.place, None
         connection, self.connection = self.connection, None
         if place is not None:
-            place.give_back(connection, self.tier)
+            place.give_back(connection, self.ready, self.tier)
         elif connection is not None:
             _pg_wire.discard(connection)
 
@@ -99,7 +100,8 @@ class LoopPlace:
     def __init__(self, size: int, given: Any = None) -> None:
         self.size = size
         self.tiers: list[Slots] = []
-        self.idle: list[psycopg.AsyncConnection[Any]] = []
+        # the connections kept, each with what readying it learnt (a _pg_ready.Ready)
+        self.idle: list[tuple[psycopg.AsyncConnection[Any], Any]] = []
         self.given = given  # the caller's pool, whose connections these are
         # closes the idle connections when the loop shuts down (see _guard)
         self.guard: Any = None
@@ -113,20 +115,22 @@ class LoopPlace:
     def release(self, tier: int) -> None:
         self.tiers[tier].give()
 
-    def take_idle(self) -> psycopg.AsyncConnection[Any] | None:
-        """The connection used last that is still good; None if there is none."""
+    def take_idle(self) -> tuple[psycopg.AsyncConnection[Any], Any] | None:
+        """The connection used last that is still good, and its readiness; None if none."""
         idle = self.idle
         while idle:
-            connection = idle.pop()
-            if not stale(connection):
-                return connection
-            self._drop(connection)
+            kept = idle.pop()
+            if not stale(kept[0]):
+                return kept
+            self._drop(kept[0])
         return None
 
-    def give_back(self, connection: psycopg.AsyncConnection[Any] | None, tier: int) -> None:
+    def give_back(
+        self, connection: psycopg.AsyncConnection[Any] | None, ready: Any, tier: int
+    ) -> None:
         if connection is not None:
-            if reusable(connection):
-                self.idle.append(connection)
+            if ready is not None and reusable(connection):
+                self.idle.append((connection, ready))
             else:
                 self._drop(connection)
         self.release(tier)
@@ -140,7 +144,7 @@ class LoopPlace:
     async def close(self) -> None:
         """Close the idle connections (or give them back to the caller's pool)."""
         idle, self.idle = self.idle, []
-        for connection in idle:
+        for connection, _ in idle:
             if self.given is None:
                 _pg_wire.discard(connection)
             else:
@@ -157,7 +161,7 @@ class ThreadPlace:
         self.size = size
         self.tiers: list[threading.BoundedSemaphore] = []
         self.lock = threading.Lock()  # held to add a tier
-        self.idle: collections.deque[psycopg.Connection[Any]] = collections.deque()
+        self.idle: collections.deque[tuple[psycopg.Connection[Any], Any]] = collections.deque()
 
     def slots(self, tier: int) -> threading.BoundedSemaphore:
         tiers = self.tiers
@@ -170,21 +174,21 @@ class ThreadPlace:
     def release(self, tier: int) -> None:
         self.tiers[tier].release()
 
-    def take_idle(self) -> psycopg.Connection[Any] | None:
+    def take_idle(self) -> tuple[psycopg.Connection[Any], Any] | None:
         while True:
             try:
-                connection = self.idle.pop()
+                kept = self.idle.pop()
             except IndexError:
                 return None
-            if not stale(connection):
-                return connection
-            _pg_wire.discard(connection)
+            if not stale(kept[0]):
+                return kept
+            _pg_wire.discard(kept[0])
 
-    def give_back(self, connection: psycopg.Connection[Any] | None, tier: int) -> None:
+    def give_back(self, connection: psycopg.Connection[Any] | None, ready: Any, tier: int) -> None:
         try:
             if connection is not None:
-                if reusable(connection):
-                    self.idle.append(connection)
+                if ready is not None and reusable(connection):
+                    self.idle.append((connection, ready))
                 else:
                     _pg_wire.discard(connection)
         finally:
@@ -192,7 +196,7 @@ class ThreadPlace:
 
     def close(self) -> None:
         while self.idle:
-            _pg_wire.discard(self.idle.pop())
+            _pg_wire.discard(self.idle.pop()[0])
 
 
 def stale(connection: Any) -> bool:

@@ -12,7 +12,6 @@ whose caller is interrupted meanwhile, is closed.
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Generator, Hashable
 from typing import Any, final
 
@@ -23,7 +22,7 @@ from .._checks import missed
 from .._errors import BackendUnavailable
 from .._keys import describe as show
 from . import _pg_sql, _pg_wire
-from ._pg_steps import AUTOCOMMIT, CLOSE, Limits, Op, asking, lost, now, said
+from ._pg_steps import ASK, AUTOCOMMIT, CLOSE, Limits, Op, lost, now, said
 
 __all__ = ("Readiness", "Ready", "logger")
 
@@ -46,32 +45,17 @@ class Ready:
 class Readiness:
     """Which connections of a backend are readied, and the steps that ready one."""
 
-    __slots__ = ("_pooled", "_ready", "_sequence_ready", "limits", "owner")
+    __slots__ = ("_pooled", "_sequence_ready", "limits", "owner")
 
     def __init__(self, limits: Limits, owner: str) -> None:
         self.limits = limits
         self.owner = owner  # the backend, as its logs name it
         self._sequence_ready = False
-        # The connections readied: their statements prepared, their settings made.
-        self._ready: weakref.WeakKeyDictionary[Any, Ready] = weakref.WeakKeyDictionary()
         self._pooled = False  # a pooler was seen between the backend and the server
-
-    def of(self, connection: Any) -> Ready | None:
-        """What readying connection learnt; None if it was not readied (or is no more)."""
-        return self._ready.get(connection)
-
-    def forget(self, connection: Any) -> None:
-        """The statements prepared on connection are gone (``DEALLOCATE ALL``, a restore)."""
-        self._ready.pop(connection, None)
 
     def sequence_gone(self) -> None:
         """The sequence of tokens vanished (a restore): make it again at the next ready."""
         self._sequence_ready = False
-
-    def forked(self) -> Any:
-        """(In a forked child.) Forget the parent's connections; what they were, to keep."""
-        ready, self._ready = self._ready, weakref.WeakKeyDictionary()
-        return ready
 
     def until(self, timeout: float | None, until: float | None) -> float:
         """Connecting and readying: the turn's time left, at most unreachable_after.
@@ -84,11 +68,11 @@ class Readiness:
     def readying(
         self, connection: Any, key: Hashable, timeout: float | None, until: float | None
     ) -> Generator[Op, Any, Ready]:
-        """Autocommit, the sequence made, the settings and statements (once per connection);
-        what it learnt."""
-        ready = self._ready.get(connection)
-        if ready is not None:
-            return ready
+        """Autocommit, the sequence made, the settings and statements; what it learnt.
+
+        (Once per connection: the lease that holds it keeps what it learnt, and
+        so does the place that keeps it between turns.)
+        """
         if not connection.autocommit:  # a pool of the caller's
             yield (AUTOCOMMIT, connection, True)
         bound = self.until(timeout, until)
@@ -133,7 +117,7 @@ class Readiness:
         """One statement that readies connection: its outcome; a connection that does not
         answer by bound, or was interrupted meanwhile, is closed."""
         try:
-            answer = yield from asking(connection, sql, params, bound)
+            answer = yield (ASK, connection, sql, params, False, bound)
         except BaseException:
             yield (CLOSE, connection)
             raise
@@ -144,7 +128,7 @@ class Readiness:
             why = (
                 f"no answer within {self.limits.unreachable_after:g} s"
                 if answer is None
-                else said(answer)  # type: ignore[arg-type]
+                else said(answer)
             )
             raise BackendUnavailable(
                 f"inturn: PostgreSQL did not ready a connection for key {show(key)} ({why}) "
@@ -155,7 +139,7 @@ class Readiness:
     def _readied(self, connection: Any, rows: _pg_wire.Rows) -> Ready:
         role_timeout = (rows[0][0] or b"0").decode() if rows else "0"
         pid = int(rows[0][1] or 0) if rows else connection.info.backend_pid
-        ready = self._ready[connection] = Ready(pid, role_timeout)
+        ready = Ready(pid, role_timeout)
         if pid != connection.info.backend_pid and not self._pooled:
             self._pooled = True
             logger.warning(

@@ -173,7 +173,7 @@ class PgSession:
         answer: the connection is then closed). Completes even if its caller
         is cancelled.
         """
-        if self._inherited() or self._closed:
+        if self._closed or (self._generation != self._connections.generation and self._inherited()):
             return self._done()
         busy = self._busy
         if busy is not None and not busy.done:  # an acquire given up on, still under way
@@ -207,54 +207,65 @@ class PgSession:
 
     def close_sync(self, error: BaseException | None) -> None:
         """As :meth:`close`, for a thread."""
-        if not (self._inherited() or self._closed):
-            drive_sync(self._ending(error), self._connections)
+        if self._closed or (self._generation != self._connections.generation and self._inherited()):
+            return
+        drive_sync(self._ending(error), self._connections)
 
     # -- the steps, for both ------------------------------------------------------------------
 
     def _acquiring(self, key: Hashable, timeout: float | None) -> Generator[Op, Any, Any]:
         """Take key (the first key: a connection for the session first); its grant."""
-        if self._closed or self._inherited():
+        if self._closed or (self._generation != self._connections.generation and self._inherited()):
             raise RuntimeError("inturn: this turn's session ended")
         connections = self._connections
         lock = lock_id(self._namespace, key)
         until = None if timeout is None else now() + timeout
-        if self._lease is None:
-            self._lease = yield from connections.taking(key, timeout, until, self._tier)
         lease = self._lease
-        connection = lease.connection
+        if lease is None:
+            lease = self._lease = yield from connections.taking(key, timeout, until, self._tier)
         grants = self._grants
         held = bool(grants) and lock in [grant.lock for grant in grants]
         last = self._transaction and len(grants) + 1 >= self._count
-        for _ in range(2):
-            ready = lease.ready
-            left = None if until is None else max(0.0, until - now())
-            after = ready.role_timeout if last else "0"
-            statement = _pg_sql.waiting(lock, timeout, left, after)
-            answer = yield from waiting(
-                connection, lock, statement, until, held, ready.pid, connections.limits
-            )
-            if isinstance(answer, list):
-                break
-            if isinstance(answer, errors.InvalidSqlStatementName | errors.UndefinedTable):
-                # deallocated (a pool's reset), or the sequence is gone (a restore)
-                readiness = connections.ready
-                if isinstance(answer, errors.UndefinedTable):
-                    readiness.sequence_gone()
-                readiness.forget(connection)
-                lease.ready = yield from readiness.readying(connection, key, timeout, until)
-                continue
-            raise self._refusal(key, timeout, until, answer)
-        else:
-            raise BackendUnavailable(
-                "inturn: the statements the backend prepared on its connection vanished twice "
-                f"while it took key {show(key)}; {_MOVED}; the work did not run"
-            )
+        answer = yield from waiting(lease, lock, timeout, until, held, last, connections.limits)
+        if not isinstance(answer, list):
+            answer = yield from self._again(key, lock, timeout, until, held, last, answer)
         grant = PostgresGrant(key, self._token(key, answer, timeout), lock, self)
-        self._grants.append(grant)
+        grants.append(grant)
         if last:
-            yield (AUTOCOMMIT, connection, False)  # (the work's first statement begins it)
+            yield (AUTOCOMMIT, lease.connection, False)  # (the work's first statement begins it)
         return grant
+
+    def _again(
+        self,
+        key: Hashable,
+        lock: int,
+        timeout: float | None,
+        until: float | None,
+        held: bool,
+        last: bool,
+        answer: Outcome | None,
+    ) -> Generator[Op, Any, Rows]:
+        """After a wait that did not take lock: wait again on a connection readied again
+        (its statements were deallocated by a pool's reset, or the sequence is gone after
+        a restore), or raise why not."""
+        connections = self._connections
+        lease = self._lease
+        assert lease is not None
+        if isinstance(answer, errors.InvalidSqlStatementName | errors.UndefinedTable):
+            readiness = connections.ready
+            if isinstance(answer, errors.UndefinedTable):
+                readiness.sequence_gone()
+            lease.ready = None  # (if readying fails, the connection is not kept)
+            lease.ready = yield from readiness.readying(lease.connection, key, timeout, until)
+            answer = yield from waiting(lease, lock, timeout, until, held, last, connections.limits)
+            if isinstance(answer, list):
+                return answer
+            if isinstance(answer, errors.InvalidSqlStatementName | errors.UndefinedTable):
+                raise BackendUnavailable(
+                    "inturn: the statements the backend prepared on its connection vanished "
+                    f"twice while it took key {show(key)}; {_MOVED}; the work did not run"
+                )
+        raise self._refusal(key, timeout, until, answer)
 
     def _releasing(self, grant: Grant) -> Generator[Op, Any, None]:
         """Unlock one grant of the session now."""
@@ -274,11 +285,11 @@ class PgSession:
             return
         connection = lease.connection
         locks = [grant.lock for grant in self._grants]
-        ended: Ended = ([True] * len(locks), None)  # (a thread interrupted meanwhile)
+        ended: Ended = (None, None)  # (the session ended under the turn)
         failure: BaseException | None = None
         try:
             if connection.pgconn.status != _OK:
-                ended = (None, None)
+                pass
             elif self._transaction:
                 pid = lease.ready.pid if lease.ready is not None else 0
                 limits = self._connections.limits
@@ -286,7 +297,12 @@ class PgSession:
                     connection, locks, error is None, pid, limits
                 )
             elif locks:
-                ended = yield from ending(connection, locks, now() + self._limits_wait())
+                ended = yield from ending(
+                    connection, locks, now() + self._connections.limits.unreachable_after
+                )
+        except BaseException:  # a thread interrupted meanwhile: held until now, so not lost
+            ended = ([True] * len(locks), None)
+            raise
         finally:
             self._unlocked(ended)
         if failure is not None:

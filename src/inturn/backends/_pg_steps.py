@@ -15,10 +15,11 @@ checked every ``unreachable_after`` seconds (see :class:`Limits`).
 
 The ops and their answers:
 
-- ``(SEND, connection, sql, params, prepared)``: send a statement now; None,
-  or the ``psycopg.OperationalError`` of a statement that could not be sent.
-- ``(ANSWER, until)``: the outcome of the statement sent last (rows, or its
-  psycopg error), or None if it did not come by ``until`` (None: no bound).
+- ``(ASK, connection, sql, params, prepared, until)``: send a statement now
+  (see :func:`._pg_wire.send`); its outcome (rows, or its psycopg error: the
+  ``OperationalError`` of one that could not be sent), or None if it did
+  not come by ``until`` (None: no bound).
+- ``(ANSWER, until)``: as ASK, for the statement asked last, still running.
   Asked again after a wait given up on, it gives the outcome kept meanwhile.
 - ``(CANCEL, connection, until)``: ask the server to cancel the statement in
   flight (a cancel request on a connection of its own); None.
@@ -27,9 +28,9 @@ The ops and their answers:
 - ``(PROBE, pid, until)``: whether server session pid is still there, asked
   on a new connection; False if no answer came by ``until``.
 - ``(AUTOCOMMIT, connection, on)``: psycopg's autocommit for the work; None.
-- ``(SLOT, lease, bound)``: one of the process's connection slots for
-  ``lease``'s tier, waiting while all are taken, until ``bound``; whether
-  one was taken (it is then the lease's).
+- ``(SLOT, lease, until)``: one of the process's connection slots for
+  ``lease``'s tier, waiting while all are taken, until ``until`` and for
+  ``session_wait`` at most; whether one was taken (it is then the lease's).
 - ``(CONNECT, lease, until)``: a new connection for lease; None, or the
   error that kept it from being made.
 """
@@ -50,28 +51,28 @@ from ._pg_wire import Outcome, Rows
 
 __all__ = (
     "ANSWER",
+    "ASK",
     "AUTOCOMMIT",
     "CANCEL",
     "CLOSE",
     "CONNECT",
     "PROBE",
-    "SEND",
     "SLOT",
     "Ended",
     "Limits",
     "Op",
     "Steps",
-    "answering",
-    "asking",
+    "checking",
     "ending",
     "ending_transaction",
+    "first_check",
     "giving_back",
     "lost",
     "said",
     "waiting",
 )
 
-SEND: Final = 0
+ASK: Final = 0
 ANSWER: Final = 1
 CANCEL: Final = 2
 CLOSE: Final = 3
@@ -126,59 +127,64 @@ def lost(outcome: Outcome | None) -> bool:
     return state is None or state.startswith(("08", "57P"))
 
 
-def asking(
-    connection: Any,
-    sql: bytes,
-    params: list[bytes | None] | None = None,
-    until: float | None = None,
-    *,
-    prepared: bool = False,
-) -> Generator[Op, Any, Outcome | None]:
-    """Send one statement and take its outcome by until (None: it did not come)."""
-    failed = yield (SEND, connection, sql, params, prepared)
-    if failed is not None:
-        return failed  # type: ignore[no-any-return]
-    answer: Outcome | None = yield (ANSWER, until)
-    return answer
+def first_check(bound: float | None, limits: Limits) -> float:
+    """How long to wait for an answer before checking the server: bound, at most
+    ``unreachable_after`` from now."""
+    check = now() + limits.unreachable_after
+    return check if bound is None or bound > check else bound
 
 
-def answering(pid: int, bound: float | None, limits: Limits) -> Generator[Op, Any, Outcome | None]:
-    """The outcome of the statement in flight by bound; while none comes, check every
-    ``unreachable_after`` that the server still has session pid (None: no answer by
-    bound, or the server is not there)."""
+def checking(pid: int, bound: float | None, limits: Limits) -> Generator[Op, Any, Outcome | None]:
+    """The outcome of the statement in flight, which did not come by its first check:
+    while none comes, check every ``unreachable_after`` that the server still has
+    session pid (None: no answer by bound, or the server is not there)."""
     every = limits.unreachable_after
-    while True:
-        check = now() + every
-        answer: Outcome | None = yield (ANSWER, check if bound is None else min(bound, check))
-        if answer is not None or (bound is not None and now() >= bound):
-            return answer
+    while bound is None or now() < bound:
         if not (yield (PROBE, pid, now() + every)):
             return None
+        answer: Outcome | None = yield (ANSWER, first_check(bound, limits))
+        if answer is not None:
+            return answer
+    return None
 
 
 def waiting(
-    connection: Any,
+    lease: Any,
     lock: int,
-    statement: tuple[bytes, list[bytes | None]],
+    timeout: float | None,
     until: float | None,
     held: bool,
-    pid: int,
+    last: bool,
     limits: Limits,
 ) -> Generator[Op, Any, Outcome | None]:
-    """Wait for lock on connection: the outcome of the waiting statement (rows: granted;
-    an error: not granted, and given back if it may have been), or None if no answer
-    came (by ``until`` plus half the margin, or from a server that is not there).
+    """Wait for lock on the lease's connection, by ``until``: the outcome of the waiting
+    statement (rows: granted; an error: not granted, and given back if it may have
+    been), or None if no answer came (by ``until`` plus half the margin, or from a
+    server that is not there).
 
-    The lock is never kept when this does not return rows: a wait that failed
-    after its grant, or that was given up on (no answer, an interrupt), is
-    called off by :func:`giving_back`, within the margin.
+    ``held``: the session holds lock already (two keys of one digest); ``last``: the
+    last key of a transaction turn, whose work gets the role's statement_timeout back.
+    The lock is never kept when this does not return rows: a wait that failed after
+    its grant, or that was given up on (no answer, an interrupt), is called off by
+    :func:`giving_back`, within the margin.
     """
-    failed = yield (SEND, connection, statement[0], statement[1], True)
-    if failed is not None:
-        return failed  # type: ignore[no-any-return]
-    bound = None if until is None else until + limits.margin / 2
+    connection, ready = lease.connection, lease.ready
+    if until is None:
+        bound = left = None
+        check = now() + limits.unreachable_after
+    else:
+        check = now()
+        left = until - check if until > check else 0.0
+        bound = until + limits.margin / 2
+        check += limits.unreachable_after
+        if bound < check:
+            check = bound
+    sql, params = _pg_sql.waiting(lock, timeout, left, ready.role_timeout if last else "0")
+    answer: Outcome | None
     try:
-        answer = yield from answering(pid, bound, limits)
+        answer = yield (ASK, connection, sql, params, True, check)
+        if answer is None:
+            answer = yield from checking(ready.pid, bound, limits)
     except BaseException:  # interrupted: the lock may come, or have come, all the same
         yield from giving_back(connection, lock, None, held, now() + limits.margin)
         raise
@@ -187,7 +193,7 @@ def waiting(
         # the server is not there: give up on it
         end = now() + limits.margin / 2 if until is None else until + limits.margin
         yield from giving_back(connection, lock, None, held, end)
-    elif not isinstance(answer, list):
+    elif not isinstance(answer, list) and not lost(answer):
         yield from giving_back(connection, lock, answer, held, now() + limits.margin)
     return answer
 
@@ -219,11 +225,10 @@ def giving_back(
         if isinstance(answer, list):
             if not answer:
                 return  # timeout=0, and the key was busy
-            undone = yield from asking(
-                connection, _pg_sql.UNLOCK, _pg_sql.unlocking([lock]), until, prepared=True
-            )
+            undo = (_pg_sql.UNLOCK, _pg_sql.unlocking([lock]), True)
         else:  # it failed after the grant, or where: ask the server
-            undone = yield from asking(connection, _pg_sql.UNDO, _pg_sql.undoing(lock), until)
+            undo = (_pg_sql.UNDO, _pg_sql.undoing(lock), False)
+        undone = yield (ASK, connection, *undo, until)
         if not isinstance(undone, list):
             yield (CLOSE, connection)
     except BaseException:  # interrupted again: end the session, and its locks with it
@@ -246,9 +251,9 @@ def ending(connection: Any, locks: list[int], until: float) -> Generator[Op, Any
     """
     params = _pg_sql.unlocking(locks)
     try:
-        answer = yield from asking(connection, _pg_sql.UNLOCK, params, until, prepared=True)
+        answer = yield (ASK, connection, _pg_sql.UNLOCK, params, True, until)
         if isinstance(answer, errors.InvalidSqlStatementName):  # deallocated (a pool's reset)
-            answer = yield from asking(connection, _pg_sql.UNLOCK_SQL, params, until)
+            answer = yield (ASK, connection, _pg_sql.UNLOCK_SQL, params, False, until)
     except BaseException:  # a thread interrupted meanwhile: the session ends with its locks
         yield (CLOSE, connection)
         raise
@@ -269,7 +274,7 @@ def ending_transaction(
             return (None, None), failure
         yield (AUTOCOMMIT, connection, True)
         reset = _pg_sql.resetting(locks, connection.info.server_version)
-        answer = yield from asking(connection, reset, None, now() + limits.unreachable_after)
+        answer = yield (ASK, connection, reset, None, False, now() + limits.unreachable_after)
     except BaseException:  # a thread interrupted meanwhile: the session ends with its locks
         yield (CLOSE, connection)
         raise
@@ -313,8 +318,9 @@ def _finishing(
         )
     if status == _IDLE:
         return None  # the work ran no statement
+    answer: Outcome | None
     if not commit or status == _IN_ERROR:
-        answer = yield from asking(connection, b"ROLLBACK", None, now() + limits.unreachable_after)
+        answer = yield (ASK, connection, b"ROLLBACK", None, False, now() + limits.unreachable_after)
         if not isinstance(answer, list):
             yield (CLOSE, connection)  # (the server rolls back as the session ends)
         if commit:  # the work swallowed a failed statement: nothing of it was kept
@@ -323,8 +329,9 @@ def _finishing(
                 "the transaction was rolled back, so none of its writes were kept"
             )
         return None
-    failed = yield (SEND, connection, b"COMMIT", None, False)
-    answer = failed if failed is not None else (yield from answering(pid, None, limits))
+    answer = yield (ASK, connection, b"COMMIT", None, False, first_check(None, limits))
+    if answer is None:
+        answer = yield from checking(pid, None, limits)
     if isinstance(answer, list):
         return None
     if answer is None or lost(answer):
@@ -334,9 +341,10 @@ def _finishing(
             f"inturn: the connection was lost at COMMIT ({why}): whether the turn's writes "
             "were kept is unknown; the keys were freed"
         )
+    refused: psycopg.Error = answer
     if sys.version_info >= (3, 11):  # pragma: no branch
-        answer.add_note("inturn: the work ran, but its transaction did not commit")
-    return answer
+        refused.add_note("inturn: the work ran, but its transaction did not commit")
+    return refused
 
 
 def _ended(connection: Any) -> bool:

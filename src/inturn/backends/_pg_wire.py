@@ -36,6 +36,8 @@ __all__ = (
     "Rows",
     "answer",
     "answer_sync",
+    "ask",
+    "collect",
     "discard",
     "readable",
     "send",
@@ -56,49 +58,26 @@ _SQLSTATE: Final = pq.DiagnosticField.SQLSTATE
 
 
 class Reply:
-    """One statement's answer: read as it arrives, kept once complete.
-
-    For a task (``loop`` given), the loop's reader reads it and calls
-    :attr:`callback` once it is complete; for a thread, :func:`answer_sync`
-    reads it. :attr:`outcome` is None until then.
-    """
+    """One statement's answer, for a task: read by the event loop's reader as it arrives,
+    kept once complete (:attr:`outcome`, None until then), and :attr:`callback` called."""
 
     __slots__ = ("callback", "fd", "loop", "outcome", "pgconn", "results")
 
-    def __init__(self, pgconn: pq.abc.PGconn, loop: asyncio.AbstractEventLoop | None) -> None:
+    def __init__(self, pgconn: pq.abc.PGconn, loop: asyncio.AbstractEventLoop) -> None:
         self.pgconn = pgconn
         self.loop = loop
         self.outcome: Outcome | None = None
         self.callback: Callable[[], None] | None = None
         self.results: list[pq.abc.PGresult] = []
-        self.fd = pgconn.socket
-        if loop is not None:
-            if pgconn.flush():  # (rare: the statement did not fit the socket's buffer)
-                loop.add_writer(self.fd, self._flush)
-            loop.add_reader(self.fd, self._read)
-        else:
-            while pgconn.flush():
-                _poll(self.fd, select.POLLOUT, None)
-
-    def collect(self) -> bool:
-        """Read what the socket has; True once the answer is complete (then kept)."""
-        pgconn = self.pgconn
-        try:
-            pgconn.consume_input()
-            while not pgconn.is_busy():
-                result = pgconn.get_result()
-                if result is None:
-                    self.outcome = _outcome(self.results)
-                    self.results = []
-                    return True
-                self.results.append(result)
-        except psycopg.OperationalError as error:
-            self.outcome = error
-            return True
-        return False
+        fd = self.fd = pgconn.socket
+        if pgconn.flush():  # (rare: the statement did not fit the socket's buffer)
+            loop.add_writer(fd, self._flush)
+        loop.add_reader(fd, self._read)
 
     def _read(self) -> None:
-        if self.collect():
+        outcome = collect(self.pgconn, self.results)
+        if outcome is not None:
+            self.outcome = outcome
             self._done()
 
     def _flush(self) -> None:
@@ -109,7 +88,6 @@ class Reply:
             self.outcome = error
             self._done()
             return
-        assert self.loop is not None
         self.loop.remove_writer(self.fd)
 
     def _done(self) -> None:
@@ -120,9 +98,22 @@ class Reply:
 
     def stop(self) -> None:
         """Stop reading (the answer is in, or the connection is being closed)."""
-        if self.loop is not None:
-            self.loop.remove_reader(self.fd)
-            self.loop.remove_writer(self.fd)
+        self.loop.remove_reader(self.fd)
+        self.loop.remove_writer(self.fd)
+
+
+def collect(pgconn: pq.abc.PGconn, results: list[pq.abc.PGresult]) -> Outcome | None:
+    """Read what the socket has of the answer into results; its outcome once complete."""
+    try:
+        pgconn.consume_input()
+        while not pgconn.is_busy():
+            result = pgconn.get_result()
+            if result is None:
+                return _outcome(results)
+            results.append(result)
+    except psycopg.OperationalError as error:
+        return error
+    return None
 
 
 def send(
@@ -131,15 +122,14 @@ def send(
     params: Sequence[bytes | None] | None = None,
     *,
     prepared: bool = False,
-    loop: asyncio.AbstractEventLoop | None = None,
-) -> Reply:
-    """Send a statement on connection now; the reply to read its answer from.
+) -> None:
+    """Send a statement on connection now (a thread's: flushed when it returns).
 
     ``sql`` with ``params`` (``$1``..., text); or, ``prepared``, the name of
     a statement prepared on the connection, with its params; or, without
     params, one or more statements separated by ``;`` (the simple protocol).
-    ``loop``: the event loop whose reader reads the answer (a task's), or
-    None (a thread's: :func:`answer_sync`).
+    Its answer is read by :func:`answer_sync`, or by a :class:`Reply` (a
+    task's: :func:`ask`).
 
     :raises psycopg.OperationalError: the statement could not be sent.
     """
@@ -150,7 +140,21 @@ def send(
         pgconn.send_query(sql)
     else:
         pgconn.send_query_params(sql, params)
-    return Reply(pgconn, loop)
+
+
+def ask(
+    connection: Any,
+    sql: bytes,
+    params: Sequence[bytes | None] | None,
+    prepared: bool,
+    loop: asyncio.AbstractEventLoop,
+) -> Reply:
+    """(A task's.) As :func:`send`; the reply that the loop reads the answer into.
+
+    :raises psycopg.OperationalError: the statement could not be sent.
+    """
+    send(connection, sql, params, prepared=prepared)
+    return Reply(connection.pgconn, loop)
 
 
 async def answer(reply: Reply) -> Outcome:
@@ -173,18 +177,35 @@ def settle(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
-def answer_sync(reply: Reply, until: float | None) -> Outcome | None:
-    """The outcome of reply, waiting for it in this thread until ``until`` (monotonic).
+def answer_sync(
+    pgconn: pq.abc.PGconn, results: list[pq.abc.PGresult], until: float | None, fresh: bool
+) -> Outcome | None:
+    """(A thread's.) The outcome of the statement sent last on pgconn, read into results,
+    waiting for it until ``until`` (monotonic); None if it did not come in time.
 
-    None if it did not come in time. An exception raised while it waits (a
-    signal handler's) leaves the answer to come: call it again to collect it.
+    ``fresh``: nothing of it was read yet (no call for it before). An exception
+    raised while it waits (a signal handler's) leaves the answer to come:
+    call it again, with the same results, to collect it.
     """
-    while reply.outcome is None and not reply.collect():
-        left = None if until is None else until - time.monotonic()
-        if left is not None and left <= 0:
-            return None
-        _poll(reply.fd, select.POLLIN, left)
-    return reply.outcome
+    if fresh:
+        while pgconn.flush():  # (rare: the statement did not fit the socket's buffer)
+            _poll(pgconn.socket, select.POLLOUT, None)
+    else:  # (read before, and interrupted: some of it may be in)
+        outcome = collect(pgconn, results)
+        if outcome is not None:
+            return outcome
+    fd = pgconn.socket
+    while True:
+        if until is None:
+            _poll(fd, select.POLLIN, None)
+        else:
+            left = until - time.monotonic()
+            if left <= 0:
+                return None
+            _poll(fd, select.POLLIN, left)
+        outcome = collect(pgconn, results)
+        if outcome is not None:
+            return outcome
 
 
 def _poll(fd: int, events: int, wait: float | None) -> None:
