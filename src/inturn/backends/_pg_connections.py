@@ -324,15 +324,18 @@ class Connections:
         if until is not None and now() >= until:
             return missed(f"the turn for key {show(key)} (a connection)", timeout)
         level = f" at nesting level {tier}" if tier else ""
+        if self._given is not None and loop_here() is self._given_loop:
+            size, where = f"max_size={self._given.max_size}", "of your pool"
+        else:
+            size, where = f"max_sessions={self._size}", "of this event loop or thread"
         return BackendUnavailable(
             f"inturn: no connection of {self.owner} came free for key {show(key)} within "
-            f"session_wait={self.limits.session_wait:g} s: all max_sessions={self._size} of "
-            f"its event loop (or of this process's threads){level} are held by turns; the "
-            "work did not run. A turn that waits for "
-            "other turns of its process while it holds its keys needs a connection for each "
-            "at once: start those turns in its context (tasks made in its block, "
-            "asyncio.to_thread, contextvars.copy_context().run), which take connections of "
-            "their own, or raise max_sessions or session_wait"
+            f"session_wait={self.limits.session_wait:g} s: all {size} {where}{level} are "
+            "held by turns; the work did not run. A turn that waits for other turns of its "
+            "process while it holds its keys needs a connection for each at once: start "
+            "those turns in its context (tasks made in its block, asyncio.to_thread, "
+            "contextvars.copy_context().run), which take connections of their own, or "
+            f"raise {size.split('=')[0]} or session_wait"
         )
 
     def _unreachable(
@@ -342,6 +345,15 @@ class Connections:
         if until is not None and timeout != 0 and now() >= until - 1e-3:
             return missed(f"the turn for key {show(key)} (a connection)", timeout)
         reason = said(error) if isinstance(error, psycopg.Error) else (str(error) or "timed out")
+        if type(error).__name__ == "PoolTimeout":  # (psycopg_pool's: the server is fine)
+            failure = BackendUnavailable(
+                f"inturn: no connection of your pool (max_size={self._given.max_size}) came "
+                f"free for key {show(key)} ({reason}); the work did not run. Every turn that "
+                "holds or waits for a key at once needs a connection of its own, nested "
+                "turns included: raise the pool's max_size"
+            )
+            failure.__cause__ = error
+            return failure
         failure = BackendUnavailable(
             f"inturn: could not connect to PostgreSQL for key {show(key)} ({reason}) through "
             f"{self.owner}; the work did not run"

@@ -138,9 +138,8 @@ def checking(pid: int, bound: float | None, limits: Limits) -> Generator[Op, Any
     """The outcome of the statement in flight, which did not come by its first check:
     while none comes, check every ``unreachable_after`` that the server still has
     session pid (None: no answer by bound, or the server is not there)."""
-    every = limits.unreachable_after
     while bound is None or now() < bound:
-        if not (yield (PROBE, pid, now() + every)):
+        if not (yield (PROBE, pid, first_check(bound, limits))):
             return None
         answer: Outcome | None = yield (ANSWER, first_check(bound, limits))
         if answer is not None:
