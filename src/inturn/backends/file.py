@@ -167,6 +167,10 @@ _OPEN_TICKET = os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 # never inherits a file of a turn that _OPEN does not list.
 _OPEN: set[int] = set()
 _OPENING = threading.Lock()
+#: Forks between the process that imported this module and this one. A grant made
+#: with another count is an ancestor's: the key is still the ancestor's, and the
+#: numbers of its files (closed here at the fork) may name other files since.
+_forks = 0
 
 
 def _open_tracked(name: str, flags: int, directory: int, mode: int = 0o600) -> int:
@@ -185,6 +189,8 @@ def _close(fd: int) -> None:
 
 
 def _close_inherited() -> None:
+    global _forks
+    _forks += 1
     for fd in _OPEN:
         try:
             os.close(fd)
@@ -497,7 +503,9 @@ class FileGrant:
         "_digest",
         "_end",
         "_fd",
+        "_forks",
         "_line",
+        "_loop",
         "_lost",
         "_ticket",
         "_where",
@@ -528,6 +536,8 @@ class FileGrant:
         self._ticket = ticket
         self._end = end  # where its record ends in the line file: later ones are written past it
         self._lost = False  # (once released) whether its files were gone at the release
+        self._forks = _forks  # (a forked child's count differs: the grant is its parent's)
+        self._loop: asyncio.AbstractEventLoop | None = None  # a task's grant's (see release)
 
     @property
     def lost(self) -> bool:
@@ -544,7 +554,7 @@ class FileGrant:
         file edited in place; one deleted and made again with the same inode
         number, found by a release with no file descriptor left to read it.
         """
-        if self._fd < 0:
+        if self._fd < 0 or self._forks != _forks:  # (a forked child: its parent's, see release)
             return self._lost
         if _unlinked(self._fd):
             return True
@@ -553,8 +563,18 @@ class FileGrant:
             _close(fd)
         return replaced
 
+    def _forget(self) -> None:
+        """(In a forked child.) End the child's part of its parent's grant, touching nothing.
+
+        The ticket is the parent's: the parent holds the key until it leaves
+        its own block, and hands it on then. The child's copy of the ticket
+        was closed at the fork (see _OPEN), and its number may name another
+        file of the child's since.
+        """
+        self._fd = -1
+
     def __repr__(self) -> str:
-        held = "held" if self._fd >= 0 else "released"
+        held = "released" if self._fd < 0 else "held" if self._forks == _forks else "inherited"
         return f"<FileGrant key={describe(self.key)} token={self.token} {held}>"
 
 
@@ -574,6 +594,12 @@ class FileBackend:
       killed at any instruction of queueing, releasing or tidying leaves
       every line usable and loses nobody's turn; what it leaves behind is
       removed by the next turn that tidies the key's line.
+    - Forks: a child forked while its parent holds a key (or waits for it)
+      closes its copies of the turn's files at once, so the parent's line
+      never waits for the child. Leaving the block in the child ends the
+      child's part of the turn at once, with no effect on the parent's
+      files: the parent holds the key until it leaves its own block. The
+      child may then take the key again, behind the parent, as any process.
     - Waiting costs no CPU and never blocks the event loop: a waiter sleeps
       in the loop until the ticket before it hands the key on, or the
       kernel reports that it closed. Timeouts and cancellation take effect
@@ -702,6 +728,7 @@ class FileBackend:
                     wait = taking.send(await until_left(wait.fd, deadline, lambda: _missed(key)))
         except StopIteration as taken:
             grant: FileGrant = taken.value
+            grant._loop = loop
             return grant
         except BaseException as error:
             taking.close()  # leave the line (see _taking)
@@ -877,9 +904,19 @@ class FileBackend:
         unless the grant left its line last and another process held the
         line file's lock; it then completes once the tidy was tried again
         (see _retry). The key is handed on at once either way.
+
+        In a forked child, a grant its parent holds ends in the child alone,
+        with no effect on the parent's files (see FileGrant._forget): the
+        Future is done already, and is of the loop the grant was taken in
+        (the child of a task has no running loop).
         """
         own = self._granted(grant)
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if own._forks != _forks:
+            own._forget()
+            done = (own._loop or asyncio.get_running_loop()).create_future()
+            done.set_result(None)
+            return done
+        done = asyncio.get_running_loop().create_future()
         try:
             again = self._leave(own)
         except OSError as error:
@@ -899,8 +936,12 @@ class FileBackend:
         not for :meth:`release`'s half second: a thread has no loop to come
         back on later, and its user's work is not held up for a tidy. The
         line file is then left to the key's next turn, which removes it.
+        In a forked child, a grant its parent holds ends as in :meth:`release`.
         """
         own = self._granted(grant)
+        if own._forks != _forks:  # a forked child's copy of its parent's grant
+            own._forget()
+            return
         try:
             again = self._leave(own)
         except OSError as error:
