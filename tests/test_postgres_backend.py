@@ -74,6 +74,11 @@ def test_importing_inturn_imports_no_psycopg() -> None:
         ({"max_sessions": 0}, ValueError),
         ({"max_sessions": True}, TypeError),
         ({"max_sessions": 1.5}, TypeError),
+        ({"session_wait": -1}, ValueError),
+        ({"session_wait": "30"}, TypeError),
+        ({"unreachable_after": 0}, ValueError),
+        ({"unreachable_after": None}, ValueError),
+        ({"unreachable_after": True}, TypeError),
     ],
 )
 def test_bad_settings_are_refused(args: dict[str, Any], error: type[Exception]) -> None:

@@ -30,6 +30,7 @@ HEADING = re.compile(r"^(#+) ")
 FENCE = re.compile(r"^(```|~~~)")
 #: README anchors (its own links, ``(#deploying)``) and the site's page for each.
 ANCHORS = {
+    "#a-fork-inside-a-turn": "backends.md#a-fork-inside-a-turn",
     "#deploying": "deploying.md",
     "#quick-start": "getting-started.md#quick-start",
 }

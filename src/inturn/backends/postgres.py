@@ -65,8 +65,20 @@ class PostgresBackend:
     - A holder or waiter whose process dies frees its place as soon as the
       server sees its connection close (a waiter within about a second, by
       ``client_connection_check_interval``, on PostgreSQL 14+).
-    - ``timeout`` is the server's ``lock_timeout``; cancelling a wait
-      cancels the server's query, and a lock granted just then is given back.
+    - No lock left behind: a wait that fails or is given up on (a timeout,
+      a cancellation, a thread's interrupt, a missing privilege) after the
+      server granted its lock gives it back before it raises (unlocked, or
+      looked up in ``pg_locks`` and unlocked, or the session ended).
+    - Nothing hangs: a turn ends within its ``timeout`` plus 1 s whatever
+      the network or the server does (a thread that must open a new
+      connection to a silent server: 2 s, libpq's least connect timeout);
+      ``timeout`` covers the wait for a connection, connecting, readying it
+      and the server's ``lock_timeout``. Without one, an answer overdue by
+      ``unreachable_after`` is checked on a new connection: a server that
+      does not answer that either is :exc:`~inturn.BackendUnavailable`
+      within twice ``unreachable_after``. Leaving a turn is bounded by
+      ``unreachable_after``: an unlock without an answer closes the
+      connection, and the turn raises :exc:`~inturn.LeaseLost`.
     - A holder whose session ended under it (server restart,
       ``pg_terminate_backend``, failover) learns it when its turn ends: its
       grant is ``lost``, and the call raises :exc:`~inturn.LeaseLost` after
@@ -77,17 +89,28 @@ class PostgresBackend:
     - Connections are bounded: a turn takes one connection, however many
       keys it holds, once it has the head of each key's line in this
       process (so at most one per key), and ``max_sessions`` at most per
-      event loop and for the threads of a process. A turn beyond them waits
-      in this process for one to come free (within its ``timeout``); a turn
-      holding one never waits for another (a turn nested in another takes
-      its keys on the enclosing turn's connection), so turns cannot
-      deadlock over them. Connections are kept open between turns: a
-      loop's until it shuts down, the others until :meth:`aclose`.
+      event loop and for the threads of a process, per level of nesting: a
+      turn started inside another turn (a task made in its block,
+      ``asyncio.to_thread``, ``contextvars.copy_context().run``, a turn of
+      the same task nested in a transaction turn) takes its connection from
+      the next level's, so a holder that waits for such turns never holds
+      the connections they need; a turn of the same task nested in a plain
+      turn takes its keys on the enclosing turn's connection. Any other
+      wait for a connection is bounded by ``session_wait``: past it, the
+      turn fails with :exc:`~inturn.BackendUnavailable` (the work did not
+      run). Connections are kept open between turns: a loop's until it
+      shuts down, the others until :meth:`aclose`.
+    - Sessions run with ``statement_timeout = 0`` (a role's never cuts a
+      wait short); a transaction turn's work gets the role's own back, and
+      its connection is reset after it (settings, role, temporary tables,
+      listens, the work's own advisory locks) before it serves another.
     - ``keyed(..., transaction=True)`` runs the block in a transaction on
       the turn's connection (``turn.connection``): it commits when the block
       ends, rolls back on an exception, and the keys are unlocked only
       after that. A commit that fails raises the database's error after
       the work (the writes did not happen).
+    - A raw ``os.fork()`` inside a turn: the child's copy of the turn ends in
+      the child without a word to the server; the parent keeps the key.
 
     Not guaranteed: a holder cut off from the server (a partition, a frozen
     process) keeps the key until the server ends its session: set
@@ -117,8 +140,15 @@ class PostgresBackend:
     :param namespace: keeps the lines of different apps apart (letters,
         digits and ``_.:-``).
     :param max_sessions: connections at most per event loop, and for the
-        threads of a process (a pool of your own: its ``max_size``).
-    :raises ValueError: a bad namespace or max_sessions.
+        threads of a process, per level of nesting (a pool of your own: its
+        ``max_size``).
+    :param session_wait: seconds a turn waits for a connection when all are
+        taken, at most (``None``: as long as it takes, which can deadlock a
+        holder that waits for turns outside its context).
+    :param unreachable_after: seconds without an answer from PostgreSQL after
+        which the backend checks the server, or counts it as unreachable.
+    :raises ValueError: a bad namespace, max_sessions, session_wait or
+        unreachable_after.
     """
 
     __slots__ = ("__weakref__", "_connections", "_namespace", "_where")
@@ -211,9 +241,9 @@ class PostgresBackend:
     async def acquire(self, key: Hashable, timeout: float | None) -> PostgresGrant:
         """Wait in key's advisory-lock queue on a connection of its own; return once held.
 
-        ``timeout`` covers waiting for a free session slot (all are taken)
-        and the server's ``lock_timeout``; 0 asks once
-        (``pg_try_advisory_lock``, one round trip).
+        ``timeout`` covers waiting for a free session slot (all are taken),
+        connecting and the server's ``lock_timeout``, with 1 s of margin; 0
+        asks once (``pg_try_advisory_lock``, one round trip).
 
         :raises TimeoutError: the turn was not reached within ``timeout``;
             the session left the queue.
