@@ -92,7 +92,6 @@ class PgSession:
         "_generation",
         "_grants",
         "_lease",
-        "_loop",
         "_namespace",
         "_pid",
         "_tier",
@@ -121,7 +120,6 @@ class PgSession:
         self._closed = False
         self._pid = 0  # the server session that holds the keys (its first grant's)
         self._generation = connections.generation  # (a forked child's differs)
-        self._loop: asyncio.AbstractEventLoop | None = None  # a task's turn's
 
     @property
     def connection(self) -> Any:
@@ -144,7 +142,6 @@ class PgSession:
         kept (a grant that came just then is given back).
         """
         run = self._busy = Run(self._acquiring(key, timeout), self._connections)
-        self._loop = run.loop
         try:
             grant: PostgresGrant = await run.result
         except asyncio.CancelledError:
@@ -185,7 +182,8 @@ class PgSession:
     def _done(self) -> asyncio.Future[None]:
         """A release with nothing to do (a forked child of a task has no running loop:
         the future is of the loop the turn was taken in)."""
-        loop = self._loop or asyncio.get_running_loop()
+        busy = self._busy
+        loop = asyncio.get_running_loop() if busy is None else busy.loop
         done: asyncio.Future[None] = loop.create_future()
         done.set_result(None)
         return done

@@ -31,10 +31,12 @@ __all__ = (
     "PROBE",
     "SEQUENCE",
     "TRY",
+    "TRY_AFTER",
     "UNDO",
     "UNLOCK",
     "UNLOCK_SQL",
     "WAIT",
+    "WAIT_AFTER",
     "prepare",
     "resetting",
     "undoing",
@@ -61,12 +63,10 @@ _CHECK: Final = "SET client_connection_check_interval = '" + _CHECK_INTERVAL + "
 # none) for the advisory wait, and '0' again for nextval, so that a LockNotAvailable
 # always means "the lock was not granted" (nextval held up by a DDL of another
 # session is bounded by the client instead, and then the lock is given back).
-# $3 (WAIT) or $2 (TRY) is the session's statement_timeout from the next statement
-# on: '0', or the role's own for the work of a transaction turn.
-_WAIT: Final = (
-    "PREPARE inturn_wait (int8, text, text) AS"
-    " SELECT nextval('" + SEQUENCE + "'), pg_backend_pid(),"
-    " set_config('statement_timeout', $3, false) FROM ("
+# The _AFTER variants (the last key of a transaction turn whose role has a
+# statement_timeout of its own) also set the session's statement_timeout to their
+# last parameter from the next statement on, for the turn's work.
+_GRANTED: Final = (
     "  SELECT set_config('lock_timeout', '0', true) FROM ("
     "   SELECT pg_advisory_lock($1) FROM ("
     "    SELECT set_config('lock_timeout', $2, true) OFFSET 0"
@@ -74,15 +74,22 @@ _WAIT: Final = (
     "  ) AS granted OFFSET 0"
     " ) AS unbounded;"
 )
-# timeout=0: ask once; no row if the key is busy.
-_TRY: Final = (
-    "PREPARE inturn_try (int8, text) AS"
-    " SELECT nextval('" + SEQUENCE + "'), pg_backend_pid(),"
-    " set_config('statement_timeout', $2, false) FROM ("
+_TRIED: Final = (
     "  SELECT got, set_config('lock_timeout', '0', true) FROM ("
     "   SELECT pg_try_advisory_lock($1) AS got OFFSET 0"
     "  ) AS tried OFFSET 0"
     " ) AS unbounded WHERE got;"
+)
+_TOKEN: Final = " SELECT nextval('" + SEQUENCE + "'), pg_backend_pid()"
+_AFTER: Final = ", set_config('statement_timeout', $3, false)"
+_WAIT: Final = "PREPARE inturn_wait (int8, text) AS" + _TOKEN + " FROM (" + _GRANTED
+_WAIT_AFTER: Final = (
+    "PREPARE inturn_wait_after (int8, text, text) AS" + _TOKEN + _AFTER + " FROM (" + _GRANTED
+)
+# timeout=0: ask once; no row if the key is busy ($2: unused, as WAIT's).
+_TRY: Final = "PREPARE inturn_try (int8, text) AS" + _TOKEN + " FROM (" + _TRIED
+_TRY_AFTER: Final = (
+    "PREPARE inturn_try_after (int8, text, text) AS" + _TOKEN + _AFTER + " FROM (" + _TRIED
 )
 # The end of a turn: unlock each of its keys; whether each was held, in order.
 _UNLOCK: Final = (
@@ -96,7 +103,9 @@ _WHO: Final = (
 )
 
 WAIT: Final = b"inturn_wait"
+WAIT_AFTER: Final = b"inturn_wait_after"
 TRY: Final = b"inturn_try"
+TRY_AFTER: Final = b"inturn_try_after"
 UNLOCK: Final = b"inturn_unlock"
 
 #: UNLOCK, unprepared: for a connection whose statements were deallocated meanwhile
@@ -118,8 +127,7 @@ UNDO: Final = (
 
 #: The statements of ours a connection has, to deallocate (prepared by another backend).
 PREPARED: Final = (
-    b"SELECT 'DEALLOCATE ' || name FROM pg_prepared_statements"
-    b" WHERE name IN ('inturn_wait', 'inturn_try', 'inturn_unlock')"
+    b"SELECT 'DEALLOCATE ' || name FROM pg_prepared_statements WHERE name LIKE 'inturn\\_%'"
 )
 
 #: Whether a server session is still there (asked on a connection of its own, while
@@ -130,7 +138,7 @@ PROBE: Final = b"SELECT count(*) FROM pg_stat_activity WHERE pid = $1"
 def prepare(server_version: int) -> bytes:
     """The script that readies a session: its settings, the statements (first row: _WHO)."""
     check = _CHECK if server_version >= 140000 else ""
-    return (_WHO + _SETTINGS + check + _WAIT + _TRY + _UNLOCK).encode()
+    return (_WHO + _SETTINGS + check + _WAIT + _WAIT_AFTER + _TRY + _TRY_AFTER + _UNLOCK).encode()
 
 
 def resetting(locks: list[int], server_version: int) -> bytes:
@@ -151,11 +159,12 @@ def waiting(
     lock: int, timeout: float | None, left: float | None, after: str
 ) -> tuple[bytes, list[bytes | None]]:
     """The statement that takes lock within left seconds (``timeout=0``: at once); its
-    params. ``after``: the session's statement_timeout once it is done."""
-    if timeout == 0:
-        return TRY, [str(lock).encode(), after.encode()]
-    limit = "0" if left is None else str(max(1, math.ceil(left * 1000)))
-    return WAIT, [str(lock).encode(), limit.encode(), after.encode()]
+    params. ``after``: the session's statement_timeout once it is done ('0': as it is)."""
+    limit = "0" if left is None or timeout == 0 else str(max(1, math.ceil(left * 1000)))
+    if after == "0":
+        return TRY if timeout == 0 else WAIT, [str(lock).encode(), limit.encode()]
+    params: list[bytes | None] = [str(lock).encode(), limit.encode(), after.encode()]
+    return TRY_AFTER if timeout == 0 else WAIT_AFTER, params
 
 
 def unlocking(locks: list[int]) -> list[bytes | None]:
