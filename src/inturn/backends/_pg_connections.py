@@ -45,7 +45,7 @@ from .._errors import BackendUnavailable
 from .._keys import describe as show
 from .._tasks import loop_here
 from . import _pg_sql, _pg_wire
-from ._pg_places import Lease, LoopPlace, ThreadPlace, alive, guard
+from ._pg_places import Lease, LoopPlace, ThreadPlace, Watch, alive, guard
 from ._pg_ready import Readiness
 from ._pg_steps import CONNECT, SLOT, Limits, Op, now, said
 
@@ -159,6 +159,10 @@ class Connections:
         if taken:
             lease.place = place
         return taken
+
+    def watch(self) -> Watch:
+        """(A task's.) The watch of the running event loop's answers' bounds."""
+        return self._place().watch
 
     def _slot_wait(self, until: float | None) -> float | None:
         """Seconds to wait for a slot: the turn's time left, at most session_wait."""

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any, final
 
 import psycopg
 
-from .._tasks import retrieve
 from ._pg_steps import ANSWER, ASK, AUTOCOMMIT, CANCEL, CLOSE, CONNECT, PROBE, SLOT, Steps
 from ._pg_wire import Reply, answer_sync, ask, discard, send, settle
 
@@ -45,7 +44,8 @@ class Run:
         "_reply",
         "_steps",
         "_task",
-        "_timer",
+        "_watch",
+        "_watched",
         "done",
         "interrupted",
         "loop",
@@ -58,7 +58,8 @@ class Run:
         self._steps = steps
         self._connections = connections
         self._reply: Reply | None = None  # the statement sent last
-        self._timer: asyncio.TimerHandle | None = None  # the bound of the answer waited for
+        self._watch = connections.watch()  # (the loop's) where the bound of an answer waits
+        self._watched = False  # whether the answer waited for has a bound in the watch
         self._task: asyncio.Future[Any] | None = None  # the coroutine op waited for
         self._pending: BaseException | None = None  # an interrupt to throw in at the next op
         self._ended: list[Callable[[], None]] = []  # called once the steps are done
@@ -75,7 +76,7 @@ class Run:
         reply = self._reply
         if reply is not None and reply.callback is not None:  # waiting for an answer
             reply.callback = None
-            self._cancel_timer()
+            self._unwatch()
             self._go(None, error)
         else:  # waiting for a coroutine op: cancelled, it resumes the steps with error
             self._pending = error
@@ -129,10 +130,10 @@ class Run:
                     value = reply.outcome
                     continue
                 if until is not None:
-                    delay = until - time.monotonic()
-                    if delay <= 0:
+                    if until <= time.monotonic():
                         continue  # (value None: no answer by until)
-                    self._timer = self.loop.call_later(delay, self._expired)
+                    self._watch.add(self, until)
+                    self._watched = True
                 reply.callback = self._answered
                 return
             elif verb == CLOSE:
@@ -169,22 +170,23 @@ class Run:
             self._go(task.result(), None)
 
     def _answered(self) -> None:
-        self._cancel_timer()
+        if self._watched:
+            self._unwatch()
         reply = self._reply
         assert reply is not None
         self._go(reply.outcome, None)
 
-    def _expired(self) -> None:
-        self._timer = None
+    def expire(self) -> None:
+        """(The watch's.) The bound of the answer waited for passed: resume without it."""
+        self._watched = False
         reply = self._reply
         if reply is not None and reply.callback is not None:
             reply.callback = None
             self._go(None, None)
 
-    def _cancel_timer(self) -> None:
-        timer, self._timer = self._timer, None
-        if timer is not None:
-            timer.cancel()
+    def _unwatch(self) -> None:
+        self._watched = False
+        self._watch.discard(self)
 
     def _end(self, value: Any, error: BaseException | None) -> None:
         self.done = True
@@ -192,10 +194,10 @@ class Run:
         if not result.done():
             if error is None:
                 result.set_result(value)
+            elif isinstance(error, asyncio.CancelledError):
+                result.cancel()
             else:
                 result.set_exception(error)
-                if isinstance(error, asyncio.CancelledError):
-                    result.add_done_callback(retrieve)
         ended, self._ended = self._ended, []
         for callback in ended:
             callback()

@@ -11,16 +11,29 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import threading
+import time
 from collections.abc import Callable
-from typing import Any, Final, final
+from typing import Any, Final, Protocol, final
 
 import psycopg
 
 from .._tasks import retrieve
 from . import _pg_wire
 
-__all__ = ("Lease", "LoopPlace", "Slots", "ThreadPlace", "alive", "guard", "reusable", "stale")
+__all__ = (
+    "Due",
+    "Lease",
+    "LoopPlace",
+    "Slots",
+    "ThreadPlace",
+    "Watch",
+    "alive",
+    "guard",
+    "reusable",
+    "stale",
+)
 
 _OK: Final = psycopg.pq.ConnStatus.OK
 _IDLE: Final = psycopg.pq.TransactionStatus.IDLE
@@ -91,14 +104,68 @@ class Slots:
         self.free += 1
 
 
+class Due(Protocol):
+    """What a :class:`Watch` watches: told once its bound passed."""
+
+    def expire(self) -> None: ...
+
+
+@final
+class Watch:
+    """The bounds of one event loop's awaited answers, on one timer.
+
+    A timer per statement would cost each turn two timer handles: instead,
+    each bound is a dict entry (:meth:`add` on sending, :meth:`discard` on the
+    answer), and one timer is set for the earliest; when it fires, the bounds
+    that passed are expired and it is set again for the next. Most bounds are
+    ``unreachable_after`` ahead and are discarded long before, so the timer
+    seldom moves.
+    """
+
+    __slots__ = ("at", "due", "handle", "loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.due: dict[Due, float] = {}  # each awaited answer's bound (time.monotonic())
+        self.handle: asyncio.TimerHandle | None = None  # set for `at`, the earliest bound
+        self.at = math.inf
+
+    def add(self, due: Due, until: float) -> None:
+        """Expire due at until, unless discarded first."""
+        self.due[due] = until
+        if until < self.at:
+            if self.handle is not None:
+                self.handle.cancel()
+            self.at = until
+            self.handle = self.loop.call_later(until - time.monotonic(), self._fire)
+
+    def discard(self, due: Due) -> None:
+        self.due.pop(due, None)
+
+    def _fire(self) -> None:
+        now = time.monotonic()
+        due = self.due
+        passed = [waiting for waiting, until in due.items() if until <= now]
+        for waiting in passed:
+            del due[waiting]
+        self.handle, self.at = None, math.inf
+        if due:
+            self.at = min(due.values())
+            self.handle = self.loop.call_later(self.at - now, self._fire)
+        for waiting in passed:
+            waiting.expire()
+
+
 @final
 class LoopPlace:
-    """What the backend keeps for one event loop: its slots per tier, and idle connections."""
+    """What the backend keeps for one event loop: its slots per tier, idle connections,
+    and the watch of its answers' bounds."""
 
-    __slots__ = ("given", "guard", "idle", "size", "tiers")
+    __slots__ = ("given", "guard", "idle", "size", "tiers", "watch")
 
     def __init__(self, size: int, given: Any = None) -> None:
         self.size = size
+        self.watch = Watch(asyncio.get_running_loop())
         self.tiers: list[Slots] = []
         # the connections kept, each with what readying it learnt (a _pg_ready.Ready)
         self.idle: list[tuple[psycopg.AsyncConnection[Any], Any]] = []
