@@ -7,6 +7,9 @@ Through it a test can
 - :meth:`~Proxy.freeze` the network: bytes stop flowing both ways and new
   connections get no answer, as when packets are dropped; :meth:`~Proxy.thaw`
   delivers what was held and goes on, as TCP does once a partition heals;
+- :meth:`~Proxy.hold_replies`: the server's bytes stop reaching the
+  clients connected now (theirs still reach the server, and new
+  connections flow), as when a network drops one direction of a flow;
 - :meth:`~Proxy.cut` every connection at once (the peer sees a reset);
 - :meth:`~Proxy.inject` bytes into every server-to-client stream (RESP3 push
   frames, say), written between two chunks the server sent.
@@ -37,6 +40,7 @@ class _Pipe:
         self.server: socket.socket | None = None
         self.to_server = bytearray()  # read from the client, held while frozen
         self.to_client = bytearray()
+        self.replies_held = False  # the server's bytes wait (the client's flow)
 
 
 class Proxy:
@@ -129,7 +133,7 @@ class Proxy:
                 continue
             assert pipe.server is not None
             for data, sock in ((pipe.to_server, pipe.server), (pipe.to_client, pipe.client)):
-                if data:
+                if data and not (pipe.replies_held and sock is pipe.client):
                     try:
                         sent = sock.send(data)
                     except (BlockingIOError, InterruptedError):
@@ -173,8 +177,20 @@ class Proxy:
 
         def thaw() -> None:
             self._frozen = False
+            for pipe in self._pipes.values():
+                pipe.replies_held = False
 
         self._change(thaw)
+
+    def hold_replies(self) -> None:
+        """Keep the server's bytes from the clients connected now (theirs still reach it;
+        new connections flow), until :meth:`thaw`."""
+
+        def hold() -> None:
+            for pipe in self._pipes.values():
+                pipe.replies_held = True
+
+        self._change(hold)
 
     def cut(self) -> None:
         """Reset every connection through the proxy now (new ones are accepted)."""

@@ -390,6 +390,34 @@ async def test_a_wait_without_timeout_through_a_partition_raises_backend_unavail
 
 
 @pytest.mark.parametrize("mode", MODES)
+async def test_a_grant_whose_answer_never_comes_is_given_up_and_its_key_freed(
+    net: Net, mode: str
+) -> None:
+    # Only the server's replies are lost: the waiter's session gets the lock and
+    # its statement ends, but the answer never reaches the client. The check must
+    # not take "the session is there" for "the wait goes on": the session is idle,
+    # holding a lock no turn will use. The wait is given up (BackendUnavailable, the
+    # work never runs) and its connection closed, which frees the key at once.
+    queue = net.queue("p", unreachable_after=UNREACHABLE)
+    holder = await net.hold("k")
+    turn = net.attempt(mode, queue, "k")
+    await net.until_waiting("p", turn)
+    began = time.monotonic()
+    net.proxy.hold_replies()
+    holder.let_go()  # the waiter's session is granted the key; its answer is held
+    bound = UNREACHABLE + max(UNREACHABLE, CONNECT_FLOOR) + MARGIN + SLACK
+    seconds = await turn.ends_within(bound, began)
+    outcome = {
+        "ended in time": seconds is not None,
+        "raised BackendUnavailable": isinstance(turn.error, BackendUnavailable),
+        "work ran": turn.ran,
+    }
+    expected = {"ended in time": True, "raised BackendUnavailable": True, "work ran": False}
+    assert outcome == expected, f"{took(seconds, bound)}; in the end: {turn.error!r}"
+    assert await net.locks_left("p") == []  # (the replies still held: freed by the close)
+
+
+@pytest.mark.parametrize("mode", MODES)
 async def test_a_wait_for_a_key_held_long_is_not_failed_by_the_check(net: Net, mode: str) -> None:
     # The control of the test above: the network flows, the key is held by another
     # process for three unreachable_after; the checks find the server alive and the

@@ -130,9 +130,11 @@ PREPARED: Final = (
     b"SELECT 'DEALLOCATE ' || name FROM pg_prepared_statements WHERE name LIKE 'inturn\\_%'"
 )
 
-#: Whether a server session is still there (asked on a connection of its own, while
-#: a statement of that session has gone unanswered for long).
-PROBE: Final = b"SELECT count(*) FROM pg_stat_activity WHERE pid = $1"
+#: Whether a server session is still there and still running a statement (asked on a
+#: connection of its own, while a statement of that session has gone unanswered for
+#: long): a session that finished its statement, whose answer never came, is as lost
+#: to its client as one that is gone. (The same role sees its sessions' state.)
+PROBE: Final = b"SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND state = 'active'"
 
 
 def prepare(server_version: int) -> bytes:

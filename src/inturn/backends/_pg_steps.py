@@ -25,7 +25,7 @@ The ops and their answers:
   flight (a cancel request on a connection of its own); None.
 - ``(CLOSE, connection)``: close connection now (its session ends, and its
   locks with it); None.
-- ``(PROBE, pid, until)``: whether server session pid is still there, asked
+- ``(PROBE, pid, until)``: whether server session pid still runs a statement, asked
   on a new connection; False if no answer came by ``until``.
 - ``(AUTOCOMMIT, connection, on)``: psycopg's autocommit for the work; None.
 - ``(SLOT, lease, until)``: one of the process's connection slots for
@@ -136,11 +136,13 @@ def first_check(bound: float | None, limits: Limits) -> float:
 
 def checking(pid: int, bound: float | None, limits: Limits) -> Generator[Op, Any, Outcome | None]:
     """The outcome of the statement in flight, which did not come by its first check:
-    while none comes, check every ``unreachable_after`` that the server still has
+    while none comes, check every ``unreachable_after`` that the server still runs it in
     session pid (None: no answer by bound, or the server is not there)."""
     while bound is None or now() < bound:
         if not (yield (PROBE, pid, first_check(bound, limits))):
-            return None
+            # (the statement may have ended just now, its answer on the way)
+            last: Outcome | None = yield (ANSWER, now() + limits.margin / 2)
+            return last
         answer: Outcome | None = yield (ANSWER, first_check(bound, limits))
         if answer is not None:
             return answer
