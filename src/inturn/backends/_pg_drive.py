@@ -50,6 +50,7 @@ class Run:
         "interrupted",
         "loop",
         "result",
+        "value",
     )
 
     def __init__(self, steps: Steps, connections: Connections) -> None:
@@ -65,6 +66,7 @@ class Run:
         self._ended: list[Callable[[], None]] = []  # called once the steps are done
         self.interrupted = False
         self.done = False
+        self.value: Any = None  # what the steps returned (kept if result was cancelled)
         self.result: asyncio.Future[Any] = loop.create_future()
         self._go(None, None)
 
@@ -190,6 +192,7 @@ class Run:
 
     def _end(self, value: Any, error: BaseException | None) -> None:
         self.done = True
+        self.value = value
         result = self.result
         if not result.done():
             if error is None:

@@ -145,10 +145,11 @@ class PgSession:
         try:
             grant: PostgresGrant = await run.result
         except asyncio.CancelledError:
-            result = run.result
-            if run.done and not result.cancelled() and result.exception() is None:
+            if run.result.done() and not run.result.cancelled():
+                run.result.exception()  # (retrieved: the caller was cancelled meanwhile)
+            if run.done and run.value is not None:
                 # granted as the caller was cancelled: give it back now
-                run = self._busy = Run(self._releasing(result.result()), self._connections)
+                run = self._busy = Run(self._releasing(run.value), self._connections)
             else:
                 run.interrupt(asyncio.CancelledError())
             await run.ended()  # (cancelled again: the rest goes on by itself)
