@@ -150,19 +150,20 @@ class Connections:
         """Take a free slot of lease's tier at once, if there is one: a task's of its event
         loop's, a thread's (no loop runs in it) of the process's threads'."""
         place: LoopPlace | ThreadPlace
-        if loop_here() is None:
+        loop = loop_here()
+        if loop is None:
             place = self._thread_place()
             taken = place.slots(lease.tier).acquire(False)
         else:
-            place = self._place()
+            place = self._place(loop)
             taken = place.slots(lease.tier).try_take()
         if taken:
             lease.place = place
         return taken
 
-    def watch(self) -> Watch:
-        """(A task's.) The watch of the running event loop's answers' bounds."""
-        return self._place().watch
+    def watch(self, loop: asyncio.AbstractEventLoop) -> Watch:
+        """(A task's.) The watch of the bounds of loop's answers (loop: the running one)."""
+        return self._place(loop).watch
 
     def _slot_wait(self, until: float | None) -> float | None:
         """Seconds to wait for a slot: the turn's time left, at most session_wait."""
@@ -272,9 +273,13 @@ class Connections:
 
     # -- places ---------------------------------------------------------------------------
 
-    def _place(self) -> LoopPlace:
-        """The slots and idle connections of the running event loop (made on its first call)."""
-        loop = asyncio.get_running_loop()
+    def _place(self, loop: asyncio.AbstractEventLoop | None = None) -> LoopPlace:
+        """The slots and idle connections of the running event loop (made on its first call).
+
+        loop: the running one, if the caller has it.
+        """
+        if loop is None:
+            loop = asyncio.get_running_loop()
         place = self._places.get(loop)
         if place is not None:
             return place

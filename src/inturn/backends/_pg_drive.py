@@ -59,7 +59,7 @@ class Run:
         self._steps = steps
         self._connections = connections
         self._reply: Reply | None = None  # the statement sent last
-        self._watch = connections.watch()  # (the loop's) where the bound of an answer waits
+        self._watch = connections.watch(loop)  # where the bound of an answer waits
         self._watched = False  # whether the answer waited for has a bound in the watch
         self._task: asyncio.Future[Any] | None = None  # the coroutine op waited for
         self._pending: BaseException | None = None  # an interrupt to throw in at the next op

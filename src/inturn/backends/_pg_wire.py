@@ -183,19 +183,20 @@ def answer_sync(
     """(A thread's.) The outcome of the statement sent last on pgconn, read into results,
     waiting for it until ``until`` (monotonic); None if it did not come in time.
 
-    ``fresh``: nothing of it was read yet (no call for it before). An exception
+    ``fresh``: just sent (its bytes may still wait to go out). An exception
     raised while it waits (a signal handler's) leaves the answer to come:
-    call it again, with the same results, to collect it.
+    call it again, with the same results, to collect it. (What the socket
+    has is read first: on loopback, the server's answer is often in before
+    the client looks, and a poll would be a system call for nothing.)
     """
     if fresh:
         while pgconn.flush():  # (rare: the statement did not fit the socket's buffer)
             _poll(pgconn.socket, select.POLLOUT, None)
-    else:  # (read before, and interrupted: some of it may be in)
+    fd = pgconn.socket
+    while True:
         outcome = collect(pgconn, results)
         if outcome is not None:
             return outcome
-    fd = pgconn.socket
-    while True:
         if until is None:
             _poll(fd, select.POLLIN, None)
         else:
@@ -203,9 +204,6 @@ def answer_sync(
             if left <= 0:
                 return None
             _poll(fd, select.POLLIN, left)
-        outcome = collect(pgconn, results)
-        if outcome is not None:
-            return outcome
 
 
 def _poll(fd: int, events: int, wait: float | None) -> None:
