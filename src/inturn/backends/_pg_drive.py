@@ -165,7 +165,8 @@ class Run:
     def _resumed(self, task: asyncio.Future[Any]) -> None:
         self._task = None
         if task.cancelled():
-            self._go(None, self._pending or asyncio.CancelledError())
+            error, self._pending = self._pending or asyncio.CancelledError(), None
+            self._go(None, error)
         elif (problem := task.exception()) is not None:
             self._go(None, problem)
         else:
