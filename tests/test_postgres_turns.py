@@ -17,7 +17,7 @@ import pytest
 
 psycopg = pytest.importorskip("psycopg")
 
-from inturn import BackendUnavailable, KeyedQueue  # noqa: E402
+from inturn import BackendUnavailable, KeyedQueue, LeaseLost  # noqa: E402
 from inturn.backends.postgres import PostgresBackend  # noqa: E402
 from pg_checks import advisory_locks_left  # noqa: E402
 
@@ -177,6 +177,27 @@ async def test_a_nested_turn_takes_its_keys_on_the_enclosing_turns_connection(
     finally:
         await backend.aclose()
     assert await advisory_locks_left(postgres_url) == []
+
+
+async def test_a_nested_turn_whose_session_ended_under_it_raises_lease_lost(
+    postgres_url: str, admin: Any
+) -> None:
+    """The inner turn learns it at its own end, not only the turn around it."""
+    backend = _backend(postgres_url, max_sessions=1)
+    queue = KeyedQueue(backend=backend)
+    try:
+        with pytest.raises(LeaseLost) as outer:
+            async with queue.keyed("outer"):
+                with pytest.raises(LeaseLost, match="'inner'"):
+                    async with queue.keyed("inner", timeout=PATIENCE):
+                        await admin.execute(
+                            "SELECT pg_terminate_backend(pid) FROM pg_locks"
+                            " WHERE locktype = 'advisory' AND granted AND pid <> pg_backend_pid()"
+                        )
+        assert "'outer'" in str(outer.value)
+        assert await queue.run("outer", lambda: "again") == "again"  # a new session
+    finally:
+        await backend.aclose()
 
 
 async def test_tasks_started_inside_a_turn_take_connections_of_their_own(

@@ -273,8 +273,12 @@ class PgSession:
         assert isinstance(grant, PostgresGrant)
         self._grants.remove(grant)
         connection = self._lease.connection if self._lease is not None else None
-        if connection is not None and connection.pgconn.status == _OK:
-            yield from ending(connection, [grant.lock], now() + self._limits_wait())
+        if connection is None or connection.pgconn.status != _OK:
+            grant.lost = True  # the session ended under it
+            return
+        held, _ = yield from ending(connection, [grant.lock], now() + self._limits_wait())
+        if held is None or not held[0]:
+            grant.lost = True
 
     def _ending(self, error: BaseException | None) -> Generator[Op, Any, None]:
         """End the turn: commit or roll back, unlock every key, give the connection back."""
