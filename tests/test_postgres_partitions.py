@@ -3,7 +3,7 @@
 A turn's ``timeout`` holds whatever the network or the server does: past it
 (plus MARGIN) the turn raises TimeoutError and its work never runs, also not
 once the network comes back. Without a timeout, a stall surfaces as
-BackendUnavailable within two ``unreachable_after``: a wait unanswered that
+BackendUnavailable within two ``unreachable_after`` plus MARGIN: a wait unanswered that
 long is checked on a new connection, which must answer within
 ``unreachable_after`` (a wait for a key held long by another process is not
 failed: the check finds the server alive). Readying a new connection is
@@ -374,7 +374,7 @@ async def test_a_wait_without_timeout_through_a_partition_raises_backend_unavail
     net.proxy.freeze()
     # the next check of the wait comes within unreachable_after; its new connection
     # must answer within unreachable_after (a thread's: libpq's floor)
-    bound = UNREACHABLE + max(UNREACHABLE, CONNECT_FLOOR) + SLACK
+    bound = UNREACHABLE + max(UNREACHABLE, CONNECT_FLOOR) + MARGIN + SLACK
     seconds = await turn.ends_within(bound, began)
     await net.healed()
     holder.let_go()

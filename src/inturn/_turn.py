@@ -562,6 +562,8 @@ class Turn:
                     grant = yield _GRANT, key
                     grants.append(grant)
                     tokens[key] = grant.token
+            if opener is not None and self._transaction and not taken:
+                raise _no_transaction(self.keys)  # noqa: TRY301
             if opener is not None and (taken or self._transaction):
                 # One connection for the turn, asked for once this process's lines
                 # are taken: a turn waiting for one holds no connection, and one
@@ -774,8 +776,12 @@ class Turn:
                     message.removeprefix("inturn: "),
                     _outcome(error),
                 )
-                if error is None:
+                if error is None and failure is None:
                     error = failure = LeaseLost(message)
+                elif error is None:  # the backend's own account of what happened comes first
+                    error = failure
+                    if sys.version_info >= (3, 11):  # pragma: no branch
+                        failure.add_note(message)
                 elif sys.version_info >= (3, 11):  # pragma: no branch
                     error.add_note(message)
             elif failure is not None and error is None:
@@ -884,6 +890,16 @@ def _lender(turn: Turn | None, registry: Registry, holder: object) -> Session | 
         shared = turn._shared
         turn = None if shared is None else shared.outer
     return None
+
+
+def _no_transaction(keys: tuple[Hashable, ...]) -> RuntimeError:
+    """A transaction turn with no key of its own to take: nothing to run it on."""
+    return RuntimeError(
+        "inturn: keyed(..., transaction=True) runs its block in a transaction on the "
+        f"connection that takes its keys, and {describe(keys)} are held by the turn around "
+        "it already: ask for the transaction there, or add a key of this turn's own; the "
+        "work did not run"
+    )
 
 
 def _depth(turn: Turn | None) -> int:

@@ -137,6 +137,8 @@ class Connections:
                 failed = yield (CONNECT, lease, self.ready.until(timeout, until))
                 if failed is not None:
                     raise self._unreachable(key, timeout, until, failed)  # noqa: TRY301
+            if isinstance(lease.place, LoopPlace):
+                lease.place.active.add(lease.connection)
             if lease.ready is None:
                 lease.ready = yield from self.ready.readying(lease.connection, key, timeout, until)
         except BaseException:  # (raised here, or thrown in: an interrupt)
@@ -351,8 +353,8 @@ class Connections:
         self, key: Hashable, timeout: float | None, until: float | None, error: Exception
     ) -> Exception:
         """TimeoutError if the turn's own time ran out first; else BackendUnavailable."""
-        if until is not None and timeout != 0 and now() >= until - 1e-3:
-            return missed(f"the turn for key {show(key)} (a connection)", timeout)
+        if until is not None and now() >= self.ready.late(timeout, until) - 1e-3:
+            return missed(f"the turn for key {show(key)} (a connection)", timeout or None)
         reason = said(error) if isinstance(error, psycopg.Error) else (str(error) or "timed out")
         if type(error).__name__ == "PoolTimeout":  # (psycopg_pool's: the server is fine)
             failure = BackendUnavailable(

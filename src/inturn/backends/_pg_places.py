@@ -43,11 +43,14 @@ _IDLE: Final = psycopg.pq.TransactionStatus.IDLE
 class Lease:
     """A session's connection, and the slot it holds; given back once."""
 
-    __slots__ = ("connection", "place", "ready", "tier")
+    __slots__ = ("connection", "place", "ready", "tier", "unsure")
 
     def __init__(self, tier: int) -> None:
         self.tier = tier
         self.connection: Any = None
+        #: A lock the session may hold without a grant for it: (lock, held before), from
+        #: the moment its wait is sent until its outcome is taken (see _pg_steps.waiting).
+        self.unsure: tuple[int, bool] | None = None
         #: What readying the connection learnt (a ``_pg_ready.Ready``), once it is readied.
         self.ready: Any = None
         #: the slot, of a loop or of the threads (None: a connection of its own, or none yet)
@@ -161,11 +164,14 @@ class LoopPlace:
     """What the backend keeps for one event loop: its slots per tier, idle connections,
     and the watch of its answers' bounds."""
 
-    __slots__ = ("given", "guard", "idle", "size", "tiers", "watch")
+    __slots__ = ("active", "given", "guard", "idle", "size", "tiers", "watch")
 
     def __init__(self, size: int, given: Any = None) -> None:
         self.size = size
         self.watch = Watch(asyncio.get_running_loop())
+        # the connections its turns use now: closed with the idle ones if the loop ends
+        # first (a turn's ending in flight then never completes)
+        self.active: set[psycopg.AsyncConnection[Any]] = set()
         self.tiers: list[Slots] = []
         # the connections kept, each with what readying it learnt (a _pg_ready.Ready)
         self.idle: list[tuple[psycopg.AsyncConnection[Any], Any]] = []
@@ -196,6 +202,7 @@ class LoopPlace:
         self, connection: psycopg.AsyncConnection[Any] | None, ready: Any, tier: int
     ) -> None:
         if connection is not None:
+            self.active.discard(connection)
             if ready is not None and reusable(connection):
                 self.idle.append((connection, ready))
             else:
@@ -208,8 +215,13 @@ class LoopPlace:
         else:  # (the caller's pool closes or resets a connection it gets back in a bad state)
             asyncio.ensure_future(self.given.putconn(connection)).add_done_callback(retrieve)
 
-    async def close(self) -> None:
-        """Close the idle connections (or give them back to the caller's pool)."""
+    async def close(self, ending: bool = False) -> None:
+        """Close the idle connections (or give them back to the caller's pool); ``ending``:
+        the loop is ending, so those still in use too (their turns will never end them)."""
+        if ending:
+            active, self.active = self.active, set()
+            for connection in active:
+                _pg_wire.discard(connection)
         idle, self.idle = self.idle, []
         for connection, _ in idle:
             if self.given is None:
@@ -310,4 +322,4 @@ async def guard(place: LoopPlace, dropped: Callable[[], None]) -> Any:
     finally:
         place.guard = None  # (it is this generator, closing)
         dropped()
-        await place.close()
+        await place.close(ending=True)

@@ -60,10 +60,15 @@ class Readiness:
     def until(self, timeout: float | None, until: float | None) -> float:
         """Connecting and readying: the turn's time left, at most unreachable_after.
 
-        (timeout=0 asks for the key at once, not for a connection at once.)
+        (timeout=0 asks for the key at once, not for a connection at once: it
+        gets the margin for them.)
         """
         bound = now() + self.limits.unreachable_after
-        return bound if until is None or timeout == 0 else min(bound, until)
+        return bound if until is None else min(bound, self.late(timeout, until))
+
+    def late(self, timeout: float | None, until: float) -> float:
+        """When a turn that must connect first has run out of time (see until())."""
+        return until + self.limits.margin if timeout == 0 else until
 
     def readying(
         self, connection: Any, key: Hashable, timeout: float | None, until: float | None
@@ -118,13 +123,17 @@ class Readiness:
         answer by bound, or was interrupted meanwhile, is closed."""
         try:
             answer = yield (ASK, connection, sql, params, False, bound)
+        except GeneratorExit:  # (abandoned: its event loop ended; no more ops)
+            raise
         except BaseException:
             yield (CLOSE, connection)
             raise
         if answer is None or lost(answer):
             yield (CLOSE, connection)
-            if answer is None and until is not None and timeout != 0 and now() >= until:
-                raise missed(f"the turn for key {show(key)} (a connection readied)", timeout)
+            if answer is None and until is not None and now() >= self.late(timeout, until):
+                # (timeout=0: "at once, as it was not free" would not be the reason)
+                what = f"the turn for key {show(key)} (a connection readied)"
+                raise missed(what, timeout or None)
             why = (
                 f"no answer within {self.limits.unreachable_after:g} s"
                 if answer is None

@@ -16,7 +16,7 @@ returns is settled by the server's answer (it goes on by itself, as
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Generator, Hashable
+from collections.abc import Awaitable, Callable, Generator, Hashable
 from typing import TYPE_CHECKING, Any, Final, final
 
 import psycopg
@@ -32,15 +32,18 @@ from ._pg_places import Lease
 from ._pg_ready import logger
 from ._pg_steps import (
     AUTOCOMMIT,
+    UNSURE,
     Ended,
     Op,
     ending,
     ending_transaction,
+    giving_back,
     lost,
     now,
     said,
     waiting,
 )
+from ._pg_wire import discard
 
 if TYPE_CHECKING:
     from ._base import Grant
@@ -153,32 +156,53 @@ class PgSession:
             else:
                 run.interrupt(asyncio.CancelledError())
             await run.ended()  # (cancelled again: the rest goes on by itself)
+            await self._settled()
+            raise
+        except BaseException:
+            await self._settled()
             raise
         return grant
 
+    async def _settled(self) -> None:
+        """After an acquire that failed: give back a lock it may hold without a grant."""
+        if self._lease is not None and self._lease.unsure is not None:
+            await self._run(self._undoing())
+
     def release(self, grant: Grant) -> Awaitable[None]:
-        """Unlock one grant now (a grant whose caller gave up); close() frees the rest."""
-        if self._inherited():
+        """Unlock one grant now (a grant whose caller gave up); close() frees the rest.
+
+        After an acquire its caller gave up on, once its call-off is done (one
+        statement at a time on the connection). Completes even if its caller
+        is cancelled.
+        """
+        if self._generation != self._connections.generation and self._inherited():
             return self._done()
-        run = self._busy = Run(self._releasing(grant), self._connections)
-        return run.result
+        return self._after_busy(lambda: self._run(self._releasing(grant)))
 
     def close(self, error: BaseException | None) -> Awaitable[None]:
         """Commit or roll back (a transaction's), unlock every key, give the connection back.
 
-        The unlock is sent at once, and the future returned is settled when
-        the server answered (or when ``unreachable_after`` passed without an
-        answer: the connection is then closed). Completes even if its caller
-        is cancelled.
+        The unlock is sent at once (after an acquire its caller gave up on, once
+        that is done), and the future returned is settled when the server
+        answered (or when ``unreachable_after`` passed without an answer: the
+        connection is then closed). Completes even if its caller is cancelled.
         """
         if self._closed or (self._generation != self._connections.generation and self._inherited()):
             return self._done()
+        return self._after_busy(lambda: Run(self._ending(error), self._connections).result)
+
+    def _run(self, steps: Generator[Op, Any, Any]) -> asyncio.Future[Any]:
+        run = self._busy = Run(steps, self._connections)
+        return run.result
+
+    def _after_busy(self, start: Callable[[], asyncio.Future[Any]]) -> asyncio.Future[Any]:
+        """start() now, or once the run under way on the connection is done."""
         busy = self._busy
-        if busy is not None and not busy.done:  # an acquire given up on, still under way
-            ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            busy.on_end(lambda: _forward(self._end(error), ended))
-            return ended
-        return self._end(error)
+        if busy is None or busy.done:
+            return start()
+        later: asyncio.Future[Any] = busy.loop.create_future()
+        busy.on_end(lambda: _forward(start(), later))
+        return later
 
     def _done(self) -> asyncio.Future[None]:
         """A release with nothing to do (a forked child of a task has no running loop:
@@ -189,14 +213,25 @@ class PgSession:
         done.set_result(None)
         return done
 
-    def _end(self, error: BaseException | None) -> asyncio.Future[Any]:
-        return Run(self._ending(error), self._connections).result
-
     # -- a thread's turn ---------------------------------------------------------------------
 
     def acquire_sync(self, key: Hashable, timeout: float | None) -> PostgresGrant:
-        """As :meth:`acquire`, for a thread, on a sync connection, blocking it while it waits."""
-        grant: PostgresGrant = drive_sync(self._acquiring(key, timeout), self._connections)
+        """As :meth:`acquire`, for a thread, on a sync connection, blocking it while it waits.
+
+        Interrupted (a signal handler's exception), even between two of its
+        statements, it gives back a lock it may hold without a grant.
+        """
+        try:
+            grant: PostgresGrant = drive_sync(self._acquiring(key, timeout), self._connections)
+        except BaseException:
+            if self._lease is not None and self._lease.unsure is not None:
+                try:
+                    drive_sync(self._undoing(), self._connections)
+                except BaseException:  # interrupted again: end the session, and its locks
+                    if self._lease is not None:
+                        discard(self._lease.connection)
+                    raise
+            raise
         return grant
 
     def release_sync(self, grant: Grant) -> None:
@@ -214,7 +249,9 @@ class PgSession:
 
     def _acquiring(self, key: Hashable, timeout: float | None) -> Generator[Op, Any, Any]:
         """Take key (the first key: a connection for the session first); its grant."""
-        if self._closed or (self._generation != self._connections.generation and self._inherited()):
+        if self._generation != self._connections.generation:
+            self._adopt()  # (a turn nested, in a forked child, in its copy of the parent's)
+        if self._closed:
             raise RuntimeError("inturn: this turn's session ended")
         connections = self._connections
         lock = lock_id(self._namespace, key)
@@ -228,8 +265,12 @@ class PgSession:
         answer = yield from waiting(lease, lock, timeout, until, held, last, connections.limits)
         if not isinstance(answer, list):
             answer = yield from self._again(key, lock, timeout, until, held, last, answer)
+        if not answer:  # timeout=0, and the key was busy
+            lease.unsure = None
+            raise missed(f"the turn for key {show(key)}", timeout)
         grant = PostgresGrant(key, self._token(key, answer, timeout), lock, self)
         grants.append(grant)
+        lease.unsure = None
         if last:
             yield (AUTOCOMMIT, lease.connection, False)  # (the work's first statement begins it)
         return grant
@@ -265,6 +306,18 @@ class PgSession:
                     f"twice while it took key {show(key)}; {_MOVED}; the work did not run"
                 )
         raise self._refusal(key, timeout, until, answer)
+
+    def _undoing(self) -> Generator[Op, Any, None]:
+        """Give back the lock the session may hold without a grant (see Lease.unsure)."""
+        lease = self._lease
+        if lease is None:
+            return
+        unsure, lease.unsure = lease.unsure, None
+        if unsure is None or lease.connection.pgconn.status != _OK:
+            return
+        lock, held = unsure
+        until = now() + self._connections.limits.margin
+        yield from giving_back(lease.connection, lock, UNSURE, held, until)
 
     def _releasing(self, grant: Grant) -> Generator[Op, Any, None]:
         """Unlock one grant of the session now."""
@@ -316,6 +369,14 @@ class PgSession:
 
     # -- both ---------------------------------------------------------------------------------
 
+    def _adopt(self) -> None:
+        """(In a forked child.) Leave what the parent holds; start afresh in this process."""
+        self._inherited()
+        self._closed = False
+        self._busy = None
+        self._pid = 0
+        self._generation = self._connections.generation
+
     def _inherited(self) -> bool:
         """In a forked child, a session of the parent's: what it holds is left alone.
 
@@ -333,10 +394,13 @@ class PgSession:
         self, key: Hashable, timeout: float | None, until: float | None, answer: Outcome | None
     ) -> Exception:
         """Why a wait did not take its lock (the lock is not kept: see waiting())."""
-        if isinstance(answer, errors.LockNotAvailable) or (
-            answer is None and until is not None and now() >= until
-        ):
+        if isinstance(answer, errors.LockNotAvailable):
             return missed(f"the turn for key {show(key)}", timeout)
+        if answer is None and until is not None and now() >= until:
+            # (no answer came: timeout=0's "at once, as it was not free" is not the reason)
+            return missed(
+                f"the turn for key {show(key)} (no answer from PostgreSQL)", timeout or None
+            )
         if answer is None:
             wait = self._limits_wait()
             return BackendUnavailable(
@@ -394,7 +458,7 @@ class PgSession:
             lease.give_back()
 
 
-def _forward(source: asyncio.Future[Any], target: asyncio.Future[None]) -> None:
+def _forward(source: asyncio.Future[Any], target: asyncio.Future[Any]) -> None:
     """Settle target as source settles (source: an ending, which settles by itself)."""
 
     def settle(done: asyncio.Future[Any]) -> None:

@@ -58,6 +58,7 @@ __all__ = (
     "CONNECT",
     "PROBE",
     "SLOT",
+    "UNSURE",
     "Ended",
     "Limits",
     "Op",
@@ -84,6 +85,7 @@ CONNECT: Final = 7
 _OK: Final = psycopg.pq.ConnStatus.OK
 _IDLE: Final = psycopg.pq.TransactionStatus.IDLE
 _IN_ERROR: Final = psycopg.pq.TransactionStatus.INERROR
+_ACTIVE: Final = psycopg.pq.TransactionStatus.ACTIVE
 
 #: An op: a verb, then its arguments.
 Op = tuple[Any, ...]
@@ -167,7 +169,9 @@ def waiting(
     last key of a transaction turn, whose work gets the role's statement_timeout back.
     The lock is never kept when this does not return rows: a wait that failed after
     its grant, or that was given up on (no answer, an interrupt), is called off by
-    :func:`giving_back`, within the margin.
+    :func:`giving_back`, within the margin. ``lease.unsure`` names the lock while
+    that is not settled (an interrupt between two ops escapes the steps: the caller
+    gives it back then); the caller clears it once it took the rows.
     """
     connection, ready = lease.connection, lease.ready
     if until is None:
@@ -182,21 +186,33 @@ def waiting(
             check = bound
     sql, params = _pg_sql.waiting(lock, timeout, left, ready.role_timeout if last else "0")
     answer: Outcome | None
+    lease.unsure = (lock, held)  # (until the outcome is taken: by the caller, if rows)
     try:
         answer = yield (ASK, connection, sql, params, True, check)
         if answer is None:
             answer = yield from checking(ready.pid, bound, limits)
+    except GeneratorExit:  # (abandoned: its event loop ended; no more ops)
+        raise
     except BaseException:  # interrupted: the lock may come, or have come, all the same
         yield from giving_back(connection, lock, None, held, now() + limits.margin)
+        lease.unsure = None
         raise
     if answer is None:
         # the turn's time ran out (the server's lock_timeout should have answered), or
         # the server is not there: give up on it
         end = now() + limits.margin / 2 if until is None else until + limits.margin
         yield from giving_back(connection, lock, None, held, end)
-    elif not isinstance(answer, list) and not lost(answer):
-        yield from giving_back(connection, lock, answer, held, now() + limits.margin)
+        lease.unsure = None
+    elif not isinstance(answer, list):
+        if not lost(answer):
+            yield from giving_back(connection, lock, answer, held, now() + limits.margin)
+        lease.unsure = None
     return answer
+
+
+#: The outcome of a wait whose answer was not taken (an interrupt between two ops):
+#: for :func:`giving_back`, whose lock may or may not be held.
+UNSURE: Final = psycopg.DatabaseError("inturn: the outcome of a wait was not taken")
 
 
 def giving_back(
@@ -232,6 +248,8 @@ def giving_back(
         undone = yield (ASK, connection, *undo, until)
         if not isinstance(undone, list):
             yield (CLOSE, connection)
+    except GeneratorExit:  # (abandoned: its event loop ended; no more ops)
+        raise
     except BaseException:  # interrupted again: end the session, and its locks with it
         yield (CLOSE, connection)
         raise
@@ -255,6 +273,8 @@ def ending(connection: Any, locks: list[int], until: float) -> Generator[Op, Any
         answer = yield (ASK, connection, _pg_sql.UNLOCK, params, True, until)
         if isinstance(answer, errors.InvalidSqlStatementName):  # deallocated (a pool's reset)
             answer = yield (ASK, connection, _pg_sql.UNLOCK_SQL, params, False, until)
+    except GeneratorExit:  # (abandoned: its event loop ended; no more ops)
+        raise
     except BaseException:  # a thread interrupted meanwhile: the session ends with its locks
         yield (CLOSE, connection)
         raise
@@ -270,12 +290,14 @@ def ending_transaction(
     session (see :func:`._pg_sql.resetting`); returns what :func:`ending` does, and
     the error to raise after the work, if any."""
     try:
-        failure = yield from _finishing(connection, commit, pid, limits)
-        if _ended(connection):
-            return (None, None), failure
+        failure, alive = yield from _finishing(connection, commit, pid, limits)
+        if _ended(connection):  # (closed here, alive until then: its keys were held)
+            return ([True] * len(locks) if alive else None, None), failure
         yield (AUTOCOMMIT, connection, True)
         reset = _pg_sql.resetting(locks, connection.info.server_version)
         answer = yield (ASK, connection, reset, None, False, now() + limits.unreachable_after)
+    except GeneratorExit:  # (abandoned: its event loop ended; no more ops)
+        raise
     except BaseException:  # a thread interrupted meanwhile: the session ends with its locks
         yield (CLOSE, connection)
         raise
@@ -303,49 +325,59 @@ def _unlocked(connection: Any, answer: Outcome | None, count: int) -> Generator[
 
 def _finishing(
     connection: Any, commit: bool, pid: int, limits: Limits
-) -> Generator[Op, Any, BaseException | None]:
-    """COMMIT, or ROLLBACK (asked for, or a statement failed); the error to raise, if any.
+) -> Generator[Op, Any, tuple[BaseException | None, bool]]:
+    """COMMIT, or ROLLBACK (asked for, or a statement failed): the error to raise, if any,
+    and whether the connection was closed here while its session was alive.
 
     A COMMIT may take long (a large transaction, a synchronous standby): it
-    is checked, not bounded.
+    is checked, not bounded (see :func:`checking`).
     """
-    status = connection.pgconn.transaction_status
+    pgconn = connection.pgconn
+    status = pgconn.transaction_status
     if _ended(connection):
         if not commit:
-            return None
+            return None, False
         return BackendUnavailable(
             "inturn: the connection of the turn's transaction was lost before it could "
             "commit; the server rolled the work's writes back, and the keys were freed"
-        )
+        ), False
     if status == _IDLE:
-        return None  # the work ran no statement
+        return None, False  # the work ran no statement
+    if status == _ACTIVE:  # the work left a statement running: nothing else can be sent
+        yield (CLOSE, connection)  # (the server rolls back as the session ends)
+        return psycopg.OperationalError(
+            "inturn: the turn's work left a statement running on turn.connection (an "
+            "unfinished stream() or cursor), so its transaction could not end: none of its "
+            "writes were kept; the connection was closed, and the keys were freed"
+        ), True
     answer: Outcome | None
     if not commit or status == _IN_ERROR:
         answer = yield (ASK, connection, b"ROLLBACK", None, False, now() + limits.unreachable_after)
+        alive = not (answer is None or lost(answer))
         if not isinstance(answer, list):
             yield (CLOSE, connection)  # (the server rolls back as the session ends)
         if commit:  # the work swallowed a failed statement: nothing of it was kept
             return errors.InFailedSqlTransaction(
                 "inturn: a statement of the turn's transaction failed and the work went on; "
                 "the transaction was rolled back, so none of its writes were kept"
-            )
-        return None
+            ), alive
+        return None, alive
     answer = yield (ASK, connection, b"COMMIT", None, False, first_check(None, limits))
     if answer is None:
         answer = yield from checking(pid, None, limits)
     if isinstance(answer, list):
-        return None
+        return None, False
     if answer is None or lost(answer):
         yield (CLOSE, connection)
         why = "no answer came" if answer is None else said(answer)
         return BackendUnavailable(
             f"inturn: the connection was lost at COMMIT ({why}): whether the turn's writes "
             "were kept is unknown; the keys were freed"
-        )
+        ), False
     refused: psycopg.Error = answer
     if sys.version_info >= (3, 11):  # pragma: no branch
         refused.add_note("inturn: the work ran, but its transaction did not commit")
-    return refused
+    return refused, False
 
 
 def _ended(connection: Any) -> bool:

@@ -76,9 +76,11 @@ class PostgresBackend:
       and the server's ``lock_timeout``. Without one, an answer overdue by
       ``unreachable_after`` is checked on a new connection: a server that
       does not answer that either is :exc:`~inturn.BackendUnavailable`
-      within twice ``unreachable_after``. Leaving a turn is bounded by
-      ``unreachable_after``: an unlock without an answer closes the
-      connection, and the turn raises :exc:`~inturn.LeaseLost`.
+      within twice ``unreachable_after`` plus 1 s. Leaving a turn is
+      bounded by ``unreachable_after``: an unlock without an answer closes
+      the connection, and the turn raises :exc:`~inturn.LeaseLost` (a
+      transaction turn's COMMIT is checked like a wait: twice
+      ``unreachable_after`` plus 1 s through a partition).
     - A holder whose session ended under it (server restart,
       ``pg_terminate_backend``, failover) learns it when its turn ends: its
       grant is ``lost``, and the call raises :exc:`~inturn.LeaseLost` after
