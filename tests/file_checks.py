@@ -6,7 +6,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from inturn._keys import portable_name
+from inturn._order import portable_name
 
 
 def spec(directory: Path) -> str:

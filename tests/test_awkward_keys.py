@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from file_checks import line_file
-from inturn import HoldTimeout, KeyedQueue, LeaseLost, QueueClosed, QueueFull, _keys
-from inturn._keys import order_keys
+from inturn import HoldTimeout, KeyedQueue, LeaseLost, QueueClosed, QueueFull, _order
+from inturn._order import order_keys
 from inturn.backends.file import FileBackend
 
 from helpers import PATIENCE, settle, wait_until
@@ -220,7 +220,7 @@ def test_redis_messages_name_a_huge_int_key() -> None:
 @pytest.mark.skipif(not hasattr(sys, "set_int_max_str_digits"), reason="no str() limit")
 @pytest.mark.parametrize("limit", [4300, 0])
 def test_an_int_is_shown_whatever_str_allows(limit: int) -> None:
-    from inturn._keys import describe
+    from inturn._describe import describe
 
     before = sys.get_int_max_str_digits()
     sys.set_int_max_str_digits(limit)
@@ -235,7 +235,7 @@ def test_an_int_is_shown_whatever_str_allows(limit: int) -> None:
 
 
 def test_describe_never_raises_and_bounds_what_it_writes() -> None:
-    from inturn._keys import describe
+    from inturn._describe import describe
 
     assert describe("k") == "'k'"
     assert describe(("a", 1)) == "('a', 1)"
@@ -328,19 +328,19 @@ def test_the_order_of_lines_sharing_a_hash_is_the_same_for_every_caller() -> Non
 
 def test_ranks_of_lines_sharing_a_hash_are_kept_only_while_an_order_uses_them() -> None:
     gc.collect()
-    before = len(_keys._RANKS)
+    before = len(_order._RANKS)
     kept = order_keys([Twin(), Twin()])
     for _ in range(1000):
         order_keys([Twin(), Twin()])
     gc.collect()
-    assert len(_keys._RANKS) == before + 2  # kept's two: no turn uses the others
+    assert len(_order._RANKS) == before + 2  # kept's two: no turn uses the others
     twins = kept
     del kept
     gc.collect()
-    assert len(_keys._RANKS) == before + 2  # twins still uses them
+    assert len(_order._RANKS) == before + 2  # twins still uses them
     del twins
     gc.collect()
-    assert len(_keys._RANKS) == before
+    assert len(_order._RANKS) == before
 
 
 async def test_several_awkward_keys_are_ordered_without_their_repr() -> None:

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from inturn._keys import compile_key, order_keys, order_portable, portable_key, portable_name
+from inturn._keyspec import compile_key
+from inturn._order import order_keys, order_portable, portable_key, portable_name
 
 
 def test_order_drops_duplicates_and_is_stable() -> None:

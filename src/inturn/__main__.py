@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 from . import BackendUnavailable, KeyedQueue, __version__
-from ._keys import describe
+from ._describe import describe
 from .backends import LineInfo
 
 __all__ = ("main",)

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable, Hashable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, final, overload
 
-from ._keys import describe
+from ._describe import describe
 from ._submit import Handle, failures, submit, unawaited
 from ._tasks import current_task as _current_task
 from ._tasks import outside_asyncio

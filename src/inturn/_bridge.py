@@ -30,7 +30,7 @@ from collections.abc import Hashable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, final
 
-from ._keys import describe
+from ._describe import describe
 from ._tasks import retrieve
 
 if TYPE_CHECKING:

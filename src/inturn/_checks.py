@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable
 from typing import Final, final
 
-from ._keys import describe
+from ._describe import describe
 
 __all__ = (
     "UNSET",

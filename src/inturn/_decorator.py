@@ -25,7 +25,8 @@ from typing_extensions import ParamSpec
 from ._checks import Unset as _Unset
 from ._checks import check_hold as _check_hold
 from ._checks import check_timeout as _check_timeout
-from ._keys import KeySpec, KeysSpec, compile_key, describe, function_name
+from ._describe import describe, function_name
+from ._keyspec import KeySpec, KeysSpec, compile_key
 from ._tasks import current_task as _current_task
 from ._tasks import in_loop_of, outside_asyncio
 

@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeVar, final, overlo
 from ._batch import Batch
 from ._checks import UNSET, check_count, check_hold, check_timeout
 from ._checks import Unset as _Unset
-from ._keys import KeySpec, KeysSpec, describe, unhashable
+from ._describe import describe
+from ._keyspec import KeySpec, KeysSpec
 from ._line import resolve as _resolve
+from ._order import unhashable
 from ._registry import Registry
 from ._slots import Slots, end_turn
 from ._stats import Observer, QueueStats, labelled

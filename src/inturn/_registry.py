@@ -26,9 +26,10 @@ from time import monotonic as _monotonic
 from typing import TYPE_CHECKING, Any, Final, final
 
 from ._checks import missed
+from ._describe import describe
 from ._errors import QueueClosed, QueueFull
-from ._keys import describe, order_keys, unhashable
 from ._line import Deferred, Drain, Gate, Line, Places, ThreadWaiter, Waiter, held_by, wake
+from ._order import order_keys, unhashable
 from ._stats import Observer, Tally
 from ._tasks import current_task as _current_task
 from ._tasks import in_loop_of as _soon

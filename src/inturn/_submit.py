@@ -47,10 +47,11 @@ from time import monotonic as _monotonic
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, final
 
 from ._checks import missed
+from ._describe import describe
 from ._errors import QueueClosed, QueueFull
-from ._keys import describe, unhashable
 from ._line import Deferred
 from ._line import Line as _Line
+from ._order import unhashable
 from ._slots import end_turn
 from ._stats import FUNCTION, function_label
 from ._tasks import call_soon_in as _call_soon_in

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, NoReturn, final
 
 from ._bridge import acquire_sync, acquire_via, close_sync, close_via, release_sync, release_via
 from ._checks import Deadline
+from ._describe import describe
 from ._errors import HoldTimeout, LeaseLost
-from ._keys import describe
 from ._line import held_by
 from ._tasks import current_task as _current_task
 from ._tasks import loop_here, outside_asyncio, retrieve

@@ -12,7 +12,7 @@ import errno
 import os
 import time
 
-from .._keys import portable_key, portable_name
+from .._order import portable_key, portable_name
 from ._linefile import Records, line_name, parse, pid_of, pipe_name, read_records
 from ._lines import HolderInfo, LineInfo, WaiterInfo
 from ._tickets import peek

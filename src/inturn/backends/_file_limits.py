@@ -15,8 +15,8 @@ import errno
 from collections.abc import Hashable
 from pathlib import Path
 
+from .._describe import describe
 from .._errors import BackendUnavailable
-from .._keys import describe
 
 __all__ = ("out_of_files",)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import final
 
-from .._keys import order_keys
+from .._order import order_keys
 
 __all__ = ("LocalBackend",)
 

@@ -41,8 +41,8 @@ from typing import Any, final
 import psycopg
 
 from .._checks import missed
+from .._describe import describe as show
 from .._errors import BackendUnavailable
-from .._keys import describe as show
 from .._tasks import loop_here
 from . import _pg_sql, _pg_wire
 from ._pg_places import Lease, LoopPlace, ThreadPlace, Watch, alive, guard

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Hashable
 
-from .._keys import portable_name
+from .._order import portable_name
 
 #: BLAKE2b's personalisation: a new mapping (which would move every key) gets a new one.
 _PERSON = b"inturn-pg-lock-1"

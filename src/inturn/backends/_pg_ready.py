@@ -19,8 +19,8 @@ import psycopg
 from psycopg import errors
 
 from .._checks import missed
+from .._describe import describe as show
 from .._errors import BackendUnavailable
-from .._keys import describe as show
 from . import _pg_sql, _pg_wire
 from ._pg_steps import ASK, AUTOCOMMIT, CLOSE, Limits, Op, lost, now, said
 

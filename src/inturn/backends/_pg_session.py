@@ -23,8 +23,8 @@ import psycopg
 from psycopg import errors
 
 from .._checks import missed
+from .._describe import describe as show
 from .._errors import BackendUnavailable
-from .._keys import describe as show
 from . import _pg_sql
 from ._pg_drive import Run, drive_sync
 from ._pg_keys import lock_id

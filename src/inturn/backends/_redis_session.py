@@ -29,9 +29,9 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .._checks import missed
+from .._describe import describe as show
 from .._errors import BackendUnavailable
-from .._keys import describe as show
-from .._keys import portable_name
+from .._order import portable_name
 from .._tasks import abandon_task, retrieve
 from ._redis_errors import UNREACHABLE, demoted, describe, unavailable
 from ._redis_scripts import ENQUEUE, HELLO, LEAVE, LOOK, RENEW, SCRIPTS, Script

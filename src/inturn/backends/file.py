@@ -91,7 +91,8 @@ from pathlib import Path
 from typing import NamedTuple, final
 
 from .._checks import missed
-from .._keys import describe, order_portable, portable_name
+from .._describe import describe
+from .._order import order_portable, portable_name
 from ._base import Grant
 from ._directory import Directory
 from ._file_deaths import died as _died

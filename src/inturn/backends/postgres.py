@@ -19,8 +19,8 @@ import re
 from collections.abc import Hashable
 from typing import Any, Final, final
 
-from .._keys import describe as show
-from .._keys import order_portable
+from .._describe import describe as show
+from .._order import order_portable
 from ._base import Grant
 
 try:

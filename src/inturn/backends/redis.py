@@ -55,9 +55,9 @@ import weakref
 from collections.abc import Hashable
 from typing import Any, Final, final
 
+from .._describe import describe as show
 from .._errors import BackendUnavailable
-from .._keys import describe as show
-from .._keys import order_portable, portable_key, portable_name
+from .._order import order_portable, portable_key, portable_name
 from ._base import Grant
 from ._lines import HolderInfo, LineInfo, WaiterInfo
 

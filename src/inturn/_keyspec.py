@@ -1,4 +1,4 @@
-"""Keys: checking them, ordering several, and compiling a decorator's key spec.
+"""A decorator's key spec compiled at decoration: templates, constants and key functions.
 
 Everything that can be decided from a decorated function's signature is
 decided here once, at decoration time; what runs per call is a small closure.
@@ -7,30 +7,16 @@ decided here once, at decoration time; what runs per call is a small closure.
 from __future__ import annotations
 
 import inspect
-import itertools
 import re
 import sys
-import threading
-import weakref
-from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from string import Formatter
 from types import MappingProxyType
 from typing import Any, Final, NoReturn, TypeAlias, final
 
-__all__ = (
-    "KeyFunction",
-    "KeySpec",
-    "KeysSpec",
-    "compile_key",
-    "describe",
-    "function_name",
-    "order_keys",
-    "order_portable",
-    "portable_key",
-    "portable_name",
-    "unhashable",
-)
+from ._describe import describe, function_name
+
+__all__ = ("KeyFunction", "KeySpec", "KeysSpec", "compile_key")
 
 #: What ``key=`` accepts: ``None`` (the function's qualified name), a constant
 #: or template ``str``, another hashable constant, or a callable given the
@@ -45,215 +31,6 @@ KeyFunction: TypeAlias = Callable[[tuple[Any, ...], dict[str, Any]], Any]
 _MISSING: Final = inspect.Parameter.empty
 _POSITIONAL: Final = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 _FIELD_ROOT: Final = re.compile(r"[^.\[]*")
-#: An int of at most this many bits is named in decimal: 603 digits at most,
-#: under any limit ``sys.set_int_max_str_digits()`` can set (640 at least),
-#: so every process names it alike. A larger one is named in hexadecimal,
-#: which has no such limit.
-_DECIMAL_BITS: Final = 2000
-#: The most characters a value takes in a message (see :func:`describe`).
-SHOWN: Final = 200
-
-
-def describe(value: object, limit: int = SHOWN) -> str:
-    """Write value for a message as repr() does, but never fail and never flood.
-
-    Any hashable is a key, and a message about a key must not raise in its
-    place (from a timer callback, it would leave a waiter waiting forever).
-    A value whose repr() raises is written ``<module.Type object at 0x...>``
-    (a tuple's items each so, when one of them is to blame); an int too
-    long to write in full is written in hexadecimal, its leading digits
-    only, never converted whole to decimal (which ``str()`` refuses beyond
-    ``sys.get_int_max_str_digits()``); and whatever is longer than limit
-    characters is cut short, with an ellipsis. For people only: two values
-    may be written alike.
-    """
-    try:
-        shown = _shown(value, limit)
-    except Exception:  # even its type's name failed
-        shown = f"<object at {id(value):#x}>"
-    return shown if len(shown) <= limit else shown[: limit - 1] + "\N{HORIZONTAL ELLIPSIS}"
-
-
-def _shown(value: object, limit: int) -> str:
-    """describe() before the cut: may be longer than limit."""
-    kind = type(value)
-    if isinstance(value, int) and kind.__repr__ is int.__repr__:
-        bits = value.bit_length()
-        if bits > min(4 * limit, _DECIMAL_BITS):  # (a smaller one str() always converts)
-            digits = (bits + 3) // 4  # in hexadecimal
-            leading = abs(value) >> 4 * max(0, digits - limit)
-            return f"{'-' if value < 0 else ''}0x{leading:x}\N{HORIZONTAL ELLIPSIS}"
-    try:
-        return repr(value)
-    except Exception:
-        pass
-    if kind is tuple:
-        parts = []
-        length = 0
-        for item in value:  # type: ignore[attr-defined]  # a tuple
-            parts.append(describe(item, limit))
-            length += len(parts[-1]) + 2
-            if length > limit:
-                break
-        return f"({', '.join(parts)}{',' if len(parts) == 1 else ''})"
-    return f"<{kind.__module__}.{kind.__qualname__} object at {id(value):#x}>"
-
-
-def unhashable(key: object) -> TypeError:
-    """Build the error for a key that cannot name a line."""
-    return TypeError(
-        f"inturn: key {describe(key)} is unhashable ({type(key).__name__}); a key must be "
-        "hashable, for example a str, int, bytes, or a tuple of those"
-    )
-
-
-@final
-class _Rank:
-    """Where a line stands among the lines that share its hash (see :func:`order_keys`)."""
-
-    __slots__ = ("__weakref__", "value")
-
-    def __init__(self, value: int) -> None:
-        self.value = value
-
-
-class _Ordered(tuple[Hashable, ...]):
-    """Keys in order, keeping alive the ranks their order used (see :func:`order_keys`)."""
-
-    ranks: list[_Rank]
-
-
-# line (any of its equal keys) -> its rank, while some order still uses it
-_RANKS: weakref.WeakValueDictionary[Hashable, _Rank] = weakref.WeakValueDictionary()
-_RANKING: Final = threading.Lock()  # makes finding or giving a rank one step
-_NEXT_RANK: Final = itertools.count()
-
-
-def order_keys(keys: Iterable[Hashable]) -> tuple[Hashable, ...]:
-    """Drop duplicate keys and sort the rest into the queue's global order.
-
-    Every holder of several keys takes them in this order, so two holders of
-    overlapping key sets can never wait for each other in a cycle.
-
-    The invariant: two keys that name different lines (``a != b``) are put
-    the same way round by every call in this process, for as long as any
-    order that put them so is still in use (by a turn waiting for or
-    holding its keys); equal keys (``1 == 1.0 == True``) are one line, and
-    whichever of them a caller names stands in the same place. Keys are
-    sorted by ``hash()``, which equal keys share. Lines whose keys share a
-    hash are sorted by a rank each line gets on first sight, found by
-    equality (so ``1.0`` finds the rank of ``1``); never by type or repr(),
-    which differ between equal keys and coincide between unequal ones. The
-    tuple returned keeps its ranks alive (a turn keeps its tuple as its
-    ``keys``), and a rank no tuple keeps is dropped: no turn then relies on
-    it, so a new one cannot contradict a turn in progress. Fixed for the
-    life of a process, not across processes (see :func:`order_portable`).
-
-    :raises TypeError: a key is unhashable, or its ``==`` failed against a
-        key that shares its hash.
-    """
-    unique = dict.fromkeys(keys)  # raises TypeError for an unhashable key
-    if len(unique) < 2:
-        return tuple(unique)
-    if len(unique) == 2:  # the common case of several: a transfer between two accounts
-        first, second = unique
-        one, other = hash(first), hash(second)
-        if one != other:
-            return (first, second) if one < other else (second, first)
-        return _ranked([first, second])
-    by_hash = {hash(key): key for key in unique}
-    if len(by_hash) == len(unique):  # no two share a hash: the common case
-        return tuple(map(by_hash.__getitem__, sorted(by_hash)))
-    return _ranked(list(unique))
-
-
-def _ranked(keys: list[Hashable]) -> _Ordered:
-    """Sort keys, some of which share a hash, by hash and then by rank."""
-    hashes = [hash(key) for key in keys]
-    shared = {value for value, count in Counter(hashes).items() if count > 1}
-    ranks: list[_Rank] = []
-    places: list[tuple[int, int, int]] = []  # (hash, rank or -1, position in keys)
-    with _RANKING:
-        for at, (key, value) in enumerate(zip(keys, hashes, strict=True)):
-            if value not in shared:
-                places.append((value, -1, at))
-                continue
-            try:
-                rank = _RANKS.get(key)
-                if rank is None:
-                    rank = _RANKS[key] = _Rank(next(_NEXT_RANK))
-            except Exception as error:  # its == failed against a key ranked already
-                raise TypeError(
-                    f"inturn: key {describe(key)} cannot be told apart from the keys that "
-                    f"share its hash ({describe(error)}), so it has no place in the order "
-                    "of several keys; give it an __eq__ that does not fail"
-                ) from error
-            ranks.append(rank)
-            places.append((value, rank.value, at))
-    ordered = _Ordered(keys[at] for _, _, at in sorted(places))
-    ordered.ranks = ranks
-    return ordered
-
-
-def portable_name(key: Hashable) -> bytes:
-    """The bytes that name key's line outside this process, the same in every process.
-
-    Only ``str``, ``bytes`` and ``int`` keys (``bool`` counts as ``int``, as
-    in process ``True == 1``) have one, whatever their size; the type is part
-    of the name, so ``1`` and ``"1"`` stay different lines, as they are in
-    process. Distinct keys have distinct names, and :func:`portable_key`
-    turns a name back into its key.
-    """
-    if isinstance(key, str):
-        return b"s:" + key.encode("utf-8", "surrogatepass")
-    if isinstance(key, bytes):
-        return b"b:" + key
-    if isinstance(key, int):
-        if key.bit_length() <= _DECIMAL_BITS:
-            return b"i:%d" % key
-        return b"i:-x%x" % -key if key < 0 else b"i:x%x" % key
-    raise TypeError(
-        f"inturn: key {describe(key)} ({type(key).__name__}) cannot name a line shared between "
-        "processes; use a str, bytes or int key (for example f'order-{order_id}')"
-    )
-
-
-def portable_key(name: bytes | str) -> str | bytes | int:
-    """The key that :func:`portable_name` gave name: the key as the user gave it.
-
-    A ``bool`` comes back as the ``int`` it equals. name may also be the
-    name as text (its UTF-8 decoding).
-
-    :raises ValueError: name is not a portable name.
-    """
-    if isinstance(name, str):
-        name = name.encode("utf-8", "surrogatepass")
-    kind, rest = name[:2], name[2:]
-    if kind == b"s:":
-        return rest.decode("utf-8", "surrogatepass")
-    if kind == b"b:":
-        return rest
-    if kind == b"i:":
-        sign, digits = (-1, rest[1:]) if rest.startswith(b"-") else (1, rest)
-        hexadecimal = digits.startswith(b"x")
-        digits = digits[1:] if hexadecimal else digits
-        if digits.isalnum() and digits.isascii():
-            try:
-                return sign * int(digits, 16 if hexadecimal else 10)
-            except ValueError:
-                pass
-    raise ValueError(f"inturn: {name[:80]!r} is not the portable name of a key")
-
-
-def order_portable(keys: Iterable[Hashable]) -> tuple[Hashable, ...]:
-    """Drop duplicate keys and sort the rest into an order every process computes alike.
-
-    The order of :func:`portable_name`, never ``hash()``, which is salted per
-    process: two processes taking overlapping key sets take them in the same
-    order, so they can never wait for each other in a cycle.
-    """
-    named = {portable_name(key): key for key in keys}
-    return tuple(named[name] for name in sorted(named))
 
 
 class _Signature:
@@ -331,12 +108,6 @@ class _Signature:
         return lambda args, kwargs: MappingProxyType(
             {name: get(args, kwargs) for name, get in getters}
         )
-
-
-def function_name(function: object) -> str:
-    """How a message names a function: its qualified name and ``()``, else describe() of it."""
-    name = getattr(function, "__qualname__", None)
-    return f"{name}()" if isinstance(name, str) else describe(function)
 
 
 @final
