@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 import pytest
 
 from inturn import KeyedQueue
+from inturn.backends import Capabilities
 
 #: How long a test waits for a state that real I/O brings about, before failing.
 #: A safety net against a hang, far above what any step takes.
@@ -141,6 +142,11 @@ class _Grant:
 
 class LosingBackend:
     """A backend whose leases all run out while their work holds them (LeaseLost each turn)."""
+
+    capabilities = Capabilities()
+
+    def thread_loop(self) -> None:
+        return None
 
     def __init__(self) -> None:
         self.tokens = 0

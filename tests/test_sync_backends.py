@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from inturn import BackendUnavailable, KeyedQueue, LeaseLost, QueueFull, current_turn
+from inturn.backends import Capabilities
 from servers import free_port
 
 from helpers import PATIENCE, holding, main_thread_raises_on_sigint, wait_until
@@ -530,6 +531,11 @@ class _Grant:
 class InterruptingBackend:
     """An asyncio-only backend whose grant comes just as its caller's thread is interrupted."""
 
+    capabilities = Capabilities()
+
+    def thread_loop(self) -> None:
+        return None
+
     def __init__(self, victim: int) -> None:
         self.victim = victim
         self.granted: list[_Grant] = []
@@ -635,7 +641,10 @@ def test_a_raw_fork_inside_a_turn_leaves_the_child_its_holder(concurrency: int) 
 class RecordingBackend:
     """An asyncio-only backend that notes the thread each acquire runs in."""
 
-    prefers_one_loop = True
+    capabilities = Capabilities(one_loop=True)
+
+    def thread_loop(self) -> None:
+        return None
 
     def __init__(self) -> None:
         self.threads: list[int] = []

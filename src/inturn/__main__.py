@@ -177,11 +177,18 @@ def json_lines(
 
 
 async def inspect_lines(
-    backend: _Lines, where: str, watch: float | None, as_json: bool = False
+    backend: _Lines,
+    where: str,
+    watch: float | None,
+    as_json: bool = False,
+    namespaces: Callable[[], Awaitable[list[str]]] | None = None,
 ) -> None:
-    """Print the live lines of backend (as JSON with as_json); with watch, every watch seconds."""
+    """Print the live lines of backend (as JSON with as_json); with watch, every watch seconds.
+
+    ``namespaces``: where else lines are, to name when there are none here
+    (Redis: see format_lines).
+    """
     render = json_lines if as_json else format_lines
-    namespaces = getattr(backend, "namespaces", None)  # (Redis: see format_lines)
     try:
         while True:
             lines = await backend.lines()
@@ -199,8 +206,11 @@ async def inspect_lines(
         await backend.aclose()
 
 
-def _open_lines(options: argparse.Namespace) -> tuple[_Lines, str]:
-    """The backend that inspect looks at, and how to name where its lines are."""
+def _open_lines(
+    options: argparse.Namespace,
+) -> tuple[_Lines, str, Callable[[], Awaitable[list[str]]] | None]:
+    """The backend that inspect looks at, how to name where its lines are, and the
+    other places that may have lines (see inspect_lines)."""
     if options.redis is not None:
         from .backends.redis import RedisBackend  # (ImportError without redis-py: see main)
 
@@ -210,13 +220,14 @@ def _open_lines(options: argparse.Namespace) -> tuple[_Lines, str]:
                 f"inturn: {options.redis!r} is not a Redis URL; give it with its scheme: "
                 f"redis://{options.redis}, rediss:// for TLS, or unix:///path/to.sock"
             )
-        return RedisBackend.from_url(options.redis, namespace=namespace), f"namespace {namespace!r}"
+        redis = RedisBackend.from_url(options.redis, namespace=namespace)
+        return redis, f"namespace {namespace!r}", redis.namespaces
     from .backends.file import FileBackend
 
     if not os.path.isdir(options.dir):
         raise FileNotFoundError(f"inturn: there is no directory {options.dir}")
     backend = FileBackend(options.dir)
-    return backend, f"directory {str(backend.directory)!r}"
+    return backend, f"directory {str(backend.directory)!r}", None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -256,8 +267,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if options.dir is not None and options.namespace is not None:
             parser.error("--namespace goes with --redis")
         try:
-            backend, place = _open_lines(options)
-            asyncio.run(inspect_lines(backend, place, options.watch, options.json))
+            backend, place, others = _open_lines(options)
+            asyncio.run(inspect_lines(backend, place, options.watch, options.json, others))
         except KeyboardInterrupt:
             pass
         except (BackendUnavailable, OSError, ImportError, ValueError) as error:

@@ -28,7 +28,7 @@ import os
 import threading
 from collections.abc import Hashable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, final
+from typing import TYPE_CHECKING, Any, cast, final
 
 from ._describe import describe
 from ._tasks import retrieve
@@ -36,7 +36,9 @@ from ._tasks import retrieve
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
-    from .backends._base import Backend, Grant, Session
+    from .backends._base import Backend, BlockingBackend, BlockingTurnSession, Grant, TurnSession
+
+    Source = Backend | TurnSession
 
 __all__ = ("acquire_sync", "acquire_via", "close_sync", "close_via", "release_sync", "release_via")
 
@@ -103,7 +105,7 @@ class _Call:
 
     __slots__ = ("abandoned", "backend", "finished", "outcome", "task")
 
-    def __init__(self, backend: Backend | Session) -> None:
+    def __init__(self, backend: Source) -> None:
         self.backend = backend
         self.outcome: Future[Grant] = Future()
         self.task: asyncio.Task[Grant] | None = None
@@ -159,7 +161,7 @@ class _Call:
             _release_here(self.backend, grant)
 
 
-def _release_here(backend: Backend | Session, grant: Grant) -> asyncio.Future[None]:
+def _release_here(backend: Source, grant: Grant) -> asyncio.Future[None]:
     """(On the backend loop.) Release grant; the future of the release, which goes on alone."""
     return _end_here(lambda: backend.release(grant))
 
@@ -172,24 +174,24 @@ def _end_here(end: Callable[[], Awaitable[None]]) -> asyncio.Future[None]:
     return done
 
 
-def _loop_for(backend: Backend | Session) -> asyncio.AbstractEventLoop:
+def _loop_for(backend: Backend) -> asyncio.AbstractEventLoop:
     """Where a thread's call to backend runs: the loop it is bound to, or the backend loop."""
-    bound = getattr(backend, "thread_loop", None)
-    loop = None if bound is None else bound()
+    loop = backend.thread_loop()
     return _LOOP.get() if loop is None else loop
 
 
-def acquire_sync(backend: Backend | Session, key: Hashable, timeout: float | None) -> Grant:
-    """backend.acquire(key, timeout) for this thread, blocking it while it waits.
+def acquire_sync(backend: Backend, source: Source, key: Hashable, timeout: float | None) -> Grant:
+    """source.acquire(key, timeout) for this thread, blocking it while it waits.
+
+    ``source`` is backend, or a turn's session of it. A blocking backend
+    blocks the thread itself; another's call runs on its loop (see _loop_for).
 
     :raises TimeoutError: as the backend's acquire, or its loop did not answer in time.
     """
-    native = getattr(backend, "acquire_sync", None)
-    if native is not None:
-        grant: Grant = native(key, timeout)
-        return grant
+    if backend.capabilities.blocking:
+        return cast("BlockingBackend | BlockingTurnSession", source).acquire_sync(key, timeout)
     loop = _loop_for(backend)
-    call = _Call(backend)
+    call = _Call(source)
     try:
         loop.call_soon_threadsafe(call.start, key, timeout)
         try:
@@ -207,15 +209,17 @@ def acquire_sync(backend: Backend | Session, key: Hashable, timeout: float | Non
         raise
 
 
-async def acquire_via(backend: Backend | Session, key: Hashable, timeout: float | None) -> Grant:
-    """backend.acquire(key, timeout) for a task of another loop, on the backend's loop.
+async def acquire_via(
+    backend: Backend, source: Source, key: Hashable, timeout: float | None
+) -> Grant:
+    """source.acquire(key, timeout) for a task of another loop, on the backend's loop.
 
     For a backend that serves further event loops best through one (see
-    Backend's ``prefers_one_loop``): the task waits for the call there.
+    ``Capabilities.one_loop``): the task waits for the call there.
     Cancelled or timed out, the call is given up as a thread's is.
     """
     loop = _loop_for(backend)
-    call = _Call(backend)
+    call = _Call(source)
     try:
         loop.call_soon_threadsafe(call.start, key, timeout)
         return await asyncio.wrap_future(call.outcome)
@@ -224,19 +228,21 @@ async def acquire_via(backend: Backend | Session, key: Hashable, timeout: float 
         raise
 
 
-def release_via(backend: Backend | Session, grant: Grant) -> asyncio.Future[None]:
-    """backend.release(grant) on the backend's loop, for acquire_via's grant; it goes on alone."""
-    return _end_via(backend, lambda: backend.release(grant))
+def release_via(backend: Backend, source: Source, grant: Grant) -> asyncio.Future[None]:
+    """source.release(grant) on the backend's loop, for acquire_via's grant; it goes on alone."""
+    return _end_via(backend, lambda: source.release(grant))
 
 
-def close_via(session: Session, error: BaseException | None) -> asyncio.Future[None]:
+def close_via(
+    backend: Backend, session: TurnSession, error: BaseException | None
+) -> asyncio.Future[None]:
     """session.close(error) on the backend's loop, for acquire_via's session; it goes on alone."""
-    return _end_via(session, lambda: session.close(error))
+    return _end_via(backend, lambda: session.close(error))
 
 
-def _end_via(owner: Backend | Session, end: Callable[[], Awaitable[None]]) -> asyncio.Future[None]:
+def _end_via(backend: Backend, end: Callable[[], Awaitable[None]]) -> asyncio.Future[None]:
     outcome: Future[None] = Future()
-    _loop_for(owner).call_soon_threadsafe(_end_into, end, outcome)
+    _loop_for(backend).call_soon_threadsafe(_end_into, end, outcome)
     return asyncio.wrap_future(outcome)
 
 
@@ -246,35 +252,30 @@ def _end_into(end: Callable[[], Awaitable[None]], outcome: Future[None]) -> None
     done.add_done_callback(lambda _: _settle_outcome(done, outcome))
 
 
-def release_sync(backend: Backend | Session, grant: Grant) -> None:
-    """backend.release(grant) for this thread; returns once the release is done.
+def release_sync(backend: Backend, source: Source, grant: Grant) -> None:
+    """source.release(grant) for this thread; returns once the release is done.
 
     Waits as long as the release takes: a backend's release completes by
     itself (its contract; Redis's within its socket timeout). If the thread
     is interrupted meanwhile, the release goes on by itself.
     """
-    native = getattr(backend, "release_sync", None)
-    if native is not None:
-        native(grant)
+    if backend.capabilities.blocking:
+        cast("BlockingBackend | BlockingTurnSession", source).release_sync(grant)
         return
-    _end_sync(backend, lambda: backend.release(grant))
+    _end_sync(backend, lambda: source.release(grant))
 
 
-def close_sync(session: Session, error: BaseException | None) -> None:
-    """session.close(error) for this thread; returns once it is done (as release_sync).
-
-    A session with ``close_sync`` (a sync connection's) is closed natively.
-    """
-    native = getattr(session, "close_sync", None)
-    if native is not None:
-        native(error)
+def close_sync(backend: Backend, session: TurnSession, error: BaseException | None) -> None:
+    """session.close(error) for this thread; returns once it is done (as release_sync)."""
+    if backend.capabilities.blocking:
+        cast("BlockingTurnSession", session).close_sync(error)
         return
-    _end_sync(session, lambda: session.close(error))
+    _end_sync(backend, lambda: session.close(error))
 
 
-def _end_sync(owner: Backend | Session, end: Callable[[], Awaitable[None]]) -> None:
+def _end_sync(backend: Backend, end: Callable[[], Awaitable[None]]) -> None:
     outcome: Future[None] = Future()
-    _loop_for(owner).call_soon_threadsafe(_end_into, end, outcome)
+    _loop_for(backend).call_soon_threadsafe(_end_into, end, outcome)
     outcome.result()
 
 

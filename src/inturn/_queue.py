@@ -207,7 +207,9 @@ class KeyedQueue:
         else:
             raise TypeError(
                 f"inturn: backend= takes a backend from inturn.backends (LocalBackend, "
-                f"FileBackend, RedisBackend) or None, got {backend!r}"
+                f"FileBackend, RedisBackend, PostgresBackend) or None, got {backend!r}; a "
+                "backend of your own needs every member of inturn.backends.Backend, "
+                "`capabilities` and `thread_loop()` included"
             )
         max_running = check_count("max_running", max_running, none=True)
         self._concurrency: int = check_count("concurrency", concurrency, none=False)  # type: ignore[assignment]
@@ -520,7 +522,7 @@ class KeyedQueue:
             raise TypeError(
                 f"inturn: transaction must be True or False, got {describe(transaction)}"
             )
-        if not getattr(self._backend, "transactions", False):
+        if self._backend is None or not self._backend.capabilities.transactions:
             raise TypeError(
                 f"inturn: keyed(..., transaction=True) needs a backend that takes turns in a "
                 f"database (PostgresBackend); this queue's is {describe(self._backend)}"

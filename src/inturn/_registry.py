@@ -179,7 +179,7 @@ class Registry:
         self._settling: _Settling | None = None
         # Whether the backend prefers one event loop per process; the loop whose
         # tasks call it directly (and its thread), and how many such ended (see via).
-        self._one_loop: bool = getattr(backend, "prefers_one_loop", False)
+        self._one_loop = backend is not None and backend.capabilities.one_loop
         self._direct: asyncio.AbstractEventLoop | None = None
         self._direct_thread = 0
         self._directs_ended = 0
@@ -321,7 +321,7 @@ class Registry:
     def via(self, loop: asyncio.AbstractEventLoop) -> bool:
         """Whether loop's tasks reach the backend through the process's backend loop.
 
-        A backend that prefers one loop per process (``prefers_one_loop``:
+        A backend that prefers one loop per process (``Capabilities.one_loop``:
         each loop it serves costs it connections, as Redis's sessions do)
         serves one loop directly at a time: the first to come, for as long
         as it lives. Other loops at once go through the backend loop, as

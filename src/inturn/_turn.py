@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable, Generator, Hashable, Mapping
 from inspect import isawaitable
 from time import monotonic as _monotonic
 from types import CoroutineType, MappingProxyType, TracebackType
-from typing import TYPE_CHECKING, Any, NoReturn, final
+from typing import TYPE_CHECKING, Any, NoReturn, cast, final
 
 from ._bridge import acquire_sync, acquire_via, close_sync, close_via, release_sync, release_via
 from ._checks import Deadline
@@ -26,7 +26,8 @@ _current_thread = threading.current_thread
 if TYPE_CHECKING:
     from ._registry import Registry
     from ._slots import Slots
-    from .backends._base import Grant, Session
+    from .backends._base import Grant, SessionBackend
+    from .backends._base import TurnSession as Session
 
 __all__ = ("Clock", "Turn", "call_in_turn", "call_in_turn_sync", "current_turn")
 
@@ -547,7 +548,9 @@ class Turn:
         tokens: dict[Hashable, int] = {}
         holders: list[Turn] = []
         flow = _Flow()
-        opener = getattr(registry.backend, "session", None)
+        backend = registry.backend
+        assert backend is not None
+        opener = cast("SessionBackend", backend).session if backend.capabilities.sessions else None
         try:
             for key in self.keys:
                 if not (yield _TAKE, key):
@@ -610,11 +613,13 @@ class Turn:
             try:
                 if step == _RELEASE:
                     source = self._session or backend
-                    await _settle(release_via(source, arg) if via else source.release(arg))
+                    await _settle(release_via(backend, source, arg) if via else source.release(arg))
                     continue
                 if step == _CLOSE:
                     session, failed = arg
-                    await _settle(close_via(session, failed) if via else session.close(failed))
+                    await _settle(
+                        close_via(backend, session, failed) if via else session.close(failed)
+                    )
                     continue
                 assert deadline is not None
                 if step == _TAKE:
@@ -622,7 +627,11 @@ class Turn:
                 elif step == _GRANT:
                     left = deadline.left()
                     source = self._session or backend
-                    acquire = acquire_via(source, arg, left) if via else source.acquire(arg, left)
+                    acquire = (
+                        acquire_via(backend, source, arg, left)
+                        if via
+                        else source.acquire(arg, left)
+                    )
                     reply = await acquire
                 else:
                     assert slots is not None
@@ -648,16 +657,16 @@ class Turn:
             error = reply = None
             try:
                 if step == _RELEASE:
-                    release_sync(self._session or backend, arg)
+                    release_sync(backend, self._session or backend, arg)
                     continue
                 if step == _CLOSE:
-                    close_sync(*arg)
+                    close_sync(backend, *arg)
                     continue
                 assert deadline is not None
                 if step == _TAKE:
                     reply = registry.take_sync(arg, holder, deadline.left(), limit)
                 elif step == _GRANT:
-                    reply = acquire_sync(self._session or backend, arg, deadline.left())
+                    reply = acquire_sync(backend, self._session or backend, arg, deadline.left())
                 else:
                     assert slots is not None
                     reply = slots.take_sync(holder, deadline.left(), limit)

@@ -8,8 +8,7 @@ from typing import Any
 from typing_extensions import assert_type
 
 import inturn
-from inturn import KeyedQueue, QueuedFunction, SyncQueuedFunction
-from inturn.backends import Turn
+from inturn import KeyedQueue, QueuedFunction, SyncQueuedFunction, Turn
 
 queue = KeyedQueue(timeout=1.5, max_pending=10)
 

@@ -9,9 +9,10 @@ given a backend that shares them with other processes::
     KeyedQueue(backend=PostgresBackend.from_url(url))  # ... on one database
 
 This package holds what every backend has in common: the :class:`Backend`
-protocol, the :class:`Grant` it hands out for one key and the optional
-:class:`Session` that holds a turn's keys on one connection, the :class:`Turn`
-a holder is given, the in-process :class:`LocalBackend`, and the snapshots
+protocol and the :class:`Capabilities` a backend declares, the
+:class:`Grant` it hands out for one key, :class:`BlockingBackend` (threads
+block in it), :class:`SessionBackend` and the :class:`TurnSession` that holds
+a turn's keys on one connection, the in-process :class:`LocalBackend`, and the snapshots
 of shared lines that ``lines()`` of the Redis and the file backends returns
 (:class:`LineInfo`, :class:`HolderInfo`, :class:`WaiterInfo`). Each backend
 that shares lines lives in a public module of its own
@@ -21,10 +22,13 @@ those who use it.
 
 from __future__ import annotations
 
-from .._turn import Turn as Turn
 from ._base import Backend as Backend
+from ._base import BlockingBackend as BlockingBackend
+from ._base import BlockingTurnSession as BlockingTurnSession
+from ._base import Capabilities as Capabilities
 from ._base import Grant as Grant
-from ._base import Session as Session
+from ._base import SessionBackend as SessionBackend
+from ._base import TurnSession as TurnSession
 from ._lines import HolderInfo as HolderInfo
 from ._lines import LineInfo as LineInfo
 from ._lines import WaiterInfo as WaiterInfo
@@ -32,11 +36,14 @@ from ._local import LocalBackend as LocalBackend
 
 __all__ = (
     "Backend",
+    "BlockingBackend",
+    "BlockingTurnSession",
+    "Capabilities",
     "Grant",
     "HolderInfo",
     "LineInfo",
     "LocalBackend",
-    "Session",
-    "Turn",
+    "SessionBackend",
+    "TurnSession",
     "WaiterInfo",
 )

@@ -1,11 +1,58 @@
-"""The seam between the queue and the place its lines are shared: Backend and Grant."""
+"""The seam between the queue and the place its lines are shared, declared, never probed.
+
+:class:`Backend` (async), :class:`BlockingBackend` (threads block in it),
+:class:`SessionBackend` (a turn's keys on one connection, a
+:class:`TurnSession`), the :class:`Grant` a backend hands out for one key,
+and :class:`Capabilities`: what a backend declares it does, which is all the
+queue reads of it beyond the protocol's methods.
+"""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Hashable
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-__all__ = ("Backend", "Grant", "Session")
+__all__ = (
+    "Backend",
+    "BlockingBackend",
+    "BlockingTurnSession",
+    "Capabilities",
+    "Grant",
+    "SessionBackend",
+    "TurnSession",
+)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    r"""What a backend does beyond :class:`Backend`: the queue reads this, never probes.
+
+    :ivar blocking: it is a :class:`BlockingBackend` (and its sessions are
+        :class:`BlockingTurnSession`\ s): a thread's turn blocks in its
+        ``*_sync`` methods. Otherwise a thread's calls run on an event loop
+        (see :meth:`Backend.thread_loop`); the thread's work still runs in the
+        thread itself.
+    :ivar one_loop: every event loop it serves costs it a session
+        (connections, a subscription: Redis). A queue then serves one loop
+        at a time directly (the first, while it lives; at most two in turn)
+        and the tasks of every other loop through the same loop as threads,
+        so that an ``asyncio.run()`` per job opens no connection per job.
+    :ivar sessions: it is a :class:`SessionBackend`: its locks belong to a
+        connection, and a turn takes all its keys on one (PostgreSQL).
+    :ivar transactions: ``keyed(..., transaction=True)`` runs the block in a
+        transaction on the turn's connection (needs ``sessions``).
+    """
+
+    blocking: bool = False
+    one_loop: bool = False
+    sessions: bool = False
+    transactions: bool = False
+
+    def __post_init__(self) -> None:
+        if self.transactions and not self.sessions:
+            raise ValueError("inturn: Capabilities(transactions=True) needs sessions=True")
 
 
 @runtime_checkable
@@ -28,15 +75,16 @@ class Grant(Protocol):
         ...
 
 
-class Session(Protocol):
+class TurnSession(Protocol):
     """One turn's hold on a backend that takes all of a turn's keys on one connection.
 
-    A backend may offer ``session(count, transaction, own, depth) -> Session``
-    (no I/O): the queue then takes a turn's keys through the session rather
-    than the backend, after it took every key's place in this process's
-    lines, and ends the turn with :meth:`close` (no per-grant release).
-    PostgreSQL does: its locks belong to a connection, so a turn on several
-    keys needs one connection, not one per key, and a pool of connections can
+    A :class:`SessionBackend` makes one per turn
+    (``session(count, transaction, own, depth)``, no I/O): the queue then
+    takes a turn's keys through the session rather than the backend, after
+    it took every key's place in this process's lines, and ends the turn
+    with :meth:`close` (no per-grant release). PostgreSQL does: its locks
+    belong to a connection, so a turn on several keys needs one connection,
+    not one per key, and a pool of connections can
     never deadlock turns that each wait for a second one.
 
     ``count`` is how many keys the turn will take; ``transaction`` asks for
@@ -46,9 +94,8 @@ class Session(Protocol):
     pool for it; ``depth`` is how many sessions the turns around this one
     hold (in its context: a task made inside a turn's block has that turn
     around it), so that a bounded pool can keep connections apart for turns
-    their holders wait for. Its calls run on one event loop, as the backend's do; a
-    session may offer ``acquire_sync``, ``release_sync`` and
-    ``close_sync(error)`` for threads, as a backend may.
+    their holders wait for. Its calls run on one event loop, as the backend's do; the
+    session of a blocking backend is a :class:`BlockingTurnSession`.
     """
 
     @property
@@ -101,25 +148,30 @@ class Backend(Protocol):
     - :meth:`acquire` may be called from several event loops at once (in
       different threads): each call, and the release of its grant, on the
       loop it was made from.
-    - Threads: a backend may offer ``acquire_sync(key, timeout) -> Grant``
-      and ``release_sync(grant) -> None``, with the same contract, blocking
-      the calling thread (the file backend waits in the kernel). Without
-      them, a thread's calls run on one event loop that the queue keeps in
-      a daemon thread of the process, or on the loop that the backend's
-      optional ``thread_loop() -> AbstractEventLoop | None`` names (one it
-      is bound to); the thread's work still runs in the thread itself.
-    - A backend whose every event loop costs it a session (connections, a
-      subscription: Redis) may set ``prefers_one_loop = True``: a queue then
-      serves one loop at a time directly (the first, while it lives; at
-      most two in turn) and the tasks of every other loop through the same
-      backend loop as threads, so that an ``asyncio.run()`` per job opens
-      no connection per job.
-    - A backend whose locks belong to a connection may offer ``session()``
-      (see :class:`Session`): one connection per turn, however many keys.
+    - What it does beyond this protocol it declares in :attr:`capabilities`
+      (see :class:`Capabilities`): threads blocking in it
+      (:class:`BlockingBackend`), one event loop per process, a turn's keys
+      on one connection (:class:`SessionBackend`), transactions.
+    - Threads of a backend that does not block them: their calls run on one
+      event loop that the queue keeps in a daemon thread of the process, or
+      on the loop :meth:`thread_loop` names (one it is bound to).
     - Keys cross process boundaries, so :meth:`order` accepts only keys that
       every process names alike and sorts them in one order every process
       computes identically (never by ``hash()``, which is salted per process).
     """
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this backend does beyond this protocol (a class attribute will do)."""
+        ...
+
+    def thread_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop that calls from other loops and threads must run on, or None.
+
+        None: any loop will do (the queue's own backend loop). A backend bound
+        to one loop (redis-py's cluster client, a pool of the caller's) names it.
+        """
+        ...
 
     def order(self, keys: tuple[Hashable, ...]) -> tuple[Hashable, ...]:
         """Check keys, drop duplicates, and sort them into the global order.
@@ -143,4 +195,48 @@ class Backend(Protocol):
 
     async def aclose(self) -> None:
         """Release what the backend holds open (connections, files)."""
+        ...
+
+
+@runtime_checkable
+class BlockingBackend(Backend, Protocol):
+    """A backend that blocks a thread itself while it waits (``capabilities.blocking``).
+
+    The same contract as :class:`Backend`'s async methods, for a thread: the
+    file backend waits in the kernel, PostgreSQL on a sync connection. An
+    interrupted call (``KeyboardInterrupt``, a signal handler's exception)
+    leaves nothing held.
+    """
+
+    def acquire_sync(self, key: Hashable, timeout: float | None) -> Grant:
+        """As :meth:`Backend.acquire`, blocking this thread while it waits."""
+        ...
+
+    def release_sync(self, grant: Grant) -> None:
+        """As :meth:`Backend.release`, returning once the release is done."""
+        ...
+
+
+class BlockingTurnSession(TurnSession, Protocol):
+    """The :class:`TurnSession` of a blocking backend, for a thread's turn."""
+
+    def acquire_sync(self, key: Hashable, timeout: float | None) -> Grant:
+        """As :meth:`TurnSession.acquire`, blocking this thread while it waits."""
+        ...
+
+    def release_sync(self, grant: Grant) -> None:
+        """As :meth:`TurnSession.release`, returning once the release is done."""
+        ...
+
+    def close_sync(self, error: BaseException | None) -> None:
+        """As :meth:`TurnSession.close`, returning once the turn has ended."""
+        ...
+
+
+@runtime_checkable
+class SessionBackend(Backend, Protocol):
+    """A backend whose locks belong to a connection (``capabilities.sessions``): PostgreSQL."""
+
+    def session(self, count: int, transaction: bool, own: bool, depth: int) -> TurnSession:
+        """A new turn's session (no I/O; see :class:`TurnSession` for the arguments)."""
         ...

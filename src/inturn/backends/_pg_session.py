@@ -1,7 +1,7 @@
 """One turn on PostgreSQL: its connection, and the keys it holds on it.
 
 A turn of a KeyedQueue takes all its keys through one :class:`PgSession`
-(``inturn.backends.Session``), driven by a task (``acquire``, ``release``,
+(``inturn.backends.TurnSession``), driven by a task (``acquire``, ``release``,
 ``close``) or by a thread (``acquire_sync``, ``release_sync``,
 ``close_sync``, called natively by the queue). Each is written once, as
 steps (:mod:`._pg_steps`), and driven by :class:`._pg_drive.Run` for a task

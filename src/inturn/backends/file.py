@@ -88,12 +88,12 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Generator, Hashable, Iterator
 from pathlib import Path
-from typing import NamedTuple, final
+from typing import Final, NamedTuple, final
 
 from .._checks import missed
 from .._describe import describe
 from .._order import order_portable, portable_name
-from ._base import Grant
+from ._base import Capabilities, Grant
 from ._directory import Directory
 from ._file_deaths import died as _died
 from ._file_deaths import died_joining
@@ -735,6 +735,13 @@ class FileBackend:
             taking.close()  # leave the line (see _taking)
             self._not_taken(key, error)
             raise
+
+    #: Threads block in the kernel on their tickets (see Capabilities).
+    capabilities: Final = Capabilities(blocking=True)
+
+    def thread_loop(self) -> None:
+        """None: a thread's turn blocks in the kernel, on no event loop."""
+        return
 
     def acquire_sync(self, key: Hashable, timeout: float | None) -> FileGrant:
         """As :meth:`acquire`, blocking this thread while it waits; it needs no event loop.

@@ -21,7 +21,7 @@ from typing import Any, Final, final
 
 from .._describe import describe as show
 from .._order import order_portable
-from ._base import Grant
+from ._base import Capabilities, Grant
 
 try:
     import psycopg
@@ -155,12 +155,13 @@ class PostgresBackend:
 
     __slots__ = ("__weakref__", "_connections", "_namespace", "_where")
 
-    #: Each event loop costs connections of its own: a queue serves its first
-    #: loop directly, and every other one through one loop.
-    prefers_one_loop: Final = True
-
+    #: Threads block on sync connections; each event loop costs connections of
+    #: its own (a queue serves its first loop directly, and every other one
+    #: through one loop); a turn's keys are held on one connection, and
     #: ``keyed(..., transaction=True)`` is served (see :class:`PostgresBackend`).
-    transactions: Final = True
+    capabilities: Final = Capabilities(
+        blocking=True, one_loop=True, sessions=True, transactions=True
+    )
 
     def __init__(
         self,
@@ -235,7 +236,7 @@ class PostgresBackend:
         return self._connections.thread_loop()
 
     def session(self, count: int, transaction: bool, own: bool, depth: int = 0) -> PgSession:
-        """A turn's session: its keys on one connection (see ``inturn.backends.Session``)."""
+        """A turn's session: its keys on one connection (see ``inturn.backends.TurnSession``)."""
         return PgSession(self._connections, self._namespace, count, transaction, own, depth)
 
     # -- the seam's per-key calls (a KeyedQueue's turn takes its keys through a session) --

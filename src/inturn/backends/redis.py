@@ -58,7 +58,7 @@ from typing import Any, Final, final
 from .._describe import describe as show
 from .._errors import BackendUnavailable
 from .._order import order_portable, portable_key, portable_name
-from ._base import Grant
+from ._base import Capabilities, Grant
 from ._lines import HolderInfo, LineInfo, WaiterInfo
 
 try:
@@ -263,8 +263,8 @@ class RedisBackend:
 
     #: Each event loop it serves costs a session (connections, a subscription,
     #: a heartbeat): a queue serves its first loop directly, and every other
-    #: one, like its threads, through one loop of the process (see Backend).
-    prefers_one_loop: Final = True
+    #: one, like its threads, through one loop of the process (see Capabilities).
+    capabilities: Final = Capabilities(one_loop=True)
 
     def thread_loop(self) -> asyncio.AbstractEventLoop | None:
         """The event loop threads' calls must run on: a cluster client's, once it has one.
