@@ -302,6 +302,9 @@ class _Stubborn:
         done.set_result(None)
         return done
 
+    def thread_loop(self) -> None:
+        return None
+
     def __repr__(self) -> str:
         return "Stubborn()"
 
@@ -311,7 +314,7 @@ async def test_the_bridge_logs_its_loop_and_a_grant_released_for_a_caller_that_g
 ) -> None:
     monkeypatch.setattr(bridge, "_LOOP", bridge._BackendLoop())  # a backend loop of its own
     stubborn = _Stubborn()
-    call = asyncio.create_task(bridge.acquire_via(stubborn, KEY, None))  # type: ignore[arg-type]
+    call = asyncio.create_task(bridge.acquire_via(stubborn, stubborn, KEY, None))  # type: ignore[arg-type]
     await until(stubborn.waiting.is_set, "the acquire runs on the backend loop")
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
