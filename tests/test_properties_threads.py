@@ -270,7 +270,7 @@ class Driver:
 
         def take() -> None:
             try:
-                with self.queue._registry.locked():
+                with self.queue._registry.mode.locked():
                     pending = sum(self.queue.pending(key) for key in KEYS)
                     with self.lock:
                         callers = self.callers

@@ -721,7 +721,7 @@ def test_a_task_woken_by_a_thread_is_the_holder_from_its_first_step(
     would), until the task has started its body: the task must already be
     the holder then, so taking its own key again runs at once.
     """
-    import inturn._registry as internals
+    import inturn._line as internals
 
     queue = KeyedQueue()
     body_started = threading.Event()

@@ -93,10 +93,11 @@ class Deadline:
 
     __slots__ = ("at", "clock", "limit")
 
-    def __init__(self, limit: float | None, clock: Callable[[], float]) -> None:
+    def __init__(self, limit: float | None, clock: Callable[[], float], start: float = 0.0) -> None:
         self.limit = limit  # the caller's limit, for its error
         self.clock = clock  # the clock the waits are timed on (a loop's, or monotonic)
-        self.at = None if limit is None else clock() + limit
+        # (start: when the limit began, on clock, if not now)
+        self.at = None if limit is None else (start or clock()) + limit
 
     def left(self) -> float | None:
         """The seconds left, never below 0; None for no limit."""

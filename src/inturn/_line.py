@@ -14,11 +14,12 @@ import asyncio
 import threading
 from collections import deque
 from collections.abc import Callable, Hashable
-from typing import Any, final
+from typing import Any, Final, final
 
 from ._tasks import in_loop_of as _soon
 
 __all__ = (
+    "HELD",
     "Deferred",
     "Drain",
     "Gate",
@@ -27,10 +28,33 @@ __all__ = (
     "ThreadWaiter",
     "Waiter",
     "Waiting",
+    "hand",
     "held_by",
     "resolve",
     "wake",
 )
+
+
+@final
+class Held:
+    """What a take answers when the caller holds the place already (a reentrant take).
+
+    Never a bool: a take answers True when the caller just took the place,
+    False when it must wait, and HELD when it held it before (and so must
+    not give it back). Testing it for truth is a mistake, and raises.
+    """
+
+    __slots__ = ()
+
+    def __bool__(self) -> bool:
+        raise TypeError("inturn: HELD is neither True nor False; compare with `is HELD`")
+
+    def __repr__(self) -> str:
+        return "HELD"
+
+
+#: The one answer of every take for "held already by this caller".
+HELD: Final = Held()
 
 
 def resolve(future: asyncio.Future[Any]) -> None:
@@ -94,6 +118,19 @@ class Deferred:
 
 #: What waits in a line: a task's future, a thread, or work waiting as data.
 Waiter = asyncio.Future[None] | ThreadWaiter | Deferred
+
+
+def hand(waiter: Waiter, shared: bool) -> bool:
+    """Hand a place to waiter (given it already); False if it can never take it.
+
+    ``shared``: the waiter may live in another thread or loop (see wake).
+    """
+    if shared:
+        return wake(waiter)
+    if isinstance(waiter, Deferred):  # work waiting as data: its task starts
+        return waiter.handed(False)
+    waiter.set_result(None)  # type: ignore[union-attr]
+    return True
 
 
 def wake(waiter: Waiter) -> bool:
@@ -204,28 +241,32 @@ class Places(Waiting):
         for holder in held:
             self.enter(holder)
 
-    def enter(self, holder: object) -> bool | None:
-        """Take a free place for holder: False if taken now, True if it holds one, None if not."""
+    def enter(self, holder: object) -> bool | Held:
+        """Take a free place for holder: True if taken now, HELD if it holds one, False if not."""
         if holder in self.holders:
-            return True
+            return HELD
         if self.free and not self.handed:
             self.free -= 1
             self.holders.add(holder)
-            return False
-        return None
+            return True
+        return False
 
-    def settle(self, waiter: Waiter, holder: object, shared: bool) -> None:
+    def seat(self, waiter: Waiter, holder: object, shared: bool) -> None:
         """Record holder in the place its waiter was handed; hand on a place that waited for it."""
-        self.holders.discard(waiter)
-        self.holders.add(holder)
+        self.swap(waiter, holder)
         self.handed -= 1
-        if self.marks is not None:
-            for _, remaining in self.marks:
-                if waiter in remaining:
-                    remaining.discard(waiter)
-                    remaining.add(holder)
         if self.free and not self.handed and self._hand(shared):
             self.free -= 1
+
+    def swap(self, old: object, new: object) -> None:
+        """Let new hold the place old holds (submitted work's task, for the work)."""
+        self.holders.discard(old)
+        self.holders.add(new)
+        if self.marks is not None:
+            for _, remaining in self.marks:
+                if old in remaining:
+                    remaining.discard(old)
+                    remaining.add(new)
 
     def leave(self, holder: object, shared: bool) -> None:
         """End holder's place: hand it to the next live waiter, or free it."""
@@ -257,13 +298,10 @@ class Places(Waiting):
                 self.waiting -= 1
                 self.holders.add(waiter)  # the waiter's before it is woken, as in Line
                 self.handed += 1
-                if shared:
-                    if not wake(waiter):  # its loop is closed: its task is gone
-                        self.holders.discard(waiter)
-                        self.handed -= 1
-                        continue
-                else:
-                    waiter.set_result(None)  # type: ignore[union-attr]
+                if not hand(waiter, shared):  # its loop is closed: its task is gone
+                    self.holders.discard(waiter)
+                    self.handed -= 1
+                    continue
                 return True
         return False
 

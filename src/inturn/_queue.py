@@ -8,7 +8,6 @@ import threading
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Hashable
 from inspect import isawaitable
-from time import monotonic as _monotonic
 from types import CoroutineType, MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeVar, final, overload
 
@@ -20,12 +19,12 @@ from ._keyspec import KeySpec, KeysSpec
 from ._line import resolve as _resolve
 from ._order import unhashable
 from ._registry import Registry
-from ._slots import Slots, end_turn
-from ._stats import Observer, QueueStats, labelled
+from ._slots import Slots
+from ._stats import FUNCTION, Observer, QueueStats, function_label
 from ._submit import Handle, Submissions, failures, submit, unawaited
-from ._tasks import current_task, loop_here, outside_asyncio, running_loop
+from ._tasks import current_task, loop_here, loop_of, outside_asyncio, running_loop
 from ._tasks import in_loop_of as _soon
-from ._turn import Turn, call_in_turn, call_in_turn_sync
+from ._turn import Turn, call_in_turn, call_in_turn_sync, call_labelled
 from .backends._base import Backend
 from .backends._local import LocalBackend
 
@@ -229,10 +228,9 @@ class KeyedQueue:
         )
         # The running slots, with max_running.
         self._slots = None if max_running is None else Slots(max_running, self._registry)
+        self._registry.slots = self._slots
         # submit()'s work (its handles not finished yet), and the failed ones nobody awaited
-        self._submissions = Submissions(
-            self._registry, self._slots, self._timeout, self._max_hold, self._run_keyed
-        )
+        self._submissions = Submissions(self._registry, self._slots, self._timeout, self._max_hold)
         self._unclaimed: list[Handle[Any]] = []
         _QUEUES.add(self)
 
@@ -251,7 +249,7 @@ class KeyedQueue:
         task: the one whose step forked, if any. The parent's submitted work,
         and its errors nobody awaited, stay the parent's.
         """
-        self._registry.forked(self._slots, task)
+        self._registry.forked(task)
         self._submissions.handles.clear()
         self._unclaimed.clear()
 
@@ -286,8 +284,9 @@ class KeyedQueue:
         """
         # The hot path of the library: every line of it is measured.
         registry = self._registry
+        mode = registry.mode
         try:
-            task = registry.current_task()
+            task = mode.current_task()
         except RuntimeError:
             raise outside_asyncio("run()") from None
         lines = registry.lines
@@ -295,96 +294,28 @@ class KeyedQueue:
             line = lines.get(key)
         except TypeError:
             raise unhashable(key) from None
-        # With running slots (below): when the call asked for its turn, then when it started.
-        since = 0.0
-        # (task._loop: the attribute behind get_loop(), on C and Python tasks
-        # alike, and half its cost here)
-        if line is None and task is not None and task._loop is registry.owner:
-            lines[key] = task  # uncontended: a dict insert, nothing allocated
-        else:
-            if not callable(fn):
-                raise TypeError(f"inturn: run() needs a callable, got {describe(fn)}")
-            if task is None or task._loop is not registry.owner:
-                slots = self._slots
-                if (
-                    slots is None
-                    or task is None
-                    or task._loop is not registry.local
-                    or self._max_hold is not None
-                    or self._timeout is not None
-                    or task in slots.holders
-                ):
-                    # not the solo loop's: the first call, a closed or shared
-                    # queue, a backend; max_hold, a timeout, or a nested turn
-                    return await self._run_keyed(
-                        (key,), fn, args, kwargs, self._timeout, self._max_hold
-                    )
-                # NOTE: a queue with running slots, on its solo loop: what a
-                # Turn does (the key's line, then a slot; see Turn._enter_flow)
-                # written out here. Through a Turn, a turn measured 2.3x (alone)
-                # and 2.5x (handed over) a plain queue's above bare.
-                since = _monotonic()
-            if line is None and since:
-                lines[key] = task
-            else:
-                # What _take() does, inlined: a coroutine less per contended call.
-                waiter = registry.join(key, task, line, self._timeout)
-                if waiter is True:
-                    result = fn(*args, **kwargs)  # this task holds the key already
-                    return (await result) if isawaitable(result) else result
-                if waiter is not False:
-                    line = lines[key]
-                    try:
-                        await waiter
-                    except BaseException as error:
-                        registry.abandon(key, line, waiter, error)
-                        raise
-                    line.holder = task
-                    if since:
-                        since = registry.started(since)
-            if since and not self._slots.enter_now(task):  # type: ignore[union-attr]
-                try:
-                    await self._slots.take(task, None, None)  # type: ignore[union-attr]
-                except BaseException as error:
-                    registry.release(key, task, error, None)
-                    raise
-                since = registry.started(since)
+        if line is not None or task is None or loop_of(task) is not mode.fast_loop:
+            return await self._run_keyed((key,), fn, args, kwargs, self._timeout, self._max_hold)
+        # NOTE: the licensed inline path (see _registry): a free key on the fast
+        # loop is a dict insert, and its release a pop, as try_take and finish do.
+        lines[key] = task
         try:
             # fn() and fn(*args) are cheaper than fn(*args, **kwargs) when they fit
             result = fn(*args, **kwargs) if kwargs else fn(*args) if args else fn()
             if type(result) is CoroutineType or isawaitable(result):
                 result = await result
         except BaseException as error:
-            if since:
-                end_turn(registry, self._slots, key, task, True, error, None, False, since)
-            elif registry.shared:  # switched while this task held the key
-                registry.release(key, task, error, None)
-                registry.ended(error, False, 0.0)
-            else:
-                if (line := lines.pop(key)) is not task:
-                    registry.leave(key, line, error, None)
-                registry.ended(error, False, 0.0)
+            registry.finish(key, task, error, None)
             raise
-        if since and not registry.shared:
-            self._slots.leave(task, False)  # type: ignore[union-attr]  # (since: it has slots)
-            if (line := lines.pop(key)) is not task:
-                registry.leave(key, line, None, result)
-            # (Tally.ended inlined: an observed queue never takes this path)
-            tally = registry.tally
-            tally.completed += 1
-            tally.held += _monotonic() - since
-        elif since:
-            end_turn(registry, self._slots, key, task, True, None, result, False, since)
-        elif registry.shared:
-            registry.release(key, task, None, result)
-            registry.ended(None, False, 0.0)
+        if mode.shared:  # switched while this task held the key
+            registry.finish(key, task, None, result)
         else:
             if (line := lines.pop(key)) is not task:
                 registry.leave(key, line, None, result)
             registry.tally.completed += 1
         return result
 
-    async def _run_keyed(
+    def _run_keyed(
         self,
         keys: tuple[Hashable, ...],
         fn: Callable[..., Any],
@@ -392,18 +323,19 @@ class KeyedQueue:
         kwargs: dict[str, Any],
         timeout: float | None,
         hold: float | None,
-    ) -> Any:
-        """Take the turns of keys as keyed() does, call fn, release.
+    ) -> Coroutine[Any, Any, Any]:
+        """The coroutine that takes the turns of keys as keyed() does, calls fn, releases.
 
-        The path of every call on a shared backend, a shared queue or one
-        with flow control, and of the decorator for keys=, or for a timeout
-        or max_hold of its own.
+        The path of every call but run()'s inline one: a busy key, a shared
+        backend, another loop or a thread, flow control, an observer, and the
+        decorator's keys=, or a timeout or max_hold of its own.
         """
-        turn = Turn(self._registry, self._slots, self._registry.ordered(keys), timeout, hold)
+        if not callable(fn):
+            raise TypeError(f"inturn: run() needs a callable, got {describe(fn)}")
+        turn = Turn(self._registry, self._registry.ordered(keys), timeout, hold)
         if self._registry.tally.observer is None:
-            return await call_in_turn(turn, fn, args, kwargs)
-        with labelled(fn):
-            return await call_in_turn(turn, fn, args, kwargs)
+            return call_in_turn(turn, fn, args, kwargs)
+        return call_labelled(turn, fn, args, kwargs)
 
     @overload
     def run_sync(
@@ -449,13 +381,14 @@ class KeyedQueue:
         """Take the turns of keys for this thread, call fn, release: every sync call's path."""
         if not callable(fn):
             raise TypeError(f"inturn: run_sync() needs a callable, got {describe(fn)}")
-        turn = Turn(
-            self._registry, self._slots, self._registry.ordered(keys), timeout, self._max_hold
-        )
+        turn = Turn(self._registry, self._registry.ordered(keys), timeout, self._max_hold)
         if self._registry.tally.observer is None:
             return call_in_turn_sync(turn, fn, args, kwargs)
-        with labelled(fn):
+        token = FUNCTION.set(function_label(fn))
+        try:
             return call_in_turn_sync(turn, fn, args, kwargs)
+        finally:
+            FUNCTION.reset(token)
 
     def keyed(
         self,
@@ -505,16 +438,16 @@ class KeyedQueue:
             if not keys:
                 raise TypeError("inturn: keyed() needs at least one key")
             ordered = self._registry.ordered(keys)
-            return Turn(self._registry, self._slots, ordered, limit, hold, transaction=True)
+            return Turn(self._registry, ordered, limit, hold, transaction=True)
         if len(keys) == 1 and self._backend is None:
             try:
                 hash(keys[0])
             except TypeError:
                 raise unhashable(keys[0]) from None
-            return Turn(self._registry, self._slots, keys, limit, hold)
+            return Turn(self._registry, keys, limit, hold)
         if not keys:
             raise TypeError("inturn: keyed() needs at least one key")
-        return Turn(self._registry, self._slots, self._registry.ordered(keys), limit, hold)
+        return Turn(self._registry, self._registry.ordered(keys), limit, hold)
 
     def _check_transaction(self, transaction: object) -> None:
         """Refuse keyed(transaction=...) that is not True, or on a backend without transactions."""
@@ -705,7 +638,7 @@ class KeyedQueue:
     @property
     def active_keys(self) -> frozenset[Hashable]:
         """The keys that a task or thread holds or waits for, at this moment."""
-        with self._registry.guard():
+        with self._registry.mode.guard():
             return frozenset(self._registry.lines)
 
     @property
@@ -731,7 +664,7 @@ class KeyedQueue:
         several holders, and no one outcome.
         """
         loop = asyncio.get_running_loop()
-        with self._registry.guard():
+        with self._registry.mode.guard():
             return self._registry.watch(key, loop)
 
     def stats(self) -> QueueStats:
@@ -743,11 +676,11 @@ class KeyedQueue:
         event loop runs: the counts are then as of one moment or the next.
         """
         registry = self._registry
-        with registry.guard():
+        with registry.mode.guard():
             holders, waiting = registry.holders()
             slots = self._slots
             tally = registry.tally
-            timed = not registry.plain
+            timed = registry.timed
             return QueueStats(
                 running=len(holders) if slots is None else len(slots.holders),
                 waiting_for_slot=0 if slots is None else slots.waiting,
@@ -779,7 +712,7 @@ class KeyedQueue:
         cost. A turn already running when the observer is set is not
         reported, or only its end, without its hold time.
         """
-        self._registry.observe(observer, self._plain(self.max_running))
+        self._registry.observe(observer)
 
     @property
     def name(self) -> str | None:
@@ -836,7 +769,7 @@ class KeyedQueue:
         # their tasks end just after they leave the lines: wait for that too
         submitted = self._submissions.of_loop(loop)
         # the last mark may be reached in another thread, once the queue is shared
-        with self._registry.guard_for(loop):
+        with self._registry.mode.guard_for(loop):
             marked = self._registry.mark(lambda: _soon(future, _resolve, future))
         if marked:
             await future
@@ -860,13 +793,13 @@ class KeyedQueue:
         :raises RuntimeError: called inside a running event loop (use :meth:`drain`).
         """
         limit = check_timeout(timeout)
-        if asyncio._get_running_loop() is not None:
+        if loop_here() is not None:
             raise RuntimeError(
                 "inturn: drain_sync() would freeze the running event loop; "
                 "use `await queue.drain()`"
             )
         done = threading.Event()
-        with self._registry.for_threads():
+        with self._registry.mode.for_threads():
             if not self._registry.mark(done.set):
                 return True
         return done.wait(limit)
@@ -898,6 +831,6 @@ class KeyedQueue:
             shown.append("...")
         state = "closed" if not self._registry.open else "open"
         where = "" if self._backend is None else f" on {self._backend!r}"
-        mode = ", shared by threads" if self._registry.shared else ""
+        mode = ", shared by threads" if self._registry.mode.shared else ""
         name = "" if self._name is None else f" {self._name!r}"
         return f"<KeyedQueue{name} {state}{where}{mode}, {active} active {{{', '.join(shown)}}}>"

@@ -31,8 +31,10 @@ the loop: an async generator, which the loop closes at its shutdown
 (``shutdown_asyncgens()``), and which then cancels that loop's submitted
 work still pending and waits for it to leave its lines.
 
-On a queue with a backend, or with ``concurrency`` above 1, a submission is
-a task of its own from the start, which takes its turn as ``run()`` does.
+On every queue (with a backend, ``concurrency`` or ``max_running`` too) a
+submission joins its key's line at the call; its task then enters the
+turn's steps holding its line already (see ``_turn``): with a backend, it
+takes the key's grant there, then a running slot.
 """
 
 from __future__ import annotations
@@ -41,23 +43,20 @@ import asyncio
 import contextvars
 import sys
 import weakref
-from collections.abc import AsyncGenerator, Callable, Coroutine, Generator, Hashable
-from inspect import isawaitable
+from collections.abc import AsyncGenerator, Callable, Generator, Hashable
 from time import monotonic as _monotonic
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, final
 
 from ._checks import missed
 from ._describe import describe
 from ._errors import QueueClosed, QueueFull
-from ._line import Deferred
+from ._line import Deferred, Gate, held_by
 from ._line import Line as _Line
-from ._order import unhashable
-from ._slots import end_turn
 from ._stats import FUNCTION, function_label
 from ._tasks import call_soon_in as _call_soon_in
 from ._tasks import current_task as _current_task
 from ._tasks import makes_plain_tasks, running_loop
-from ._turn import Clock
+from ._turn import Turn, call_in_turn
 
 if sys.version_info < (3, 11):  # pragma: no cover - depends on the interpreter
     from exceptiongroup import BaseExceptionGroup
@@ -79,7 +78,7 @@ class Submissions:
     The queue makes one, at its making; its handles not finished yet are here.
     """
 
-    __slots__ = ("__weakref__", "handles", "max_hold", "registry", "run_keyed", "slots", "timeout")
+    __slots__ = ("__weakref__", "handles", "max_hold", "registry", "slots", "timeout")
 
     def __init__(
         self,
@@ -87,14 +86,11 @@ class Submissions:
         slots: Slots | None,
         timeout: float | None,
         max_hold: float | None,
-        run_keyed: Callable[..., Coroutine[Any, Any, Any]],
     ) -> None:
         self.registry = registry
         self.slots = slots
         self.timeout = timeout  # the queue's
         self.max_hold = max_hold  # the queue's
-        # (keys, fn, args, kwargs, timeout, max_hold): a whole turn, as run() takes it
-        self.run_keyed = run_keyed
         self.handles: set[Handle[Any]] = set()  # submitted, not finished yet
 
     def of_loop(self, loop: asyncio.AbstractEventLoop) -> list[asyncio.Future[Any]]:
@@ -103,7 +99,7 @@ class Submissions:
 
 
 # Where a Handle is (Handle._stage).
-_UNPLACED = 0  # in no line: refused, or its own task takes the turn (backend, concurrency)
+_UNPLACED = 0  # in no line: refused, or left it
 _PLACED = 1  # holds its key, or waits in its line as data; its task has not run yet
 _STARTED = 2  # its task runs (or ran)
 
@@ -167,7 +163,8 @@ class Handle(Deferred, Generic[R]):
         self._failed = failed  # where the handle goes if it fails and nobody awaited it
         self._batch = batch
         self._task: asyncio.Task[Any] | None = None  # the work's task, from its turn on
-        self._line: _Line | None = None  # the line it joined as data (None: it took a free key)
+        # the line it joined as data, until its task holds the key (None: it took a free key)
+        self._line: _Line | Gate | None = None
         self._context: contextvars.Context | None = None  # submit()'s, while waiting as data
         self._timer: asyncio.TimerHandle | None = None  # the queue's timeout, while waiting
         self._since = 0.0  # when it was submitted (monotonic), on a queue that times turns
@@ -297,22 +294,17 @@ class Handle(Deferred, Generic[R]):
             self._timer = None
         queue = self._queue
         if self._counted:
-            with queue.registry.guard():
+            with queue.registry.mode.guard():
                 _uncount(self, queue.slots)
         if self._stage == _PLACED:
             self._stage = _UNPLACED
             registry = queue.registry
-            key = self.key
             line = self._line
-            if line is None:  # it took the free key: lines[key] is it, or a Line it holds
-                with registry.guard():
-                    line = registry.lines[key]
-                    if line is self:
-                        del registry.lines[key]
-                        registry.tally.missed(error)
-                        line = None
-            if line is not None:  # (the line may have left the lines since: as abandon()'s)
-                registry.abandon(key, line, self, error)
+            if line is None:  # it took the free key: give it back
+                registry.release(self.key, self, None, None)
+            else:  # (passes on the key if it was handed just now)
+                registry.abandon(self.key, line, self)
+            registry.missed(error)
         self._finish(not isinstance(error, asyncio.CancelledError))
 
     def _expire(self, timeout: float) -> None:
@@ -322,9 +314,8 @@ class Handle(Deferred, Generic[R]):
         if future.done():
             return
         queue = self._queue
-        with queue.registry.guard():
-            line = queue.registry.lines.get(self.key)
-            if line is self or (type(line) is _Line and line.holder is self):
+        with queue.registry.mode.guard():
+            if held_by(queue.registry.lines.get(self.key), self):
                 return  # handed the key just now: its task takes the rest of the time
             future.set_exception(missed(f"the turn for key {describe(self.key)}", timeout))
         future.exception()  # retrieved: it reaches the handle's awaiters, or its batch
@@ -352,7 +343,6 @@ class Handle(Deferred, Generic[R]):
             self._timer = None
         context, self._context = self._context, None
         assert context is not None
-        self._line = None  # it holds the key now, as one that took it free
         loop = self._future.get_loop()
         if sys.version_info >= (3, 11):
             task = loop.create_task(_run(self), context=context)
@@ -412,88 +402,28 @@ def _uncount(handle: Handle[Any], slots: Slots | None) -> None:
 
 
 async def _run(handle: Handle[Any]) -> Any:
-    """The task of submitted work that holds its key's line: a running slot, the work, release.
+    """The task of submitted work that holds its key's line: the rest of its turn, the work.
 
-    The turn as :class:`~inturn.Turn` takes it once the key is held: its
-    running slot (max_running), max_hold, then the release of the slot and
-    the key, newest first.
+    The turn's steps, entered holding the line already: a backend's grant,
+    a running slot (max_running), max_hold; then the release of each.
     """
     handle._stage = _STARTED
     queue = handle._queue
     registry = queue.registry
-    if registry.tally.observer is not None:  # (this task's context is its own)
-        FUNCTION.set(function_label(handle._fn))
-    key = handle.key
     # (made by a plain loop, the task is known already; an eager one runs this step first)
     task = handle._task or _current_task()
     assert task is not None
-    lines = registry.lines
-    slots = queue.slots
-    since = handle._since
-    slot = False
-    with registry.guard():
-        line = lines[key]
-        if line is handle:
-            lines[key] = task
-        else:
-            line.holder = task
-        if slots is not None:
-            if slots.enter_now(task):  # (a new task holds no slot: True, or None to wait)
-                slot = True
-                now = _monotonic()
-                registry.tally.started(now - since)
-                since = now
-            if handle._counted:
-                _uncount(handle, slots)
-    if slots is not None and not slot:
-        limit = queue.timeout
-        left = None if limit is None else max(0.0, limit - (_monotonic() - since))
-        try:
-            slot = await slots.take(task, left, limit)
-        except BaseException as error:
-            registry.release(key, task, error, None)
-            handle._ended(error, None)
-            if isinstance(error, Exception):
-                return None
-            raise
-        since = registry.started(since)
-    elif since and slots is None:
-        since = registry.started(since)
-    hold = queue.max_hold
-    clock = None if hold is None else Clock(task, hold)
-    fn, args, kwargs = handle._fn, handle._args, handle._kwargs
-    try:
-        result = fn(*args, **kwargs) if kwargs else fn(*args) if args else fn()
-        if isawaitable(result):
-            result = await result
-    except BaseException as error:
-        cut = None if clock is None else clock.stop((key,), error)
-        if cut is not None:
-            cut.__cause__ = error
-            error = cut
-        end_turn(registry, slots, key, task, slot, error, None, cut is not None, since)
-        handle._ended(error, None)
-        if isinstance(error, Exception):
-            return None  # it is the handle's now: the task ends quietly
-        raise
-    if clock is not None:
-        clock.stop((key,), None)
-    end_turn(registry, slots, key, task, slot, None, result, False, since)
-    handle._ended(None, result)
-    return None
-
-
-async def _take_turn(handle: Handle[Any], keys: tuple[Hashable, ...]) -> Any:
-    """The task of submitted work that takes its whole turn itself (backend, concurrency)."""
-    handle._stage = _STARTED
-    queue = handle._queue
-    if handle._counted:
-        with queue.registry.guard():
+    with registry.mode.guard():
+        registry.start(handle.key, handle, task, handle._line is not None)
+        handle._line = None
+        if handle._counted:
             _uncount(handle, queue.slots)
+    if registry.tally.observer is not None:  # (this task's context is its own)
+        FUNCTION.set(function_label(handle._fn))
+    turn = Turn(registry, (handle.key,), queue.timeout, queue.max_hold)
     try:
-        result = await queue.run_keyed(
-            keys, handle._fn, handle._args, handle._kwargs, queue.timeout, queue.max_hold
-        )
+        lined = (task, handle._since)
+        result = await call_in_turn(turn, handle._fn, handle._args, handle._kwargs, lined)
     except BaseException as error:
         handle._ended(error, None)
         if isinstance(error, Exception):
@@ -515,65 +445,47 @@ async def submit(
     """queue.submit(): the handle goes to failed if it fails and nobody awaits it."""
     if not callable(fn):
         raise TypeError(f"inturn: submit() needs a callable, got {describe(fn)}")
-    if queue.registry.backend is not None or queue.registry.concurrency != 1:
-        return await _submit_task(queue, key, fn, args, kwargs, failed, batch)
-    try:
-        hash(key)
-    except TypeError:
-        raise unhashable(key) from None
+    registry = queue.registry
+    key = registry.ordered((key,))[0]  # (checked: hashable, or a backend's kind)
     loop = _admitted(queue, key)
     slots = queue.slots
     me = None
     if slots is not None:
         me = _current_task()
         # (work for a busy key waits in its line, and takes no slot until its turn)
-        if slots.free <= slots.unplaced and slots.needs(key, me, True):
-            await slots.backpressure(key, me, True, loop)
+        if slots.free <= slots.unplaced and slots.needs(key, me):
+            await slots.backpressure(key, me, loop)
     handle = _new_handle(queue, key, fn, args, kwargs, loop, failed, batch)
-    lines = queue.registry.lines
-    if slots is not None or not queue.registry.plain:
+    if registry.timed:
         handle._since = _monotonic()
     refused: BaseException | None = None
-    with queue.registry.guard_for(loop):
-        line = lines.get(key)
-        if line is None:  # a free key: the work holds it from now, its task starts next
-            lines[key] = handle
+    line = None
+    with registry.mode.guard_for(loop):
+        try:
+            line = registry.defer(key, handle, queue.timeout)
+        except (QueueFull, QueueClosed, TimeoutError) as error:
+            refused = error
+        else:
             handle._stage = _PLACED
-            if slots is not None:
+            handle._line = line
+            if line is None and slots is not None:  # it holds the key: its task starts next
                 if me not in slots.holders:
                     handle._counted = True
                     slots.unplaced += 1
                 if slots.producers:  # those waiting to submit for this key may go: it is busy
                     slots.wake_producers_behind()
-        else:  # a busy key: the work waits in its line as data
-            if type(line) is not _Line:
-                line = lines[key] = _Line(line)
-            pending = queue.registry.max_pending
-            if pending is not None and line.waiting >= pending:
-                refused = QueueFull(
-                    f"inturn: key {describe(key)} already has {line.waiting} waiting "
-                    f"(max_pending={pending}); the work was not queued"
-                )
-                queue.registry.tally.refused(refused)
-            elif queue.timeout is not None and queue.timeout <= 0:
-                refused = missed(f"the turn for key {describe(key)}", 0)
-                queue.registry.tally.missed(refused)
-            else:
-                line.waiters.append(handle)
-                line.waiting += 1
-                handle._stage = _PLACED
-                handle._line = line
-    if line is None:
+    if refused is not None:
+        registry.missed(refused)
+        handle._fail(refused)
+    elif line is None:
         handle._task = loop.create_task(_run(handle))
         _watch(loop, queue)  # (see the module's doc: a task cancelled before its first step)
-    elif refused is None:
+    else:
         handle._context = contextvars.copy_context()
         _watch(loop, queue)
         timeout = queue.timeout
         if timeout is not None:
             handle._timer = loop.call_later(timeout, handle._expire, timeout)
-    else:
-        handle._fail(refused)
     if slots is not None and slots.producers and slots.free > slots.unplaced:
         slots.next_producer()  # a slot is still free: the next producer may go
     return handle
@@ -634,37 +546,6 @@ async def _shutdown(queues: weakref.WeakSet[Submissions]) -> AsyncGenerator[None
                         tasks.append(task)
         if tasks:  # they leave their lines as they end
             await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _submit_task(
-    queue: Submissions,
-    key: Hashable,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    failed: list[Handle[Any]],
-    batch: Batch | None,
-) -> Handle[Any]:
-    """submit() on a queue with a backend or concurrency: a task that takes its whole turn."""
-    keys = queue.registry.ordered((key,))
-    loop = _admitted(queue, key)
-    slots = queue.slots
-    me = None
-    if slots is not None:
-        me = _current_task()
-        if slots.free <= slots.unplaced and slots.needs(key, me, False):
-            await slots.backpressure(key, me, False, loop)
-    handle = _new_handle(queue, key, fn, args, kwargs, loop, failed, batch)
-    if slots is not None:
-        with queue.registry.guard():
-            if slots.needs(key, me, False):
-                handle._counted = True
-                slots.unplaced += 1
-    handle._task = loop.create_task(_take_turn(handle, keys))
-    _watch(loop, queue)
-    if slots is not None and slots.producers and slots.free > slots.unplaced:
-        slots.next_producer()
-    return handle
 
 
 def _admitted(queue: Submissions, key: Hashable) -> asyncio.AbstractEventLoop:

@@ -1,0 +1,237 @@
+"""The two drivers of a turn's steps: a task awaits each wait, a thread blocks on it.
+
+A turn's steps (``_turn``) are generators that yield only the waits they
+need, each as ``(kind, argument)``; a driver performs the wait and sends its
+answer back, or throws in what interrupted it, until the steps end. What
+the steps raise goes to the driver's caller.
+
+- ``LINE, key``: wait in key's line of this process for the holder (the
+  registry); ``SLOT, None``: wait for a running slot (max_running). Both
+  end holding the place, or raise (a TimeoutError naming the caller's
+  limit, or what interrupted the wait), having left the line.
+- ``GRANT, (source, key)``: the backend's turn on key, from the backend or a
+  turn's session -> the Grant.
+- ``RELEASE, (source, grant)`` and ``CLOSE, (session, error)``: give a grant
+  back, or end a turn's session; they complete even if the caller is
+  cancelled again meanwhile (a task) or interrupted (a thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Generator, Hashable
+from time import monotonic as _monotonic
+from typing import TYPE_CHECKING, Any, Final, Protocol
+
+from ._bridge import acquire_sync, acquire_via, close_sync, close_via, release_sync, release_via
+from ._checks import Deadline
+from ._line import ThreadWaiter
+from ._tasks import retrieve
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable
+
+    from ._line import Waiter
+    from .backends._base import Backend
+
+__all__ = ("CLOSE", "GRANT", "LINE", "RELEASE", "SLOT", "Place", "Steps", "drive", "drive_sync")
+
+LINE: Final = 0
+SLOT: Final = 1
+GRANT: Final = 2
+RELEASE: Final = 3
+CLOSE: Final = 4
+
+#: A turn's steps: they yield waits, and are sent each wait's answer.
+Steps = Generator[tuple[int, Any], Any, None]
+
+
+class Place(Protocol):
+    """Where a holder waits in line for a place: a key's line (the registry), or a slot."""
+
+    def join(self, key: Hashable, holder: object, waiter: Waiter, timeout: float | None) -> Any:
+        """Put waiter in line for holder; None if holder took the place at once instead.
+
+        Return the line joined (for settle and abandon). Raise if it is
+        refused (closed, full, or no time to wait).
+        """
+        ...
+
+    def settle(self, key: Hashable, line: Any, waiter: Waiter, holder: object) -> bool:
+        """Make holder the holder of the place handed to waiter; False if it was not handed."""
+        ...
+
+    def abandon(self, key: Hashable, line: Any, waiter: Waiter) -> None:
+        """Take waiter out of line (passing on a place handed to it meanwhile)."""
+        ...
+
+    def too_late(self, key: Hashable, limit: float | None) -> TimeoutError:
+        """The error of a place not reached within limit."""
+        ...
+
+
+def _answer(steps: Steps, reply: Any, error: BaseException | None) -> tuple[int, Any] | None:
+    """Give steps the answer to its last wait (or throw in error); its next wait, None once done."""
+    try:
+        return steps.send(reply) if error is None else steps.throw(error)
+    except StopIteration:
+        return None
+
+
+def _expire(waiter: asyncio.Future[None], place: Place, key: Hashable, limit: float | None) -> None:
+    if not waiter.done():
+        waiter.set_exception(place.too_late(key, limit))
+
+
+async def _wait_in(
+    place: Place, key: Hashable, task: asyncio.Task[Any], left: float | None, limit: float | None
+) -> None:
+    """Wait in place's line for task; return holding the place."""
+    loop = task.get_loop()
+    waiter: asyncio.Future[None] = loop.create_future()
+    line = place.join(key, task, waiter, left)
+    if line is None:
+        return
+    timer = None if left is None else loop.call_later(left, _expire, waiter, place, key, limit)
+    try:
+        await waiter
+    except BaseException:
+        place.abandon(key, line, waiter)
+        raise
+    finally:
+        if timer is not None:
+            timer.cancel()
+    place.settle(key, line, waiter, task)
+
+
+def _wait_in_sync(
+    place: Place, key: Hashable, me: object, left: float | None, limit: float | None
+) -> None:
+    """Block thread me in place's line; return holding the place."""
+    waiter = ThreadWaiter()
+    line = place.join(key, me, waiter, left)
+    if line is None:
+        return
+    try:
+        if left is None:
+            waiter.lock.acquire()
+        else:
+            waiter.lock.acquire(timeout=left)
+    except BaseException:  # interrupted: KeyboardInterrupt, or a signal handler's
+        place.abandon(key, line, waiter)
+        raise
+    if not place.settle(key, line, waiter, me):  # timed out (and not handed just then)
+        place.abandon(key, line, waiter)
+        raise place.too_late(key, limit)
+
+
+async def _settle(release: Awaitable[None]) -> None:
+    """Await a backend release that a second cancellation of the caller cannot interrupt.
+
+    If the caller is cancelled meanwhile, the release goes on by itself and
+    the caller gets the CancelledError at once. A Future is a release that
+    goes on by itself already (see Backend.release): no task is needed.
+    """
+    if isinstance(release, asyncio.Future):
+        await release
+        return
+    task = asyncio.ensure_future(release)
+    task.add_done_callback(retrieve)
+    await asyncio.shield(task)
+
+
+async def drive(
+    steps: Steps,
+    wait: tuple[int, Any],
+    task: asyncio.Task[Any],
+    places: tuple[Place, Place | None],
+    backend: Backend | None,
+    limit: float | None,
+    since: float,
+    via: bool,
+) -> None:
+    """Perform steps' waits for task, from wait on, until the steps end.
+
+    ``places``: the lines and the slots; ``limit``: the turn's timeout,
+    spent across its waits from ``since`` (monotonic; 0: from the first
+    wait); ``via``: the backend's calls go through the process's backend
+    loop (see ThreadMode.via).
+    """
+    deadline: Deadline | None = None
+    while True:
+        kind, arg = wait
+        reply: Any = None
+        error: BaseException | None = None
+        try:
+            if kind >= RELEASE:
+                assert backend is not None
+                if kind == RELEASE:
+                    source, grant = arg
+                    release = release_via(backend, source, grant) if via else source.release(grant)
+                else:
+                    session, failed = arg
+                    release = close_via(backend, session, failed) if via else session.close(failed)
+                await _settle(release)
+            else:
+                if deadline is None:
+                    clock = task.get_loop().time  # (the loop's: timers run on it)
+                    start = clock() - (_monotonic() - since) if since else 0.0
+                    deadline = Deadline(limit, clock, start)
+                if kind == GRANT:
+                    assert backend is not None
+                    source, key = arg
+                    if via:
+                        reply = await acquire_via(backend, source, key, deadline.left())
+                    else:
+                        reply = await source.acquire(key, deadline.left())
+                else:
+                    place = places[kind]
+                    assert place is not None
+                    await _wait_in(place, arg, task, deadline.left(), limit)
+        except BaseException as problem:  # thrown into the steps, which roll back
+            error = problem
+        next_wait = _answer(steps, reply, error)
+        if next_wait is None:
+            return
+        wait = next_wait
+
+
+def drive_sync(
+    steps: Steps,
+    wait: tuple[int, Any],
+    me: object,
+    places: tuple[Place, Place | None],
+    backend: Backend | None,
+    limit: float | None,
+    since: float,
+) -> None:
+    """Perform steps' waits for thread me, blocking it, from wait on (see drive)."""
+    deadline: Deadline | None = None
+    while True:
+        kind, arg = wait
+        reply: Any = None
+        error: BaseException | None = None
+        try:
+            if kind == RELEASE:
+                assert backend is not None
+                release_sync(backend, *arg)
+            elif kind == CLOSE:
+                assert backend is not None
+                close_sync(backend, *arg)
+            else:
+                if deadline is None:
+                    deadline = Deadline(limit, _monotonic, since)
+                if kind == GRANT:
+                    assert backend is not None
+                    source, key = arg
+                    reply = acquire_sync(backend, source, key, deadline.left())
+                else:
+                    place = places[kind]
+                    assert place is not None
+                    _wait_in_sync(place, arg, me, deadline.left(), limit)
+        except BaseException as problem:  # thrown into the steps, which roll back
+            error = problem
+        next_wait = _answer(steps, reply, error)
+        if next_wait is None:
+            return
+        wait = next_wait
