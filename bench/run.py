@@ -47,7 +47,7 @@ if __package__ in (None, ""):  # run as a script: python bench/run.py
 
 from . import flow, multiproc, scenarios, threads
 from .contenders import ALL, Contender, InturnSlots, at_version
-from .targets import Rows, Target, cell, evaluate, ratio, valid
+from .targets import Rows, Target, at_most, cell, evaluate, ratio, valid
 
 BASELINE = "handwritten"
 FLOOR = "bare"
@@ -164,19 +164,6 @@ RUN, KEYED, DECORATED, SLOTTED = "inturn.run", "inturn.keyed", "@queue_by_key", 
 NO_WORSE = 1.05
 
 
-def _at_most(
-    row: str, name: str, limit: float, baseline: str, *, label: str = "", **options: Any
-) -> Target:
-    """name's row figure at most limit times baseline's (both positive, or a MISS)."""
-    return Target(
-        label or f"{row[:3]} {name} <= {limit:g}x {baseline}",
-        (name, baseline),
-        lambda rows: ratio(cell(rows, row, name), cell(rows, row, baseline)),
-        limit,
-        **options,
-    )
-
-
 def _own(row: str, name: str, label: str, limit: float, **options: Any) -> Target:
     """name's own row figure, at most limit."""
     return Target(label, (name,), lambda rows: cell(rows, row, name), limit, **options)
@@ -190,13 +177,13 @@ def target_table(sizes: Sizes, flow_sizes: flow.Sizes, before: str | None) -> li
     first, last = sizes.scaling[0], sizes.scaling[-1]
     table = [
         # asyncio.current_task() is in C from CPython 3.12: before it, reported only.
-        _at_most(A, RUN, 0.5, BASELINE, since=(3, 12)),
-        _at_most(A, KEYED, 1.2, BASELINE),
-        _at_most(A, DECORATED, 1.5, BASELINE),
-        _at_most(A, SLOTTED, 2.0, RUN),
-        _at_most(B, SLOTTED, 2.0, RUN),
-        _at_most(B, RUN, 0.95, BASELINE),
-        _at_most(C, RUN, 0.95, BASELINE),
+        at_most(A, RUN, 0.5, BASELINE, since=(3, 12)),
+        at_most(A, KEYED, 1.2, BASELINE),
+        at_most(A, DECORATED, 1.5, BASELINE),
+        at_most(A, SLOTTED, 2.0, RUN),
+        at_most(B, SLOTTED, 2.0, RUN),
+        at_most(B, RUN, 0.95, BASELINE),
+        at_most(C, RUN, 0.95, BASELINE),
         _own(D_PER_KEY, RUN, "(d) inturn <= 150 B per in-flight key", 150.0, form="{:,.0f} B"),
         # Memory may shrink between two waves: a negative growth is a measure,
         # not noise. The allocator moves a few hundred bytes from wave to wave
@@ -223,11 +210,11 @@ def target_table(sizes: Sizes, flow_sizes: flow.Sizes, before: str | None) -> li
         for name in (RUN, KEYED, DECORATED):
             earlier = f"{name}@{ref}"
             label = f"{row[:3]} {name} <= {NO_WORSE:g}x {earlier}{what}"
-            table.append(_at_most(row, name, NO_WORSE, earlier, label=label))
+            table.append(at_most(row, name, NO_WORSE, earlier, label=label))
     batch, backpressure, bound = "inturn.batch", "handwritten+backpressure", 4 * flow.SLOTS
     distributions = list(flow.distributions(flow_sizes))
     table.extend(
-        _at_most(
+        at_most(
             f"(g) ns/message, {label}",
             batch,
             1.2,
