@@ -20,6 +20,12 @@ with max_running, beside a hand-written lock and semaphore.
 Then, unless ``--no-threads``, scenario (t), bench/threads.py: sync turns
 taken from threads, beside a hand-written dict of threading.Lock.
 
+Then scenario (u), bench/turns.py (alone: ``python -m bench.turns``): one
+uncontended turn of each shape (``run``, ``keyed``, the decorator, two keys,
+``max_hold``, an observer, ``max_running`` with a timeout, and from threads
+unless ``--no-threads``), as ratios to the hand-written lock; with
+``--before``, also on that revision's inturn.
+
 Then the targets (bench/targets.py): each PASS or MISS, SKIP when its
 contenders were not measured (the ``--before`` revision's, without it).
 
@@ -45,7 +51,7 @@ if __package__ in (None, ""):  # run as a script: python bench/run.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     __package__ = "bench"
 
-from . import flow, multiproc, scenarios, threads
+from . import flow, multiproc, scenarios, threads, turns
 from .contenders import ALL, Contender, InturnSlots, at_version
 from .targets import Rows, Target, at_most, cell, evaluate, ratio, valid
 
@@ -170,7 +176,7 @@ def _own(row: str, name: str, label: str, limit: float, **options: Any) -> Targe
 
 
 def target_table(sizes: Sizes, flow_sizes: flow.Sizes, before: str | None) -> list[Target]:
-    """Every target of the Benchmark issue and issue 17, in the order they are printed.
+    """Every target of the Benchmark issue and issues 17 and 29, in the order they are printed.
 
     Targets against the inturn of ``--before`` are SKIP without it.
     """
@@ -233,6 +239,7 @@ def target_table(sizes: Sizes, flow_sizes: flow.Sizes, before: str | None) -> li
         )
         for label in distributions
     )
+    table.extend(turns.target_table())
     return table
 
 
@@ -243,7 +250,7 @@ def targets(
     flow_sizes: flow.Sizes,
     before: str | None = None,
 ) -> list[tuple[str, str, str]]:
-    """(verdict, label, value) of every target, on this run's rows (in process and (g))."""
+    """(verdict, label, value) of every target, on this run's rows (in process, (g) and (u))."""
     return [evaluate(target, rows, measured) for target in target_table(sizes, flow_sizes, before)]
 
 
@@ -389,9 +396,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         thread_result = {"medians": thread_medians, "rows": thread_rows}
         print(f"\n## {threads.title(thread_sizes)}: {machine()}, median of {options.repeats}\n")
         print(threads.table(thread_rows, thread_sizes))
-    print("\nTargets (the Benchmark issue's and issue 17's; SKIP: not measured in this run):\n")
+    turn_kinds = turns.kinds(options.before, with_threads=options.threads)
+    turn_medians = turns.measure(turns.Sizes(options.quick), options.repeats, log, turn_kinds)
+    turn_rows = turns.derive(turn_medians)
+    print(f"\n## {turns.TITLE}: {machine()}, median of {options.repeats}\n")
+    print(turns.table(turn_rows, options.before))
+    print("\nTargets (the Benchmark issue's, issues 17 and 29; SKIP: not measured in this run):\n")
     results = targets(
-        {**rows, **flow_rows}, [*names, *flow.NAMES], sizes, flow_sizes, options.before
+        {**rows, **flow_rows, **turn_rows},
+        [*names, *flow.NAMES, *turn_medians],
+        sizes,
+        flow_sizes,
+        options.before,
     )
     for verdict, label, value in results:
         print(f"- {verdict} {label}: {value}")
@@ -417,6 +433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     ],
                     "flow": {"medians": flow_medians, "rows": flow_rows},
                     "threads": thread_result,
+                    "turns": {"medians": turn_medians, "rows": turn_rows},
                     "multiproc": across,
                 },
                 indent=2,
