@@ -11,6 +11,7 @@ Each contender gives the scenarios two things:
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import io
 import subprocess
@@ -18,16 +19,17 @@ import sys
 import tarfile
 import tempfile
 from collections import defaultdict
-from collections.abc import Callable, Coroutine, Hashable
+from collections.abc import Callable, Coroutine, Hashable, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 import wrapt
 
 import inturn
 
 Body = Callable[[], Coroutine[Any, Any, Any]]
+C = TypeVar("C")
 
 #: InturnSlots' max_running, as in scenario (g) (bench/flow.py).
 SLOTS = 32
@@ -325,19 +327,24 @@ def extract_version(ref: str) -> tuple[Path, str]:
     return where, name
 
 
+@functools.cache
 def load_version(ref: str) -> ModuleType:
-    """Import inturn as it was at git revision ref, as the package ``inturn_<ref>``."""
+    """Import inturn as it was at git revision ref, as the package ``inturn_<ref>`` (once)."""
     where, name = extract_version(ref)
     sys.path.insert(0, str(where))
     return importlib.import_module(name)
 
 
-def at_version(ref: str) -> list[type[Contender]]:
-    """The inturn contenders again, on the inturn of git revision ref (named name@ref)."""
+def at_version(
+    ref: str, kinds: Sequence[type[C]] = (InturnRun, InturnKeyed, InturnDecorator)
+) -> list[type[C]]:
+    """The inturn contenders kinds again, on the inturn of git revision ref (named name@ref).
+
+    Each kind takes its queue from its class's ``module``.
+    """
     module = load_version(ref)
     return [
-        type(cls.__name__, (cls,), {"name": f"{cls.name}@{ref}", "module": module})
-        for cls in (InturnRun, InturnKeyed, InturnDecorator)
+        type(cls.__name__, (cls,), {"name": f"{cls.name}@{ref}", "module": module}) for cls in kinds
     ]
 
 

@@ -20,6 +20,12 @@ with max_running, beside a hand-written lock and semaphore.
 Then, unless ``--no-threads``, scenario (t), bench/threads.py: sync turns
 taken from threads, beside a hand-written dict of threading.Lock.
 
+Then scenario (u), bench/turns.py (alone: ``python -m bench.turns``): one
+uncontended turn of each shape (``run``, ``keyed``, the decorator, two keys,
+``max_hold``, an observer, ``max_running`` with a timeout, and from threads
+unless ``--no-threads``), as ratios to the hand-written lock; with
+``--before``, also on that revision's inturn.
+
 Then the targets (bench/targets.py): each PASS or MISS, SKIP when its
 contenders were not measured (the ``--before`` revision's, without it).
 
@@ -45,9 +51,9 @@ if __package__ in (None, ""):  # run as a script: python bench/run.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     __package__ = "bench"
 
-from . import flow, multiproc, scenarios, threads
+from . import flow, multiproc, scenarios, threads, turns
 from .contenders import ALL, Contender, InturnSlots, at_version
-from .targets import Rows, Target, cell, evaluate, ratio, valid
+from .targets import Rows, Target, at_most, cell, evaluate, ratio, valid
 
 BASELINE = "handwritten"
 FLOOR = "bare"
@@ -164,39 +170,26 @@ RUN, KEYED, DECORATED, SLOTTED = "inturn.run", "inturn.keyed", "@queue_by_key", 
 NO_WORSE = 1.05
 
 
-def _at_most(
-    row: str, name: str, limit: float, baseline: str, *, label: str = "", **options: Any
-) -> Target:
-    """name's row figure at most limit times baseline's (both positive, or a MISS)."""
-    return Target(
-        label or f"{row[:3]} {name} <= {limit:g}x {baseline}",
-        (name, baseline),
-        lambda rows: ratio(cell(rows, row, name), cell(rows, row, baseline)),
-        limit,
-        **options,
-    )
-
-
 def _own(row: str, name: str, label: str, limit: float, **options: Any) -> Target:
     """name's own row figure, at most limit."""
     return Target(label, (name,), lambda rows: cell(rows, row, name), limit, **options)
 
 
 def target_table(sizes: Sizes, flow_sizes: flow.Sizes, before: str | None) -> list[Target]:
-    """Every target of the Benchmark issue and issue 17, in the order they are printed.
+    """Every target of the Benchmark issue and issues 17 and 29, in the order they are printed.
 
     Targets against the inturn of ``--before`` are SKIP without it.
     """
     first, last = sizes.scaling[0], sizes.scaling[-1]
     table = [
         # asyncio.current_task() is in C from CPython 3.12: before it, reported only.
-        _at_most(A, RUN, 0.5, BASELINE, since=(3, 12)),
-        _at_most(A, KEYED, 1.2, BASELINE),
-        _at_most(A, DECORATED, 1.5, BASELINE),
-        _at_most(A, SLOTTED, 2.0, RUN),
-        _at_most(B, SLOTTED, 2.0, RUN),
-        _at_most(B, RUN, 0.95, BASELINE),
-        _at_most(C, RUN, 0.95, BASELINE),
+        at_most(A, RUN, 0.5, BASELINE, since=(3, 12)),
+        at_most(A, KEYED, 1.2, BASELINE),
+        at_most(A, DECORATED, 1.5, BASELINE),
+        at_most(A, SLOTTED, 2.0, RUN),
+        at_most(B, SLOTTED, 2.0, RUN),
+        at_most(B, RUN, 0.95, BASELINE),
+        at_most(C, RUN, 0.95, BASELINE),
         _own(D_PER_KEY, RUN, "(d) inturn <= 150 B per in-flight key", 150.0, form="{:,.0f} B"),
         # Memory may shrink between two waves: a negative growth is a measure,
         # not noise. The allocator moves a few hundred bytes from wave to wave
@@ -223,11 +216,11 @@ def target_table(sizes: Sizes, flow_sizes: flow.Sizes, before: str | None) -> li
         for name in (RUN, KEYED, DECORATED):
             earlier = f"{name}@{ref}"
             label = f"{row[:3]} {name} <= {NO_WORSE:g}x {earlier}{what}"
-            table.append(_at_most(row, name, NO_WORSE, earlier, label=label))
+            table.append(at_most(row, name, NO_WORSE, earlier, label=label))
     batch, backpressure, bound = "inturn.batch", "handwritten+backpressure", 4 * flow.SLOTS
     distributions = list(flow.distributions(flow_sizes))
     table.extend(
-        _at_most(
+        at_most(
             f"(g) ns/message, {label}",
             batch,
             1.2,
@@ -246,6 +239,7 @@ def target_table(sizes: Sizes, flow_sizes: flow.Sizes, before: str | None) -> li
         )
         for label in distributions
     )
+    table.extend(turns.target_table())
     return table
 
 
@@ -256,7 +250,7 @@ def targets(
     flow_sizes: flow.Sizes,
     before: str | None = None,
 ) -> list[tuple[str, str, str]]:
-    """(verdict, label, value) of every target, on this run's rows (in process and (g))."""
+    """(verdict, label, value) of every target, on this run's rows (in process, (g) and (u))."""
     return [evaluate(target, rows, measured) for target in target_table(sizes, flow_sizes, before)]
 
 
@@ -402,9 +396,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         thread_result = {"medians": thread_medians, "rows": thread_rows}
         print(f"\n## {threads.title(thread_sizes)}: {machine()}, median of {options.repeats}\n")
         print(threads.table(thread_rows, thread_sizes))
-    print("\nTargets (the Benchmark issue's and issue 17's; SKIP: not measured in this run):\n")
+    turn_kinds = turns.kinds(options.before, with_threads=options.threads)
+    turn_medians = turns.measure(turns.Sizes(options.quick), options.repeats, log, turn_kinds)
+    turn_rows = turns.derive(turn_medians)
+    print(f"\n## {turns.TITLE}: {machine()}, median of {options.repeats}\n")
+    print(turns.table(turn_rows, options.before))
+    print("\nTargets (the Benchmark issue's, issues 17 and 29; SKIP: not measured in this run):\n")
     results = targets(
-        {**rows, **flow_rows}, [*names, *flow.NAMES], sizes, flow_sizes, options.before
+        {**rows, **flow_rows, **turn_rows},
+        [*names, *flow.NAMES, *turn_medians],
+        sizes,
+        flow_sizes,
+        options.before,
     )
     for verdict, label, value in results:
         print(f"- {verdict} {label}: {value}")
@@ -430,6 +433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     ],
                     "flow": {"medians": flow_medians, "rows": flow_rows},
                     "threads": thread_result,
+                    "turns": {"medians": turn_medians, "rows": turn_rows},
                     "multiproc": across,
                 },
                 indent=2,

@@ -18,6 +18,7 @@ import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 PASS, MISS, SKIP, INFO = "PASS", "MISS", "SKIP", "INFO"
 
@@ -76,6 +77,19 @@ class Target:
     form: str = "{:.2f}"
     #: The first interpreter on which it is a target; before it, a valid value is INFO.
     since: tuple[int, int] | None = None
+
+
+def at_most(
+    row: str, name: str, limit: float, baseline: str, *, label: str = "", **options: Any
+) -> Target:
+    """name's row figure at most limit times baseline's (both positive, or a MISS)."""
+    return Target(
+        label or f"{row[:3]} {name} <= {limit:g}x {baseline}",
+        (name, baseline),
+        lambda rows: ratio(cell(rows, row, name), cell(rows, row, baseline)),
+        limit,
+        **options,
+    )
 
 
 def evaluate(

@@ -51,7 +51,8 @@ from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import Any, TypeVar
 
 if __package__ in (None, ""):  # run as a script: python bench/threads.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -214,9 +215,10 @@ class DefaultDict(ThreadContender):
 
 class InturnKeyed(ThreadContender):
     name = "inturn keyed"
+    module: ModuleType = inturn  # the inturn measured: this tree's, or an earlier one's
 
     def reset(self) -> None:
-        self.queue = inturn.KeyedQueue()
+        self.queue = self.module.KeyedQueue()
 
     def sequential(self, n: int) -> None:
         keyed = self.queue.keyed
@@ -339,7 +341,10 @@ def handoff(contender: ThreadContender, threads: int, seconds: float) -> dict[st
     return result
 
 
-def _rotated(items: Sequence[ThreadContender], by: int) -> list[ThreadContender]:
+T = TypeVar("T")
+
+
+def _rotated(items: Sequence[T], by: int) -> list[T]:
     by %= len(items)
     return [*items[by:], *items[:by]]
 

@@ -1,8 +1,8 @@
 """The benchmark's target lines can fail: a figure that is not a measure never PASSes.
 
 No timing here: each test feeds made-up figures to the functions that check
-the targets (bench/targets.py, and the tables of bench/run.py and
-bench/multiproc.py).
+the targets (bench/targets.py, and the tables of bench/run.py, bench/turns.py
+and bench/multiproc.py).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 from typing import Any
 
 import pytest
-from bench import flow, multiproc, run, threads
+from bench import flow, multiproc, run, threads, turns
 from bench.contenders import ALL
 from bench.targets import INFO, MISS, PASS, SKIP, Target, check, evaluate, ratio
 
@@ -77,17 +77,30 @@ def _flow_medians(sizes: flow.Sizes) -> dict[str, dict[str, float]]:
     }
 
 
+def _turn_medians(with_threads: bool = True) -> dict[str, float]:
+    """Plausible medians of (u): each floor cheapest, every cost positive."""
+    names = [cls.name for cls in turns.kinds(with_threads=with_threads)]
+    medians = {name: 1_000.0 + 10.0 * i for i, name in enumerate(names)}
+    for floor in (turns.FLOOR, turns.THREAD_FLOOR):
+        if floor in medians:
+            medians[floor] = 50.0
+    return medians
+
+
 def _run(before: str | None = REF) -> tuple[dict[str, dict[str, float]], list[str], list[Target]]:
-    """A whole run's rows (in process and (g)), the contenders measured, and the targets."""
+    """A whole run's rows (in process, (g) and (u)), the contenders measured, and the targets."""
     sizes, flow_sizes = run.Sizes(quick=False), flow.Sizes(quick=False)
     names = [cls.name for cls in ALL]
     if before:
         names += [f"{name}@{before}" for name in ("inturn.run", "inturn.keyed", "@queue_by_key")]
+    turn_medians = _turn_medians()
     rows = {
         **run.derive(_medians(names, sizes), sizes),
         **flow.derive(_flow_medians(flow_sizes), flow_sizes),
+        **turns.derive(turn_medians),
     }
-    return rows, [*names, *flow.NAMES], run.target_table(sizes, flow_sizes, before)
+    measured = [*names, *flow.NAMES, *turn_medians]
+    return rows, measured, run.target_table(sizes, flow_sizes, before)
 
 
 def _loose(target: Target) -> Target:
@@ -142,7 +155,7 @@ def test_e_is_a_ratio_of_whole_costs_so_positive() -> None:
 
 def test_every_target_misses_when_a_figure_it_reads_is_not_a_measure() -> None:
     rows, measured, table = _run()
-    assert len(table) == 24
+    assert len(table) == 33
     for target in map(_loose, table):
         verdict, _, good = evaluate(target, rows, measured)
         assert verdict == PASS, (target.label, good)
@@ -230,6 +243,79 @@ def test_threads_table_gives_ratios_of_costs_only_and_none_of_a_figure_that_is_n
     assert "nan |" in handoff_row  # shown as it is, with no ratio
     order_row = next(line for line in text.splitlines() if "arrival order" in line)
     assert "x)" not in order_row  # a share, not a cost
+
+
+#: Issue 29: each shape's uncontended turn, at most this ratio to its hand-written lock.
+ISSUE_29 = {
+    ("inturn.run", "handwritten"): 0.6,
+    ("inturn.keyed", "handwritten"): 1.2,
+    ("@queue_by_key", "handwritten"): 1.3,
+    ("inturn.run max_hold", "handwritten"): 2.0,
+    ("inturn.run observed", "handwritten"): 2.0,
+    ("inturn.run max_running=32 timeout", "handwritten"): 2.0,
+    ("inturn.keyed 2 keys", "handwritten 2 keys"): 2.5,
+    ("thread inturn keyed", "thread handwritten"): 1.5,
+    ("thread inturn keyed 2 keys", "thread handwritten 2 keys"): 2.5,
+}
+
+
+def test_each_shape_is_a_ratio_above_its_floor_to_its_own_hand_written_lock() -> None:
+    table = turns.target_table()
+    assert {target.needs: target.limit for target in table} == ISSUE_29
+    # Tasks' floor 100 ns, threads' 300 ns; every hand-written lock 1,000 ns above
+    # its floor, but two keys 2,000 ns: each shape exactly at its limit.
+    medians = {turns.FLOOR: 100.0, turns.THREAD_FLOOR: 300.0}
+    for (name, baseline), limit in ISSUE_29.items():
+        floor = 300.0 if name.startswith("thread") else 100.0
+        above = 2_000.0 if baseline.endswith("2 keys") else 1_000.0
+        medians[baseline] = floor + above
+        medians[name] = floor + limit * above
+    rows = turns.derive(medians)
+    assert turns.FLOOR not in rows[turns.ROW]
+    assert turns.THREAD_FLOOR not in rows[turns.ROW]
+    for target in table:
+        verdict, _, value = evaluate(target, rows, list(medians))
+        assert (verdict, value) == (PASS, f"{target.limit:.2f}"), target.label
+        name = target.needs[0]
+        worse = _with(rows, turns.ROW, name, rows[turns.ROW][name] + 20.0)
+        assert evaluate(target, worse, list(medians))[0] == MISS, target.label
+        # Below its floor by noise: no ratio, whatever the baseline's.
+        below = _with(rows, turns.ROW, name, -5.0)
+        assert evaluate(target, below, list(medians))[0] == MISS, target.label
+
+
+def test_thread_shapes_skip_without_threads() -> None:
+    medians = _turn_medians(with_threads=False)
+    assert not any(name.startswith("thread") for name in medians)
+    rows = turns.derive(medians)
+    verdicts = {t.needs[0]: evaluate(t, rows, list(medians))[0] for t in turns.target_table()}
+    assert {name for name, verdict in verdicts.items() if verdict == SKIP} == {
+        "thread inturn keyed",
+        "thread inturn keyed 2 keys",
+    }
+    text = turns.table(rows)
+    assert "thread" not in text
+    assert "<= 0.6x" in text
+
+
+def test_turns_table_sets_each_shape_beside_its_own_at_the_earlier_revision() -> None:
+    medians = _turn_medians()
+    medians["handwritten"] = 1_050.0  # 1,000 above the floor
+    medians["inturn.run"] = 650.0
+    medians[f"inturn.run@{REF}"] = 550.0
+    medians[f"inturn.keyed@{REF}"] = math.nan
+    # No other shape timed at REF, as if that revision could take none of them.
+    text = turns.table(turns.derive(medians), REF)
+    head, _, *lines = text.splitlines()
+    assert f"ratio at {REF}" in head
+    run_line = next(line for line in lines if line.startswith("| `q.run(key, fn)`"))
+    assert run_line.endswith("| 600 | 0.60x | <= 0.6x | 0.50x | 1.20x |")
+    keyed_line = next(line for line in lines if "`async with q.keyed(key)`" in line)
+    assert keyed_line.endswith("| - | - |")
+    observed = next(line for line in lines if "observed" in line)
+    assert observed.endswith("| - | - |")
+    handwritten = next(line for line in lines if "asyncio.Lock" in line)
+    assert handwritten.endswith("| 1,000 | 1.00x | - | - | - |")
 
 
 def test_only_sync_selects_the_sync_scenarios_and_their_contenders() -> None:
