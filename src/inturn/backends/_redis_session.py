@@ -34,8 +34,9 @@ from .._errors import BackendUnavailable
 from .._order import portable_name
 from .._tasks import abandon_task, retrieve
 from ._redis_errors import UNREACHABLE, demoted, describe, unavailable
+from ._redis_inbox import Inbox
+from ._redis_link import Call, Link
 from ._redis_scripts import ENQUEUE, HELLO, LEAVE, LOOK, RENEW, SCRIPTS, Script
-from ._redis_wire import Call, Inbox, Link
 from ._resp import bulk
 
 __all__ = ("Config", "Member", "RedisGrant", "Session")

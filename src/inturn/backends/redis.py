@@ -40,7 +40,8 @@ tells a holder that its lease is gone. A forked child starts afresh (a turn
 it inherited ends in it alone); a session ends with its event loop. The
 connections are made by redis-py (``pool.make_connection()``: TLS, AUTH,
 HELLO, Sentinel discovery stay redis-py's) and then read and written by
-this process (``_redis_wire``).
+this process (``_redis_wire``; the calls ride ``_redis_link``, the
+subscription ``_redis_inbox``).
 """
 
 from __future__ import annotations
