@@ -1,10 +1,10 @@
 """One event loop's share of a RedisBackend: its members of Redis's lines, and what keeps them.
 
-A :class:`Session` is made per process and event loop, the first time that
-loop uses the backend: its own id (so its own channel), its own Link (or,
-on a cluster, the client's script calls), Inbox and heartbeat. So forked
-children, a loop per job and loops in several threads never share a member
-id or a connection. A session ends with its loop (the loop's
+A :class:`LoopShare` is made per process and event loop, the first time
+that loop uses the backend: its own id (so its own channel), its own Link
+(or, on a cluster, the client's script calls), Inbox and heartbeat. So
+forked children, a loop per job and loops in several threads never share a
+member id or a connection. A share ends with its loop (the loop's
 ``shutdown_asyncgens``, which ``asyncio.run`` calls, closes it), or with
 the backend's ``aclose()``.
 """
@@ -39,7 +39,7 @@ from ._redis_link import Call, Link
 from ._redis_scripts import ENQUEUE, HELLO, LEAVE, LOOK, RENEW, SCRIPTS, Script
 from ._resp import bulk
 
-__all__ = ("Config", "Member", "RedisGrant", "Session")
+__all__ = ("Config", "LoopShare", "Member", "RedisGrant", "owner")
 
 #: What this backend logs: only what is rare (connections lost and back, leases that
 #: could not be renewed or were lost), never a turn that went as it should.
@@ -48,7 +48,7 @@ logger = logging.getLogger("inturn.redis")
 #: Keys a log line names at most (then how many more).
 _NAMED = 5
 
-#: Forks between the process that imported this module and this one: a session made
+#: Forks between the process that imported this module and this one: a share made
 #: with a smaller count is an ancestor's, whose connections and members are not ours.
 _forks = 0
 
@@ -73,9 +73,9 @@ def _named(members: Iterable[Member]) -> str:
 
 @dataclass(frozen=True)
 class Config:
-    """What every session of one backend shares."""
+    """What every loop share of one backend has in common."""
 
-    make: Callable[[], Any]  #: makes a connection of the session's own
+    make: Callable[[], Any]  #: makes a connection of the share's own
     client: Any  #: the client, for a cluster's script calls (None on one server)
     namespace: str
     lease: float
@@ -92,7 +92,7 @@ class Config:
 
 
 class Member:
-    """One of this session's members of a line: a waiter, then a holder."""
+    """One of this share's members of a line: a waiter, then a holder."""
 
     __slots__ = ("expires", "grant", "joined", "key", "lost", "names", "packed", "waiting")
 
@@ -129,10 +129,10 @@ class Member:
 class RedisGrant:
     """The turn on one key granted by a :class:`~inturn.backends.redis.RedisBackend`."""
 
-    __slots__ = ("_member", "_session", "_state", "key", "token")
+    __slots__ = ("_member", "_share", "_state", "key", "token")
 
     def __init__(
-        self, key: Hashable, token: int, member: str, session: Session, state: Member
+        self, key: Hashable, token: int, member: str, share: LoopShare, state: Member
     ) -> None:
         #: The key held.
         self.key = key
@@ -140,7 +140,7 @@ class RedisGrant:
         #: (Redis's clock in microseconds when the key's line starts anew).
         self.token = token
         self._member = member
-        self._session = session
+        self._share = share
         self._state = state  # the lease as this process knows it
 
     @property
@@ -159,6 +159,11 @@ class RedisGrant:
     def __repr__(self) -> str:
         lost = " lost" if self.lost else ""
         return f"<RedisGrant key={show(self.key)} token={self.token}{lost}>"
+
+
+def owner(grant: RedisGrant) -> LoopShare:
+    """The loop share that granted grant (and alone may release it)."""
+    return grant._share
 
 
 class _ClusterCalls:
@@ -193,7 +198,7 @@ class _ClusterCalls:
         return call
 
 
-class Session:
+class LoopShare:
     """This process's members of Redis lines, from one event loop, and what keeps them."""
 
     __slots__ = (
@@ -232,10 +237,10 @@ class Session:
         #: _forks when it was made: another count here means a forked child inherited it.
         self.forks = _forks
         self.counter = itertools.count(1)
-        #: By member id ("<session id>/<n>"): every member in a line now.
+        #: By member id ("<share id>/<n>"): every member in a line now.
         self.members: dict[str, Member] = {}
         lease = config.lease
-        # One server: this session's pipelined connection for its calls; a cluster: its client.
+        # One server: this share's pipelined connection for its calls; a cluster: its client.
         self.link: Link | None = None
         self._cluster: _ClusterCalls | None = None
         if config.client is None:
@@ -337,7 +342,7 @@ class Session:
 
     async def _greeting_answered(self, greeting: asyncio.Future[Any]) -> None:
         """Wait for the greeting's answer, a lease at most (the heartbeat, which drops a link
-        that does not answer, runs only once the session started)."""
+        that does not answer, runs only once the share started)."""
         lease = self.config.lease
         await asyncio.wait((greeting,), timeout=lease)
         if not greeting.done():
@@ -348,13 +353,13 @@ class Session:
         greeting.result()
 
     async def guard(self) -> None:
-        """Have this session closed when its event loop shuts down (once; see _guard)."""
+        """Have this share closed when its event loop shuts down (once; see _guard)."""
         if self._guard is None and not self.closing:
             self._guard = _guard(self)
             await self._guard.asend(None)
 
     def abandon(self) -> None:
-        """Close this session's connections without its event loop, which will never run again.
+        """Close this share's connections without its event loop, which will never run again.
 
         For a loop closed without ``shutdown_asyncgens()``, or left behind by
         a thread that ended. Its members lose their places when their leases
@@ -371,7 +376,7 @@ class Session:
         self.members.clear()
 
     async def close(self) -> None:
-        """Leave every line this session waits in, stop its heartbeat and close its connections.
+        """Leave every line this share waits in, stop its heartbeat and close its connections.
 
         Waiters still waiting get :exc:`~inturn.BackendUnavailable`; a holder
         keeps its lease until it runs out (nothing renews it any more).
@@ -417,7 +422,7 @@ class Session:
     async def acquire(
         self, key: Hashable, names: Sequence[str], timeout: float | None
     ) -> RedisGrant:
-        """Join key's line in Redis; return once this session holds the key.
+        """Join key's line in Redis; return once this share holds the key.
 
         ``timeout`` covers everything: connecting, joining and waiting; 0 asks
         once (one round trip) whether the key is free. With no answer from
@@ -569,7 +574,7 @@ class Session:
         return self._cluster_call(ENQUEUE, member.names, args)
 
     def _leave(self, member: Member, member_id: str) -> Call:
-        """Call the leave script for member (after this session's earlier calls, on a Link)."""
+        """Call the leave script for member (after this share's earlier calls, on a Link)."""
         if self.link is not None:
             return self.link.call(LEAVE, member.packed + bulk(member_id.encode()) + self._tails[1])
         config = self.config
@@ -631,7 +636,7 @@ class Session:
             member.waiting.set_result(token)
 
     def _heard(self, data: bytes) -> None:
-        """A grant published to this session's channel: ``<member> <token>`` (b"": a greeting)."""
+        """A grant published to this share's channel: ``<member> <token>`` (b"": a greeting)."""
         member_id, _, token = data.partition(b" ")
         if token:
             self._granted(member_id.decode(), int(token))
@@ -664,9 +669,9 @@ class Session:
         self._beat = self.loop.create_task(self._heartbeat(), name="inturn-redis-heartbeat")
 
     async def _heartbeat(self) -> None:
-        """Renew every lease of this session every lease / 3 seconds (sooner when kicked).
+        """Renew every lease of this share every lease / 3 seconds (sooner when kicked).
 
-        It never ends while the session is open: a renewal that fails (Redis
+        It never ends while the share is open: a renewal that fails (Redis
         unreachable, busy, refusing) is logged once, and tried again.
         """
         lease = self.config.lease
@@ -772,7 +777,7 @@ class _Kick:
 
     Not ``asyncio.wait_for(event.wait(), t)``: on Python 3.11 and earlier,
     that swallows a cancellation that meets the event being set, and the
-    heartbeat would outlive its session.
+    heartbeat would outlive its share.
     """
 
     __slots__ = ("_kicked", "_loop", "_waiter")
@@ -849,8 +854,8 @@ async def _wait(waiting: asyncio.Future[int], deadline: float | None, key: Hasha
         timer.cancel()
 
 
-async def _guard(session: Session) -> AsyncGenerator[None, None]:
-    """Close session when its event loop shuts down (``loop.shutdown_asyncgens()``).
+async def _guard(share: LoopShare) -> AsyncGenerator[None, None]:
+    """Close share when its event loop shuts down (``loop.shutdown_asyncgens()``).
 
     ``asyncio.run`` closes every async generator still open after its tasks
     are done: a loop per job leaves no connection and no socket behind.
@@ -858,5 +863,5 @@ async def _guard(session: Session) -> AsyncGenerator[None, None]:
     try:
         yield
     finally:
-        session._guard = None  # (it is this generator, closing)
-        await session.close()
+        share._guard = None  # (it is this generator, closing)
+        await share.close()
