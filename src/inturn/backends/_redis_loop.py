@@ -14,17 +14,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import os
 import secrets
 import threading
 import time
 import typing
-from collections.abc import AsyncGenerator, Awaitable, Callable, Hashable, Iterable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -35,18 +33,16 @@ from .._order import portable_name
 from .._tasks import abandon_task, retrieve
 from ._redis_errors import UNREACHABLE, demoted, describe, unavailable
 from ._redis_inbox import Inbox
+from ._redis_lease import Leases, Member
 from ._redis_link import Call, Link
 from ._redis_scripts import ENQUEUE, HELLO, LEAVE, LOOK, RENEW, SCRIPTS, Script
 from ._resp import bulk
 
-__all__ = ("Config", "LoopShare", "Member", "RedisGrant", "owner")
+__all__ = ("Config", "LoopShare", "RedisGrant", "owner")
 
-#: What this backend logs: only what is rare (connections lost and back, leases that
-#: could not be renewed or were lost), never a turn that went as it should.
+#: What this backend logs: only what is rare (here: a release Redis did not take), never a
+#: turn that went as it should.
 logger = logging.getLogger("inturn.redis")
-
-#: Keys a log line names at most (then how many more).
-_NAMED = 5
 
 #: Forks between the process that imported this module and this one: a share made
 #: with a smaller count is an ancestor's, whose connections and members are not ours.
@@ -60,15 +56,6 @@ def _count_fork() -> None:
 
 if hasattr(os, "register_at_fork"):  # (POSIX)
     os.register_at_fork(after_in_child=_count_fork)
-
-
-def _named(members: Iterable[Member]) -> str:
-    """The keys of members for a log line, as their users gave them: a few, then how many more."""
-    keys = [show(member.key) for member in members]
-    if not keys:
-        return "none"
-    more = len(keys) - _NAMED
-    return ", ".join(keys[:_NAMED]) + (f" and {more} more" if more > 0 else "")
 
 
 @dataclass(frozen=True)
@@ -89,40 +76,6 @@ class Config:
     @property
     def ttl_ms(self) -> bytes:
         return b"%d" % int(self.lease * 3000)
-
-
-class Member:
-    """One of this share's members of a line: a waiter, then a holder."""
-
-    __slots__ = ("expires", "grant", "joined", "key", "lost", "names", "packed", "waiting")
-
-    def __init__(
-        self,
-        key: Hashable,
-        names: Sequence[str],
-        packed: bytes,
-        waiting: asyncio.Future[int] | None,
-    ) -> None:
-        self.key = key
-        self.names = names
-        self.packed = packed  # names as a script call's keys, packed for the Link
-        # time.monotonic() when its lease runs out as far as this process can
-        # vouch: a lease after the call that last set it in Redis was written
-        # (Redis's own expiry is no earlier)
-        self.expires = math.inf
-        self.waiting = waiting  # resolved with the token when granted
-        self.grant: RedisGrant | None = None  # once it holds
-        # Redis may have given its turn away: it dropped it, the server changed,
-        # or no renewal came in time
-        self.lost = False
-        # Its enqueue was answered: only then does a renewal that finds it gone
-        # mean it is gone (on a cluster, a renewal may overtake the enqueue).
-        self.joined = False
-
-    @property
-    def lapsed(self) -> bool:
-        """Whether the lease ran out, or may have."""
-        return self.lost or time.monotonic() >= self.expires
 
 
 @typing.final
@@ -202,12 +155,9 @@ class LoopShare:
     """This process's members of Redis lines, from one event loop, and what keeps them."""
 
     __slots__ = (
-        "_beat",
         "_cleanups",
         "_cluster",
-        "_failing",
         "_guard",
-        "_kick",
         "_starting",
         "_tails",
         "channel",
@@ -218,9 +168,9 @@ class LoopShare:
         "id",
         "inbox",
         "info",
+        "leases",
         "link",
         "loop",
-        "members",
         "ready",
         "server",
         "thread",
@@ -237,8 +187,6 @@ class LoopShare:
         #: _forks when it was made: another count here means a forked child inherited it.
         self.forks = _forks
         self.counter = itertools.count(1)
-        #: By member id ("<share id>/<n>"): every member in a line now.
-        self.members: dict[str, Member] = {}
         lease = config.lease
         # One server: this share's pipelined connection for its calls; a cluster: its client.
         self.link: Link | None = None
@@ -253,12 +201,11 @@ class LoopShare:
         self.closing = False
         #: The server's run_id, as the greeting last said.
         self.server: str | None = None
+        #: Its members of Redis's lines, and their heartbeat.
+        self.leases = Leases(loop, lease, self._renew, self._tend)
         self._starting: asyncio.Task[None] | None = None
-        self._beat: asyncio.Task[None] | None = None
-        self._kick = _Kick(loop)
         self._guard: AsyncGenerator[None, None] | None = None
         self._cleanups: set[asyncio.Task[Any]] = set()
-        self._failing: str | None = None  # why renewals fail now, once logged
         # by script: its arguments after the member's id that never change, packed
         lease_ms, ttl_ms, channels = (
             bulk(config.lease_ms),
@@ -319,7 +266,7 @@ class LoopShare:
             config.make,
             self.channel,
             self._heard,
-            self._kick.set,
+            self.leases.kick,
             min(1.0, config.lease / 10),
             config.lease,
         )
@@ -337,7 +284,7 @@ class LoopShare:
             self.inbox = None
             await inbox.aclose()
             raise unavailable(error) from error
-        self._run_heartbeat()
+        self.leases.run()
         self.ready = True
 
     async def _greeting_answered(self, greeting: asyncio.Future[Any]) -> None:
@@ -367,13 +314,13 @@ class LoopShare:
         """
         self.closing = True
         self.ready = False
-        for task in (self._starting, self._beat, *self._cleanups):
+        for task in (self._starting, self.leases.beat, *self._cleanups):
             abandon_task(task)
         if self.link is not None:
             self.link.abandon()
         if self.inbox is not None:
             self.inbox.abandon()
-        self.members.clear()
+        self.leases.members.clear()
 
     async def close(self) -> None:
         """Leave every line this share waits in, stop its heartbeat and close its connections.
@@ -390,12 +337,13 @@ class LoopShare:
             starting.cancel()  # so that nothing is opened after the backend closes
             await asyncio.wait((starting,), timeout=self.config.lease)
         closed = BackendUnavailable("inturn: the backend was closed; the work did not run")
-        for member_id, member in list(self.members.items()):
-            if member.grant is None:  # waiting: (on a Link, the leave goes after its enqueue)
+        members = self.leases.members
+        for member_id, member in list(members.items()):
+            if not member.held:  # waiting: (on a Link, the leave goes after its enqueue)
                 if member.waiting is not None and not member.waiting.done():
                     member.waiting.set_exception(closed)
                     retrieve(member.waiting)  # (its acquire may fail before it awaits this)
-                del self.members[member_id]
+                del members[member_id]
                 self._leave(member, member_id).future.add_done_callback(retrieve)
         if self._cleanups:  # places given up just now: let them leave their lines
             await asyncio.wait(self._cleanups, timeout=self.config.lease)
@@ -405,7 +353,7 @@ class LoopShare:
             if last is not None and not last.done():  # releases still on their way
                 await asyncio.wait((last,), timeout=self.config.lease)
             await link.aclose()
-        tasks = [task for task in (self._beat, *self._cleanups) if task is not None]
+        tasks = [task for task in (self.leases.beat, *self._cleanups) if task is not None]
         for task in tasks:
             task.cancel()
         if tasks:
@@ -451,13 +399,14 @@ class LoopShare:
                 await self.start(late, _late(key))
             else:
                 await self.start(loop.time() + lease, self._silent)
-        elif self._beat is None or self._beat.done():
-            self._run_heartbeat()
+        else:
+            self.leases.run()  # (again, if it ended)
         member_id = f"{self.id}/{next(self.counter)}"
         link = self.link
         packed = b"" if link is None else b"".join(bulk(name.encode()) for name in names)
         member = Member(key, names, packed, loop.create_future())
-        self.members[member_id] = member
+        members = self.leases.members
+        members[member_id] = member
         enqueue = self._enqueue(member, member_id, key)
         try:
             timer = None
@@ -486,12 +435,12 @@ class LoopShare:
             # Cancelled, timed out, or Redis failed: give the place up. The
             # call to leave goes after the enqueue (even one still in flight);
             # if the key was just granted, leaving passes it on.
-            self.members.pop(member_id, None)
+            members.pop(member_id, None)
             self._detach(self._leave_after(enqueue, member, member_id))
             raise
         member.waiting = None
-        grant = member.grant = RedisGrant(key, token, member_id, self, member)
-        return grant
+        member.held = True
+        return RedisGrant(key, token, member_id, self, member)
 
     def release(self, grant: RedisGrant) -> asyncio.Future[None]:
         """End grant's turn: Redis hands the key to the next in line and wakes it.
@@ -507,7 +456,7 @@ class LoopShare:
             return self._inherited(grant)
         done = self.loop.create_future()
         member_id = grant._member
-        member = self.members.pop(member_id, None)
+        member = self.leases.members.pop(member_id, None)
         if member is None:
             done.set_result(None)  # released already, or Redis no longer had it (lost)
             return done
@@ -548,7 +497,7 @@ class LoopShare:
         child only forgets its copy (and waits behind the parent, as any
         other process, if it takes the key again). The future is done already.
         """
-        self.members.pop(grant._member, None)
+        self.leases.members.pop(grant._member, None)
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # a task forked: asyncio disowns the child's copy of its loop
@@ -628,18 +577,13 @@ class LoopShare:
             return await self.link.call(LOOK, packed).future
         return await self._cluster_call(LOOK, names, ()).future
 
-    # -- push and heartbeat ---------------------------------------------------------------
-
-    def _granted(self, member_id: str, token: int) -> None:
-        member = self.members.get(member_id)
-        if member is not None and member.waiting is not None and not member.waiting.done():
-            member.waiting.set_result(token)
+    # -- push and greeting ----------------------------------------------------------------
 
     def _heard(self, data: bytes) -> None:
         """A grant published to this share's channel: ``<member> <token>`` (b"": a greeting)."""
         member_id, _, token = data.partition(b" ")
         if token:
-            self._granted(member_id.decode(), int(token))
+            self.leases.granted(member_id.decode(), int(token))
 
     def _greeted(self, greeting: asyncio.Future[Any]) -> None:
         """A connection's greeting was answered: with the server's run_id, or a refusal."""
@@ -650,169 +594,15 @@ class LoopShare:
         if not server:
             return
         if self.server is not None and server != self.server:
-            # restarted or failed over: what the old server granted may be gone
-            held = [member for member in self.members.values() if member.grant is not None]
-            logger.warning(
-                "inturn: Redis is another server now (run_id %s, was %s); the %d turn(s) "
-                "held count as having lost their lease: keys %s",
-                server,
-                self.server,
-                len(held),
-                _named(held),
-            )
-            for member in held:
-                member.lost = True
-            self._kick.set()  # renew at once: waiters learn whether their places survived
+            self.leases.another_server(server, self.server)  # restarted or failed over
         self.server = server
 
-    def _run_heartbeat(self) -> None:
-        self._beat = self.loop.create_task(self._heartbeat(), name="inturn-redis-heartbeat")
-
-    async def _heartbeat(self) -> None:
-        """Renew every lease of this share every lease / 3 seconds (sooner when kicked).
-
-        It never ends while the share is open: a renewal that fails (Redis
-        unreachable, busy, refusing) is logged once, and tried again.
-        """
-        lease = self.config.lease
-        interval = lease / 3
-        failed = 0  # renewal rounds that failed in a row
-        while True:
-            # after a failed round, again soon: a pause that doubles up to the interval
-            await self._kick.wait(min(interval, lease / 48 * 2**failed) if failed else interval)
-            try:
-                if self.link is not None:
-                    self.link.stale(lease)
-                if self.inbox is not None:
-                    self.inbox.ping()
-                if self.members:
-                    await self._renew_all(interval)
-            except Exception:  # pragma: no cover - a bug: say so, and keep renewing
-                logger.exception("inturn: the Redis heartbeat failed; it goes on")
-            failed = 0 if self._failing is None else failed + 1
-
-    async def _renew_all(self, limit: float) -> None:
-        """Renew every member's lease; hand out grants, and mark what Redis no longer has."""
-        members = [(key, member) for key, member in self.members.items() if member.joined]
-        calls = [self._renew(member, member_id) for member_id, member in members]
-        futures = [call.future for call in calls]
-        if not futures:
-            return
-        for future in futures:  # (whatever becomes of this wait: the heartbeat may be cancelled)
-            future.add_done_callback(retrieve)
-        done, _ = await asyncio.wait(futures, timeout=limit)
-        problem: BaseException | None = None
-        now = time.monotonic()
-        for (member_id, member), call in zip(members, calls, strict=True):
-            future = call.future
-            error: BaseException | None
-            if future not in done:
-                error = RedisTimeoutError(f"no answer within {limit:.3g} s")
-            elif future.cancelled():
-                error = RedisConnectionError("the renewal was cancelled")
-            else:
-                error = future.exception()
-            if error is None:
-                state, value = future.result()
-                if state == 0:
-                    self._lose(member_id, member, _GONE)
-                    continue
-                assert call.sent is not None
-                member.expires = call.sent + self.config.lease
-                if state == 1:
-                    self._granted(member_id, int(value))
-            else:
-                problem = error
-                if now >= member.expires:
-                    self._lose(member_id, member, f"{describe(error)}, for longer than the lease")
-        self._report(problem)
-
-    def _report(self, problem: BaseException | None) -> None:
-        """Log when renewals start failing (once, with why) and when they work again."""
-        if problem is None:
-            if self._failing is not None:
-                logger.info("inturn: leases renew in Redis again")
-                self._failing = None
-            return
-        why = describe(problem)
-        if why != self._failing:
-            self._failing = why
-            members = self.members.values()
-            logger.warning(
-                "inturn: could not renew leases in Redis: %s; turns held: keys %s; waiting: %d",
-                why,
-                _named(member for member in members if member.grant is not None),
-                sum(member.grant is None for member in members),
-            )
-
-    def _lose(self, member_id: str, member: Member, why: str) -> None:
-        """Redis no longer has this member, or could not vouch for it in time."""
-        member.lost = True
-        if member.grant is not None:
-            logger.warning(
-                "inturn: lost the lease of the turn on key %s (%s); another process may "
-                "hold the key now, and the turn ends with LeaseLost",
-                show(member.key),
-                why,
-            )
-        else:
-            logger.debug(
-                "inturn: lost the place in Redis of a waiter for key %s (%s)", show(member.key), why
-            )
-        if member.grant is None and member.waiting is not None and not member.waiting.done():
-            member.waiting.set_exception(
-                BackendUnavailable(
-                    f"inturn: the place in Redis of this waiter for {show(member.key)} is gone "
-                    f"({why}); the work did not run"
-                )
-            )
-        self.members.pop(member_id, None)
-
-
-_GONE = "Redis no longer had it: flushed, restarted, failed over, or its lease ran out"
-
-
-class _Kick:
-    """Wakes the heartbeat before its time (a lost subscription, another server).
-
-    Not ``asyncio.wait_for(event.wait(), t)``: on Python 3.11 and earlier,
-    that swallows a cancellation that meets the event being set, and the
-    heartbeat would outlive its share.
-    """
-
-    __slots__ = ("_kicked", "_loop", "_waiter")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._waiter: asyncio.Future[None] | None = None
-        self._kicked = False  # kicked while nobody waited: the next wait returns at once
-
-    def set(self) -> None:
-        """Wake the wait now (or the next one, if none is under way)."""
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-        else:
-            self._kicked = True
-
-    async def wait(self, seconds: float) -> None:
-        """Return after seconds, or as soon as kicked."""
-        if self._kicked:
-            self._kicked = False
-            return
-        waiter = self._waiter = self._loop.create_future()
-        timer = self._loop.call_later(seconds, _settle, waiter)
-        try:
-            await waiter
-        finally:
-            timer.cancel()
-            self._waiter = None
-            self._kicked = False
-
-
-def _settle(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
+    def _tend(self) -> None:
+        """Drop a connection gone silent: a call unanswered for a lease, or a ping (each beat)."""
+        if self.link is not None:
+            self.link.stale(self.config.lease)
+        if self.inbox is not None:
+            self.inbox.ping()
 
 
 def _still_valid(member: Member) -> None:
