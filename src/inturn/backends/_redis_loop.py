@@ -20,7 +20,6 @@ import threading
 import time
 import typing
 from collections.abc import AsyncGenerator, Awaitable, Callable, Hashable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from redis.exceptions import ResponseError
@@ -29,16 +28,13 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from .._checks import missed
 from .._describe import describe as show
 from .._errors import BackendUnavailable
-from .._order import portable_name
 from .._tasks import abandon_task, retrieve
+from ._redis_calls import Calls, Config
 from ._redis_errors import UNREACHABLE, demoted, describe, unavailable
 from ._redis_inbox import Inbox
 from ._redis_lease import Leases, Member
-from ._redis_link import Call, Link
-from ._redis_scripts import ENQUEUE, HELLO, LEAVE, LOOK, RENEW, SCRIPTS, Script
-from ._resp import bulk
 
-__all__ = ("Config", "LoopShare", "RedisGrant", "owner")
+__all__ = ("LoopShare", "RedisGrant", "owner")
 
 #: What this backend logs: only what is rare (here: a release Redis did not take), never a
 #: turn that went as it should.
@@ -56,26 +52,6 @@ def _count_fork() -> None:
 
 if hasattr(os, "register_at_fork"):  # (POSIX)
     os.register_at_fork(after_in_child=_count_fork)
-
-
-@dataclass(frozen=True)
-class Config:
-    """What every loop share of one backend has in common."""
-
-    make: Callable[[], Any]  #: makes a connection of the share's own
-    client: Any  #: the client, for a cluster's script calls (None on one server)
-    namespace: str
-    lease: float
-    channels: str  #: the prefix of every process's channel
-    host: str
-
-    @property
-    def lease_ms(self) -> bytes:
-        return b"%d" % int(self.lease * 1000)
-
-    @property
-    def ttl_ms(self) -> bytes:
-        return b"%d" % int(self.lease * 3000)
 
 
 @typing.final
@@ -119,47 +95,14 @@ def owner(grant: RedisGrant) -> LoopShare:
     return grant._share
 
 
-class _ClusterCalls:
-    """Script calls through a RedisCluster client, which routes each to its keys' node.
-
-    Calls run concurrently, not in the order made: a caller that needs one
-    after another awaits the first.
-    """
-
-    __slots__ = ("_scripts",)
-
-    def __init__(self, client: Any) -> None:
-        self._scripts = tuple(client.register_script(s.body.decode()) for s in SCRIPTS)
-
-    def call(self, script: Script, names: Sequence[str], args: Sequence[Any]) -> Call:
-        loop = asyncio.get_running_loop()
-        call = Call(script.index, b"", loop.create_future())
-        call.sent = time.monotonic()  # no later than Redis runs it
-        task = loop.create_task(self._scripts[script.index](keys=names, args=args))
-
-        def done(task: asyncio.Task[Any]) -> None:
-            if call.future.done():
-                retrieve(task)
-            elif task.cancelled():
-                call.future.cancel()
-            elif (error := task.exception()) is not None:
-                call.future.set_exception(error)
-            else:
-                call.future.set_result(task.result())
-
-        task.add_done_callback(done)
-        return call
-
-
 class LoopShare:
     """This process's members of Redis lines, from one event loop, and what keeps them."""
 
     __slots__ = (
         "_cleanups",
-        "_cluster",
         "_guard",
         "_starting",
-        "_tails",
+        "calls",
         "channel",
         "closing",
         "config",
@@ -167,9 +110,7 @@ class LoopShare:
         "forks",
         "id",
         "inbox",
-        "info",
         "leases",
-        "link",
         "loop",
         "ready",
         "server",
@@ -183,40 +124,22 @@ class LoopShare:
         self.thread = threading.current_thread()
         self.id = secrets.token_hex(8)
         self.channel = config.channels + self.id
-        self.info = f"{config.host} {os.getpid()}"
         #: _forks when it was made: another count here means a forked child inherited it.
         self.forks = _forks
         self.counter = itertools.count(1)
         lease = config.lease
-        # One server: this share's pipelined connection for its calls; a cluster: its client.
-        self.link: Link | None = None
-        self._cluster: _ClusterCalls | None = None
-        if config.client is None:
-            greeting = bulk(self.channel.encode())
-            self.link = Link(config.make, greeting, self._greeted, lease)
-        else:
-            self._cluster = _ClusterCalls(config.client)
+        #: Its script calls: on its own Link (one server), or through the cluster client.
+        self.calls = Calls(config, self.channel, self._greeted)
         self.inbox: Inbox | None = None
         self.ready = False  # subscribed, greeted, and the heartbeat runs
         self.closing = False
         #: The server's run_id, as the greeting last said.
         self.server: str | None = None
         #: Its members of Redis's lines, and their heartbeat.
-        self.leases = Leases(loop, lease, self._renew, self._tend)
+        self.leases = Leases(loop, lease, self.calls.renew, self._tend)
         self._starting: asyncio.Task[None] | None = None
         self._guard: AsyncGenerator[None, None] | None = None
         self._cleanups: set[asyncio.Task[Any]] = set()
-        # by script: its arguments after the member's id that never change, packed
-        lease_ms, ttl_ms, channels = (
-            bulk(config.lease_ms),
-            bulk(config.ttl_ms),
-            bulk(config.channels.encode()),
-        )
-        self._tails = (
-            lease_ms + ttl_ms + channels,
-            ttl_ms + channels,
-            lease_ms + ttl_ms + channels,
-        )
 
     # -- start and stop ------------------------------------------------------------------
 
@@ -271,15 +194,10 @@ class LoopShare:
             config.lease,
         )
         try:
-            if self._cluster is not None:
+            if config.client is not None:
                 await config.client.initialize()  # a RedisCluster learns its nodes first
             await inbox.open()
-            if self.link is not None:
-                greeting = self.link.open()
-            else:
-                greeting = self._cluster_call(HELLO, (), (self.channel,)).future
-                greeting.add_done_callback(self._greeted)
-            await self._greeting_answered(greeting)
+            await self._greeting_answered(self.calls.greet())
         except Exception as error:
             self.inbox = None
             await inbox.aclose()
@@ -293,8 +211,8 @@ class LoopShare:
         lease = self.config.lease
         await asyncio.wait((greeting,), timeout=lease)
         if not greeting.done():
-            if self.link is not None:
-                self.link.drop(f"no answer to the greeting within {lease:g} s")
+            if self.calls.link is not None:
+                self.calls.link.drop(f"no answer to the greeting within {lease:g} s")
             greeting.add_done_callback(retrieve)
             raise RedisTimeoutError(f"no answer to the greeting within {lease:g} s")
         greeting.result()
@@ -316,8 +234,8 @@ class LoopShare:
         self.ready = False
         for task in (self._starting, self.leases.beat, *self._cleanups):
             abandon_task(task)
-        if self.link is not None:
-            self.link.abandon()
+        if self.calls.link is not None:
+            self.calls.link.abandon()
         if self.inbox is not None:
             self.inbox.abandon()
         self.leases.members.clear()
@@ -344,15 +262,10 @@ class LoopShare:
                     member.waiting.set_exception(closed)
                     retrieve(member.waiting)  # (its acquire may fail before it awaits this)
                 del members[member_id]
-                self._leave(member, member_id).future.add_done_callback(retrieve)
+                self.calls.leave(member, member_id).future.add_done_callback(retrieve)
         if self._cleanups:  # places given up just now: let them leave their lines
             await asyncio.wait(self._cleanups, timeout=self.config.lease)
-        link = self.link
-        if link is not None:
-            last = link.last
-            if last is not None and not last.done():  # releases still on their way
-                await asyncio.wait((last,), timeout=self.config.lease)
-            await link.aclose()
+        await self.calls.aclose()
         tasks = [task for task in (self.leases.beat, *self._cleanups) if task is not None]
         for task in tasks:
             task.cancel()
@@ -402,17 +315,15 @@ class LoopShare:
         else:
             self.leases.run()  # (again, if it ended)
         member_id = f"{self.id}/{next(self.counter)}"
-        link = self.link
-        packed = b"" if link is None else b"".join(bulk(name.encode()) for name in names)
-        member = Member(key, names, packed, loop.create_future())
+        member = Member(key, names, self.calls.pack(names), loop.create_future())
         members = self.leases.members
         members[member_id] = member
-        enqueue = self._enqueue(member, member_id, key)
+        enqueue = self.calls.enqueue(member, member_id)
         try:
             timer = None
             if late is not None:
                 timer = loop.call_at(late, _expire, enqueue.future, _late(key))
-            elif link is None:
+            elif self.calls.link is None:
                 timer = loop.call_later(lease, _expire, enqueue.future, self._silent)
             try:
                 state, value = await enqueue.future
@@ -436,7 +347,7 @@ class LoopShare:
             # call to leave goes after the enqueue (even one still in flight);
             # if the key was just granted, leaving passes it on.
             members.pop(member_id, None)
-            self._detach(self._leave_after(enqueue, member, member_id))
+            self._detach(self.calls.leave_after(enqueue, member, member_id))
             raise
         member.waiting = None
         member.held = True
@@ -460,7 +371,7 @@ class LoopShare:
         if member is None:
             done.set_result(None)  # released already, or Redis no longer had it (lost)
             return done
-        leave = self._leave(member, member_id).future
+        leave = self.calls.leave(member, member_id).future
 
         def answered(leave: asyncio.Future[Any]) -> None:
             error = leave.exception()
@@ -506,76 +417,10 @@ class LoopShare:
         done.set_result(None)
         return done
 
-    def _enqueue(self, member: Member, member_id: str, key: Hashable) -> Call:
-        info = f"{self.info} {int(time.time() * 1000)}".encode()
-        given = portable_name(key)
-        if self.link is not None:
-            return self.link.call(
-                ENQUEUE,
-                member.packed
-                + bulk(member_id.encode())
-                + self._tails[0]
-                + bulk(info)
-                + bulk(given),
-            )
-        config = self.config
-        args = (member_id, config.lease_ms, config.ttl_ms, config.channels, info, given)
-        return self._cluster_call(ENQUEUE, member.names, args)
-
-    def _leave(self, member: Member, member_id: str) -> Call:
-        """Call the leave script for member (after this share's earlier calls, on a Link)."""
-        if self.link is not None:
-            return self.link.call(LEAVE, member.packed + bulk(member_id.encode()) + self._tails[1])
-        config = self.config
-        return self._cluster_call(LEAVE, member.names, (member_id, config.ttl_ms, config.channels))
-
-    def _renew(self, member: Member, member_id: str) -> Call:
-        if self.link is not None:
-            return self.link.call(RENEW, member.packed + bulk(member_id.encode()) + self._tails[2])
-        config = self.config
-        args = (member_id, config.lease_ms, config.ttl_ms, config.channels)
-        return self._cluster_call(RENEW, member.names, args)
-
-    def _cluster_call(self, script: Script, names: Sequence[str], args: Sequence[Any]) -> Call:
-        assert self._cluster is not None
-        return self._cluster.call(script, names, args)
-
-    async def _leave_after(self, enqueue: Call, member: Member, member_id: str) -> None:
-        """Leave the line once the enqueue call has finished (whatever its outcome)."""
-        enqueue.future.add_done_callback(retrieve)
-        if self.link is None:  # a cluster's calls are not in order: wait for the enqueue
-            await asyncio.wait((enqueue.future,))
-        leave = self._leave(member, member_id).future
-        leave.add_done_callback(retrieve)
-        await asyncio.wait((leave,))
-
     def _detach(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
-
-    # -- looking at the lines --------------------------------------------------------------
-
-    async def scan(self, pattern: str) -> list[bytes]:
-        """Every key name of this server (or cluster) that matches pattern."""
-        if self.link is None:
-            return [name async for name in self.config.client.scan_iter(match=pattern)]
-        found: list[bytes] = []
-        cursor = b"0"
-        while True:
-            cursor, names = await self.link.command(
-                b"SCAN", cursor, b"MATCH", pattern.encode(), b"COUNT", b"1000"
-            ).future
-            found += names
-            if cursor in (b"0", 0):
-                return found
-
-    async def look(self, names: Sequence[str]) -> Any:
-        """One line's state as the LOOK script returns it."""
-        if self.link is not None:
-            packed = b"".join(bulk(name.encode()) for name in names)
-            return await self.link.call(LOOK, packed).future
-        return await self._cluster_call(LOOK, names, ()).future
 
     # -- push and greeting ----------------------------------------------------------------
 
@@ -599,8 +444,8 @@ class LoopShare:
 
     def _tend(self) -> None:
         """Drop a connection gone silent: a call unanswered for a lease, or a ping (each beat)."""
-        if self.link is not None:
-            self.link.stale(self.config.lease)
+        if self.calls.link is not None:
+            self.calls.link.stale(self.config.lease)
         if self.inbox is not None:
             self.inbox.ping()
 

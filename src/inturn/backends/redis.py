@@ -70,8 +70,9 @@ except ImportError as error:  # pragma: no cover - depends on the install
         "inturn's Redis backend needs redis-py: pip install 'inturn[redis]'"
     ) from error
 
+from ._redis_calls import Config
 from ._redis_errors import UNREACHABLE, describe
-from ._redis_loop import Config, LoopShare, RedisGrant, owner
+from ._redis_loop import LoopShare, RedisGrant, owner
 
 __all__ = ("HolderInfo", "LineInfo", "RedisBackend", "RedisGrant", "WaiterInfo")
 
@@ -359,7 +360,7 @@ class RedisBackend:
         await share.guard()  # (a loop that only looks, asyncio.run(lines()), closes it too)
         try:
             # the digest's 40 hex digits: not a namespace that begins with this one and ':'
-            names = await share.scan(f"inturn:{{{self._namespace}:{_DIGEST}}}:line")
+            names = await share.calls.scan(f"inturn:{{{self._namespace}:{_DIGEST}}}:line")
             found = [await self._line(share, name) for name in names]
         except (*UNREACHABLE, ResponseError) as error:
             raise BackendUnavailable(f"inturn: {describe(error)}") from error
@@ -377,7 +378,7 @@ class RedisBackend:
         share = self._session()
         await share.guard()
         try:
-            names = await share.scan(f"inturn:{{*:{_DIGEST}}}:line")
+            names = await share.calls.scan(f"inturn:{{*:{_DIGEST}}}:line")
         except (*UNREACHABLE, ResponseError) as error:
             raise BackendUnavailable(f"inturn: {describe(error)}") from error
         # "inturn:{<namespace>:<40 hex digits>}:line"
@@ -387,7 +388,7 @@ class RedisBackend:
     async def _line(self, share: LoopShare, name: bytes | str) -> LineInfo | None:
         """The line whose ``line`` key is name, as LineInfo; None if it emptied meanwhile."""
         prefix = _text(name)[: -len("line")]
-        now_text, line_flat, waiting, lease_flat, info_flat = await share.look(
+        now_text, line_flat, waiting, lease_flat, info_flat = await share.calls.look(
             [prefix + part for part in ("line", "q", "lease", "info")]
         )
         if not line_flat:
