@@ -2,11 +2,12 @@
 
 A :class:`LoopShare` is made per process and event loop, the first time
 that loop uses the backend: its own id (so its own channel), its own Link
-(or, on a cluster, the client's script calls), Inbox and heartbeat. So
-forked children, a loop per job and loops in several threads never share a
-member id or a connection. A share ends with its loop (the loop's
-``shutdown_asyncgens``, which ``asyncio.run`` calls, closes it), or with
-the backend's ``aclose()``.
+(or, on a cluster, the client's script calls: ``_redis_calls``), Inbox
+(``_redis_inbox``) and heartbeat (``_redis_lease``). So forked children, a
+loop per job and loops in several threads never share a member id or a
+connection. A share ends with its loop (the loop's ``shutdown_asyncgens``,
+which ``asyncio.run`` calls, closes it), or with the backend's ``aclose()``.
+This module starts and closes a share, and takes and gives back its turns.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from ._redis_calls import Calls, Config
 from ._redis_errors import UNREACHABLE, demoted, describe, unavailable
 from ._redis_inbox import Inbox
 from ._redis_lease import Leases, Member
+from ._redis_link import Call
 
 __all__ = ("LoopShare", "RedisGrant", "owner")
 
@@ -320,28 +322,7 @@ class LoopShare:
         members[member_id] = member
         enqueue = self.calls.enqueue(member, member_id)
         try:
-            timer = None
-            if late is not None:
-                timer = loop.call_at(late, _expire, enqueue.future, _late(key))
-            elif self.calls.link is None:
-                timer = loop.call_later(lease, _expire, enqueue.future, self._silent)
-            try:
-                state, value = await enqueue.future
-            except TimeoutError:  # (an OSError: not Redis unreachable, but the deadline)
-                raise
-            except (*UNREACHABLE, ResponseError) as error:
-                raise unavailable(error) from error
-            finally:
-                if timer is not None:
-                    timer.cancel()
-            member.joined = True
-            member.expires = (enqueue.sent or time.monotonic()) + lease
-            if state == 1:
-                token = int(value)
-            else:
-                assert member.waiting is not None
-                token = await _wait(member.waiting, deadline, key)
-            _still_valid(member)
+            token = await self._granted(member, enqueue, late, deadline)
         except BaseException:
             # Cancelled, timed out, or Redis failed: give the place up. The
             # call to leave goes after the enqueue (even one still in flight);
@@ -352,6 +333,36 @@ class LoopShare:
         member.waiting = None
         member.held = True
         return RedisGrant(key, token, member_id, self, member)
+
+    async def _granted(
+        self, member: Member, enqueue: Call, late: float | None, deadline: float | None
+    ) -> int:
+        """Await the enqueue's answer (by ``late``), then the grant (by ``deadline``): its token."""
+        loop = self.loop
+        lease = self.config.lease
+        timer = None
+        if late is not None:
+            timer = loop.call_at(late, _expire, enqueue.future, _late(member.key))
+        elif self.calls.link is None:
+            timer = loop.call_later(lease, _expire, enqueue.future, self._silent)
+        try:
+            state, value = await enqueue.future
+        except TimeoutError:  # (an OSError: not Redis unreachable, but the deadline)
+            raise
+        except (*UNREACHABLE, ResponseError) as error:
+            raise unavailable(error) from error
+        finally:
+            if timer is not None:
+                timer.cancel()
+        member.joined = True
+        member.expires = (enqueue.sent or time.monotonic()) + lease
+        if state == 1:
+            token = int(value)
+        else:
+            assert member.waiting is not None
+            token = await _wait(member.waiting, deadline, member.key)
+        _still_valid(member)
+        return token
 
     def release(self, grant: RedisGrant) -> asyncio.Future[None]:
         """End grant's turn: Redis hands the key to the next in line and wakes it.
