@@ -32,16 +32,16 @@ When a line empties, its keys are deleted; all four carry a TTL besides.
 Who talks to Redis. Each process, and in it each event loop that uses the
 backend, has a *share* (``_redis_loop``) of its own: an id (so its own
 channel and member ids), a connection that carries its calls in the order
-made (on one server; a cluster's client routes them), a subscription that
-wakes its waiters (the release pushes the turn, nothing polls), and a
-heartbeat that renews every lease it has every ``lease / 3`` seconds. The
-heartbeat's reply also hands a waiter a grant whose message was lost, and
-tells a holder that its lease is gone. A forked child starts afresh (a turn
-it inherited ends in it alone); a share ends with its event loop. The
-connections are made by redis-py (``pool.make_connection()``: TLS, AUTH,
-HELLO, Sentinel discovery stay redis-py's) and then read and written by
-this process (``_redis_wire``; the calls ride ``_redis_link``, the
-subscription ``_redis_inbox``).
+made (on one server; a cluster's client routes them: ``_redis_calls``), a
+subscription that wakes its waiters (the release pushes the turn, nothing
+polls), and a heartbeat that renews every lease it has every ``lease / 3``
+seconds (``_redis_lease``). The heartbeat's reply also hands a waiter a
+grant whose message was lost, and tells a holder that its lease is gone. A
+forked child starts afresh (a turn it inherited ends in it alone); a share
+ends with its event loop. The connections are made by redis-py
+(``pool.make_connection()``: TLS, AUTH, HELLO, Sentinel discovery stay
+redis-py's) and then read and written by this process (``_redis_wire``;
+the calls ride ``_redis_link``, the subscription ``_redis_inbox``).
 """
 
 from __future__ import annotations
