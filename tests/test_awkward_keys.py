@@ -212,7 +212,7 @@ async def test_a_file_backend_names_a_huge_int_key_in_its_messages(directory: Pa
 
 
 def test_redis_messages_name_a_huge_int_key() -> None:
-    from inturn.backends import _redis_session
+    from inturn.backends import _redis_loop as _redis_session
 
     assert_shown(str(_redis_session._late(HUGE)()), "0x")
 
