@@ -9,7 +9,7 @@
 
 How a line is kept (every step is a plain file operation; nothing polls,
 but the rare wait for a line file's lock that its holder keeps for longer
-than its few system calls, see _lock, and the last holder's retry of a tidy
+than its few system calls, see ``_file_locks.py``, and the last holder's retry of a tidy
 that found the lock busy, see _retry):
 
 - A *ticket* is a FIFO (named pipe), ``<digest>.<pid>.<random>.t``, that
@@ -86,7 +86,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable, Generator, Hashable, Iterator
+from collections.abc import Awaitable, Generator, Hashable
 from pathlib import Path
 from typing import NamedTuple, final
 
@@ -97,8 +97,10 @@ from ._base import Grant
 from ._directory import Directory
 from ._file_deaths import died as _died
 from ._file_deaths import died_joining
+from ._file_fds import OPEN_TIDY, close_tracked, forks, line_in_place_of, open_tracked
 from ._file_inspect import pids_in_line, snapshots
 from ._file_limits import out_of_files
+from ._file_locks import LOCK_PAUSES, flock_now, flock_soon, lock, lock_blocking
 from ._linefile import (
     joined,
     joining,
@@ -140,73 +142,18 @@ _COMPACT_AT = 128
 #: meanwhile stops between two pages: a compaction writes its tickets only
 #: where they fit between two page boundaries, so that they are written whole or not at all.
 _PAGE = 4096 if sys.platform == "win32" else os.sysconf("SC_PAGE_SIZE")
-#: Tries at a line file's lock, yielding the CPU between them, before waiting on a timer.
-_FLOCK_TRIES = 16
-#: The first and the longest pause between two tries at a line file's lock that stays taken.
-_LOCK_PAUSES = (0.001, 0.05)
 #: A ticket's time (inspect's "held for") is when it queued, unless its turn
 #: came later than this (seconds): then it is set to when the turn began.
 #: So the holder's time is right to 0.05 s, at no cost to a turn that came soon.
 _LATE = 0.05
 #: How a line file is opened: for appending, made if missing, never through a link.
 _OPEN_LINE = os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
-#: How a tidy that found the lock busy opens the line file again: never made, never a link.
-_OPEN_TIDY = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 #: How long (about: the last pause, in seconds) a release tries again to tidy a line it left last.
 _RETRY_FOR = 0.5
 #: How long (seconds) release_sync tries again to tidy a line it left last: its thread waits.
 _RETRY_SYNC_FOR = 0.002
 #: How a ticket's owner opens it: as its writer (O_RDWR: without waiting for a reader).
 _OPEN_TICKET = os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
-
-# The files this process holds open for its turns: the writer ends of its
-# tickets, and its line files. A child forked meanwhile closes its copies
-# at once: otherwise a ticket would keep a writer, and its line would wait
-# for the child to exit (and a line file's lock could outlive its user).
-# NOTE: a file is in _OPEN from its open to its close, both done under
-# _OPENING, which fork() takes too: so a child forked by another thread
-# never inherits a file of a turn that _OPEN does not list.
-_OPEN: set[int] = set()
-_OPENING = threading.Lock()
-#: Forks between the process that imported this module and this one. A grant made
-#: with another count is an ancestor's: the key is still the ancestor's, and the
-#: numbers of its files (closed here at the fork) may name other files since.
-_forks = 0
-
-
-def _open_tracked(name: str, flags: int, directory: int, mode: int = 0o600) -> int:
-    """Open name in directory and list it in _OPEN, as one step for fork()."""
-    with _OPENING:
-        fd = os.open(name, flags, mode, dir_fd=directory)
-        _OPEN.add(fd)
-    return fd
-
-
-def _close(fd: int) -> None:
-    """Close fd, a file that _open_tracked opened, and take it out of _OPEN, as one step."""
-    with _OPENING:
-        _OPEN.discard(fd)
-        os.close(fd)
-
-
-def _close_inherited() -> None:
-    global _forks
-    _forks += 1
-    for fd in _OPEN:
-        try:
-            os.close(fd)
-        except OSError:  # pragma: no cover - closed by the child's own code already
-            pass
-    _OPEN.clear()
-    _OPENING.release()  # taken by the thread that forked, the child's only thread
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(
-        before=_OPENING.acquire,
-        after_in_parent=_OPENING.release,
-        after_in_child=_close_inherited,
-    )
 
 
 def _check_platform() -> None:
@@ -262,7 +209,7 @@ def _own_line(
     only its identity is compared, by its name).
     """
     try:
-        fd = _open_tracked(line_name(digest), _OPEN_TIDY, where.fd)
+        fd = open_tracked(line_name(digest), OPEN_TIDY, where.fd)
     except FileNotFoundError:
         return -1, None, True
     except OSError:
@@ -275,7 +222,7 @@ def _own_line(
         info = os.fstat(fd)
         return fd, info, (info.st_dev, info.st_ino) != line or not _lists(fd, ticket)
     except BaseException:
-        _close(fd)
+        close_tracked(fd)
         raise
 
 
@@ -290,77 +237,12 @@ def _lists(fd: int, ticket: str) -> bool:
     record = record_of(ticket)
     if record in read_records(fd):
         return True
-    if not _flock_now(fd, fcntl.LOCK_SH):
+    if not flock_now(fd, fcntl.LOCK_SH):
         return True
     try:
         return record in read_records(fd)
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
-
-
-def _flock_now(fd: int, mode: int) -> bool:
-    """flock fd in mode if nobody holds it in a way that excludes that; never waits."""
-    assert fcntl is not None
-    try:
-        fcntl.flock(fd, mode | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    return True
-
-
-def _flock_soon(fd: int, mode: int) -> bool:
-    """flock fd in mode if that takes no longer than its holder's few system calls.
-
-    Yields the CPU between a few tries, so that a holder on this core can
-    finish; False if the lock is still held after them.
-    """
-    for _ in range(_FLOCK_TRIES):
-        if _flock_now(fd, mode):
-            return True
-        os.sched_yield()
-    return _flock_now(fd, mode)
-
-
-def _pauses(deadline: float | None, clock: Callable[[], float], key: Hashable) -> Iterator[float]:
-    """The pauses between tries at a line file's lock that stays taken, cut short at deadline.
-
-    Holders keep a line file's lock for a few system calls, so it is tried
-    a few times first (see _flock_soon). If it is still taken, its holder
-    was descheduled or stopped inside them. The kernel tells nobody when a
-    flock is let go, and a thread blocked in flock() could be neither
-    bounded nor cancelled (and would keep its process from exiting), so the
-    lock is tried again after each pause: a millisecond at first, then
-    longer and longer, up to 50 ms. deadline is on clock.
-
-    :raises TimeoutError: deadline came.
-    """
-    pause, longest = _LOCK_PAUSES
-    while True:
-        if deadline is not None:
-            left = deadline - clock()
-            if left <= 0:
-                raise _missed(key)
-            yield min(pause, left)
-        else:
-            yield pause
-        pause = min(pause * 2, longest)
-
-
-async def _lock(fd: int, mode: int, deadline: float | None, key: Hashable) -> None:
-    """flock fd in mode, tried again on the loop's timer (see _pauses); never blocks a thread."""
-    loop = asyncio.get_running_loop()
-    for pause in _pauses(deadline, loop.time, key):
-        await asyncio.sleep(pause)
-        if _flock_now(fd, mode):
-            return
-
-
-def _lock_blocking(fd: int, mode: int, deadline: float | None, key: Hashable) -> None:
-    """flock fd in mode, tried again after sleeping this thread (see _pauses); never flock()s."""
-    for pause in _pauses(deadline, time.monotonic, key):
-        time.sleep(pause)
-        if _flock_now(fd, mode):
-            return
 
 
 class _Locked(NamedTuple):
@@ -377,9 +259,9 @@ class _Left(NamedTuple):
 
 
 def _open_line(directory: Directory, name: str) -> int:
-    """Open (making it if missing) the line file name in directory; it is listed in _OPEN."""
+    """Open (making it if missing) the line file name in directory; it is tracked (_file_fds)."""
     try:
-        return _open_tracked(name, _OPEN_LINE, directory.fd)
+        return open_tracked(name, _OPEN_LINE, directory.fd)
     except OSError as error:
         if error.errno == errno.ELOOP:
             raise PermissionError(
@@ -478,24 +360,6 @@ def _quit(fd: int) -> None:
         pass  # then it reads as a death in the log: nothing else depends on it
 
 
-def _line_in_place_of(fd: int, where: Directory, digest: str) -> int:
-    """Close ticket fd and open digest's line file in its descriptor; -1 if it cannot be.
-
-    One step for this process's other turns (see _OPENING): none of them
-    can take the descriptor in between, so a turn that leaves with no other
-    descriptor left (and its owner's other threads busy) can tidy its line.
-    """
-    with _OPENING:
-        _OPEN.discard(fd)
-        os.close(fd)
-        try:
-            line = os.open(line_name(digest), _OPEN_TIDY, dir_fd=where.fd)
-        except OSError:  # gone (or taken by a thread outside inturn): see _tidy_again
-            return -1
-        _OPEN.add(line)
-    return line
-
-
 @final
 class FileGrant:
     """The turn on one key granted by a :class:`FileBackend`, while it lasts."""
@@ -537,7 +401,7 @@ class FileGrant:
         self._ticket = ticket
         self._end = end  # where its record ends in the line file: later ones are written past it
         self._lost = False  # (once released) whether its files were gone at the release
-        self._forks = _forks  # (a forked child's count differs: the grant is its parent's)
+        self._forks = forks()  # (a forked child's count differs: the grant is its parent's)
         self._loop: asyncio.AbstractEventLoop | None = None  # a task's grant's (see release)
 
     @property
@@ -555,13 +419,13 @@ class FileGrant:
         file edited in place; one deleted and made again with the same inode
         number, found by a release with no file descriptor left to read it.
         """
-        if self._fd < 0 or self._forks != _forks:  # (a forked child: its parent's, see release)
+        if self._fd < 0 or self._forks != forks():  # (a forked child: its parent's, see release)
             return self._lost
         if _unlinked(self._fd):
             return True
         fd, _, replaced = _own_line(self._where, self._digest, self._ticket, self._line)
         if fd >= 0:
-            _close(fd)
+            close_tracked(fd)
         return replaced
 
     def _forget(self) -> None:
@@ -569,13 +433,13 @@ class FileGrant:
 
         The ticket is the parent's: the parent holds the key until it leaves
         its own block, and hands it on then. The child's copy of the ticket
-        was closed at the fork (see _OPEN), and its number may name another
+        was closed at the fork (see _file_fds), and its number may name another
         file of the child's since.
         """
         self._fd = -1
 
     def __repr__(self) -> str:
-        held = "released" if self._fd < 0 else "held" if self._forks == _forks else "inherited"
+        held = "released" if self._fd < 0 else "held" if self._forks == forks() else "inherited"
         return f"<FileGrant key={describe(self.key)} token={self.token} {held}>"
 
 
@@ -723,7 +587,7 @@ class FileBackend:
             wait = next(taking)
             while True:
                 if isinstance(wait, _Locked):
-                    await _lock(wait.fd, wait.mode, deadline, key)
+                    await lock(wait.fd, wait.mode, deadline, lambda: _missed(key))
                     wait = taking.send(b"")
                 else:
                     wait = taking.send(await until_left(wait.fd, deadline, lambda: _missed(key)))
@@ -760,7 +624,7 @@ class FileBackend:
             wait = next(taking)
             while True:
                 if isinstance(wait, _Locked):
-                    _lock_blocking(wait.fd, wait.mode, deadline, key)
+                    lock_blocking(wait.fd, wait.mode, deadline, lambda: _missed(key))
                     wait = taking.send(b"")
                 else:
                     wait = taking.send(until_left_blocking(wait.fd, deadline, lambda: _missed(key)))
@@ -794,7 +658,7 @@ class FileBackend:
         except BaseException:
             # Leave the line: with no writer, the tickets behind skip this one.
             _quit(fd)
-            line_fd = _line_in_place_of(fd, where, digest)
+            line_fd = line_in_place_of(fd, where, digest)
             _unlink(where.fd, pipe_name(digest, ticket))
             self._tidy_again(where, digest, ticket, key, held=False, line_fd=line_fd)
             raise
@@ -824,11 +688,11 @@ class FileBackend:
             fd = -1
             made = marked = False
             try:
-                if not _flock_soon(line_fd, fcntl.LOCK_SH):
+                if not flock_soon(line_fd, fcntl.LOCK_SH):
                     yield _Locked(line_fd, fcntl.LOCK_SH)
                 info = os.fstat(line_fd)
                 if info.st_nlink == 0:  # deleted by its last user meanwhile: open it again
-                    _close(line_fd)
+                    close_tracked(line_fd)
                     continue
                 _check_regular(where, line, info)
                 # The mark first, then the FIFO: a crash between leaves a mark, not a stray FIFO.
@@ -836,25 +700,25 @@ class FileBackend:
                 marked = True
                 os.mkfifo(pipe, 0o600, dir_fd=where.fd)
                 made = True
-                fd = _open_tracked(pipe, _OPEN_TICKET, where.fd)
+                fd = open_tracked(pipe, _OPEN_TICKET, where.fd)
                 os.write(line_fd, joined(ticket))  # one append: atomic
                 end = os.lseek(line_fd, 0, os.SEEK_CUR)
                 records = read_records(line_fd)
                 fcntl.flock(line_fd, fcntl.LOCK_UN)
             except BaseException as error:
                 if fd >= 0:
-                    _close(fd)
+                    close_tracked(fd)
                 if made:
                     _unlink(where.fd, pipe)
                 if marked:  # (no descriptor left for its FIFO, say)
                     self._withdraw(where, digest, ticket, line_fd, key)
                 else:
-                    _close(line_fd)
+                    close_tracked(line_fd)
                 if isinstance(error, FileNotFoundError) and where.gone():
                     where = self._found_again(where, key)
                     continue
                 raise
-            _close(line_fd)  # opened again to tidy: a turn keeps one descriptor, its ticket's
+            close_tracked(line_fd)  # opened again to tidy: a turn keeps one descriptor, the ticket
             return where, fd, (info.st_dev, info.st_ino), records, end
 
     def _wait_behind(
@@ -912,7 +776,7 @@ class FileBackend:
         (the child of a task has no running loop).
         """
         own = self._granted(grant)
-        if own._forks != _forks:
+        if own._forks != forks():
             own._forget()
             done = (own._loop or asyncio.get_running_loop()).create_future()
             done.set_result(None)
@@ -940,7 +804,7 @@ class FileBackend:
         In a forked child, a grant its parent holds ends as in :meth:`release`.
         """
         own = self._granted(grant)
-        if own._forks != _forks:  # a forked child's copy of its parent's grant
+        if own._forks != forks():  # a forked child's copy of its parent's grant
             own._forget()
             return
         try:
@@ -981,14 +845,14 @@ class FileBackend:
             os.write(fd, hand_off(grant.token))  # whoever waits on this ticket goes on
         except BaseException:
             if line_fd >= 0:
-                _close(line_fd)
-            _close(fd)
+                close_tracked(line_fd)
+            close_tracked(fd)
             _unlink(where.fd, pipe_name(digest, ticket))
             raise
         if line_fd < 0 and not replaced:  # no descriptor was left for it: the ticket's is
-            line_fd = _line_in_place_of(fd, where, digest)
+            line_fd = line_in_place_of(fd, where, digest)
         else:
-            _close(fd)
+            close_tracked(fd)
         _unlink(where.fd, pipe_name(digest, ticket))
         if grant._lost:
             logger.warning(
@@ -1007,7 +871,7 @@ class FileBackend:
             os.sched_yield()
         if replaced:  # not the file it queued in: left to whoever is in it
             if line_fd >= 0:
-                _close(line_fd)
+                close_tracked(line_fd)
             return None
         if self._tidy_again(where, digest, ticket, grant.key, line_fd=line_fd):
             return where, digest, ticket, grant.key
@@ -1029,7 +893,7 @@ class FileBackend:
         """
         assert fcntl is not None
         try:
-            if not _flock_now(fd, fcntl.LOCK_SH):
+            if not flock_now(fd, fcntl.LOCK_SH):
                 # A tidier holds it: if anyone queued behind own, that one
                 # tidies after its turn; else own tries again (read unlocked:
                 # records are appended whole, and this is only a hint).
@@ -1052,14 +916,14 @@ class FileBackend:
                 elif not long:
                     return False
             # Not atomic: the shared lock is let go first, so the file is read again.
-            if not (_flock_soon if long else _flock_now)(fd, fcntl.LOCK_EX):
+            if not (flock_soon if long else flock_now)(fd, fcntl.LOCK_EX):
                 # Taken by one queueing behind own (it tidies after its turn),
                 # or by a tidier that may have seen own still in line.
                 return not _behind(read_records(fd), own)
             if not _unlinked(fd):
                 _compact(where, digest, fd, own, gone, held)
         finally:
-            _close(fd)
+            close_tracked(fd)
         return False
 
     def _withdraw(self, where: Directory, digest: str, own: str, fd: int, key: Hashable) -> None:
@@ -1072,12 +936,12 @@ class FileBackend:
         """
         assert fcntl is not None
         try:
-            if _flock_now(fd, fcntl.LOCK_EX) and not _unlinked(fd):
+            if flock_now(fd, fcntl.LOCK_EX) and not _unlinked(fd):
                 _compact(where, digest, fd, own, {own}, held=False)
         except OSError as error:
             _untidy(key, where, error)
         finally:
-            _close(fd)
+            close_tracked(fd)
 
     def _retry(
         self,
@@ -1098,7 +962,7 @@ class FileBackend:
         loop = done.get_loop()
 
         def again() -> None:
-            first, longest = _LOCK_PAUSES
+            first, longest = LOCK_PAUSES
             if self._tidy_again(where, digest, own, key) and pause < _RETRY_FOR:
                 self._retry(done, where, digest, own, key, min(max(pause * 2, first), longest))
             else:
@@ -1121,7 +985,7 @@ class FileBackend:
         (see _untidy), and the key's next turn tidies.
         """
         try:
-            fd = line_fd if line_fd >= 0 else _open_tracked(line_name(digest), _OPEN_TIDY, where.fd)
+            fd = line_fd if line_fd >= 0 else open_tracked(line_name(digest), OPEN_TIDY, where.fd)
         except FileNotFoundError:  # deleted: nothing is left
             return False
         except OSError as error:  # (no descriptor left, say)
