@@ -190,18 +190,19 @@ class _Watched:
 
 def file_modules() -> tuple[ModuleType, ...]:
     """The modules of the file backend that make the calls in STEPS."""
-    from inturn.backends import _file_fds, _file_locks, file
+    from inturn.backends import _file_fds, _file_locks, _file_tidy, file
 
-    return file, _file_fds, _file_locks
+    return file, _file_fds, _file_locks, _file_tidy
 
 
 async def victim(spec: str, key: str, step: int, flags: list[str]) -> None:
     """Take key and release it, killed just before the step-th watched call."""
     queue = KeyedQueue(backend=make_backend(spec))
-    modules = file_modules()
     if "compact" in flags:
-        modules[0]._COMPACT_AT = 0  # type: ignore[attr-defined]
-    Tripwire(kill_before=step).install(*modules)
+        from inturn.backends import _file_tidy
+
+        _file_tidy._COMPACT_AT = 0
+    Tripwire(kill_before=step).install(*file_modules())
     try:
         async with queue.keyed(key, timeout=0 if "impatient" in flags else None):
             say("holding")

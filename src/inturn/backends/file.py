@@ -96,28 +96,24 @@ from .._order import order_portable, portable_name
 from ._base import Grant
 from ._directory import Directory
 from ._file_deaths import died as _died
-from ._file_deaths import died_joining
 from ._file_fds import OPEN_TIDY, close_tracked, forks, line_in_place_of, open_tracked
 from ._file_inspect import pids_in_line, snapshots
 from ._file_limits import out_of_files
-from ._file_locks import LOCK_PAUSES, flock_now, flock_soon, lock, lock_blocking
+from ._file_locks import flock_now, flock_soon, lock, lock_blocking
+from ._file_tidy import retry, retry_blocking, tidy_again, unlink, unlinked, withdraw
 from ._linefile import (
     joined,
     joining,
     line_name,
     new_ticket,
-    parse,
     pipe_name,
-    queued_in,
     read_records,
     record_of,
-    render,
     ticket_of,
 )
 from ._lines import LineInfo
 from ._tickets import (
     LEAVING,
-    alive,
     hand_off,
     handed,
     probe,
@@ -135,23 +131,12 @@ if sys.platform == "win32":  # pragma: no cover - checked at construction
 else:
     import fcntl
 
-#: Compact a line file with more records than this (two per turn: a busy line's
-#: file grows, as the tickets that left are only dropped by a compaction).
-_COMPACT_AT = 128
-#: The kernel copies a write into a file page by page, and a process killed
-#: meanwhile stops between two pages: a compaction writes its tickets only
-#: where they fit between two page boundaries, so that they are written whole or not at all.
-_PAGE = 4096 if sys.platform == "win32" else os.sysconf("SC_PAGE_SIZE")
 #: A ticket's time (inspect's "held for") is when it queued, unless its turn
 #: came later than this (seconds): then it is set to when the turn began.
 #: So the holder's time is right to 0.05 s, at no cost to a turn that came soon.
 _LATE = 0.05
 #: How a line file is opened: for appending, made if missing, never through a link.
 _OPEN_LINE = os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
-#: How long (about: the last pause, in seconds) a release tries again to tidy a line it left last.
-_RETRY_FOR = 0.5
-#: How long (seconds) release_sync tries again to tidy a line it left last: its thread waits.
-_RETRY_SYNC_FOR = 0.002
 #: How a ticket's owner opens it: as its writer (O_RDWR: without waiting for a reader).
 _OPEN_TICKET = os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -170,27 +155,6 @@ def _default_directory() -> Path:
 
 def _missed(key: Hashable) -> TimeoutError:
     return missed(f"the turn for key {describe(key)}", None)
-
-
-def _finish(done: asyncio.Future[None]) -> None:
-    if not done.done():  # (cancelled by its awaiter: the tidy ran all the same)
-        done.set_result(None)
-
-
-def _behind(records: list[str], own: str) -> bool:
-    """Whether records list anyone after own: in line, or about to be (a process joining)."""
-    mine = record_of(own)
-    after = records[records.index(mine) + 1 :] if mine in records else records
-    return any(queued_in(record) not in (None, own) for record in after)
-
-
-def _unlinked(fd: int) -> bool:
-    """Whether the file open at fd is in the directory no more (its last user deleted it).
-
-    The backend only ever deletes a line file or a ticket (never renames or
-    replaces one), so one that still has a name has the name it was opened by.
-    """
-    return os.fstat(fd).st_nlink == 0
 
 
 #: A line file's identity: its device and inode numbers.
@@ -279,79 +243,6 @@ def _check_regular(directory: Directory, name: str, info: os.stat_result) -> Non
         )
 
 
-def _rewrite(fd: int, key: bytes | None, tickets: list[str]) -> None:
-    """Write tickets over the line file's records and cut it to them, if the write is whole.
-
-    The caller holds the exclusive lock. If the tickets would straddle a
-    page boundary (see _PAGE), the file is left as it is (and is compacted
-    once the line is shorter).
-    """
-    assert fcntl is not None
-    data = render(key, tickets)
-    first = len(render(key, []))  # where the tickets start: the key's record stays as it was
-    if first // _PAGE != (len(data) - 1) // _PAGE:
-        return
-    fcntl.fcntl(fd, fcntl.F_SETFL, 0)  # not O_APPEND: written from the start
-    os.pwrite(fd, data, 0)
-    # Cut after writing, never to zero first: ext4 flushes a file cut to zero on close.
-    os.ftruncate(fd, len(data))
-
-
-def _unlink(directory: int, name: str) -> None:
-    try:
-        os.unlink(name, dir_fd=directory)
-    except FileNotFoundError:
-        pass
-
-
-def _remove(directory: int, name: str) -> bool:
-    """Delete ticket FIFO name if it is still there (most are: their owners removed them).
-
-    Looked up first: a lookup takes no lock of the directory, where a
-    deletion, even of nothing, waits for every other process's. Returns
-    whether it was there.
-    """
-    try:
-        os.stat(name, dir_fd=directory, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    _unlink(directory, name)
-    return True
-
-
-def _compact(where: Directory, digest: str, fd: int, own: str, gone: set[str], held: bool) -> None:
-    """Drop gone tickets (and, if own held, those before it) from line file fd, or delete it.
-
-    The caller holds the file's exclusive lock: no process is joining, so
-    a mark without its ticket is a process that died joining (or own's).
-    The file is deleted if no ticket stays in it.
-    """
-    records = read_records(fd)
-    found = parse(records)
-    if held and own in found.tickets:
-        gone.update(found.tickets[: found.tickets.index(own)])
-    # A process killed between two of its calls may have left its FIFO:
-    # it goes before its record, so that no FIFO outlives the record of it.
-    for ticket in found.unfinished:
-        if _remove(where.fd, pipe_name(digest, ticket)) and ticket != own:
-            died_joining(ticket, found.key, digest, where)  # made, and no record of it
-    for ticket in gone:
-        if ticket != own:  # (its FIFO is removed already)
-            _remove(where.fd, pipe_name(digest, ticket))
-    staying = [ticket for ticket in found.tickets if ticket not in gone]
-    if not staying:
-        os.unlink(line_name(digest), dir_fd=where.fd)  # under the lock: see _join's check
-    elif len(staying) + (found.key is not None) < len(records):
-        _rewrite(fd, found.key, staying)
-
-
-def _untidy(key: Hashable, where: Directory, error: OSError) -> None:
-    """Log a tidy that failed: it is best effort, and the key's next turn tidies the line."""
-    logger.debug(
-        "inturn: could not tidy the line of key %s in %s: %s", describe(key), where.path, error
-    )
-
-
 def _quit(fd: int) -> None:
     """Say, in ticket fd, that its waiter gives up (see _tickets: LEAVING); it is closed next."""
     try:
@@ -421,7 +312,7 @@ class FileGrant:
         """
         if self._fd < 0 or self._forks != forks():  # (a forked child: its parent's, see release)
             return self._lost
-        if _unlinked(self._fd):
+        if unlinked(self._fd):
             return True
         fd, _, replaced = _own_line(self._where, self._digest, self._ticket, self._line)
         if fd >= 0:
@@ -659,8 +550,8 @@ class FileBackend:
             # Leave the line: with no writer, the tickets behind skip this one.
             _quit(fd)
             line_fd = line_in_place_of(fd, where, digest)
-            _unlink(where.fd, pipe_name(digest, ticket))
-            self._tidy_again(where, digest, ticket, key, held=False, line_fd=line_fd)
+            unlink(where.fd, pipe_name(digest, ticket))
+            tidy_again(where, digest, ticket, key, held=False, line_fd=line_fd)
             raise
         return FileGrant(key, token, fd, line, where, digest, ticket, end)
 
@@ -709,9 +600,9 @@ class FileBackend:
                 if fd >= 0:
                     close_tracked(fd)
                 if made:
-                    _unlink(where.fd, pipe)
+                    unlink(where.fd, pipe)
                 if marked:  # (no descriptor left for its FIFO, say)
-                    self._withdraw(where, digest, ticket, line_fd, key)
+                    withdraw(where, digest, ticket, line_fd, key)
                 else:
                     close_tracked(line_fd)
                 if isinstance(error, FileNotFoundError) and where.gone():
@@ -788,7 +679,7 @@ class FileBackend:
             self._failed(own.key, error, "release")
             raise
         if again is not None:
-            self._retry(done, *again, 0.0)  # at once, then 1 ms...
+            retry(done, *again, 0.0)  # at once, then 1 ms...
             return done
         done.set_result(None)
         return done
@@ -814,11 +705,7 @@ class FileBackend:
             raise
         if again is None:
             return
-        end = time.monotonic() + _RETRY_SYNC_FOR
-        while True:
-            os.sched_yield()  # let the lock's holder, maybe on this core, finish its few calls
-            if not self._tidy_again(*again) or time.monotonic() >= end:
-                return
+        retry_blocking(*again)
 
     def _granted(self, grant: Grant) -> FileGrant:
         if not isinstance(grant, FileGrant):
@@ -841,19 +728,19 @@ class FileBackend:
         try:
             # Before the hand-off: once it is written, the next holder may tidy both away.
             line_fd, line, replaced = _own_line(where, digest, ticket, grant._line)
-            grant._lost = replaced or _unlinked(fd)
+            grant._lost = replaced or unlinked(fd)
             os.write(fd, hand_off(grant.token))  # whoever waits on this ticket goes on
         except BaseException:
             if line_fd >= 0:
                 close_tracked(line_fd)
             close_tracked(fd)
-            _unlink(where.fd, pipe_name(digest, ticket))
+            unlink(where.fd, pipe_name(digest, ticket))
             raise
         if line_fd < 0 and not replaced:  # no descriptor was left for it: the ticket's is
             line_fd = line_in_place_of(fd, where, digest)
         else:
             close_tracked(fd)
-        _unlink(where.fd, pipe_name(digest, ticket))
+        unlink(where.fd, pipe_name(digest, ticket))
         if grant._lost:
             logger.warning(
                 "inturn: the files of the turn on key %s in %s were deleted while it held "
@@ -873,129 +760,9 @@ class FileBackend:
             if line_fd >= 0:
                 close_tracked(line_fd)
             return None
-        if self._tidy_again(where, digest, ticket, grant.key, line_fd=line_fd):
+        if tidy_again(where, digest, ticket, grant.key, line_fd=line_fd):
             return where, digest, ticket, grant.key
         return None
-
-    def _tidy(self, where: Directory, digest: str, own: str, fd: int, held: bool) -> bool:
-        """Drop the tickets that left from the line file, or delete it if nobody is in line.
-
-        Done when no ticket behind own is in line any more, or the file grew
-        long. fd is the line file as own queued in it; it is closed here.
-        held: own held the key, so every ticket listed before it had left by
-        then (and what left stays gone). Never waits: if another process
-        holds the line file's lock, it is queueing (and will tidy after its
-        turn) or tidying; only a file grown long is worth a few tries.
-
-        Return True if the lock was taken and nobody may be left behind own:
-        the other process may be a tidier that saw own still in line (so left
-        the file to own), and own must try again shortly (see _retry).
-        """
-        assert fcntl is not None
-        try:
-            if not flock_now(fd, fcntl.LOCK_SH):
-                # A tidier holds it: if anyone queued behind own, that one
-                # tidies after its turn; else own tries again (read unlocked:
-                # records are appended whole, and this is only a hint).
-                return not _behind(read_records(fd), own)
-            # (If its last user deleted the file meanwhile, nobody is behind
-            # own in it: that is found below, under the exclusive lock.)
-            records = read_records(fd)
-            mine = record_of(own)
-            # Whose leaving is not known yet: if own held the key, those behind it.
-            behind = records[records.index(mine) + 1 :] if held and mine in records else records
-            long = len(records) > _COMPACT_AT
-            gone = {own}
-            # The newest first: in a busy line, the first one looked at is there.
-            for record in reversed(behind):
-                ticket = ticket_of(record)
-                if ticket is None or ticket in gone:
-                    continue
-                if not alive(where.fd, pipe_name(digest, ticket)):
-                    gone.add(ticket)
-                elif not long:
-                    return False
-            # Not atomic: the shared lock is let go first, so the file is read again.
-            if not (flock_soon if long else flock_now)(fd, fcntl.LOCK_EX):
-                # Taken by one queueing behind own (it tidies after its turn),
-                # or by a tidier that may have seen own still in line.
-                return not _behind(read_records(fd), own)
-            if not _unlinked(fd):
-                _compact(where, digest, fd, own, gone, held)
-        finally:
-            close_tracked(fd)
-        return False
-
-    def _withdraw(self, where: Directory, digest: str, own: str, fd: int, key: Hashable) -> None:
-        """Take the mark of own, whose join failed, out of line file fd (shared-locked); close fd.
-
-        Needs no other descriptor (none may be left): it probes no ticket.
-        If another process holds the lock, it is joining (and tidies after
-        its turn) or tidying, and the mark reads as "died here" to the next
-        tidy under the exclusive lock.
-        """
-        assert fcntl is not None
-        try:
-            if flock_now(fd, fcntl.LOCK_EX) and not _unlinked(fd):
-                _compact(where, digest, fd, own, {own}, held=False)
-        except OSError as error:
-            _untidy(key, where, error)
-        finally:
-            close_tracked(fd)
-
-    def _retry(
-        self,
-        done: asyncio.Future[None],
-        where: Directory,
-        digest: str,
-        own: str,
-        key: Hashable,
-        pause: float,
-    ) -> None:
-        """Tidy again after pause (the line file's lock was busy), until done or it is gone.
-
-        At once (the loop's next round), then every millisecond, then less
-        and less often, up to every 50 ms, for about a second at most: then
-        it is left to the key's next turn. done completes when it ends (also
-        if it was cancelled).
-        """
-        loop = done.get_loop()
-
-        def again() -> None:
-            first, longest = LOCK_PAUSES
-            if self._tidy_again(where, digest, own, key) and pause < _RETRY_FOR:
-                self._retry(done, where, digest, own, key, min(max(pause * 2, first), longest))
-            else:
-                _finish(done)
-
-        loop.call_later(pause, again)
-
-    def _tidy_again(
-        self,
-        where: Directory,
-        digest: str,
-        own: str,
-        key: Hashable,
-        held: bool = True,
-        line_fd: int = -1,
-    ) -> bool:
-        """Tidy digest's (key's) line file after own left it; whether it was busy (see _tidy).
-
-        Opened again, unless line_fd is it. Best effort: an error is logged
-        (see _untidy), and the key's next turn tidies.
-        """
-        try:
-            fd = line_fd if line_fd >= 0 else open_tracked(line_name(digest), OPEN_TIDY, where.fd)
-        except FileNotFoundError:  # deleted: nothing is left
-            return False
-        except OSError as error:  # (no descriptor left, say)
-            _untidy(key, where, error)
-            return False
-        try:
-            return self._tidy(where, digest, own, fd, held)
-        except OSError as error:
-            _untidy(key, where, error)
-            return False
 
     def line(self, key: Hashable) -> tuple[int, ...]:
         """The process ids in key's line, in turn order, as the line file has them now.
