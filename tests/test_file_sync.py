@@ -21,8 +21,7 @@ from typing import Any
 import pytest
 
 from file_checks import files, line_file, spec
-from inturn.backends import Grant, _file_fds
-from inturn.backends import file as file_backend
+from inturn.backends import Grant, _file_fds, _file_line
 from inturn.backends.file import FileBackend, FileGrant
 from processes import Worker, until
 
@@ -339,13 +338,13 @@ def test_an_exception_from_a_signal_handler_leaves_the_line(
     wait_until(lambda: holder.grant is not None, "the holder holds")
     waiting = threading.Event()  # the main thread is inside the wait: signal it
     name = "until_left_blocking" if wait == "ticket" else "lock_blocking"
-    real = getattr(file_backend, name)
+    real = getattr(_file_line, name)
 
     def entered(*args: Any) -> Any:
         waiting.set()
         return real(*args)
 
-    monkeypatch.setattr(file_backend, name, entered)
+    monkeypatch.setattr(_file_line, name, entered)
     frozen = os.open(line_file(backend.directory, "k"), os.O_RDONLY)
     try:
         if wait == "lock":

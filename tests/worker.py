@@ -190,9 +190,9 @@ class _Watched:
 
 def file_modules() -> tuple[ModuleType, ...]:
     """The modules of the file backend that make the calls in STEPS."""
-    from inturn.backends import _file_fds, _file_locks, _file_tidy, file
+    from inturn.backends import _file_fds, _file_line, _file_locks, _file_tidy, file
 
-    return file, _file_fds, _file_locks, _file_tidy
+    return file, _file_fds, _file_line, _file_locks, _file_tidy
 
 
 async def victim(spec: str, key: str, step: int, flags: list[str]) -> None:

@@ -9,8 +9,8 @@
 
 How a line is kept (every step is a plain file operation; nothing polls,
 but the rare wait for a line file's lock that its holder keeps for longer
-than its few system calls, see ``_file_locks.py``, and the last holder's retry of a tidy
-that found the lock busy, see _retry):
+than its few system calls, see ``_file_locks.py``, and the last holder's
+retry of a tidy that found the lock busy, see ``_file_tidy.py``):
 
 - A *ticket* is a FIFO (named pipe), ``<digest>.<pid>.<random>.t``, that
   its owner keeps open for writing from the moment it queues until it
@@ -66,7 +66,7 @@ A process with no file descriptor left (see ``_file_limits.py``) is
 refused before it is in line, or leaves the line as at a timeout. A join
 that fails once its mark is written (no descriptor left for its FIFO)
 takes the mark out under the exclusive lock, or deletes the line file if
-the mark was all that was in it (see _withdraw).
+the mark was all that was in it (see ``_file_tidy.py``: withdraw).
 
 Every file is opened relative to the directory's descriptor and never
 through a symbolic link (see ``_directory.py`` for which directories are
@@ -77,49 +77,26 @@ with the same checks.
 from __future__ import annotations
 
 import asyncio
-import errno
 import hashlib
 import logging
 import os
-import stat
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Awaitable, Generator, Hashable
+from collections.abc import Awaitable, Hashable
 from pathlib import Path
-from typing import NamedTuple, final
+from typing import final
 
-from .._checks import missed
 from .._describe import describe
 from .._order import order_portable, portable_name
 from ._base import Grant
 from ._directory import Directory
-from ._file_deaths import died as _died
-from ._file_fds import OPEN_TIDY, close_tracked, forks, line_in_place_of, open_tracked
+from ._file_fds import forks
 from ._file_inspect import pids_in_line, snapshots
 from ._file_limits import out_of_files
-from ._file_locks import flock_now, flock_soon, lock, lock_blocking
-from ._file_tidy import retry, retry_blocking, tidy_again, unlink, unlinked, withdraw
-from ._linefile import (
-    joined,
-    joining,
-    line_name,
-    new_ticket,
-    pipe_name,
-    read_records,
-    record_of,
-    ticket_of,
-)
+from ._file_line import Home, Place, deleted, drive, drive_blocking, leave, taking
+from ._file_tidy import retry, retry_blocking
 from ._lines import LineInfo
-from ._tickets import (
-    LEAVING,
-    hand_off,
-    handed,
-    probe,
-    until_left,
-    until_left_blocking,
-)
 
 __all__ = ("FileBackend", "FileGrant")
 
@@ -130,15 +107,6 @@ if sys.platform == "win32":  # pragma: no cover - checked at construction
     fcntl = None
 else:
     import fcntl
-
-#: A ticket's time (inspect's "held for") is when it queued, unless its turn
-#: came later than this (seconds): then it is set to when the turn began.
-#: So the holder's time is right to 0.05 s, at no cost to a turn that came soon.
-_LATE = 0.05
-#: How a line file is opened: for appending, made if missing, never through a link.
-_OPEN_LINE = os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
-#: How a ticket's owner opens it: as its writer (O_RDWR: without waiting for a reader).
-_OPEN_TICKET = os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def _check_platform() -> None:
@@ -153,145 +121,19 @@ def _default_directory() -> Path:
     return Path(tempfile.gettempdir()) / f"inturn-{os.geteuid()}"
 
 
-def _missed(key: Hashable) -> TimeoutError:
-    return missed(f"the turn for key {describe(key)}", None)
-
-
-#: A line file's identity: its device and inode numbers.
-_Identity = tuple[int, int]
-
-
-def _own_line(
-    where: Directory, digest: str, ticket: str, line: _Identity
-) -> tuple[int, os.stat_result | None, bool]:
-    """Open digest's line file, which ticket is in: (fd, its stat, whether it was replaced).
-
-    Replaced: the file at its name is not the one ticket queued in (the
-    identity line), or does not list ticket (a file made anew may get the
-    inode number of the one deleted, and ext4 gives it at once). fd is -1
-    if there is none (deleted: replaced), or no descriptor is left (then
-    only its identity is compared, by its name).
-    """
-    try:
-        fd = open_tracked(line_name(digest), OPEN_TIDY, where.fd)
-    except FileNotFoundError:
-        return -1, None, True
-    except OSError:
-        try:
-            info = os.stat(line_name(digest), dir_fd=where.fd, follow_symlinks=False)
-        except FileNotFoundError:
-            return -1, None, True
-        return -1, info, (info.st_dev, info.st_ino) != line
-    try:
-        info = os.fstat(fd)
-        return fd, info, (info.st_dev, info.st_ino) != line or not _lists(fd, ticket)
-    except BaseException:
-        close_tracked(fd)
-        raise
-
-
-def _lists(fd: int, ticket: str) -> bool:
-    """Whether line file fd lists ticket (read again under the shared lock if it seems not to).
-
-    Read without the lock, a compaction that writes meanwhile may tear the
-    record; if a tidier holds the lock, it cannot be read again: the file,
-    the one ticket queued in, is trusted to list it still.
-    """
-    assert fcntl is not None
-    record = record_of(ticket)
-    if record in read_records(fd):
-        return True
-    if not flock_now(fd, fcntl.LOCK_SH):
-        return True
-    try:
-        return record in read_records(fd)
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-
-
-class _Locked(NamedTuple):
-    """A wait of FileBackend._taking: until fd's flock in mode is taken (answer: b"")."""
-
-    fd: int
-    mode: int
-
-
-class _Left(NamedTuple):
-    """A wait of FileBackend._taking: until ticket fd's owner has left (answer: what it carried)."""
-
-    fd: int
-
-
-def _open_line(directory: Directory, name: str) -> int:
-    """Open (making it if missing) the line file name in directory; it is tracked (_file_fds)."""
-    try:
-        return open_tracked(name, _OPEN_LINE, directory.fd)
-    except OSError as error:
-        if error.errno == errno.ELOOP:
-            raise PermissionError(
-                f"inturn: the line file {directory.path / name} is a symbolic link, which "
-                "inturn never follows: another process of this user put it there. Remove it"
-            ) from None
-        raise
-
-
-def _check_regular(directory: Directory, name: str, info: os.stat_result) -> None:
-    if not stat.S_ISREG(info.st_mode):
-        raise PermissionError(
-            f"inturn: the line file {directory.path / name} is not a regular file: another "
-            "process of this user put it there. Remove it"
-        )
-
-
-def _quit(fd: int) -> None:
-    """Say, in ticket fd, that its waiter gives up (see _tickets: LEAVING); it is closed next."""
-    try:
-        os.write(fd, LEAVING)
-    except OSError:
-        pass  # then it reads as a death in the log: nothing else depends on it
-
-
 @final
 class FileGrant:
     """The turn on one key granted by a :class:`FileBackend`, while it lasts."""
 
-    __slots__ = (
-        "_digest",
-        "_end",
-        "_fd",
-        "_forks",
-        "_line",
-        "_loop",
-        "_lost",
-        "_ticket",
-        "_where",
-        "key",
-        "token",
-    )
+    __slots__ = ("_forks", "_loop", "_place", "key", "token")
 
-    def __init__(
-        self,
-        key: Hashable,
-        token: int,
-        fd: int,
-        line: _Identity,
-        where: Directory,
-        digest: str,
-        ticket: str,
-        end: int,
-    ) -> None:
+    def __init__(self, key: Hashable, token: int, place: Place) -> None:
         #: The key held.
         self.key = key
         #: The fencing token: one above the previous holder's while the key's
         #: line is busy, and the wall clock in nanoseconds when it starts anew.
         self.token = token
-        self._fd = fd  # the writer end of this grant's ticket: open while it holds, its one file
-        self._line = line  # the identity of its line file, as it queued in it
-        self._where = where  # the directory of both
-        self._digest = digest
-        self._ticket = ticket
-        self._end = end  # where its record ends in the line file: later ones are written past it
-        self._lost = False  # (once released) whether its files were gone at the release
+        self._place = place  # its ticket (open while it holds, its one file) and its line file
         self._forks = forks()  # (a forked child's count differs: the grant is its parent's)
         self._loop: asyncio.AbstractEventLoop | None = None  # a task's grant's (see release)
 
@@ -310,14 +152,10 @@ class FileGrant:
         file edited in place; one deleted and made again with the same inode
         number, found by a release with no file descriptor left to read it.
         """
-        if self._fd < 0 or self._forks != forks():  # (a forked child: its parent's, see release)
-            return self._lost
-        if unlinked(self._fd):
-            return True
-        fd, _, replaced = _own_line(self._where, self._digest, self._ticket, self._line)
-        if fd >= 0:
-            close_tracked(fd)
-        return replaced
+        place = self._place
+        if place.fd < 0 or self._forks != forks():  # (a forked child: its parent's, see release)
+            return place.lost
+        return deleted(place)
 
     def _forget(self) -> None:
         """(In a forked child.) End the child's part of its parent's grant, touching nothing.
@@ -327,10 +165,12 @@ class FileGrant:
         was closed at the fork (see _file_fds), and its number may name another
         file of the child's since.
         """
-        self._fd = -1
+        self._place.fd = -1
 
     def __repr__(self) -> str:
-        held = "released" if self._fd < 0 else "held" if self._forks == forks() else "inherited"
+        held = (
+            "released" if self._place.fd < 0 else "held" if self._forks == forks() else "inherited"
+        )
         return f"<FileGrant key={describe(self.key)} token={self.token} {held}>"
 
 
@@ -400,19 +240,17 @@ class FileBackend:
     :raises NotADirectoryError: the path exists and is not a directory.
     """
 
-    __slots__ = ("_finding", "_given", "_where")
+    __slots__ = ("_home",)
 
     def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
         _check_platform()
         path = _default_directory() if directory is None else Path(directory)
-        self._given = path.absolute()  # found again, with the same checks, if removed
-        self._where = Directory.open(self._given)
-        self._finding = threading.Lock()  # held while a thread finds the directory again
+        self._home = Home(path.absolute())  # found again, with the same checks, if removed
 
     @property
     def directory(self) -> Path:
         """The directory holding the line files (``inturn-<uid>`` in a sticky one)."""
-        return self._where.path
+        return self._home.where.path
 
     def order(self, keys: tuple[Hashable, ...]) -> tuple[Hashable, ...]:
         """Sort keys into the order every process computes (by their portable names).
@@ -420,24 +258,6 @@ class FileBackend:
         :raises TypeError: a key is not a ``str``, ``bytes`` or ``int``.
         """
         return order_portable(keys)
-
-    def _found_again(self, lost: Directory, key: Hashable) -> Directory:
-        """The directory, made and checked again: lost was removed (found by a turn on key).
-
-        Once for every thread and loop that found lost removed: the first
-        makes it again, the others take that one.
-        """
-        with self._finding:
-            if self._where is lost:
-                logger.warning(
-                    "inturn: the directory %s was removed while in use (by a cleaner of "
-                    "temporary files?); a turn on key %s makes it again. A turn held "
-                    "meanwhile may have lost its exclusion",
-                    lost.path,
-                    describe(key),
-                )
-                self._where = Directory.open(self._given)
-            return self._where
 
     def _failed(self, key: Hashable, error: BaseException, doing: str) -> None:
         """Log an error of the file system (permissions, a full disk...) that a call on key raises.
@@ -473,23 +293,16 @@ class FileBackend:
         """
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
-        taking = self._taking(key)
+        steps = taking(self._home, key)
         try:
-            wait = next(taking)
-            while True:
-                if isinstance(wait, _Locked):
-                    await lock(wait.fd, wait.mode, deadline, lambda: _missed(key))
-                    wait = taking.send(b"")
-                else:
-                    wait = taking.send(await until_left(wait.fd, deadline, lambda: _missed(key)))
-        except StopIteration as taken:
-            grant: FileGrant = taken.value
-            grant._loop = loop
-            return grant
+            token, place = await drive(steps, key, deadline)
         except BaseException as error:
-            taking.close()  # leave the line (see _taking)
+            steps.close()  # leave the line (see _file_line.taking)
             self._not_taken(key, error)
             raise
+        grant = FileGrant(key, token, place)
+        grant._loop = loop
+        return grant
 
     def acquire_sync(self, key: Hashable, timeout: float | None) -> FileGrant:
         """As :meth:`acquire`, blocking this thread while it waits; it needs no event loop.
@@ -510,148 +323,14 @@ class FileBackend:
         :raises ~inturn.BackendUnavailable: as :meth:`acquire`.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        taking = self._taking(key)
+        steps = taking(self._home, key)
         try:
-            wait = next(taking)
-            while True:
-                if isinstance(wait, _Locked):
-                    lock_blocking(wait.fd, wait.mode, deadline, lambda: _missed(key))
-                    wait = taking.send(b"")
-                else:
-                    wait = taking.send(until_left_blocking(wait.fd, deadline, lambda: _missed(key)))
-        except StopIteration as taken:
-            grant: FileGrant = taken.value
-            return grant
+            token, place = drive_blocking(steps, key, deadline)
         except BaseException as error:
-            taking.close()  # leave the line (see _taking)
+            steps.close()  # leave the line (see _file_line.taking)
             self._not_taken(key, error)
             raise
-
-    def _taking(self, key: Hashable) -> Generator[_Locked | _Left, bytes, FileGrant]:
-        """Take key's turn: every system call of acquire and acquire_sync, written once.
-
-        Where a step would block, it yields what it waits for (see _Locked,
-        _Left); its driver waits, in an event loop or in a thread, and
-        sends the answer. A driver whose wait fails (timeout, cancellation,
-        an exception from a signal handler) closes it: GeneratorExit at the
-        wait runs the same clean-up as any error, so the ticket leaves the line.
-        """
-        begun = time.monotonic()
-        name = portable_name(key)
-        digest = hashlib.sha256(name).hexdigest()
-        ticket = new_ticket()
-        where, fd, line, records, end = yield from self._join(key, name, digest, ticket)
-        try:
-            before = records[: records.index(record_of(ticket))]
-            token = yield from self._wait_behind(key, where, digest, before)
-            if time.monotonic() - begun > _LATE:
-                os.utime(fd)  # the ticket's time is when its turn began: for inspect
-        except BaseException:
-            # Leave the line: with no writer, the tickets behind skip this one.
-            _quit(fd)
-            line_fd = line_in_place_of(fd, where, digest)
-            unlink(where.fd, pipe_name(digest, ticket))
-            tidy_again(where, digest, ticket, key, held=False, line_fd=line_fd)
-            raise
-        return FileGrant(key, token, fd, line, where, digest, ticket, end)
-
-    def _join(
-        self, key: Hashable, name: bytes, digest: str, ticket: str
-    ) -> Generator[_Locked | _Left, bytes, tuple[Directory, int, _Identity, list[str], int]]:
-        """Queue ticket in key's line file (name: the key's portable name).
-
-        Returns the directory, the ticket's writer fd (the one descriptor a
-        turn keeps: the line file is closed once ticket is in it), the line
-        file's identity, its records as they were once ticket was in, and
-        the offset where ticket's record ends. If it fails, nothing it made
-        stays: its FIFO is removed, and its mark withdrawn (see _withdraw).
-        """
-        assert fcntl is not None
-        where = self._where
-        line = line_name(digest)
-        pipe = pipe_name(digest, ticket)
-        while True:
-            try:
-                line_fd = _open_line(where, line)
-            except FileNotFoundError:
-                where = self._found_again(where, key)  # the directory was removed
-                continue
-            fd = -1
-            made = marked = False
-            try:
-                if not flock_soon(line_fd, fcntl.LOCK_SH):
-                    yield _Locked(line_fd, fcntl.LOCK_SH)
-                info = os.fstat(line_fd)
-                if info.st_nlink == 0:  # deleted by its last user meanwhile: open it again
-                    close_tracked(line_fd)
-                    continue
-                _check_regular(where, line, info)
-                # The mark first, then the FIFO: a crash between leaves a mark, not a stray FIFO.
-                os.write(line_fd, joining(ticket, name if info.st_size == 0 else None))
-                marked = True
-                os.mkfifo(pipe, 0o600, dir_fd=where.fd)
-                made = True
-                fd = open_tracked(pipe, _OPEN_TICKET, where.fd)
-                os.write(line_fd, joined(ticket))  # one append: atomic
-                end = os.lseek(line_fd, 0, os.SEEK_CUR)
-                records = read_records(line_fd)
-                fcntl.flock(line_fd, fcntl.LOCK_UN)
-            except BaseException as error:
-                if fd >= 0:
-                    close_tracked(fd)
-                if made:
-                    unlink(where.fd, pipe)
-                if marked:  # (no descriptor left for its FIFO, say)
-                    withdraw(where, digest, ticket, line_fd, key)
-                else:
-                    close_tracked(line_fd)
-                if isinstance(error, FileNotFoundError) and where.gone():
-                    where = self._found_again(where, key)
-                    continue
-                raise
-            close_tracked(line_fd)  # opened again to tidy: a turn keeps one descriptor, the ticket
-            return where, fd, (info.st_dev, info.st_ino), records, end
-
-    def _wait_behind(
-        self, key: Hashable, where: Directory, digest: str, before: list[str]
-    ) -> Generator[_Locked | _Left, bytes, int]:
-        """Wait until no ticket listed in before has a writer; return the token to hold with.
-
-        A ticket closed without a word (no hand-off, no leaving) tells that
-        its owner died in line: logged once this process knows whether it
-        was holding (see _died).
-        """
-        directory = where.fd
-        dead: list[str] | None = None  # such tickets met, nearest first (rare: made then)
-        for record in reversed(before):
-            ticket = ticket_of(record)
-            if ticket is None:
-                continue  # the key, a mark, or a piece that a crash left
-            fd, data = probe(directory, pipe_name(digest, ticket))
-            if data is None:
-                continue  # gone: its owner left, and removed it
-            if fd is not None:
-                if dead:  # they were behind one still in line: they were waiting
-                    _died(key, where, dead, held=False)
-                    dead = None
-                try:
-                    if handed(data) is None:  # (else it is handing the key on already)
-                        data += yield _Left(fd)
-                finally:
-                    os.close(fd)
-            token = handed(data)
-            if token is not None:
-                # It held the key, so every ticket before it has left too.
-                if dead:  # (they never read its hand-off: they were waiting)
-                    _died(key, where, dead, held=False)
-                return max(token + 1, time.time_ns())
-            if not data:
-                if dead is None:
-                    dead = []
-                dead.append(ticket)
-        if dead:
-            _died(key, where, dead, held=True)
-        return time.time_ns()
+        return FileGrant(key, token, place)
 
     def release(self, grant: Grant) -> Awaitable[None]:
         """Hand the key on (close grant's ticket), then tidy the line file up.
@@ -659,7 +338,7 @@ class FileBackend:
         Done at once, in a few system calls: the answer is a finished Future,
         unless the grant left its line last and another process held the
         line file's lock; it then completes once the tidy was tried again
-        (see _retry). The key is handed on at once either way.
+        (see _file_tidy.retry). The key is handed on at once either way.
 
         In a forked child, a grant its parent holds ends in the child alone,
         with no effect on the parent's files (see FileGrant._forget): the
@@ -673,11 +352,7 @@ class FileBackend:
             done.set_result(None)
             return done
         done = asyncio.get_running_loop().create_future()
-        try:
-            again = self._leave(own)
-        except OSError as error:
-            self._failed(own.key, error, "release")
-            raise
+        again = self._leave(own)
         if again is not None:
             retry(done, *again, 0.0)  # at once, then 1 ms...
             return done
@@ -698,14 +373,9 @@ class FileBackend:
         if own._forks != forks():  # a forked child's copy of its parent's grant
             own._forget()
             return
-        try:
-            again = self._leave(own)
-        except OSError as error:
-            self._failed(own.key, error, "release")
-            raise
-        if again is None:
-            return
-        retry_blocking(*again)
+        again = self._leave(own)
+        if again is not None:
+            retry_blocking(*again)
 
     def _granted(self, grant: Grant) -> FileGrant:
         if not isinstance(grant, FileGrant):
@@ -715,54 +385,12 @@ class FileBackend:
         return grant
 
     def _leave(self, grant: FileGrant) -> tuple[Directory, str, str, Hashable] | None:
-        """Hand grant's key on and tidy its line file: release's system calls.
-
-        Returns where, digest, ticket and key of a line whose tidy must be
-        tried again shortly (see _tidy), else None (also for a grant released already).
-        """
-        fd, grant._fd = grant._fd, -1
-        if fd < 0:
-            return None
-        where, digest, ticket = grant._where, grant._digest, grant._ticket
-        line_fd = -1
+        """Hand grant's key on and tidy its line file (see _file_line.leave); log an error."""
         try:
-            # Before the hand-off: once it is written, the next holder may tidy both away.
-            line_fd, line, replaced = _own_line(where, digest, ticket, grant._line)
-            grant._lost = replaced or unlinked(fd)
-            os.write(fd, hand_off(grant.token))  # whoever waits on this ticket goes on
-        except BaseException:
-            if line_fd >= 0:
-                close_tracked(line_fd)
-            close_tracked(fd)
-            unlink(where.fd, pipe_name(digest, ticket))
+            return leave(grant._place, grant.key, grant.token)
+        except OSError as error:
+            self._failed(grant.key, error, "release")
             raise
-        if line_fd < 0 and not replaced:  # no descriptor was left for it: the ticket's is
-            line_fd = line_in_place_of(fd, where, digest)
-        else:
-            close_tracked(fd)
-        unlink(where.fd, pipe_name(digest, ticket))
-        if grant._lost:
-            logger.warning(
-                "inturn: the files of the turn on key %s in %s were deleted while it held "
-                "(by another process of this user, or a cleaner of the directory): another "
-                "process may have held the key meanwhile; the turn ends with LeaseLost",
-                describe(grant.key),
-                where.path,
-            )
-        if line is not None and line.st_size > grant._end:
-            # Someone queued behind this grant, and was most likely just
-            # handed the key: let it have this CPU first. Its work holds
-            # up the whole line; this process's tidy and next turn do
-            # not. (A no-op on an idle CPU; on a busy one, 8 processes
-            # on 2 cores, it is worth 10% of a line's turns per second.)
-            os.sched_yield()
-        if replaced:  # not the file it queued in: left to whoever is in it
-            if line_fd >= 0:
-                close_tracked(line_fd)
-            return None
-        if tidy_again(where, digest, ticket, grant.key, line_fd=line_fd):
-            return where, digest, ticket, grant.key
-        return None
 
     def line(self, key: Hashable) -> tuple[int, ...]:
         """The process ids in key's line, in turn order, as the line file has them now.
@@ -773,7 +401,7 @@ class FileBackend:
         Takes no lock and nothing from a ticket: it never waits, and never
         disturbs the line.
         """
-        return pids_in_line(self._where.fd, hashlib.sha256(portable_name(key)).hexdigest())
+        return pids_in_line(self._home.where.fd, hashlib.sha256(portable_name(key)).hexdigest())
 
     async def lines(self) -> list[LineInfo]:
         """A snapshot of every line in the directory, from its files alone, sorted by key.
@@ -787,7 +415,7 @@ class FileBackend:
         left, for the key's next turn to remove), and a line whose file
         does not record its key (only one edited by another process).
         """
-        return snapshots(self._where.fd)
+        return snapshots(self._home.where.fd)
 
     async def aclose(self) -> None:
         """Nothing to close: every grant's files are closed by its release."""
