@@ -360,13 +360,23 @@ def decorate(
     if not callable(target) or isinstance(target, type):
         raise TypeError(f"inturn: queue_by_key() decorates functions and methods; got {fn!r}")
     if not inspect.iscoroutinefunction(target):
-        if hold is not None:
-            raise TypeError(
-                f"inturn: max_hold={hold:g} s cannot cut a thread's turn short, and "
-                f"{function_name(target)} is a plain def (its calls block their thread); "
-                "decorate an async def, or leave max_hold out"
-            )
-        return _decorate_sync(runner, fn, kind, target, key, keys, limit, coalesce)
+        return _decorate_sync(runner, fn, kind, target, key, keys, limit, coalesce, hold)
+    return _decorate_async(runner, fn, kind, target, key, keys, limit, coalesce, hold)
+
+
+def _decorate_async(
+    runner: Runner,
+    fn: Any,
+    kind: type[Any],
+    target: Callable[..., Any],
+    key: KeySpec,
+    keys: KeysSpec | None,
+    limit: float | None,
+    coalesce: bool,
+    hold: float | None,
+) -> Any:
+    """Apply queue_by_key to an async def: its calls return coroutines that take the turn."""
+    queue = runner.queue
     extract, several = compile_key(target, key, keys)
     # Calls arrive with args as target receives them: the instance or class
     # first for methods (see _BoundQueued).
@@ -411,8 +421,15 @@ def _decorate_sync(
     keys: KeysSpec | None,
     limit: float | None,
     coalesce: bool,
+    hold: float | None,
 ) -> Any:
     """Apply queue_by_key to a plain def: its calls block their thread for the turn."""
+    if hold is not None:
+        raise TypeError(
+            f"inturn: max_hold={hold:g} s cannot cut a thread's turn short, and "
+            f"{function_name(target)} is a plain def (its calls block their thread); "
+            "decorate an async def, or leave max_hold out"
+        )
     if coalesce:
         raise TypeError(
             "inturn: coalesce=True is for async def functions; "
