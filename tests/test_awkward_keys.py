@@ -212,7 +212,7 @@ async def test_a_file_backend_names_a_huge_int_key_in_its_messages(directory: Pa
 
 
 def test_redis_messages_name_a_huge_int_key() -> None:
-    from inturn.backends import _redis_session
+    from inturn.backends import _redis_loop as _redis_session
 
     assert_shown(str(_redis_session._late(HUGE)()), "0x")
 
@@ -248,6 +248,29 @@ def test_describe_never_raises_and_bounds_what_it_writes() -> None:
     assert describe(("a", Unshowable())).startswith("('a', <")
     assert describe(("a", HUGE)).startswith("('a', 0x")
     assert len(describe((HUGE, HUGE, HUGE))) <= 200
+
+
+class Nameless:
+    """A callable whose qualified name cannot be read: reading it raises."""
+
+    def __call__(self) -> None: ...
+
+    def __getattribute__(self, name: str) -> Any:
+        if name == "__qualname__":
+            raise RuntimeError("no names here")
+        return object.__getattribute__(self, name)
+
+
+def test_function_name_never_raises_and_bounds_what_it_writes() -> None:
+    from inturn._describe import function_name
+
+    def work() -> None: ...
+
+    assert function_name(work).endswith(".<locals>.work()")
+    assert function_name(Nameless()).startswith(f"<{__name__}.Nameless object at 0x")
+    work.__qualname__ = "w" * 10_000
+    assert len(function_name(work)) == 200
+    assert function_name(work).endswith("…")
 
 
 # -- one total order for several keys -----------------------------------------------------

@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import inspect
+import multiprocessing
 import operator
+import os
+import pickle
 import re
 from collections.abc import Mapping
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import pytest
 
+import decorated
 import inturn
 from inturn import KeyedQueue
 
-from helpers import Recorder, checkpoints, settle
+from helpers import PATIENCE, Recorder, checkpoints, settle
 
 # -- key forms -------------------------------------------------------------------------
 
@@ -351,6 +357,69 @@ async def test_decorator_timeout(queue: KeyedQueue) -> None:
     gate.set()
     await holder
     assert ran == []
+
+
+# -- pickling and copying: by reference, as plain functions ------------------------------
+
+
+@pytest.mark.parametrize("function", [decorated.settle, decorated.settle_later])
+def test_a_decorated_function_pickles_by_reference(function: Any) -> None:
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        assert pickle.loads(pickle.dumps(function, protocol)) is function
+
+
+def test_a_process_pool_runs_a_decorated_def_in_its_turn_in_the_child() -> None:
+    context = multiprocessing.get_context("spawn")  # the child imports decorated.py by name
+    with ProcessPoolExecutor(max_workers=2, mp_context=context) as pool:
+        first = pool.submit(decorated.settle, 1).result(PATIENCE)
+        rest = list(pool.map(decorated.settle, [2, 3], timeout=PATIENCE))
+    assert [order_id for order_id, _, _ in [first, *rest]] == [1, 2, 3]
+    for _, pid, in_turn in [first, *rest]:
+        assert pid != os.getpid()
+        assert in_turn  # the child's decorated function, in its own queue's turn
+
+
+def test_decorated_methods_pickle_as_methods_do() -> None:
+    ledger = decorated.Ledger("a")
+    Ledger = decorated.Ledger
+    for method, args, result in [
+        (ledger.post, (5,), "a:5"),  # the instance and the name, as a bound method
+        (Ledger.post, (ledger, 6), "a:6"),
+        (Ledger.kind, ("b",), "Ledger:b"),  # the class and the name, as a classmethod
+        (ledger.kind, ("c",), "Ledger:c"),
+        (Ledger.total, (1, 2), 3),
+        (ledger.total, (3, 4), 7),
+    ]:
+        again = pickle.loads(pickle.dumps(method))
+        assert again(*args) == result
+        assert again.key_of(*args) == method.key_of(*args)
+        assert again.queue is decorated.queue
+
+
+def test_a_local_decorated_function_fails_to_pickle_as_a_local_def_does(
+    queue: KeyedQueue,
+) -> None:
+    @queue.queue_by_key
+    def work() -> None: ...
+
+    class Local:
+        @queue.queue_by_key
+        def method(self) -> None: ...
+
+    # as a plain local def: the error pickle raises for one (its type varies by version)
+    with pytest.raises((AttributeError, pickle.PicklingError), match=r"local .*<locals>\.work"):
+        pickle.dumps(work)
+    with pytest.raises(pickle.PicklingError, match=r"by reference.*<locals>\.Local\.method"):
+        pickle.dumps(Local.method)
+
+
+def test_copying_a_decorated_function_gives_itself_as_for_a_plain_one() -> None:
+    assert copy.copy(decorated.settle) is decorated.settle
+    assert copy.deepcopy(decorated.settle) is decorated.settle
+    ledger = decorated.Ledger("a")
+    again = copy.deepcopy(ledger.post)
+    assert again(1) == "a:1"
+    assert again.key_of(1) == "ledger-a"
 
 
 # -- bad input --------------------------------------------------------------------------------

@@ -21,8 +21,7 @@ from typing import Any
 import pytest
 
 from file_checks import files, line_file, spec
-from inturn.backends import Grant
-from inturn.backends import file as file_backend
+from inturn.backends import Grant, _file_fds, _file_line
 from inturn.backends.file import FileBackend, FileGrant
 from processes import Worker, until
 
@@ -234,7 +233,7 @@ def test_many_threads_on_a_few_keys_count_exactly_and_leak_no_file(backend: File
             expected[keys[(offset + turn) % len(keys)]] += 1
     assert counts == expected
     assert open_fds() == before
-    assert not file_backend._OPEN  # (what a forked child would close)
+    assert not _file_fds._OPEN  # (what a forked child would close)
     # A release_sync leaves a tidy that found the lock busy to the key's next turn.
     for key in keys:
         backend.release_sync(backend.acquire_sync(key, 0))
@@ -338,14 +337,14 @@ def test_an_exception_from_a_signal_handler_leaves_the_line(
     holder.start()
     wait_until(lambda: holder.grant is not None, "the holder holds")
     waiting = threading.Event()  # the main thread is inside the wait: signal it
-    name = "until_left_blocking" if wait == "ticket" else "_lock_blocking"
-    real = getattr(file_backend, name)
+    name = "until_left_blocking" if wait == "ticket" else "lock_blocking"
+    real = getattr(_file_line, name)
 
     def entered(*args: Any) -> Any:
         waiting.set()
         return real(*args)
 
-    monkeypatch.setattr(file_backend, name, entered)
+    monkeypatch.setattr(_file_line, name, entered)
     frozen = os.open(line_file(backend.directory, "k"), os.O_RDONLY)
     try:
         if wait == "lock":

@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 from file_checks import line_file, spec
 from inturn import KeyedQueue, LeaseLost
 from inturn import _bridge as bridge
-from inturn.backends import file as file_backend
+from inturn.backends import _file_deaths
 from inturn.backends._directory import Directory
 from inturn.backends.file import FileBackend
 from inturn.backends.redis import RedisBackend
@@ -385,14 +385,14 @@ def test_a_ticket_closed_without_a_word_by_a_live_process_is_no_death(
     dead = subprocess_pid_that_exited()
     where = Directory(os.open(tmp_path, os.O_RDONLY), tmp_path)
     tickets = [f"{os.getpid()}.aaaa", f"{dead}.bbbb"]
-    file_backend._died("k", where, tickets, held=True)  # the dead one held
+    _file_deaths.died("k", where, tickets, held=True)  # the dead one held
     assert ours(logs) == [
         f"inturn.file WARNING inturn: process {dead} died holding key 'k' (or as it was "
         f"handed the key), without releasing it; process {os.getpid()} takes the key over "
         f"(directory {tmp_path})"
     ]
     logs.clear()
-    file_backend._died("k", where, list(reversed(tickets)), held=True)  # the live one held
+    _file_deaths.died("k", where, list(reversed(tickets)), held=True)  # the live one held
     assert ours(logs) == [
         f"inturn.file INFO inturn: process {dead} died waiting for key 'k'; its place in "
         f"line is skipped (directory {tmp_path})"

@@ -11,7 +11,7 @@ import pytest
 
 from inturn import KeyedQueue, LeaseLost, Observer, QueueFull, default_queue
 
-from helpers import LosingBackend
+from helpers import LosingBackend, settle
 
 
 class Recorder:
@@ -187,6 +187,84 @@ async def test_an_observer_that_raises_is_logged_and_the_turns_go_on(
     errors = [r for r in caplog.records if r.name == "inturn" and r.levelno == logging.ERROR]
     assert len(errors) == 4
     assert "observer's started() raised" in errors[0].getMessage()
+
+
+class Failing:
+    """A callable object, with no ``__name__``: what an observer's method may be."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, *args: object) -> None:
+        self.calls += 1
+        raise RuntimeError("the observer's own bug")
+
+
+class CallableObjects:
+    """An observer whose methods are callable objects that raise (an Observer all the same)."""
+
+    def __init__(self) -> None:
+        self.started = Failing()
+        self.ended = Failing()
+        self.missed = Failing()
+
+
+@pytest.mark.parametrize("settings", [{}, {"max_running": 2}])
+async def test_an_observer_of_callable_objects_that_raise_is_logged_and_the_turns_go_on(
+    caplog: pytest.LogCaptureFixture, settings: dict[str, Any]
+) -> None:
+    queue = KeyedQueue(max_pending=1, **settings)
+    observer = CallableObjects()
+    queue.observe(observer)  # type: ignore[arg-type]  # (callable objects, not methods)
+    assert await queue.run("k", lambda: "ran") == "ran"
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def hold() -> str:
+        entered.set()
+        await release.wait()
+        return "held"
+
+    holder = asyncio.create_task(queue.run("k", hold))
+    await entered.wait()
+    waiter = asyncio.create_task(queue.run("k", lambda: "waited"))
+    await settle(lambda: queue.pending("k") == 1)
+    with pytest.raises(QueueFull):  # a refusal is told to missed()
+        await queue.run("k", lambda: "refused")
+    release.set()
+    assert await asyncio.gather(holder, waiter) == ["held", "waited"]
+    assert queue.active_keys == frozenset()
+    assert (observer.started.calls, observer.ended.calls, observer.missed.calls) == (3, 3, 1)
+    errors = [r for r in caplog.records if r.name == "inturn" and r.levelno == logging.ERROR]
+    told = ["started", "ended", "started", "missed", "ended", "started", "ended"]
+    assert [e.getMessage() for e in errors] == [
+        f"inturn: the observer's {method}() raised; the turn goes on, unreported" for method in told
+    ]
+    assert all(e.exc_info is not None for e in errors)
+
+
+class Nameless:
+    """Work whose names cannot be read: reading its ``__qualname__`` raises."""
+
+    def __call__(self) -> str:
+        return "ran"
+
+    def __getattribute__(self, name: str) -> Any:
+        if name == "__qualname__":
+            raise RuntimeError("no names here")
+        return object.__getattribute__(self, name)
+
+
+async def test_work_whose_name_cannot_be_read_is_labelled_by_its_type() -> None:
+    queue = KeyedQueue()
+    recorder = Recorder()
+    queue.observe(recorder)
+    assert await queue.run("k", Nameless()) == "ran"
+    handle = await queue.submit("k", Nameless())  # labelled inside its turn's bookkeeping
+    await settle(handle.done)
+    assert await handle == "ran"
+    assert queue.active_keys == frozenset()
+    label = f"{__name__}.Nameless"
+    assert recorder.events == [("started", label), ("ended", None, False, label)] * 2
 
 
 async def test_a_turn_running_when_the_observer_comes_is_never_reported_with_a_hold_time() -> None:

@@ -21,8 +21,9 @@ import redis.asyncio as aioredis
 from inturn import BackendUnavailable, KeyedQueue, LeaseLost, current_turn
 from inturn.__main__ import format_lines, main
 from inturn.backends import Backend, _redis_takeover, _redis_wire
+from inturn.backends._redis_link import Call, Link
 from inturn.backends._redis_scripts import ENQUEUE
-from inturn.backends._redis_wire import Call, Frames, Link
+from inturn.backends._redis_wire import Frames
 from inturn.backends.redis import RedisBackend
 from processes import Worker, first_to_hold
 from redis_checks import BackendFactory, hand_over, keys_left, waiting

@@ -133,7 +133,7 @@ STEPS = {
 
 
 class Tripwire:
-    """Stands in for the os and fcntl modules inside inturn.backends.file, in this process.
+    """Stands in for the os and fcntl modules inside the file backend's modules, in this process.
 
     Every call named in STEPS goes through :meth:`before` and :meth:`after`,
     which count it and may signal this process: SIGKILL just before call
@@ -146,9 +146,11 @@ class Tripwire:
         self.kill_before = kill_before
         self.stop_on_exclusive = stop_on_exclusive
 
-    def install(self, module: ModuleType) -> None:
-        for name, watched in STEPS.items():
-            setattr(module, name, _Watched(getattr(module, name), watched, self))
+    def install(self, *modules: ModuleType) -> None:
+        for module in modules:
+            for name, watched in STEPS.items():
+                if hasattr(module, name):  # (a module that makes no such call may not import it)
+                    setattr(module, name, _Watched(getattr(module, name), watched, self))
 
     def before(self, name: str, args: tuple[Any, ...]) -> None:
         self.calls += 1
@@ -186,19 +188,21 @@ class _Watched:
         return call
 
 
-def file_module() -> ModuleType:
-    from inturn.backends import file
+def file_modules() -> tuple[ModuleType, ...]:
+    """The modules of the file backend that make the calls in STEPS."""
+    from inturn.backends import _file_fds, _file_line, _file_locks, _file_tidy, file
 
-    return file
+    return file, _file_fds, _file_line, _file_locks, _file_tidy
 
 
 async def victim(spec: str, key: str, step: int, flags: list[str]) -> None:
     """Take key and release it, killed just before the step-th watched call."""
     queue = KeyedQueue(backend=make_backend(spec))
-    module = file_module()
     if "compact" in flags:
-        module._COMPACT_AT = 0  # type: ignore[attr-defined]
-    Tripwire(kill_before=step).install(module)
+        from inturn.backends import _file_tidy
+
+        _file_tidy._COMPACT_AT = 0
+    Tripwire(kill_before=step).install(*file_modules())
     try:
         async with queue.keyed(key, timeout=0 if "impatient" in flags else None):
             say("holding")
@@ -395,7 +399,7 @@ async def main(spec: str, command: str, *args: str) -> None:
         (key,) = args
         async with queue.keyed(key):
             say("holding")
-            Tripwire(stop_on_exclusive=True).install(file_module())
+            Tripwire(stop_on_exclusive=True).install(*file_modules())
         say("released")
     else:
         raise SystemExit(f"unknown command {command!r}")

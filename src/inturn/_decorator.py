@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
+import pickle
+import sys
 import threading
 from collections.abc import Callable, Coroutine, Hashable
 from types import FunctionType
@@ -14,6 +17,7 @@ from typing import (
     Final,
     NamedTuple,
     Protocol,
+    SupportsIndex,
     TypeVar,
     final,
     overload,
@@ -177,6 +181,29 @@ class _BoundQueued(wrapt.BoundFunctionWrapper):  # type: ignore[type-arg]
     def key_of(self, *args: Any, **kwargs: Any) -> Any:
         return self._self_parent._self_key_of(self._full(args), kwargs)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle by reference, as a bound method: what it is got from, and its name."""
+        parent = self._self_parent
+        kind = parent._self_kind
+        if kind is classmethod:
+            cls = self.__wrapped__.__self__  # type: ignore[attr-defined]
+            return getattr, (cls, parent.__name__)
+        if kind is FunctionType and self._self_instance is not None:
+            return getattr, (self._self_instance, parent.__name__)
+        # a staticmethod, or a method got from its class: the class that defines it
+        return getattr, _defined_in(parent)
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
+        return self.__reduce__()
+
+    def __copy__(self) -> Any:
+        get, (owner, name) = self.__reduce__()
+        return get(owner, name)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        get, (owner, name) = self.__reduce__()
+        return get(copy.deepcopy(owner, memo), name)
+
 
 class _Queued(wrapt.FunctionWrapper):  # type: ignore[type-arg]
     """A decorated function or method, before binding.
@@ -210,6 +237,48 @@ class _Queued(wrapt.FunctionWrapper):  # type: ignore[type-arg]
 
     def key_of(self, *args: Any, **kwargs: Any) -> Any:
         return self._self_key_of(args, kwargs)
+
+    # NOTE: wrapt's proxies refuse to be pickled or copied. A decorated function
+    # is pickled by reference (module and qualified name), as a plain function:
+    # unpickling, in a child process too, finds that process's own decorated
+    # function; and copying gives the function itself.
+
+    def __reduce__(self) -> str:
+        return self.__qualname__
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> str:
+        return self.__reduce__()
+
+    def __copy__(self) -> _Queued:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Queued:
+        return self
+
+
+def _defined_in(function: _Queued) -> tuple[Any, str]:
+    """Where function is found by name, as pickle finds a plain function: (class or module, name).
+
+    :raises pickle.PicklingError: its module and qualified name do not lead
+        to it (a function or class defined inside a function).
+    """
+    module, qualname = function.__module__, function.__qualname__
+    path, _, name = qualname.rpartition(".")
+    try:
+        owner: Any = sys.modules[module]
+        for part in path.split(".") if path else ():
+            owner = getattr(owner, part)
+        found = getattr(owner, name)
+    except (KeyError, AttributeError):
+        found = None
+    if found is not function and getattr(found, "_self_parent", None) is not function:
+        raise pickle.PicklingError(
+            f"inturn: cannot pickle {function_name(function)}: a queue_by_key function "
+            "pickles by reference (module and qualified name), as a plain function does, "
+            f"and {describe(f'{module}.{qualname}')} does not lead to it; decorate a function "
+            "or method defined at module level"
+        )
+    return owner, name
 
 
 def _queued_type(call: Callable[..., Any]) -> type[_Queued]:
@@ -360,13 +429,23 @@ def decorate(
     if not callable(target) or isinstance(target, type):
         raise TypeError(f"inturn: queue_by_key() decorates functions and methods; got {fn!r}")
     if not inspect.iscoroutinefunction(target):
-        if hold is not None:
-            raise TypeError(
-                f"inturn: max_hold={hold:g} s cannot cut a thread's turn short, and "
-                f"{function_name(target)} is a plain def (its calls block their thread); "
-                "decorate an async def, or leave max_hold out"
-            )
-        return _decorate_sync(runner, fn, kind, target, key, keys, limit, coalesce)
+        return _decorate_sync(runner, fn, kind, target, key, keys, limit, coalesce, hold)
+    return _decorate_async(runner, fn, kind, target, key, keys, limit, coalesce, hold)
+
+
+def _decorate_async(
+    runner: Runner,
+    fn: Any,
+    kind: type[Any],
+    target: Callable[..., Any],
+    key: KeySpec,
+    keys: KeysSpec | None,
+    limit: float | None,
+    coalesce: bool,
+    hold: float | None,
+) -> Any:
+    """Apply queue_by_key to an async def: its calls return coroutines that take the turn."""
+    queue = runner.queue
     extract, several = compile_key(target, key, keys)
     # Calls arrive with args as target receives them: the instance or class
     # first for methods (see _BoundQueued).
@@ -411,8 +490,15 @@ def _decorate_sync(
     keys: KeysSpec | None,
     limit: float | None,
     coalesce: bool,
+    hold: float | None,
 ) -> Any:
     """Apply queue_by_key to a plain def: its calls block their thread for the turn."""
+    if hold is not None:
+        raise TypeError(
+            f"inturn: max_hold={hold:g} s cannot cut a thread's turn short, and "
+            f"{function_name(target)} is a plain def (its calls block their thread); "
+            "decorate an async def, or leave max_hold out"
+        )
     if coalesce:
         raise TypeError(
             "inturn: coalesce=True is for async def functions; "

@@ -61,6 +61,17 @@ def _shown(value: object, limit: int) -> str:
 
 
 def function_name(function: object) -> str:
-    """How a message names a function: its qualified name and ``()``, else describe() of it."""
-    name = getattr(function, "__qualname__", None)
-    return f"{name}()" if isinstance(name, str) else describe(function)
+    """How a message names a function: its qualified name and ``()``, else describe() of it.
+
+    Never fails and never floods, as :func:`describe`: an object whose
+    ``__qualname__`` cannot be read is described, and a name longer than
+    :data:`SHOWN` characters is cut short.
+    """
+    try:
+        name = getattr(function, "__qualname__", None)
+    except Exception:
+        name = None
+    if not isinstance(name, str):
+        return describe(function)
+    shown = f"{name}()"
+    return shown if len(shown) <= SHOWN else shown[: SHOWN - 1] + "\N{HORIZONTAL ELLIPSIS}"

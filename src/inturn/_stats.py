@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable, Iterator, Mapping
+from collections.abc import Hashable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -20,11 +20,17 @@ logger = logging.getLogger("inturn")
 
 
 def function_label(fn: object) -> str:
-    """How an observer names the function a turn runs: ``module.qualname``."""
-    name = getattr(fn, "__qualname__", None)
+    """How an observer names the function a turn runs: ``module.qualname``.
+
+    Never raises: submitted work is labelled inside its turn's bookkeeping.
+    """
+    try:
+        name = getattr(fn, "__qualname__", None)
+        module = getattr(fn, "__module__", None)
+    except Exception:  # a callable whose names cannot be read: named by its type
+        name, module = None, type(fn).__module__
     if not isinstance(name, str):  # a partial, a callable object
         name = type(fn).__qualname__
-    module = getattr(fn, "__module__", None)
     return f"{module}.{name}" if isinstance(module, str) else name
 
 
@@ -98,7 +104,7 @@ class Tally:
         """Count the wait of a timed turn that starts now, after waited seconds."""
         self.waited += waited
         if self.observer is not None:
-            _tell(self.observer.started, waited, FUNCTION.get())
+            _tell(self.observer, "started", waited, FUNCTION.get())
 
     def ended(self, error: BaseException | None, cut: bool, held: float | None) -> None:
         """Count a turn that ended: cut by its max_hold, or by error (None: completed).
@@ -116,7 +122,7 @@ class Tally:
         if held is not None:
             self.held += held
         if self.observer is not None:
-            _tell(self.observer.ended, held, error, cut, FUNCTION.get())
+            _tell(self.observer, "ended", held, error, cut, FUNCTION.get())
 
     def missed(self, error: BaseException) -> None:
         """Count a turn that was never reached: timed out, cancelled or failed while waiting."""
@@ -127,22 +133,25 @@ class Tally:
         else:
             self.cancelled += 1
         if self.observer is not None:
-            _tell(self.observer.missed, error, FUNCTION.get())
+            _tell(self.observer, "missed", error, FUNCTION.get())
 
     def refused(self, error: BaseException) -> None:
         """Tell the observer of work refused at once (QueueFull): never queued, not counted."""
         if self.observer is not None:
-            _tell(self.observer.missed, error, FUNCTION.get())
+            _tell(self.observer, "missed", error, FUNCTION.get())
 
 
-def _tell(method: Callable[..., None], *args: object) -> None:
-    """Call an observer's method; what it raises is logged, and the turn goes on."""
+def _tell(observer: Observer, method: str, *args: object) -> None:
+    """Call observer's method; what it raises is logged, and the turn goes on.
+
+    NOTE: called inside the registry's bookkeeping, so nothing here may raise:
+    the log names the method by the protocol's name, never by an attribute
+    of what the observer holds there (a callable object has no ``__name__``).
+    """
     try:
-        method(*args)
+        getattr(observer, method)(*args)
     except Exception:
-        logger.exception(
-            "inturn: the observer's %s() raised; the turn goes on, unreported", method.__name__
-        )
+        logger.exception("inturn: the observer's %s() raised; the turn goes on, unreported", method)
 
 
 @final

@@ -9,8 +9,8 @@
 
 How a line is kept (every step is a plain file operation; nothing polls,
 but the rare wait for a line file's lock that its holder keeps for longer
-than its few system calls, see _lock, and the last holder's retry of a tidy
-that found the lock busy, see _retry):
+than its few system calls, see ``_file_locks.py``, and the last holder's
+retry of a tidy that found the lock busy, see ``_file_tidy.py``):
 
 - A *ticket* is a FIFO (named pipe), ``<digest>.<pid>.<random>.t``, that
   its owner keeps open for writing from the moment it queues until it
@@ -66,7 +66,7 @@ A process with no file descriptor left (see ``_file_limits.py``) is
 refused before it is in line, or leaves the line as at a timeout. A join
 that fails once its mark is written (no descriptor left for its FIFO)
 takes the mark out under the exclusive lock, or deletes the line file if
-the mark was all that was in it (see _withdraw).
+the mark was all that was in it (see ``_file_tidy.py``: withdraw).
 
 Every file is opened relative to the directory's descriptor and never
 through a symbolic link (see ``_directory.py`` for which directories are
@@ -77,51 +77,26 @@ with the same checks.
 from __future__ import annotations
 
 import asyncio
-import errno
 import hashlib
 import logging
 import os
-import stat
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Awaitable, Callable, Generator, Hashable, Iterator
+from collections.abc import Awaitable, Hashable
 from pathlib import Path
-from typing import Final, NamedTuple, final
+from typing import Final, final
 
-from .._checks import missed
 from .._describe import describe
 from .._order import order_portable, portable_name
 from ._base import Capabilities, Grant
 from ._directory import Directory
-from ._file_deaths import died as _died
-from ._file_deaths import died_joining
+from ._file_fds import forks
 from ._file_inspect import pids_in_line, snapshots
 from ._file_limits import out_of_files
-from ._linefile import (
-    joined,
-    joining,
-    line_name,
-    new_ticket,
-    parse,
-    pipe_name,
-    queued_in,
-    read_records,
-    record_of,
-    render,
-    ticket_of,
-)
+from ._file_line import Home, Place, deleted, drive, drive_blocking, leave, taking
+from ._file_tidy import retry, retry_blocking
 from ._lines import LineInfo
-from ._tickets import (
-    LEAVING,
-    alive,
-    hand_off,
-    handed,
-    probe,
-    until_left,
-    until_left_blocking,
-)
 
 __all__ = ("FileBackend", "FileGrant")
 
@@ -132,81 +107,6 @@ if sys.platform == "win32":  # pragma: no cover - checked at construction
     fcntl = None
 else:
     import fcntl
-
-#: Compact a line file with more records than this (two per turn: a busy line's
-#: file grows, as the tickets that left are only dropped by a compaction).
-_COMPACT_AT = 128
-#: The kernel copies a write into a file page by page, and a process killed
-#: meanwhile stops between two pages: a compaction writes its tickets only
-#: where they fit between two page boundaries, so that they are written whole or not at all.
-_PAGE = 4096 if sys.platform == "win32" else os.sysconf("SC_PAGE_SIZE")
-#: Tries at a line file's lock, yielding the CPU between them, before waiting on a timer.
-_FLOCK_TRIES = 16
-#: The first and the longest pause between two tries at a line file's lock that stays taken.
-_LOCK_PAUSES = (0.001, 0.05)
-#: A ticket's time (inspect's "held for") is when it queued, unless its turn
-#: came later than this (seconds): then it is set to when the turn began.
-#: So the holder's time is right to 0.05 s, at no cost to a turn that came soon.
-_LATE = 0.05
-#: How a line file is opened: for appending, made if missing, never through a link.
-_OPEN_LINE = os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
-#: How a tidy that found the lock busy opens the line file again: never made, never a link.
-_OPEN_TIDY = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
-#: How long (about: the last pause, in seconds) a release tries again to tidy a line it left last.
-_RETRY_FOR = 0.5
-#: How long (seconds) release_sync tries again to tidy a line it left last: its thread waits.
-_RETRY_SYNC_FOR = 0.002
-#: How a ticket's owner opens it: as its writer (O_RDWR: without waiting for a reader).
-_OPEN_TICKET = os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
-
-# The files this process holds open for its turns: the writer ends of its
-# tickets, and its line files. A child forked meanwhile closes its copies
-# at once: otherwise a ticket would keep a writer, and its line would wait
-# for the child to exit (and a line file's lock could outlive its user).
-# NOTE: a file is in _OPEN from its open to its close, both done under
-# _OPENING, which fork() takes too: so a child forked by another thread
-# never inherits a file of a turn that _OPEN does not list.
-_OPEN: set[int] = set()
-_OPENING = threading.Lock()
-#: Forks between the process that imported this module and this one. A grant made
-#: with another count is an ancestor's: the key is still the ancestor's, and the
-#: numbers of its files (closed here at the fork) may name other files since.
-_forks = 0
-
-
-def _open_tracked(name: str, flags: int, directory: int, mode: int = 0o600) -> int:
-    """Open name in directory and list it in _OPEN, as one step for fork()."""
-    with _OPENING:
-        fd = os.open(name, flags, mode, dir_fd=directory)
-        _OPEN.add(fd)
-    return fd
-
-
-def _close(fd: int) -> None:
-    """Close fd, a file that _open_tracked opened, and take it out of _OPEN, as one step."""
-    with _OPENING:
-        _OPEN.discard(fd)
-        os.close(fd)
-
-
-def _close_inherited() -> None:
-    global _forks
-    _forks += 1
-    for fd in _OPEN:
-        try:
-            os.close(fd)
-        except OSError:  # pragma: no cover - closed by the child's own code already
-            pass
-    _OPEN.clear()
-    _OPENING.release()  # taken by the thread that forked, the child's only thread
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(
-        before=_OPENING.acquire,
-        after_in_parent=_OPENING.release,
-        after_in_child=_close_inherited,
-    )
 
 
 def _check_platform() -> None:
@@ -221,323 +121,20 @@ def _default_directory() -> Path:
     return Path(tempfile.gettempdir()) / f"inturn-{os.geteuid()}"
 
 
-def _missed(key: Hashable) -> TimeoutError:
-    return missed(f"the turn for key {describe(key)}", None)
-
-
-def _finish(done: asyncio.Future[None]) -> None:
-    if not done.done():  # (cancelled by its awaiter: the tidy ran all the same)
-        done.set_result(None)
-
-
-def _behind(records: list[str], own: str) -> bool:
-    """Whether records list anyone after own: in line, or about to be (a process joining)."""
-    mine = record_of(own)
-    after = records[records.index(mine) + 1 :] if mine in records else records
-    return any(queued_in(record) not in (None, own) for record in after)
-
-
-def _unlinked(fd: int) -> bool:
-    """Whether the file open at fd is in the directory no more (its last user deleted it).
-
-    The backend only ever deletes a line file or a ticket (never renames or
-    replaces one), so one that still has a name has the name it was opened by.
-    """
-    return os.fstat(fd).st_nlink == 0
-
-
-#: A line file's identity: its device and inode numbers.
-_Identity = tuple[int, int]
-
-
-def _own_line(
-    where: Directory, digest: str, ticket: str, line: _Identity
-) -> tuple[int, os.stat_result | None, bool]:
-    """Open digest's line file, which ticket is in: (fd, its stat, whether it was replaced).
-
-    Replaced: the file at its name is not the one ticket queued in (the
-    identity line), or does not list ticket (a file made anew may get the
-    inode number of the one deleted, and ext4 gives it at once). fd is -1
-    if there is none (deleted: replaced), or no descriptor is left (then
-    only its identity is compared, by its name).
-    """
-    try:
-        fd = _open_tracked(line_name(digest), _OPEN_TIDY, where.fd)
-    except FileNotFoundError:
-        return -1, None, True
-    except OSError:
-        try:
-            info = os.stat(line_name(digest), dir_fd=where.fd, follow_symlinks=False)
-        except FileNotFoundError:
-            return -1, None, True
-        return -1, info, (info.st_dev, info.st_ino) != line
-    try:
-        info = os.fstat(fd)
-        return fd, info, (info.st_dev, info.st_ino) != line or not _lists(fd, ticket)
-    except BaseException:
-        _close(fd)
-        raise
-
-
-def _lists(fd: int, ticket: str) -> bool:
-    """Whether line file fd lists ticket (read again under the shared lock if it seems not to).
-
-    Read without the lock, a compaction that writes meanwhile may tear the
-    record; if a tidier holds the lock, it cannot be read again: the file,
-    the one ticket queued in, is trusted to list it still.
-    """
-    assert fcntl is not None
-    record = record_of(ticket)
-    if record in read_records(fd):
-        return True
-    if not _flock_now(fd, fcntl.LOCK_SH):
-        return True
-    try:
-        return record in read_records(fd)
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-
-
-def _flock_now(fd: int, mode: int) -> bool:
-    """flock fd in mode if nobody holds it in a way that excludes that; never waits."""
-    assert fcntl is not None
-    try:
-        fcntl.flock(fd, mode | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    return True
-
-
-def _flock_soon(fd: int, mode: int) -> bool:
-    """flock fd in mode if that takes no longer than its holder's few system calls.
-
-    Yields the CPU between a few tries, so that a holder on this core can
-    finish; False if the lock is still held after them.
-    """
-    for _ in range(_FLOCK_TRIES):
-        if _flock_now(fd, mode):
-            return True
-        os.sched_yield()
-    return _flock_now(fd, mode)
-
-
-def _pauses(deadline: float | None, clock: Callable[[], float], key: Hashable) -> Iterator[float]:
-    """The pauses between tries at a line file's lock that stays taken, cut short at deadline.
-
-    Holders keep a line file's lock for a few system calls, so it is tried
-    a few times first (see _flock_soon). If it is still taken, its holder
-    was descheduled or stopped inside them. The kernel tells nobody when a
-    flock is let go, and a thread blocked in flock() could be neither
-    bounded nor cancelled (and would keep its process from exiting), so the
-    lock is tried again after each pause: a millisecond at first, then
-    longer and longer, up to 50 ms. deadline is on clock.
-
-    :raises TimeoutError: deadline came.
-    """
-    pause, longest = _LOCK_PAUSES
-    while True:
-        if deadline is not None:
-            left = deadline - clock()
-            if left <= 0:
-                raise _missed(key)
-            yield min(pause, left)
-        else:
-            yield pause
-        pause = min(pause * 2, longest)
-
-
-async def _lock(fd: int, mode: int, deadline: float | None, key: Hashable) -> None:
-    """flock fd in mode, tried again on the loop's timer (see _pauses); never blocks a thread."""
-    loop = asyncio.get_running_loop()
-    for pause in _pauses(deadline, loop.time, key):
-        await asyncio.sleep(pause)
-        if _flock_now(fd, mode):
-            return
-
-
-def _lock_blocking(fd: int, mode: int, deadline: float | None, key: Hashable) -> None:
-    """flock fd in mode, tried again after sleeping this thread (see _pauses); never flock()s."""
-    for pause in _pauses(deadline, time.monotonic, key):
-        time.sleep(pause)
-        if _flock_now(fd, mode):
-            return
-
-
-class _Locked(NamedTuple):
-    """A wait of FileBackend._taking: until fd's flock in mode is taken (answer: b"")."""
-
-    fd: int
-    mode: int
-
-
-class _Left(NamedTuple):
-    """A wait of FileBackend._taking: until ticket fd's owner has left (answer: what it carried)."""
-
-    fd: int
-
-
-def _open_line(directory: Directory, name: str) -> int:
-    """Open (making it if missing) the line file name in directory; it is listed in _OPEN."""
-    try:
-        return _open_tracked(name, _OPEN_LINE, directory.fd)
-    except OSError as error:
-        if error.errno == errno.ELOOP:
-            raise PermissionError(
-                f"inturn: the line file {directory.path / name} is a symbolic link, which "
-                "inturn never follows: another process of this user put it there. Remove it"
-            ) from None
-        raise
-
-
-def _check_regular(directory: Directory, name: str, info: os.stat_result) -> None:
-    if not stat.S_ISREG(info.st_mode):
-        raise PermissionError(
-            f"inturn: the line file {directory.path / name} is not a regular file: another "
-            "process of this user put it there. Remove it"
-        )
-
-
-def _rewrite(fd: int, key: bytes | None, tickets: list[str]) -> None:
-    """Write tickets over the line file's records and cut it to them, if the write is whole.
-
-    The caller holds the exclusive lock. If the tickets would straddle a
-    page boundary (see _PAGE), the file is left as it is (and is compacted
-    once the line is shorter).
-    """
-    assert fcntl is not None
-    data = render(key, tickets)
-    first = len(render(key, []))  # where the tickets start: the key's record stays as it was
-    if first // _PAGE != (len(data) - 1) // _PAGE:
-        return
-    fcntl.fcntl(fd, fcntl.F_SETFL, 0)  # not O_APPEND: written from the start
-    os.pwrite(fd, data, 0)
-    # Cut after writing, never to zero first: ext4 flushes a file cut to zero on close.
-    os.ftruncate(fd, len(data))
-
-
-def _unlink(directory: int, name: str) -> None:
-    try:
-        os.unlink(name, dir_fd=directory)
-    except FileNotFoundError:
-        pass
-
-
-def _remove(directory: int, name: str) -> bool:
-    """Delete ticket FIFO name if it is still there (most are: their owners removed them).
-
-    Looked up first: a lookup takes no lock of the directory, where a
-    deletion, even of nothing, waits for every other process's. Returns
-    whether it was there.
-    """
-    try:
-        os.stat(name, dir_fd=directory, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    _unlink(directory, name)
-    return True
-
-
-def _compact(where: Directory, digest: str, fd: int, own: str, gone: set[str], held: bool) -> None:
-    """Drop gone tickets (and, if own held, those before it) from line file fd, or delete it.
-
-    The caller holds the file's exclusive lock: no process is joining, so
-    a mark without its ticket is a process that died joining (or own's).
-    The file is deleted if no ticket stays in it.
-    """
-    records = read_records(fd)
-    found = parse(records)
-    if held and own in found.tickets:
-        gone.update(found.tickets[: found.tickets.index(own)])
-    # A process killed between two of its calls may have left its FIFO:
-    # it goes before its record, so that no FIFO outlives the record of it.
-    for ticket in found.unfinished:
-        if _remove(where.fd, pipe_name(digest, ticket)) and ticket != own:
-            died_joining(ticket, found.key, digest, where)  # made, and no record of it
-    for ticket in gone:
-        if ticket != own:  # (its FIFO is removed already)
-            _remove(where.fd, pipe_name(digest, ticket))
-    staying = [ticket for ticket in found.tickets if ticket not in gone]
-    if not staying:
-        os.unlink(line_name(digest), dir_fd=where.fd)  # under the lock: see _join's check
-    elif len(staying) + (found.key is not None) < len(records):
-        _rewrite(fd, found.key, staying)
-
-
-def _untidy(key: Hashable, where: Directory, error: OSError) -> None:
-    """Log a tidy that failed: it is best effort, and the key's next turn tidies the line."""
-    logger.debug(
-        "inturn: could not tidy the line of key %s in %s: %s", describe(key), where.path, error
-    )
-
-
-def _quit(fd: int) -> None:
-    """Say, in ticket fd, that its waiter gives up (see _tickets: LEAVING); it is closed next."""
-    try:
-        os.write(fd, LEAVING)
-    except OSError:
-        pass  # then it reads as a death in the log: nothing else depends on it
-
-
-def _line_in_place_of(fd: int, where: Directory, digest: str) -> int:
-    """Close ticket fd and open digest's line file in its descriptor; -1 if it cannot be.
-
-    One step for this process's other turns (see _OPENING): none of them
-    can take the descriptor in between, so a turn that leaves with no other
-    descriptor left (and its owner's other threads busy) can tidy its line.
-    """
-    with _OPENING:
-        _OPEN.discard(fd)
-        os.close(fd)
-        try:
-            line = os.open(line_name(digest), _OPEN_TIDY, dir_fd=where.fd)
-        except OSError:  # gone (or taken by a thread outside inturn): see _tidy_again
-            return -1
-        _OPEN.add(line)
-    return line
-
-
 @final
 class FileGrant:
     """The turn on one key granted by a :class:`FileBackend`, while it lasts."""
 
-    __slots__ = (
-        "_digest",
-        "_end",
-        "_fd",
-        "_forks",
-        "_line",
-        "_loop",
-        "_lost",
-        "_ticket",
-        "_where",
-        "key",
-        "token",
-    )
+    __slots__ = ("_forks", "_loop", "_place", "key", "token")
 
-    def __init__(
-        self,
-        key: Hashable,
-        token: int,
-        fd: int,
-        line: _Identity,
-        where: Directory,
-        digest: str,
-        ticket: str,
-        end: int,
-    ) -> None:
+    def __init__(self, key: Hashable, token: int, place: Place) -> None:
         #: The key held.
         self.key = key
         #: The fencing token: one above the previous holder's while the key's
         #: line is busy, and the wall clock in nanoseconds when it starts anew.
         self.token = token
-        self._fd = fd  # the writer end of this grant's ticket: open while it holds, its one file
-        self._line = line  # the identity of its line file, as it queued in it
-        self._where = where  # the directory of both
-        self._digest = digest
-        self._ticket = ticket
-        self._end = end  # where its record ends in the line file: later ones are written past it
-        self._lost = False  # (once released) whether its files were gone at the release
-        self._forks = _forks  # (a forked child's count differs: the grant is its parent's)
+        self._place = place  # its ticket (open while it holds, its one file) and its line file
+        self._forks = forks()  # (a forked child's count differs: the grant is its parent's)
         self._loop: asyncio.AbstractEventLoop | None = None  # a task's grant's (see release)
 
     @property
@@ -555,27 +152,25 @@ class FileGrant:
         file edited in place; one deleted and made again with the same inode
         number, found by a release with no file descriptor left to read it.
         """
-        if self._fd < 0 or self._forks != _forks:  # (a forked child: its parent's, see release)
-            return self._lost
-        if _unlinked(self._fd):
-            return True
-        fd, _, replaced = _own_line(self._where, self._digest, self._ticket, self._line)
-        if fd >= 0:
-            _close(fd)
-        return replaced
+        place = self._place
+        if place.fd < 0 or self._forks != forks():  # (a forked child: its parent's, see release)
+            return place.lost
+        return deleted(place)
 
     def _forget(self) -> None:
         """(In a forked child.) End the child's part of its parent's grant, touching nothing.
 
         The ticket is the parent's: the parent holds the key until it leaves
         its own block, and hands it on then. The child's copy of the ticket
-        was closed at the fork (see _OPEN), and its number may name another
+        was closed at the fork (see _file_fds), and its number may name another
         file of the child's since.
         """
-        self._fd = -1
+        self._place.fd = -1
 
     def __repr__(self) -> str:
-        held = "released" if self._fd < 0 else "held" if self._forks == _forks else "inherited"
+        held = (
+            "released" if self._place.fd < 0 else "held" if self._forks == forks() else "inherited"
+        )
         return f"<FileGrant key={describe(self.key)} token={self.token} {held}>"
 
 
@@ -645,19 +240,17 @@ class FileBackend:
     :raises NotADirectoryError: the path exists and is not a directory.
     """
 
-    __slots__ = ("_finding", "_given", "_where")
+    __slots__ = ("_home",)
 
     def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
         _check_platform()
         path = _default_directory() if directory is None else Path(directory)
-        self._given = path.absolute()  # found again, with the same checks, if removed
-        self._where = Directory.open(self._given)
-        self._finding = threading.Lock()  # held while a thread finds the directory again
+        self._home = Home(path.absolute())  # found again, with the same checks, if removed
 
     @property
     def directory(self) -> Path:
         """The directory holding the line files (``inturn-<uid>`` in a sticky one)."""
-        return self._where.path
+        return self._home.where.path
 
     def order(self, keys: tuple[Hashable, ...]) -> tuple[Hashable, ...]:
         """Sort keys into the order every process computes (by their portable names).
@@ -665,24 +258,6 @@ class FileBackend:
         :raises TypeError: a key is not a ``str``, ``bytes`` or ``int``.
         """
         return order_portable(keys)
-
-    def _found_again(self, lost: Directory, key: Hashable) -> Directory:
-        """The directory, made and checked again: lost was removed (found by a turn on key).
-
-        Once for every thread and loop that found lost removed: the first
-        makes it again, the others take that one.
-        """
-        with self._finding:
-            if self._where is lost:
-                logger.warning(
-                    "inturn: the directory %s was removed while in use (by a cleaner of "
-                    "temporary files?); a turn on key %s makes it again. A turn held "
-                    "meanwhile may have lost its exclusion",
-                    lost.path,
-                    describe(key),
-                )
-                self._where = Directory.open(self._given)
-            return self._where
 
     def _failed(self, key: Hashable, error: BaseException, doing: str) -> None:
         """Log an error of the file system (permissions, a full disk...) that a call on key raises.
@@ -718,23 +293,16 @@ class FileBackend:
         """
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
-        taking = self._taking(key)
+        steps = taking(self._home, key)
         try:
-            wait = next(taking)
-            while True:
-                if isinstance(wait, _Locked):
-                    await _lock(wait.fd, wait.mode, deadline, key)
-                    wait = taking.send(b"")
-                else:
-                    wait = taking.send(await until_left(wait.fd, deadline, lambda: _missed(key)))
-        except StopIteration as taken:
-            grant: FileGrant = taken.value
-            grant._loop = loop
-            return grant
+            token, place = await drive(steps, key, deadline)
         except BaseException as error:
-            taking.close()  # leave the line (see _taking)
+            steps.close()  # leave the line (see _file_line.taking)
             self._not_taken(key, error)
             raise
+        grant = FileGrant(key, token, place)
+        grant._loop = loop
+        return grant
 
     #: Threads block in the kernel on their tickets (see Capabilities).
     capabilities: Final = Capabilities(blocking=True)
@@ -762,148 +330,14 @@ class FileBackend:
         :raises ~inturn.BackendUnavailable: as :meth:`acquire`.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        taking = self._taking(key)
+        steps = taking(self._home, key)
         try:
-            wait = next(taking)
-            while True:
-                if isinstance(wait, _Locked):
-                    _lock_blocking(wait.fd, wait.mode, deadline, key)
-                    wait = taking.send(b"")
-                else:
-                    wait = taking.send(until_left_blocking(wait.fd, deadline, lambda: _missed(key)))
-        except StopIteration as taken:
-            grant: FileGrant = taken.value
-            return grant
+            token, place = drive_blocking(steps, key, deadline)
         except BaseException as error:
-            taking.close()  # leave the line (see _taking)
+            steps.close()  # leave the line (see _file_line.taking)
             self._not_taken(key, error)
             raise
-
-    def _taking(self, key: Hashable) -> Generator[_Locked | _Left, bytes, FileGrant]:
-        """Take key's turn: every system call of acquire and acquire_sync, written once.
-
-        Where a step would block, it yields what it waits for (see _Locked,
-        _Left); its driver waits, in an event loop or in a thread, and
-        sends the answer. A driver whose wait fails (timeout, cancellation,
-        an exception from a signal handler) closes it: GeneratorExit at the
-        wait runs the same clean-up as any error, so the ticket leaves the line.
-        """
-        begun = time.monotonic()
-        name = portable_name(key)
-        digest = hashlib.sha256(name).hexdigest()
-        ticket = new_ticket()
-        where, fd, line, records, end = yield from self._join(key, name, digest, ticket)
-        try:
-            before = records[: records.index(record_of(ticket))]
-            token = yield from self._wait_behind(key, where, digest, before)
-            if time.monotonic() - begun > _LATE:
-                os.utime(fd)  # the ticket's time is when its turn began: for inspect
-        except BaseException:
-            # Leave the line: with no writer, the tickets behind skip this one.
-            _quit(fd)
-            line_fd = _line_in_place_of(fd, where, digest)
-            _unlink(where.fd, pipe_name(digest, ticket))
-            self._tidy_again(where, digest, ticket, key, held=False, line_fd=line_fd)
-            raise
-        return FileGrant(key, token, fd, line, where, digest, ticket, end)
-
-    def _join(
-        self, key: Hashable, name: bytes, digest: str, ticket: str
-    ) -> Generator[_Locked | _Left, bytes, tuple[Directory, int, _Identity, list[str], int]]:
-        """Queue ticket in key's line file (name: the key's portable name).
-
-        Returns the directory, the ticket's writer fd (the one descriptor a
-        turn keeps: the line file is closed once ticket is in it), the line
-        file's identity, its records as they were once ticket was in, and
-        the offset where ticket's record ends. If it fails, nothing it made
-        stays: its FIFO is removed, and its mark withdrawn (see _withdraw).
-        """
-        assert fcntl is not None
-        where = self._where
-        line = line_name(digest)
-        pipe = pipe_name(digest, ticket)
-        while True:
-            try:
-                line_fd = _open_line(where, line)
-            except FileNotFoundError:
-                where = self._found_again(where, key)  # the directory was removed
-                continue
-            fd = -1
-            made = marked = False
-            try:
-                if not _flock_soon(line_fd, fcntl.LOCK_SH):
-                    yield _Locked(line_fd, fcntl.LOCK_SH)
-                info = os.fstat(line_fd)
-                if info.st_nlink == 0:  # deleted by its last user meanwhile: open it again
-                    _close(line_fd)
-                    continue
-                _check_regular(where, line, info)
-                # The mark first, then the FIFO: a crash between leaves a mark, not a stray FIFO.
-                os.write(line_fd, joining(ticket, name if info.st_size == 0 else None))
-                marked = True
-                os.mkfifo(pipe, 0o600, dir_fd=where.fd)
-                made = True
-                fd = _open_tracked(pipe, _OPEN_TICKET, where.fd)
-                os.write(line_fd, joined(ticket))  # one append: atomic
-                end = os.lseek(line_fd, 0, os.SEEK_CUR)
-                records = read_records(line_fd)
-                fcntl.flock(line_fd, fcntl.LOCK_UN)
-            except BaseException as error:
-                if fd >= 0:
-                    _close(fd)
-                if made:
-                    _unlink(where.fd, pipe)
-                if marked:  # (no descriptor left for its FIFO, say)
-                    self._withdraw(where, digest, ticket, line_fd, key)
-                else:
-                    _close(line_fd)
-                if isinstance(error, FileNotFoundError) and where.gone():
-                    where = self._found_again(where, key)
-                    continue
-                raise
-            _close(line_fd)  # opened again to tidy: a turn keeps one descriptor, its ticket's
-            return where, fd, (info.st_dev, info.st_ino), records, end
-
-    def _wait_behind(
-        self, key: Hashable, where: Directory, digest: str, before: list[str]
-    ) -> Generator[_Locked | _Left, bytes, int]:
-        """Wait until no ticket listed in before has a writer; return the token to hold with.
-
-        A ticket closed without a word (no hand-off, no leaving) tells that
-        its owner died in line: logged once this process knows whether it
-        was holding (see _died).
-        """
-        directory = where.fd
-        dead: list[str] | None = None  # such tickets met, nearest first (rare: made then)
-        for record in reversed(before):
-            ticket = ticket_of(record)
-            if ticket is None:
-                continue  # the key, a mark, or a piece that a crash left
-            fd, data = probe(directory, pipe_name(digest, ticket))
-            if data is None:
-                continue  # gone: its owner left, and removed it
-            if fd is not None:
-                if dead:  # they were behind one still in line: they were waiting
-                    _died(key, where, dead, held=False)
-                    dead = None
-                try:
-                    if handed(data) is None:  # (else it is handing the key on already)
-                        data += yield _Left(fd)
-                finally:
-                    os.close(fd)
-            token = handed(data)
-            if token is not None:
-                # It held the key, so every ticket before it has left too.
-                if dead:  # (they never read its hand-off: they were waiting)
-                    _died(key, where, dead, held=False)
-                return max(token + 1, time.time_ns())
-            if not data:
-                if dead is None:
-                    dead = []
-                dead.append(ticket)
-        if dead:
-            _died(key, where, dead, held=True)
-        return time.time_ns()
+        return FileGrant(key, token, place)
 
     def release(self, grant: Grant) -> Awaitable[None]:
         """Hand the key on (close grant's ticket), then tidy the line file up.
@@ -911,7 +345,7 @@ class FileBackend:
         Done at once, in a few system calls: the answer is a finished Future,
         unless the grant left its line last and another process held the
         line file's lock; it then completes once the tidy was tried again
-        (see _retry). The key is handed on at once either way.
+        (see _file_tidy.retry). The key is handed on at once either way.
 
         In a forked child, a grant its parent holds ends in the child alone,
         with no effect on the parent's files (see FileGrant._forget): the
@@ -919,19 +353,15 @@ class FileBackend:
         (the child of a task has no running loop).
         """
         own = self._granted(grant)
-        if own._forks != _forks:
+        if own._forks != forks():
             own._forget()
             done = (own._loop or asyncio.get_running_loop()).create_future()
             done.set_result(None)
             return done
         done = asyncio.get_running_loop().create_future()
-        try:
-            again = self._leave(own)
-        except OSError as error:
-            self._failed(own.key, error, "release")
-            raise
+        again = self._leave(own)
         if again is not None:
-            self._retry(done, *again, 0.0)  # at once, then 1 ms...
+            retry(done, *again, 0.0)  # at once, then 1 ms...
             return done
         done.set_result(None)
         return done
@@ -947,21 +377,12 @@ class FileBackend:
         In a forked child, a grant its parent holds ends as in :meth:`release`.
         """
         own = self._granted(grant)
-        if own._forks != _forks:  # a forked child's copy of its parent's grant
+        if own._forks != forks():  # a forked child's copy of its parent's grant
             own._forget()
             return
-        try:
-            again = self._leave(own)
-        except OSError as error:
-            self._failed(own.key, error, "release")
-            raise
-        if again is None:
-            return
-        end = time.monotonic() + _RETRY_SYNC_FOR
-        while True:
-            os.sched_yield()  # let the lock's holder, maybe on this core, finish its few calls
-            if not self._tidy_again(*again) or time.monotonic() >= end:
-                return
+        again = self._leave(own)
+        if again is not None:
+            retry_blocking(*again)
 
     def _granted(self, grant: Grant) -> FileGrant:
         if not isinstance(grant, FileGrant):
@@ -971,174 +392,12 @@ class FileBackend:
         return grant
 
     def _leave(self, grant: FileGrant) -> tuple[Directory, str, str, Hashable] | None:
-        """Hand grant's key on and tidy its line file: release's system calls.
-
-        Returns where, digest, ticket and key of a line whose tidy must be
-        tried again shortly (see _tidy), else None (also for a grant released already).
-        """
-        fd, grant._fd = grant._fd, -1
-        if fd < 0:
-            return None
-        where, digest, ticket = grant._where, grant._digest, grant._ticket
-        line_fd = -1
+        """Hand grant's key on and tidy its line file (see _file_line.leave); log an error."""
         try:
-            # Before the hand-off: once it is written, the next holder may tidy both away.
-            line_fd, line, replaced = _own_line(where, digest, ticket, grant._line)
-            grant._lost = replaced or _unlinked(fd)
-            os.write(fd, hand_off(grant.token))  # whoever waits on this ticket goes on
-        except BaseException:
-            if line_fd >= 0:
-                _close(line_fd)
-            _close(fd)
-            _unlink(where.fd, pipe_name(digest, ticket))
+            return leave(grant._place, grant.key, grant.token)
+        except OSError as error:
+            self._failed(grant.key, error, "release")
             raise
-        if line_fd < 0 and not replaced:  # no descriptor was left for it: the ticket's is
-            line_fd = _line_in_place_of(fd, where, digest)
-        else:
-            _close(fd)
-        _unlink(where.fd, pipe_name(digest, ticket))
-        if grant._lost:
-            logger.warning(
-                "inturn: the files of the turn on key %s in %s were deleted while it held "
-                "(by another process of this user, or a cleaner of the directory): another "
-                "process may have held the key meanwhile; the turn ends with LeaseLost",
-                describe(grant.key),
-                where.path,
-            )
-        if line is not None and line.st_size > grant._end:
-            # Someone queued behind this grant, and was most likely just
-            # handed the key: let it have this CPU first. Its work holds
-            # up the whole line; this process's tidy and next turn do
-            # not. (A no-op on an idle CPU; on a busy one, 8 processes
-            # on 2 cores, it is worth 10% of a line's turns per second.)
-            os.sched_yield()
-        if replaced:  # not the file it queued in: left to whoever is in it
-            if line_fd >= 0:
-                _close(line_fd)
-            return None
-        if self._tidy_again(where, digest, ticket, grant.key, line_fd=line_fd):
-            return where, digest, ticket, grant.key
-        return None
-
-    def _tidy(self, where: Directory, digest: str, own: str, fd: int, held: bool) -> bool:
-        """Drop the tickets that left from the line file, or delete it if nobody is in line.
-
-        Done when no ticket behind own is in line any more, or the file grew
-        long. fd is the line file as own queued in it; it is closed here.
-        held: own held the key, so every ticket listed before it had left by
-        then (and what left stays gone). Never waits: if another process
-        holds the line file's lock, it is queueing (and will tidy after its
-        turn) or tidying; only a file grown long is worth a few tries.
-
-        Return True if the lock was taken and nobody may be left behind own:
-        the other process may be a tidier that saw own still in line (so left
-        the file to own), and own must try again shortly (see _retry).
-        """
-        assert fcntl is not None
-        try:
-            if not _flock_now(fd, fcntl.LOCK_SH):
-                # A tidier holds it: if anyone queued behind own, that one
-                # tidies after its turn; else own tries again (read unlocked:
-                # records are appended whole, and this is only a hint).
-                return not _behind(read_records(fd), own)
-            # (If its last user deleted the file meanwhile, nobody is behind
-            # own in it: that is found below, under the exclusive lock.)
-            records = read_records(fd)
-            mine = record_of(own)
-            # Whose leaving is not known yet: if own held the key, those behind it.
-            behind = records[records.index(mine) + 1 :] if held and mine in records else records
-            long = len(records) > _COMPACT_AT
-            gone = {own}
-            # The newest first: in a busy line, the first one looked at is there.
-            for record in reversed(behind):
-                ticket = ticket_of(record)
-                if ticket is None or ticket in gone:
-                    continue
-                if not alive(where.fd, pipe_name(digest, ticket)):
-                    gone.add(ticket)
-                elif not long:
-                    return False
-            # Not atomic: the shared lock is let go first, so the file is read again.
-            if not (_flock_soon if long else _flock_now)(fd, fcntl.LOCK_EX):
-                # Taken by one queueing behind own (it tidies after its turn),
-                # or by a tidier that may have seen own still in line.
-                return not _behind(read_records(fd), own)
-            if not _unlinked(fd):
-                _compact(where, digest, fd, own, gone, held)
-        finally:
-            _close(fd)
-        return False
-
-    def _withdraw(self, where: Directory, digest: str, own: str, fd: int, key: Hashable) -> None:
-        """Take the mark of own, whose join failed, out of line file fd (shared-locked); close fd.
-
-        Needs no other descriptor (none may be left): it probes no ticket.
-        If another process holds the lock, it is joining (and tidies after
-        its turn) or tidying, and the mark reads as "died here" to the next
-        tidy under the exclusive lock.
-        """
-        assert fcntl is not None
-        try:
-            if _flock_now(fd, fcntl.LOCK_EX) and not _unlinked(fd):
-                _compact(where, digest, fd, own, {own}, held=False)
-        except OSError as error:
-            _untidy(key, where, error)
-        finally:
-            _close(fd)
-
-    def _retry(
-        self,
-        done: asyncio.Future[None],
-        where: Directory,
-        digest: str,
-        own: str,
-        key: Hashable,
-        pause: float,
-    ) -> None:
-        """Tidy again after pause (the line file's lock was busy), until done or it is gone.
-
-        At once (the loop's next round), then every millisecond, then less
-        and less often, up to every 50 ms, for about a second at most: then
-        it is left to the key's next turn. done completes when it ends (also
-        if it was cancelled).
-        """
-        loop = done.get_loop()
-
-        def again() -> None:
-            first, longest = _LOCK_PAUSES
-            if self._tidy_again(where, digest, own, key) and pause < _RETRY_FOR:
-                self._retry(done, where, digest, own, key, min(max(pause * 2, first), longest))
-            else:
-                _finish(done)
-
-        loop.call_later(pause, again)
-
-    def _tidy_again(
-        self,
-        where: Directory,
-        digest: str,
-        own: str,
-        key: Hashable,
-        held: bool = True,
-        line_fd: int = -1,
-    ) -> bool:
-        """Tidy digest's (key's) line file after own left it; whether it was busy (see _tidy).
-
-        Opened again, unless line_fd is it. Best effort: an error is logged
-        (see _untidy), and the key's next turn tidies.
-        """
-        try:
-            fd = line_fd if line_fd >= 0 else _open_tracked(line_name(digest), _OPEN_TIDY, where.fd)
-        except FileNotFoundError:  # deleted: nothing is left
-            return False
-        except OSError as error:  # (no descriptor left, say)
-            _untidy(key, where, error)
-            return False
-        try:
-            return self._tidy(where, digest, own, fd, held)
-        except OSError as error:
-            _untidy(key, where, error)
-            return False
 
     def line(self, key: Hashable) -> tuple[int, ...]:
         """The process ids in key's line, in turn order, as the line file has them now.
@@ -1149,7 +408,7 @@ class FileBackend:
         Takes no lock and nothing from a ticket: it never waits, and never
         disturbs the line.
         """
-        return pids_in_line(self._where.fd, hashlib.sha256(portable_name(key)).hexdigest())
+        return pids_in_line(self._home.where.fd, hashlib.sha256(portable_name(key)).hexdigest())
 
     async def lines(self) -> list[LineInfo]:
         """A snapshot of every line in the directory, from its files alone, sorted by key.
@@ -1163,7 +422,7 @@ class FileBackend:
         left, for the key's next turn to remove), and a line whose file
         does not record its key (only one edited by another process).
         """
-        return snapshots(self._where.fd)
+        return snapshots(self._home.where.fd)
 
     async def aclose(self) -> None:
         """Nothing to close: every grant's files are closed by its release."""

@@ -30,17 +30,18 @@ line starts anew), then publishes the grant on the new holder's channel.
 When a line empties, its keys are deleted; all four carry a TTL besides.
 
 Who talks to Redis. Each process, and in it each event loop that uses the
-backend, has a *session* (``_redis_session``) of its own: an id (so its own
+backend, has a *share* (``_redis_loop``) of its own: an id (so its own
 channel and member ids), a connection that carries its calls in the order
-made (on one server; a cluster's client routes them), a subscription that
-wakes its waiters (the release pushes the turn, nothing polls), and a
-heartbeat that renews every lease it has every ``lease / 3`` seconds. The
-heartbeat's reply also hands a waiter a grant whose message was lost, and
-tells a holder that its lease is gone. A forked child starts afresh (a turn
-it inherited ends in it alone); a session ends with its event loop. The
-connections are made by redis-py (``pool.make_connection()``: TLS, AUTH,
-HELLO, Sentinel discovery stay redis-py's) and then read and written by
-this process (``_redis_wire``).
+made (on one server; a cluster's client routes them: ``_redis_calls``), a
+subscription that wakes its waiters (the release pushes the turn, nothing
+polls), and a heartbeat that renews every lease it has every ``lease / 3``
+seconds (``_redis_lease``). The heartbeat's reply also hands a waiter a
+grant whose message was lost, and tells a holder that its lease is gone. A
+forked child starts afresh (a turn it inherited ends in it alone); a share
+ends with its event loop. The connections are made by redis-py
+(``pool.make_connection()``: TLS, AUTH, HELLO, Sentinel discovery stay
+redis-py's) and then read and written by this process (``_redis_wire``;
+the calls ride ``_redis_link``, the subscription ``_redis_inbox``).
 """
 
 from __future__ import annotations
@@ -69,8 +70,9 @@ except ImportError as error:  # pragma: no cover - depends on the install
         "inturn's Redis backend needs redis-py: pip install 'inturn[redis]'"
     ) from error
 
+from ._redis_calls import Config
 from ._redis_errors import UNREACHABLE, describe
-from ._redis_session import Config, RedisGrant, Session
+from ._redis_loop import LoopShare, RedisGrant, owner
 
 __all__ = ("HolderInfo", "LineInfo", "RedisBackend", "RedisGrant", "WaiterInfo")
 
@@ -78,7 +80,7 @@ _NAMESPACE = re.compile(r"[A-Za-z0-9_.:\-]{1,100}")
 
 #: Every backend of this process, so that a forked child can give each a fresh start.
 _BACKENDS: weakref.WeakSet[RedisBackend] = weakref.WeakSet()
-#: Sessions a forked child inherited: their connections are the parent's, never
+#: Loop shares a forked child inherited: their connections are the parent's, never
 #: to be touched (nor closed: their loop is the parent's), so they are kept here.
 _INHERITED: list[object] = []
 
@@ -157,7 +159,7 @@ class RedisBackend:
         "_lock",
         "_namespace",
         "_owns_client",
-        "_sessions",
+        "_shares",
     )
 
     def __init__(
@@ -192,10 +194,10 @@ class RedisBackend:
             channels=f"inturn:{namespace}:wake:",
             host=socket.gethostname(),
         )
-        # By event loop: this process's session on it (see _redis_session).
-        self._sessions: dict[asyncio.AbstractEventLoop, Session] = {}
-        self._current: Session | None = None  # the last one used: most calls come from it
-        self._lock = threading.Lock()  # held to change _sessions
+        # By event loop: this process's share on it (see _redis_loop).
+        self._shares: dict[asyncio.AbstractEventLoop, LoopShare] = {}
+        self._current: LoopShare | None = None  # the last one used: most calls come from it
+        self._lock = threading.Lock()  # held to change _shares
         _BACKENDS.add(self)
 
     @classmethod
@@ -237,31 +239,31 @@ class RedisBackend:
         prefix = f"inturn:{{{self._namespace}:{digest}}}:"
         return prefix + "line", prefix + "q", prefix + "lease", prefix + "info"
 
-    # -- sessions -------------------------------------------------------------------------
+    # -- loop shares ----------------------------------------------------------------------
 
-    def _session(self) -> Session:
-        """This process's session on the running event loop (made on its first call)."""
+    def _session(self) -> LoopShare:
+        """This process's share on the running event loop (made on its first call)."""
         loop = asyncio.get_running_loop()
-        session = self._current
-        if session is not None and session.loop is loop and not session.closing:
-            return session
+        share = self._current
+        if share is not None and share.loop is loop and not share.closing:
+            return share
         with self._lock:
-            session = self._sessions.get(loop)
-            if session is None or session.closing:
-                for other, old in list(self._sessions.items()):
+            share = self._shares.get(loop)
+            if share is None or share.closing:
+                for other, old in list(self._shares.items()):
                     if _ended(old):  # its loop ended without closing it
-                        del self._sessions[other]
+                        del self._shares[other]
                         old.abandon()
-                if self._config.client is not None and self._sessions:
+                if self._config.client is not None and self._shares:
                     raise RuntimeError(
                         "inturn: a RedisBackend on a RedisCluster client serves one event loop "
                         "(redis-py's cluster client does); make one backend per event loop"
                     )
-                session = self._sessions[loop] = Session(self._config, loop)
-            self._current = session
-        return session
+                share = self._shares[loop] = LoopShare(self._config, loop)
+            self._current = share
+        return share
 
-    #: Each event loop it serves costs a session (connections, a subscription,
+    #: Each event loop it serves costs a share (connections, a subscription,
     #: a heartbeat): a queue serves its first loop directly, and every other
     #: one, like its threads, through one loop of the process (see Capabilities).
     capabilities: Final = Capabilities(one_loop=True)
@@ -276,40 +278,40 @@ class RedisBackend:
         if self._config.client is None:
             return None
         with self._lock:
-            for session in self._sessions.values():
-                if not session.closing and session.loop.is_running():
-                    return session.loop
+            for share in self._shares.values():
+                if not share.closing and share.loop.is_running():
+                    return share.loop
         return None
 
     def _forked(self) -> None:
-        """In a forked child: forget the parent's sessions; the next call starts afresh."""
-        _INHERITED.append(self._sessions)
-        self._sessions = {}
+        """In a forked child: forget the parent's shares; the next call starts afresh."""
+        _INHERITED.append(self._shares)
+        self._shares = {}
         self._current = None
         self._lock = threading.Lock()
 
     async def aclose(self) -> None:
-        """Close every session: leave the lines waited in, stop heartbeats, close connections.
+        """Close every share: leave the lines waited in, stop heartbeats, close connections.
 
         Waiters still waiting get :exc:`~inturn.BackendUnavailable`; a holder
         keeps its lease until it runs out. The backend may be used again
         afterwards (it starts anew); the client is closed if the backend owns it.
         """
         with self._lock:
-            sessions = list(self._sessions.values())
-            self._sessions.clear()
+            shares = list(self._shares.values())
+            self._shares.clear()
             self._current = None
         loop = asyncio.get_running_loop()
-        for session in sessions:
-            if session.loop is loop:
-                await session.close()
-            elif _ended(session):
-                session.abandon()
-            elif session.loop.is_running():  # another thread's loop: close it there
-                closing = asyncio.run_coroutine_threadsafe(session.close(), session.loop)
-                await asyncio.wait((asyncio.wrap_future(closing),), timeout=session.config.lease)
+        for share in shares:
+            if share.loop is loop:
+                await share.close()
+            elif _ended(share):
+                share.abandon()
+            elif share.loop.is_running():  # another thread's loop: close it there
+                closing = asyncio.run_coroutine_threadsafe(share.close(), share.loop)
+                await asyncio.wait((asyncio.wrap_future(closing),), timeout=share.config.lease)
             # (else a loop that waits to run again in a thread that lives: it closes
-            # its session when it shuts down)
+            # its share when it shuts down)
         if self._owns_client:
             await self._client.aclose()
 
@@ -337,11 +339,11 @@ class RedisBackend:
         awaiter. It never fails: a release Redis did not take is logged (the
         key frees itself within the lease).
         """
-        if not isinstance(grant, RedisGrant) or grant._session.config is not self._config:
-            raise TypeError(
-                f"inturn: {self!r} cannot release {show(grant)}, which it did not grant"
-            )
-        return grant._session.release(grant)
+        if isinstance(grant, RedisGrant):
+            share = owner(grant)
+            if share.config is self._config:
+                return share.release(grant)
+        raise TypeError(f"inturn: {self!r} cannot release {show(grant)}, which it did not grant")
 
     # -- looking at the lines --------------------------------------------------------------
 
@@ -354,12 +356,12 @@ class RedisBackend:
 
         :raises ~inturn.BackendUnavailable: Redis could not be reached, or refused.
         """
-        session = self._session()
-        await session.guard()  # (a loop that only looks, asyncio.run(lines()), closes it too)
+        share = self._session()
+        await share.guard()  # (a loop that only looks, asyncio.run(lines()), closes it too)
         try:
             # the digest's 40 hex digits: not a namespace that begins with this one and ':'
-            names = await session.scan(f"inturn:{{{self._namespace}:{_DIGEST}}}:line")
-            found = [await self._line(session, name) for name in names]
+            names = await share.calls.scan(f"inturn:{{{self._namespace}:{_DIGEST}}}:line")
+            found = [await self._line(share, name) for name in names]
         except (*UNREACHABLE, ResponseError) as error:
             raise BackendUnavailable(f"inturn: {describe(error)}") from error
         lines = [line for line in found if line is not None]
@@ -373,20 +375,20 @@ class RedisBackend:
 
         :raises ~inturn.BackendUnavailable: Redis could not be reached, or refused.
         """
-        session = self._session()
-        await session.guard()
+        share = self._session()
+        await share.guard()
         try:
-            names = await session.scan(f"inturn:{{*:{_DIGEST}}}:line")
+            names = await share.calls.scan(f"inturn:{{*:{_DIGEST}}}:line")
         except (*UNREACHABLE, ResponseError) as error:
             raise BackendUnavailable(f"inturn: {describe(error)}") from error
         # "inturn:{<namespace>:<40 hex digits>}:line"
         start, end = len("inturn:{"), -len(":") - 40 - len("}:line")
         return sorted({_text(name)[start:end] for name in names})
 
-    async def _line(self, session: Session, name: bytes | str) -> LineInfo | None:
+    async def _line(self, share: LoopShare, name: bytes | str) -> LineInfo | None:
         """The line whose ``line`` key is name, as LineInfo; None if it emptied meanwhile."""
         prefix = _text(name)[: -len("line")]
-        now_text, line_flat, waiting, lease_flat, info_flat = await session.look(
+        now_text, line_flat, waiting, lease_flat, info_flat = await share.calls.look(
             [prefix + part for part in ("line", "q", "lease", "info")]
         )
         if not line_flat:
@@ -435,10 +437,10 @@ def _where(client: Any) -> str:
     return type(client).__name__
 
 
-def _ended(session: Session) -> bool:
-    """Whether session's loop will never run again: closed, or idle in a thread that ended."""
-    loop = session.loop
-    return loop.is_closed() or (not loop.is_running() and not session.thread.is_alive())
+def _ended(share: LoopShare) -> bool:
+    """Whether share's loop will never run again: closed, or idle in a thread that ended."""
+    loop = share.loop
+    return loop.is_closed() or (not loop.is_running() and not share.thread.is_alive())
 
 
 def _connector(client: Any) -> Any:
