@@ -193,6 +193,10 @@ class Registry:
         if self.mode.shared:
             with self.mode.locked():
                 return self._try_take(key, holder)
+        lines = self.lines
+        if key not in lines and self.concurrency == 1 and self.open:
+            lines[key] = holder  # (the free key: _try_take's first case, one call less)
+            return True
         return self._try_take(key, holder)
 
     def _try_take(self, key: Hashable, holder: object) -> bool | Held:
@@ -295,7 +299,11 @@ class Registry:
         self, keys: Sequence[Hashable], holder: object, error: BaseException | None, result: Any
     ) -> None:
         """End holder's turns on keys (taken in that order), newest first."""
-        with self.mode.guard():
+        if self.mode.shared:
+            with self.mode.locked():
+                for key in reversed(keys):
+                    self._release(key, holder, error, result)
+        else:
             for key in reversed(keys):
                 self._release(key, holder, error, result)
 
@@ -306,9 +314,13 @@ class Registry:
         if self.mode.shared:
             with self.mode.locked():
                 self._release(key, holder, error, result)
-                self.tally.ended(error, False, None)
+                if error is None:
+                    self.tally.completed += 1
+                else:
+                    self.tally.ended(error, False, None)
             return
-        self._release(key, holder, error, result)
+        if (line := self.lines.pop(key)) is not holder:  # (_release, one call less)
+            self._hand_on(key, line, holder, error, result)
         if error is None:
             self.tally.completed += 1
         else:
@@ -317,14 +329,17 @@ class Registry:
     def _release(
         self, key: Hashable, holder: object, error: BaseException | None, result: Any
     ) -> None:
-        lines = self.lines
-        line = lines.pop(key)
-        if line is holder:
-            return
+        if (line := self.lines.pop(key)) is not holder:
+            self._hand_on(key, line, holder, error, result)
+
+    def _hand_on(
+        self, key: Hashable, line: Any, holder: object, error: BaseException | None, result: Any
+    ) -> None:
+        """End holder's turn on key's line (a Line or Gate), just popped from the lines."""
         if type(line) is Gate:
             line.leave(holder, self.mode.shared)
             if not line.idle:
-                lines[key] = line
+                self.lines[key] = line
         else:
             self.leave(key, line, error, result)
 
@@ -387,7 +402,10 @@ class Registry:
     def started(self, since: float) -> float:
         """Count the wait of a timed turn that was submitted at since and starts now; return now."""
         now = _monotonic()
-        with self.mode.guard():
+        if self.mode.shared:
+            with self.mode.locked():
+                self.tally.started(now - since)
+        else:
             self.tally.started(now - since)
         return now
 
@@ -403,8 +421,12 @@ class Registry:
 
     def ended(self, error: BaseException | None, cut: bool, since: float) -> None:
         """Count a turn that ended (see Tally.ended); a timed one started at since."""
-        with self.mode.guard():
-            self.tally.ended(error, cut, (_monotonic() - since) if since else None)
+        held = (_monotonic() - since) if since else None
+        if self.mode.shared:
+            with self.mode.locked():
+                self.tally.ended(error, cut, held)
+        else:
+            self.tally.ended(error, cut, held)
 
     # -- looking at the lines ----------------------------------------------------------
 

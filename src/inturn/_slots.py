@@ -45,9 +45,11 @@ class Slots(Places):
 
     def try_take(self, holder: object) -> bool | Held:
         """Take a free slot for holder: True; HELD if it holds one (a nested turn); else False."""
-        registry = self.registry
-        with registry.mode.guard():
-            return self._try_take(holder)
+        mode = self.registry.mode
+        if mode.shared:
+            with mode.locked():
+                return self._try_take(holder)
+        return self._try_take(holder)
 
     def _try_take(self, holder: object) -> bool | Held:
         got = self.enter(holder)
@@ -87,9 +89,12 @@ class Slots(Places):
 
     def vacate(self, holder: object) -> None:
         """End holder's running slot, handing it to the next in the slot line."""
-        registry = self.registry
-        with registry.mode.guard():
-            self.leave(holder, registry.mode.shared)
+        mode = self.registry.mode
+        if mode.shared:
+            with mode.locked():
+                self.leave(holder, True)
+        else:
+            self.leave(holder, False)
 
     def settle_place(self, waiter: Waiter, holder: object) -> None:
         """Record holder in the slot its waiter was handed. Under the guard."""

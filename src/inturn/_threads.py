@@ -63,10 +63,10 @@ _LOCAL = threading.local()
 def thread_holder() -> ThreadHolder:
     """This thread's holder (made at its first turn)."""
     try:
-        holder: ThreadHolder = _LOCAL.holder
+        me: ThreadHolder = _LOCAL.me
     except AttributeError:
-        holder = _LOCAL.holder = ThreadHolder(get_ident())
-    return holder
+        me = _LOCAL.me = ThreadHolder(get_ident())
+    return me
 
 
 def _gone(loop: asyncio.AbstractEventLoop, thread: int) -> bool:

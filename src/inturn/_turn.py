@@ -3,50 +3,42 @@
 The protocol of a turn is written here once, as steps (generators that
 yield only waits; ``_drive`` performs them for a task or a thread):
 ``_taking`` takes each key's line of this process in the global order
-(with a backend, then its grant, or all the keys on the turn's session),
-then a running slot; ``_ending`` gives them back, newest first. A take
-answers True (taken now), False (wait for it) or HELD (held by this holder
-already: a reentrant turn takes nothing).
+(with a backend, then its grant, or all the keys on the turn's session:
+see ``_shared``), then a running slot; ``_ending`` gives them back, newest
+first. A take answers True (taken now), False (wait for it) or HELD (held
+by this holder already: a reentrant turn takes nothing).
 
 The registry's fast verb ``try_take`` is called first: an uncontended turn
 on one key of an untimed in-process queue yields no wait and makes no steps.
+Entering and leaving are sync until a wait is needed; only then is a
+driver run.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
-import logging
-import sys
-from collections.abc import Callable, Generator, Hashable, Mapping
+from collections.abc import Callable, Coroutine, Hashable, Mapping
 from inspect import isawaitable
 from time import monotonic as _monotonic
 from types import CoroutineType, MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn, cast, final
 
 from ._describe import describe
-from ._drive import CLOSE, GRANT, LINE, RELEASE, SLOT, Steps, drive, drive_sync
-from ._errors import LeaseLost
+from ._drive import GRANT, LINE, SLOT, Steps, drive, drive_sync
 from ._hold import Clock
 from ._line import HELD, held_by
+from ._shared import CURRENT, Shared
 from ._stats import FUNCTION, function_label
-from ._tasks import loop_here, outside_asyncio
+from ._tasks import loop_here, loop_of, outside_asyncio
 from ._threads import thread_holder
 
 if TYPE_CHECKING:
     from ._registry import Registry
-    from .backends._base import Grant, SessionBackend, TurnSession
 
 __all__ = ("Turn", "call_in_turn", "call_in_turn_sync", "call_labelled", "current_turn")
 
-#: The core's logger: a turn whose lease was lost (WARNING). Nothing on a turn
-#: that goes well.
-logger = logging.getLogger("inturn")
-
-#: The innermost turn of the current task on a queue with a shared backend.
-_CURRENT: contextvars.ContextVar[Turn | None] = contextvars.ContextVar(
-    "inturn_current_turn", default=None
-)
+#: Steps begun, and the first wait they need.
+_Begun = tuple[Steps, tuple[int, Any]]
 
 
 def current_turn() -> Turn | None:
@@ -62,49 +54,32 @@ def current_turn() -> Turn | None:
     fencing, as nothing outlives the process, and so their hot path records
     none (``async with q.keyed(k) as turn:`` still binds one).
     """
-    return _CURRENT.get()
-
-
-def _outcome(error: BaseException | None) -> str:
-    """How a log line says how the work ended."""
-    return "returned" if error is None else f"raised {type(error).__name__}"
+    shared = CURRENT.get()
+    return None if shared is None else cast("Turn", shared.turn)
 
 
 @final
 class _Parts:
-    """What a turn taken by its steps holds: its keys, grants, slot, clock, start."""
+    """What a turn taken by its steps holds: its keys, slot, clock, start, backend part."""
 
-    __slots__ = (
-        "clock",
-        "grants",
-        "holders",
-        "outer",
-        "owns",
-        "session",
-        "since",
-        "slot",
-        "taken",
-        "tokens",
-        "via",
-    )
+    __slots__ = ("clock", "shared", "since", "slot", "taken")
 
     def __init__(self, since: float) -> None:
         self.taken: list[Hashable] = []  # the keys this turn took (not held already), in order
         self.slot = False  # whether it took a running slot (max_running)
         self.since = since  # when it was asked for (timed queues), then when it started
         self.clock: Clock | None = None  # max_hold, while held
-        # On a shared backend:
-        self.grants: list[Grant] = []  # the backend's grants this turn took, in order
-        self.tokens: dict[Hashable, int] = {}  # each key's fencing token
-        self.holders: list[Turn] = []  # enclosing turns holding keys this one re-took
-        self.outer: Turn | None = None  # the enclosing current_turn(), restored at the end
-        self.session: TurnSession | None = None  # on a SessionBackend: this turn's
-        self.owns = False  # whether this turn opened the session (else an enclosing turn did)
-        self.via = False  # whether a task's backend calls go through the backend loop
+        self.shared: Shared | None = None  # on a shared backend
 
 
 #: The parts of a reentrant turn on one key: it took nothing (never changed).
 _NOTHING = _Parts(0.0)
+
+
+def _begin(steps: Steps) -> _Begun | None:
+    """Run steps up to their first wait: the steps and that wait, or None if they needed none."""
+    wait = next(steps, None)
+    return None if wait is None else (steps, wait)
 
 
 @final
@@ -165,9 +140,9 @@ class Turn:
     def tokens(self) -> Mapping[Hashable, int]:
         """Each key's fencing token (all the same in process, one per key on a shared backend)."""
         parts = self._parts
-        if parts is None or not parts.tokens:
+        if parts is None or parts.shared is None:
             return MappingProxyType(dict.fromkeys(self.keys, self.token))
-        return MappingProxyType(parts.tokens)
+        return MappingProxyType(parts.shared.tokens)
 
     @property
     def connection(self) -> Any:
@@ -186,13 +161,14 @@ class Turn:
             ``transaction=True``.
         """
         parts = self._parts
-        if parts is None or parts.session is None or not self._transaction or self._holder is None:
+        shared = None if parts is None else parts.shared
+        if shared is None or shared.session is None or not self._transaction:
             raise RuntimeError(
                 "inturn: turn.connection exists inside the block of "
                 "`(async) with queue.keyed(..., transaction=True)`, on a backend that "
                 "takes turns in a database (PostgresBackend)"
             )
-        return parts.session.connection
+        return shared.session.connection
 
     @property
     def lease_lost(self) -> bool:
@@ -206,60 +182,17 @@ class Turn:
         ``False`` in process: an in-process turn cannot be lost.
         """
         parts = self._parts
-        if parts is None:
-            return False
-        return any(grant.lost for grant in parts.grants) or any(
-            turn.lease_lost for turn in parts.holders
-        )
+        return parts is not None and parts.shared is not None and parts.shared.lost
 
     # -- a task's turn -----------------------------------------------------------------
 
     async def __aenter__(self) -> Turn:
-        if self._holder is not None:
-            raise RuntimeError("inturn: this keyed() turn is already entered; make one per block")
-        registry = self._registry
-        mode = registry.mode
-        try:
-            task = mode.current_task()
-        except RuntimeError:
-            raise outside_asyncio("keyed()") from None
-        if task is None:
-            raise RuntimeError("inturn: a turn can only be taken inside an asyncio task")
-        loop = task.get_loop()
-        if loop is not mode.solo and not mode.shared:
-            mode.arrive(loop)  # (a new loop: settle how it works on the lines)
-        if not registry.timed and self._hold is None and len(self.keys) == 1:
-            got = registry.try_take(self.keys[0], task)  # the fast verb first
-            if got is not False:
-                self._holder = task
-                self._parts = None if got is True else _NOTHING
-                self.token = next(registry.tokens)
-                return self
-        await self._enter(task, _monotonic() if registry.timed else 0.0, False)
-        return self
-
-    async def _enter(self, task: asyncio.Task[Any], since: float, lined: bool) -> None:
-        """Take the turn for task by its steps (asked for at since, if timed).
-
-        ``lined``: task holds its keys' lines already (submitted work).
-        """
-        registry = self._registry
-        parts = _Parts(since)
-        backend = registry.backend
-        own = False
-        if backend is not None:
-            via = registry.mode.via(task.get_loop())
-            # A transaction's connection must be this loop's; on a loop the backend
-            # does not serve directly (a loop per job), one of the turn's own.
-            parts.via = via and not self._transaction
-            own = via and self._transaction
-        steps = self._taking(parts, task, own, lined)
-        wait = next(steps, None)
-        if wait is not None:
-            places = (registry, registry.slots)
-            await drive(steps, wait, task, places, backend, self._timeout, since, parts.via)
+        task = self._task_here()
+        begun = self._start(task, 0.0, False)
+        if begun is not None:
+            await self._drive(task, *begun)
         self._holder = task
-        self._parts = parts
+        return self
 
     async def __aexit__(
         self,
@@ -267,35 +200,35 @@ class Turn:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if not self._leave_now(exc, None):
-            await self._end(exc, None)
+        holder = self._holder
+        begun = self._leave(exc, None)
+        if begun is not None:
+            await self._drive(cast("asyncio.Task[Any]", holder), *begun)
 
-    def _leave_now(self, error: BaseException | None, result: Any) -> bool:
-        """End the turn if that needs no steps (a key taken by try_take alone, or nothing).
+    def _task_here(self) -> asyncio.Task[Any]:
+        """The task that takes this turn (whose loop is settled in the thread mode)."""
+        if self._holder is not None:
+            raise RuntimeError("inturn: this keyed() turn is already entered; make one per block")
+        mode = self._registry.mode
+        try:
+            task = mode.current_task()
+        except RuntimeError:
+            raise outside_asyncio("keyed()") from None
+        if task is None:
+            raise RuntimeError("inturn: a turn can only be taken inside an asyncio task")
+        loop = loop_of(task)
+        if loop is not mode.solo and not mode.shared:
+            mode.arrive(loop)  # (a new loop: settle how it works on the lines)
+        return task
 
-        False if it does (see _end, _end_sync). Watchers of the key learn the
-        outcome of the work: error, or result.
-        """
-        parts = self._parts
-        if parts is None:
-            holder, self._holder = self._holder, None
-            self._registry.finish(self.keys[0], holder, error, result)
-            return True
-        if parts is _NOTHING:
-            self._holder = None
-            return True
-        return False
-
-    async def _end(self, error: BaseException | None, result: Any) -> None:
-        """End a turn taken by its steps, whose work ended with error, or with result."""
-        steps = self._ending(error, result)
-        wait = next(steps, None)
-        if wait is not None:
-            parts, registry = self._parts, self._registry
-            assert parts is not None
-            holder = cast("asyncio.Task[Any]", self._holder)
-            places = (registry, registry.slots)
-            await drive(steps, wait, holder, places, registry.backend, None, 0.0, parts.via)
+    def _drive(self, task: asyncio.Task[Any], steps: Steps, wait: tuple[int, Any]) -> Any:
+        """The coroutine that performs steps' waits for task, from wait on (see _drive)."""
+        registry, parts = self._registry, self._parts
+        assert parts is not None
+        shared = parts.shared
+        via = shared is not None and shared.via
+        places = (registry, registry.slots)
+        return drive(steps, wait, task, places, registry.backend, self._timeout, parts.since, via)
 
     # -- a thread's turn ---------------------------------------------------------------
 
@@ -308,23 +241,11 @@ class Turn:
                 f"inturn: max_hold={self._hold:g} s cannot cut a thread's turn short "
                 "(a thread cannot be cancelled); take it from a task, or without max_hold"
             )
-        registry = self._registry
-        holder = self._holder_sync()
-        if not registry.timed and len(self.keys) == 1:
-            got = registry.try_take(self.keys[0], holder)  # the fast verb first
-            if got is not False:
-                self._holder = holder
-                self._parts = None if got is True else _NOTHING
-                self.token = next(registry.tokens)
-                return self
-        parts = _Parts(_monotonic() if registry.timed else 0.0)
-        steps = self._taking(parts, holder, False, False)
-        wait = next(steps, None)
-        if wait is not None:
-            places = (registry, registry.slots)
-            drive_sync(steps, wait, holder, places, registry.backend, self._timeout, parts.since)
-        self._holder = holder
-        self._parts = parts
+        me = self._me()
+        begun = self._start(me, 0.0, False)
+        if begun is not None:
+            self._drive_sync(me, *begun)
+        self._holder = me
         return self
 
     def __exit__(
@@ -337,16 +258,19 @@ class Turn:
 
     def _end_sync(self, error: BaseException | None, result: Any) -> None:
         """End a thread's turn whose work ended with error, or with result."""
-        if self._leave_now(error, result):
-            return
-        steps = self._ending(error, result)
-        wait = next(steps, None)
-        if wait is not None:
-            registry = self._registry
-            places = (registry, registry.slots)
-            drive_sync(steps, wait, self._holder, places, registry.backend, None, 0.0)
+        holder = self._holder
+        begun = self._leave(error, result)
+        if begun is not None:
+            self._drive_sync(holder, *begun)
 
-    def _holder_sync(self) -> object:
+    def _drive_sync(self, me: object, steps: Steps, wait: tuple[int, Any]) -> None:
+        """Perform steps' waits for thread me, from wait on (see _drive)."""
+        registry, parts = self._registry, self._parts
+        assert parts is not None
+        places = (registry, registry.slots)
+        drive_sync(steps, wait, me, places, registry.backend, self._timeout, parts.since)
+
+    def _me(self) -> object:
         """Who takes a thread's turn: this thread, or a running loop's task that holds the keys.
 
         Inside a running event loop, only a reentrant call is possible: the
@@ -365,8 +289,51 @@ class Turn:
                 "waiting would freeze the loop. Use `await queue.run(...)` or `async with`, "
                 "or call it in a thread: `await asyncio.to_thread(...)`"
             )
-        registry.mode.for_threads()
+        if not registry.mode.shared:
+            registry.mode.arrive(None)
         return thread_holder()
+
+    # -- entering and leaving: sync until a wait is needed ---------------------------------
+
+    def _start(self, holder: object, since: float, lined: bool) -> _Begun | None:
+        """Take the turn for holder as far as it goes without a wait.
+
+        None once it is held; else the steps and their first wait. ``since``:
+        when it was asked for (0: now); ``lined``: holder holds its keys'
+        lines already (submitted work).
+        """
+        registry = self._registry
+        if not registry.timed and self._hold is None and len(self.keys) == 1 and not lined:
+            got = registry.try_take(self.keys[0], holder)  # the fast verb first
+            if got is not False:
+                self._parts = None if got is True else _NOTHING
+                self.token = next(registry.tokens)
+                return None
+        parts = self._parts = _Parts(since or (_monotonic() if registry.timed else 0.0))
+        own = False
+        backend = registry.backend
+        if backend is not None:
+            shared = parts.shared = Shared(self, registry, holder, self._transaction)
+            if isinstance(holder, asyncio.Task):
+                via = registry.mode.via(loop_of(holder))
+                # A transaction's connection must be this loop's; on a loop the backend
+                # does not serve directly (a loop per job), one of the turn's own.
+                shared.via = via and not self._transaction
+                own = via and self._transaction
+        return _begin(self._taking(parts, holder, own, lined))
+
+    def _leave(self, error: BaseException | None, result: Any) -> _Begun | None:
+        """End the turn (the work ended with error, or with result) as far as it goes without
+        a wait; None once it ended, else the steps and their first wait."""
+        parts = self._parts
+        if parts is None:  # one key, taken by try_take alone
+            holder, self._holder = self._holder, None
+            self._registry.finish(self.keys[0], holder, error, result)
+            return None
+        if parts is _NOTHING:
+            self._holder = None
+            return None
+        return _begin(self._ending(parts, error, result))
 
     # -- the steps ---------------------------------------------------------------------
 
@@ -380,26 +347,26 @@ class Turn:
         """
         registry = self._registry
         backend = registry.backend
-        each = backend is not None and not backend.capabilities.sessions  # a grant per key
-        if backend is not None:
-            parts.outer = _CURRENT.get()
-        taken, tokens = parts.taken, parts.tokens
+        shared = parts.shared
+        each = shared is not None and not backend.capabilities.sessions  # type: ignore[union-attr]
+        taken = parts.taken
         try:
             for key in self.keys:
                 got = True if lined else registry.try_take(key, holder)
                 if got is HELD:  # held already by this holder (an enclosing turn): reentrant
-                    if backend is not None:
-                        self._reentered(parts, key)
+                    if shared is not None:
+                        shared.reentered(key)
                     continue
                 if got is False:
                     yield LINE, key
                 taken.append(key)
                 if each:
-                    grant = yield GRANT, (backend, key)
-                    parts.grants.append(grant)
-                    tokens[key] = grant.token
-            if backend is not None and not each:
-                yield from self._on_session(parts, holder, own)
+                    shared.granted(key, (yield GRANT, (backend, key)))  # type: ignore[union-attr]
+            if shared is not None and not each:
+                if self._transaction and not taken:
+                    raise _no_transaction(self.keys)  # noqa: TRY301
+                if taken or self._transaction:
+                    yield from shared.on_session(backend, taken, own)  # type: ignore[arg-type]
             slots = registry.slots
             if slots is not None:
                 got = slots.try_take(holder)
@@ -409,50 +376,22 @@ class Turn:
         except BaseException as error:
             registry.missed(error)
             try:
-                yield from self._give_back(parts, error)
+                if shared is not None:
+                    yield from shared.give_back(backend, error)  # type: ignore[arg-type]
             finally:
                 registry.release_all(taken, holder, error, None)
             raise
-        self.token = tokens[self.keys[0]] if tokens else next(registry.tokens)
+        self.token = (
+            shared.tokens[self.keys[0]] if shared and shared.tokens else next(registry.tokens)
+        )
         if registry.timed:
             parts.since = registry.started(parts.since)
         if self._hold is not None and taken:
             parts.clock = Clock(cast("asyncio.Task[Any]", holder), self._hold)
-        if backend is not None:
-            _CURRENT.set(self)
+        if shared is not None:
+            CURRENT.set(shared)
 
-    def _reentered(self, parts: _Parts, key: Hashable) -> None:
-        """Note the enclosing turn that holds key, taken again: its token, its lease."""
-        enclosing = _enclosing(parts.outer, self._registry, key)
-        if enclosing is not None:
-            parts.holders.append(enclosing)
-            parts.tokens[key] = enclosing.tokens[key]
-
-    def _on_session(self, parts: _Parts, holder: object, own: bool) -> Steps:
-        """_taking's grants on a backend with sessions: every key taken, on one connection."""
-        taken = parts.taken
-        if self._transaction and not taken:
-            raise _no_transaction(self.keys)
-        if not taken and not self._transaction:
-            return
-        # One connection for the turn, asked for once this process's lines are
-        # taken: a turn waiting for one holds no connection, and one holding a
-        # connection waits for nothing of this process, so a pool of them
-        # cannot deadlock (see TurnSession). A turn nested in another takes its
-        # keys on the enclosing turn's.
-        registry = self._registry
-        session = None if self._transaction else _lender(parts.outer, registry, holder)
-        parts.owns = session is None
-        if session is None:
-            backend = cast("SessionBackend", registry.backend)
-            session = backend.session(len(taken), self._transaction, own, _depth(parts.outer))
-        parts.session = session
-        for key in taken:
-            grant = yield GRANT, (session, key)
-            parts.grants.append(grant)
-            parts.tokens[key] = grant.token
-
-    def _ending(self, error: BaseException | None, result: Any) -> Steps:
+    def _ending(self, parts: _Parts, error: BaseException | None, result: Any) -> Steps:
         """Stop the clock, release the slot, the grants (or session), then the keys (steps).
 
         Raises :exc:`~inturn.HoldTimeout` if max_hold cut the work;
@@ -460,9 +399,7 @@ class Turn:
         without an error of its own (with one, the loss is noted on that
         error); or the backend's error if a release failed.
         """
-        parts, holder = self._parts, self._holder
-        assert parts is not None
-        self._holder = None
+        holder, self._holder = self._holder, None
         registry = self._registry
         cut = None
         if parts.clock is not None:
@@ -471,14 +408,14 @@ class Turn:
             error = cut or error
         if parts.slot:  # first: the next work here may start meanwhile
             parts.slot = False
-            assert registry.slots is not None
-            registry.slots.vacate(holder)
+            registry.slots.vacate(holder)  # type: ignore[union-attr]
+        shared = parts.shared
         failure: Exception | None = None
         try:
-            if registry.backend is not None:
-                _CURRENT.set(parts.outer)
-                failure = yield from self._give_back(parts, error)
-                error, failure = self._lost(parts, error, failure)
+            if shared is not None:
+                CURRENT.set(shared.outer)
+                failure = yield from shared.give_back(registry.backend, error)  # type: ignore[arg-type]
+                error, failure = shared.ended(registry.name, error, failure)
         finally:
             registry.release_all(parts.taken, holder, error, result)
             if parts.taken:
@@ -487,61 +424,6 @@ class Turn:
             raise cut
         if failure is not None and failure is error:
             raise failure
-
-    def _lost(
-        self, parts: _Parts, error: BaseException | None, failure: Exception | None
-    ) -> tuple[BaseException | None, Exception | None]:
-        """Report grants whose lease ran out; the turn's error and the failure to raise."""
-        lost = [grant for grant in parts.grants if grant.lost]
-        if not lost:
-            if failure is not None and error is None:
-                error = failure
-            return error, failure
-        what = ", ".join(f"{describe(grant.key)} (token {grant.token})" for grant in lost)
-        message = (
-            f"inturn: the backend could no longer vouch for the turn on {what} while "
-            "the work held it (a lease ran out, or the line's files were deleted); "
-            "another process may have held the key meanwhile"
-        )
-        queue = self._registry.name
-        logger.warning(
-            "inturn: %s%s; the work ran and %s",
-            "" if queue is None else f"queue {queue!r}: ",
-            message.removeprefix("inturn: "),
-            _outcome(error),
-        )
-        if error is None and failure is None:
-            error = failure = LeaseLost(message)
-        elif error is None:  # the backend's own account of what happened comes first
-            error = failure
-            if sys.version_info >= (3, 11):  # pragma: no branch
-                failure.add_note(message)  # type: ignore[union-attr]
-        elif sys.version_info >= (3, 11):  # pragma: no branch
-            error.add_note(message)
-        return error, failure
-
-    def _give_back(
-        self, parts: _Parts, error: BaseException | None
-    ) -> Generator[tuple[int, Any], Any, Exception | None]:
-        """Release the grants, newest first, or close the turn's session (steps).
-
-        Every release is made; the first that failed is returned.
-        """
-        failure: Exception | None = None
-        session, parts.session = parts.session, None
-        if session is not None and parts.owns:
-            try:
-                yield CLOSE, (session, error)
-            except Exception as problem:
-                failure = problem
-            return failure
-        backend = self._registry.backend
-        for grant in reversed(parts.grants):
-            try:
-                yield RELEASE, (session or backend, grant)  # (to the session it was taken on)
-            except Exception as problem:
-                failure = failure or problem
-        return failure
 
     def __repr__(self) -> str:
         if self._holder is None:
@@ -564,29 +446,40 @@ async def call_in_turn(
     asked for them (submitted work, see _submit).
     """
     if lined is None:
-        await turn.__aenter__()
+        task = turn._task_here()
+        begun = turn._start(task, 0.0, False)
     else:
-        await turn._enter(*lined, True)
+        task = lined[0]
+        begun = turn._start(task, lined[1], True)
+    if begun is not None:
+        await turn._drive(task, *begun)
+    turn._holder = task
     try:
         result = fn(*args, **kwargs)
         if isawaitable(result):
             result = await result
     except BaseException as error:
-        if not turn._leave_now(error, None):
-            await turn._end(error, None)
+        begun = turn._leave(error, None)
+        if begun is not None:
+            await turn._drive(task, *begun)
         raise
-    if not turn._leave_now(None, result):
-        await turn._end(None, result)
+    begun = turn._leave(None, result)
+    if begun is not None:
+        await turn._drive(task, *begun)
     return result
 
 
-async def call_labelled(
+def call_labelled(
     turn: Turn, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
+) -> Coroutine[Any, Any, Any]:
     """call_in_turn, with the turn labelled by fn's name for the queue's observer."""
-    token = FUNCTION.set(function_label(fn))
+    return _labelled(function_label(fn), call_in_turn(turn, fn, args, kwargs))
+
+
+async def _labelled(label: str, call: Coroutine[Any, Any, Any]) -> Any:
+    token = FUNCTION.set(label)
     try:
-        return await call_in_turn(turn, fn, args, kwargs)
+        return await call
     finally:
         FUNCTION.reset(token)
 
@@ -618,24 +511,6 @@ def _refuse_coroutine(fn: object, result: CoroutineType[Any, Any, Any]) -> NoRet
     )
 
 
-def _lender(turn: Turn | None, registry: Registry, holder: object) -> TurnSession | None:
-    """The session of holder's innermost enclosing turn on registry, unless a transaction's.
-
-    Only the holder's own: a task started inside a turn sees the turn as its
-    current one too, but must not send on its connection at the same time.
-    """
-    while turn is not None:
-        parts = turn._parts
-        if parts is None:
-            return None
-        if turn._registry is registry and parts.session is not None:
-            if turn._transaction or turn._holder is not holder:
-                return None
-            return parts.session
-        turn = parts.outer
-    return None
-
-
 def _no_transaction(keys: tuple[Hashable, ...]) -> RuntimeError:
     """A transaction turn with no key of its own to take: nothing to run it on."""
     return RuntimeError(
@@ -644,33 +519,3 @@ def _no_transaction(keys: tuple[Hashable, ...]) -> RuntimeError:
         "it already: ask for the transaction there, or add a key of this turn's own; the "
         "work did not run"
     )
-
-
-def _depth(turn: Turn | None) -> int:
-    """How many sessions the enclosing turns, from turn outwards, hold (see TurnSession).
-
-    A turn started inside them (a task made in their block, say) draws its
-    connection from the next tier, so that they never hold the ones it needs.
-    """
-    sessions: list[TurnSession] = []
-    while turn is not None:
-        parts = turn._parts
-        if parts is None:
-            break
-        session = parts.session
-        if session is not None and not any(session is seen for seen in sessions):
-            sessions.append(session)
-        turn = parts.outer
-    return len(sessions)
-
-
-def _enclosing(turn: Turn | None, registry: Registry, key: Hashable) -> Turn | None:
-    """The enclosing turn, from turn outwards, that holds key in registry (its queue's)."""
-    while turn is not None:
-        parts = turn._parts
-        if parts is None:
-            return None
-        if turn._registry is registry and key in parts.tokens:
-            return turn
-        turn = parts.outer
-    return None
