@@ -11,16 +11,19 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import gc
+import inspect
 import sys
 import threading
 import weakref
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from inturn import KeyedQueue, QueueFull
+from inturn.backends.file import FileBackend
 
 from helpers import PATIENCE, Recorder, checkpoints, settle, wait_until
 
@@ -465,3 +468,51 @@ async def test_a_producer_of_another_loop_waiting_for_a_slot_switches_the_queue_
         gate.set()
     await holder
     assert await asyncio.wait_for(produced, PATIENCE) == "b ran"
+
+
+# -- submit() joins its key's line at the call, on every queue ----------------------------
+
+#: Queues whose submit() takes a path of its own: plain, slots, a keyed semaphore, a backend.
+SETTINGS: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "max_running": {"max_running": 2},
+    "concurrency": {"concurrency": 2},
+    "concurrency and max_running": {"concurrency": 2, "max_running": 4},
+    "file backend": {"backend": "file"},
+    "file backend and max_running": {"backend": "file", "max_running": 2},
+}
+
+
+@pytest.mark.parametrize("made_first", [True, False], ids=["B made first", "A made first"])
+@pytest.mark.parametrize("busy", [True, False], ids=["busy key", "free key"])
+@pytest.mark.parametrize("settings", SETTINGS.values(), ids=SETTINGS.keys())
+async def test_a_submission_goes_before_a_task_whose_call_comes_after_it(
+    settings: dict[str, Any], busy: bool, made_first: bool, tmp_path: Path
+) -> None:
+    if settings.get("backend") == "file":
+        settings = {**settings, "backend": FileBackend(tmp_path)}
+    queue = KeyedQueue(**settings)
+    # busy: every place of the key held; free: all but one, which A takes at its call
+    places = settings.get("concurrency", 1)
+    holders = places if busy else places - 1
+    entered: list[int] = []
+    release = asyncio.Event()
+
+    async def hold(i: int) -> None:
+        entered.append(i)
+        await release.wait()
+
+    holding = [asyncio.create_task(queue.run("k", hold, i)) for i in range(holders)]
+    await settle(lambda: len(entered) == holders)
+    order: list[str] = []
+    call = queue.run("k", order.append, "B")  # B calls once its task starts
+    if made_first:  # its task is made before submit() is called, and starts after it
+        later = asyncio.create_task(call)
+        handle = await queue.submit("k", order.append, "A")
+    else:  # (passes on every queue: A's task, made first, also starts first)
+        handle = await queue.submit("k", order.append, "A")
+        later = asyncio.create_task(call)
+    assert inspect.getcoroutinestate(call) == inspect.CORO_CREATED  # B has not called yet
+    release.set()
+    await asyncio.wait_for(asyncio.gather(later, handle, *holding), PATIENCE)
+    assert order == ["A", "B"]  # "at this call: later callers of the key go after it"

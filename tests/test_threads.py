@@ -7,6 +7,7 @@ sleeping; timings are never asserted.
 
 from __future__ import annotations
 
+import _thread
 import asyncio
 import inspect
 import signal
@@ -849,3 +850,43 @@ def test_a_coalesced_call_from_a_loop_in_another_thread_gets_the_result() -> Non
         assert joined.wait(PATIENCE), "the joiner's loop was never woken"
         assert joiner.result() == 1
     assert calls == [1]  # one run, whose result both callers got
+
+
+# -- a thread not started by threading ----------------------------------------------------
+
+
+def test_a_blocking_turn_in_a_thread_not_started_by_threading_leaves_no_dummy_thread() -> None:
+    queue = KeyedQueue()
+    done = _thread.allocate_lock()
+    done.acquire()
+    seen: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            ident = seen["ident"] = _thread.get_ident()
+            seen["before"] = threading._active.get(ident)  # type: ignore[attr-defined]
+            with queue.keyed("k"):
+                seen["held"] = queue.is_active("k")
+            seen["after"] = threading._active.get(ident)  # type: ignore[attr-defined]
+        except BaseException as error:
+            seen["error"] = error
+        finally:
+            done.release()
+
+    _thread.start_new_thread(work, ())
+    assert done.acquire(timeout=PATIENCE)
+    ident = seen["ident"]
+    try:
+        assert "error" not in seen, seen.get("error")
+        assert seen["held"]
+        assert seen["before"] is None
+        # The turn made no threading._DummyThread for the thread (Python 3.13 drops
+        # one when its thread ends, 3.10-3.12 keep it for good) ...
+        assert seen["after"] is None
+        # ... and, the thread done, nothing of it stays in threading's table.
+        assert ident not in threading._active  # type: ignore[attr-defined]
+    finally:
+        # (a dummy left behind would be taken for a later thread given the same ident)
+        with threading._active_limbo_lock:  # type: ignore[attr-defined]
+            if isinstance(threading._active.get(ident), threading._DummyThread):  # type: ignore[attr-defined]
+                del threading._active[ident]  # type: ignore[attr-defined]

@@ -7,8 +7,12 @@ from collections.abc import Callable
 from typing import Final, final
 
 from ._describe import describe
+from .backends._base import Backend
+from .backends._local import LocalBackend
 
 __all__ = (
+    "check_backend",
+    "check_name",
     "UNSET",
     "Deadline",
     "Unset",
@@ -103,3 +107,32 @@ class Deadline:
         """The seconds left, never below 0; None for no limit."""
         at = self.at
         return None if at is None else max(0.0, at - self.clock())
+
+
+def check_name(name: str | None) -> str | None:
+    """A queue's name= (for its repr, logs and metrics), checked."""
+    if name is not None and (type(name) is not str or not name or not name.isprintable()):
+        raise (TypeError if not isinstance(name, str) else ValueError)(
+            f"inturn: name= takes a short printable str naming the queue (in its repr, "
+            f"logs and metrics), or None; got {name!r}"
+        )
+    return name
+
+
+def check_backend(backend: object, concurrency: int) -> Backend | None:
+    """A queue's backend= (None for the in-process lines), checked against its concurrency."""
+    if backend is None or isinstance(backend, LocalBackend):
+        return None
+    if not isinstance(backend, Backend):
+        raise TypeError(
+            f"inturn: backend= takes a backend from inturn.backends (LocalBackend, "
+            f"FileBackend, RedisBackend, PostgresBackend) or None, got {backend!r}; a "
+            "backend of your own needs every member of inturn.backends.Backend, "
+            "`capabilities` and `thread_loop()` included"
+        )
+    if concurrency > 1:
+        raise ValueError(
+            f"inturn: concurrency={concurrency} needs the in-process lines; "
+            f"{backend!r} grants one holder per key"
+        )
+    return backend

@@ -12,7 +12,7 @@ from types import CoroutineType, MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeVar, final, overload
 
 from ._batch import Batch
-from ._checks import UNSET, check_count, check_hold, check_timeout
+from ._checks import UNSET, check_backend, check_count, check_hold, check_name, check_timeout
 from ._checks import Unset as _Unset
 from ._describe import describe
 from ._keyspec import KeySpec, KeysSpec
@@ -191,39 +191,24 @@ class KeyedQueue:
         max_hold: float | None = None,
         name: str | None = None,
     ) -> None:
-        if name is not None and (type(name) is not str or not name or not name.isprintable()):
-            raise (TypeError if not isinstance(name, str) else ValueError)(
-                f"inturn: name= takes a short printable str naming the queue (in its repr, "
-                f"logs and metrics), or None; got {name!r}"
-            )
-        self._name = name
+        self._name = check_name(name)
         self._timeout = check_timeout(timeout)
         self._max_pending = check_count("max_pending", max_pending, none=True, least=0)
-        if backend is None or isinstance(backend, LocalBackend):
-            self._backend: Backend | None = None
-        elif isinstance(backend, Backend):
-            self._backend = backend
-        else:
-            raise TypeError(
-                f"inturn: backend= takes a backend from inturn.backends (LocalBackend, "
-                f"FileBackend, RedisBackend, PostgresBackend) or None, got {backend!r}; a "
-                "backend of your own needs every member of inturn.backends.Backend, "
-                "`capabilities` and `thread_loop()` included"
-            )
         max_running = check_count("max_running", max_running, none=True)
         self._concurrency: int = check_count("concurrency", concurrency, none=False)  # type: ignore[assignment]
-        if self._concurrency > 1 and self._backend is not None:
-            raise ValueError(
-                f"inturn: concurrency={concurrency} needs the in-process lines; "
-                f"{self._backend!r} grants one holder per key"
-            )
+        self._backend = check_backend(backend, self._concurrency)
         self._max_hold = check_hold(max_hold)
         # The lines, and the thread mode (see _registry).
         self._registry = Registry(
             backend=self._backend,
             concurrency=self._concurrency,
             max_pending=self._max_pending,
-            plain=self._plain(max_running),
+            plain=(
+                self._backend is None
+                and max_running is None
+                and self._concurrency == 1
+                and self._max_hold is None
+            ),
             name=name,
         )
         # The running slots, with max_running.
@@ -233,15 +218,6 @@ class KeyedQueue:
         self._submissions = Submissions(self._registry, self._slots, self._timeout, self._max_hold)
         self._unclaimed: list[Handle[Any]] = []
         _QUEUES.add(self)
-
-    def _plain(self, max_running: int | None) -> bool:
-        """Whether turns are the bare lines: no backend, no flow control (see Registry.plain)."""
-        return (
-            self._backend is None
-            and max_running is None
-            and self._concurrency == 1
-            and self._max_hold is None
-        )
 
     def _forked(self, task: object) -> None:
         """In a forked child: forget the parent's other threads, tasks and locks (see Registry).

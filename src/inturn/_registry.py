@@ -248,17 +248,21 @@ class Registry:
         return line  # type: ignore[no-any-return]
 
     def settle(self, key: Hashable, line: Line | Gate, waiter: Waiter, holder: object) -> bool:
-        """Make holder the holder of key's turn handed to waiter; False if it was not handed."""
-        with self.mode.guard():
-            if type(line) is Gate:
+        """Make holder the holder of key's turn handed to waiter; False if it was not handed.
+
+        A Line's needs no lock: once handed, its holder is the waiter's to
+        change (the hander may still hold the lock, waking other waiters).
+        """
+        if type(line) is Gate:
+            with self.mode.guard():
                 if waiter not in line.holders:
                     return False
                 line.seat(waiter, holder, self.mode.shared)
                 return True
-            if line.holder is not waiter:
-                return False
-            line.holder = holder
-            return True
+        if line.holder is not waiter:
+            return False  # (not handed: abandon() passes on a turn handed just after this)
+        line.holder = holder
+        return True
 
     def abandon(self, key: Hashable, line: Line | Gate, waiter: Waiter) -> None:
         """Take a waiter that was interrupted (cancelled, timed out) out of the line it joined.

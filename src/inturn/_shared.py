@@ -47,12 +47,12 @@ class Shared:
 
     __slots__ = (
         "grants",
-        "holder",
         "holders",
         "outer",
         "owner",
         "owns",
         "session",
+        "taker",
         "tokens",
         "transaction",
         "turn",
@@ -62,7 +62,7 @@ class Shared:
     def __init__(self, turn: object, owner: object, holder: object, transaction: bool) -> None:
         self.turn = turn  # the Turn (what current_turn() gives)
         self.owner = owner  # its queue's registry: parts of other queues' turns do not lend
-        self.holder = holder  # the task or thread that takes it
+        self.taker = holder  # the task or thread that takes it
         self.transaction = transaction  # keyed(transaction=True)
         self.grants: list[Grant] = []  # the backend's grants this turn took, in order
         self.tokens: dict[Hashable, int] = {}  # each key's fencing token
@@ -121,7 +121,7 @@ class Shared:
         enclosing = self.outer
         while enclosing is not None:
             if enclosing.owner is self.owner and enclosing.session is not None:
-                if enclosing.transaction or enclosing.holder is not self.holder:
+                if enclosing.transaction or enclosing.taker is not self.taker:
                     return None
                 return enclosing.session
             enclosing = enclosing.outer
