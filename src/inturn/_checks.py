@@ -11,13 +11,13 @@ from .backends._base import Backend
 from .backends._local import LocalBackend
 
 __all__ = (
-    "check_backend",
-    "check_name",
     "UNSET",
     "Deadline",
     "Unset",
+    "check_backend",
     "check_count",
     "check_hold",
+    "check_name",
     "check_seconds",
     "check_timeout",
     "missed",

@@ -271,7 +271,14 @@ class KeyedQueue:
         except TypeError:
             raise unhashable(key) from None
         if line is not None or task is None or loop_of(task) is not mode.fast_loop:
-            return await self._run_keyed((key,), fn, args, kwargs, self._timeout, self._max_hold)
+            if not callable(fn):
+                raise TypeError(f"inturn: run() needs a callable, got {describe(fn)}")
+            keys = (key,) if self._backend is None else self._backend.order((key,))
+            turn = Turn(registry, keys, self._timeout, self._max_hold)
+            if task is None or registry.tally.observer is not None:
+                return await self._call(turn, fn, args, kwargs)
+            mode.settle(loop_of(task))
+            return await call_in_turn(turn, fn, args, kwargs, task)
         # NOTE: the licensed inline path (see _registry): a free key on the fast
         # loop is a dict insert, and its release a pop, as try_take and finish do.
         lines[key] = task
@@ -308,7 +315,14 @@ class KeyedQueue:
         """
         if not callable(fn):
             raise TypeError(f"inturn: run() needs a callable, got {describe(fn)}")
-        turn = Turn(self._registry, self._registry.ordered(keys), timeout, hold)
+        return self._call(
+            Turn(self._registry, self._registry.ordered(keys), timeout, hold), fn, args, kwargs
+        )
+
+    def _call(
+        self, turn: Turn, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Coroutine[Any, Any, Any]:
+        """The coroutine that calls fn in turn (labelled for the queue's observer, if any)."""
         if self._registry.tally.observer is None:
             return call_in_turn(turn, fn, args, kwargs)
         return call_labelled(turn, fn, args, kwargs)

@@ -422,8 +422,8 @@ async def _run(handle: Handle[Any]) -> Any:
         FUNCTION.set(function_label(handle._fn))
     turn = Turn(registry, (handle.key,), queue.timeout, queue.max_hold)
     try:
-        lined = (task, handle._since)
-        result = await call_in_turn(turn, handle._fn, handle._args, handle._kwargs, lined)
+        fn, args, kwargs = handle._fn, handle._args, handle._kwargs
+        result = await call_in_turn(turn, fn, args, kwargs, task, handle._since, lined=True)
     except BaseException as error:
         handle._ended(error, None)
         if isinstance(error, Exception):

@@ -210,6 +210,11 @@ class ThreadMode:
                     self._settling = _Settling(solo, self._solo_thread)
         return False
 
+    def settle(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Before a task of loop changes the lines: a new loop settles how it works (arrive)."""
+        if loop is not self.solo and not self.shared:
+            self.arrive(loop)
+
     def guard(self) -> AbstractContextManager[object]:
         """What to hold while changing the lines: the lock once shared, else nothing."""
         return self.locked() if self.shared else UNLOCKED

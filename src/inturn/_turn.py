@@ -76,12 +76,6 @@ class _Parts:
 _NOTHING = _Parts(0.0)
 
 
-def _begin(steps: Steps) -> _Begun | None:
-    """Run steps up to their first wait: the steps and that wait, or None if they needed none."""
-    wait = next(steps, None)
-    return None if wait is None else (steps, wait)
-
-
 @final
 class Turn:
     """A turn on one or more keys: what :meth:`KeyedQueue.keyed` returns and binds.
@@ -216,9 +210,7 @@ class Turn:
             raise outside_asyncio("keyed()") from None
         if task is None:
             raise RuntimeError("inturn: a turn can only be taken inside an asyncio task")
-        loop = loop_of(task)
-        if loop is not mode.solo and not mode.shared:
-            mode.arrive(loop)  # (a new loop: settle how it works on the lines)
+        mode.settle(loop_of(task))
         return task
 
     def _drive(self, task: asyncio.Task[Any], steps: Steps, wait: tuple[int, Any]) -> Any:
@@ -320,7 +312,9 @@ class Turn:
                 # does not serve directly (a loop per job), one of the turn's own.
                 shared.via = via and not self._transaction
                 own = via and self._transaction
-        return _begin(self._taking(parts, holder, own, lined))
+        steps = self._taking(parts, holder, own, lined)
+        wait = next(steps, None)  # (up to the first wait)
+        return None if wait is None else (steps, wait)
 
     def _leave(self, error: BaseException | None, result: Any) -> _Begun | None:
         """End the turn (the work ended with error, or with result) as far as it goes without
@@ -333,7 +327,9 @@ class Turn:
         if parts is _NOTHING:
             self._holder = None
             return None
-        return _begin(self._ending(parts, error, result))
+        steps = self._ending(parts, error, result)
+        wait = next(steps, None)  # (up to the first wait)
+        return None if wait is None else (steps, wait)
 
     # -- the steps ---------------------------------------------------------------------
 
@@ -437,26 +433,26 @@ async def call_in_turn(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    lined: tuple[asyncio.Task[Any], float] | None = None,
+    task: asyncio.Task[Any] | None = None,
+    since: float = 0.0,
+    lined: bool = False,
 ) -> Any:
     """Take turn, call fn (awaiting what it returns), end turn with the outcome; return it.
 
     The path of every async call that is not the facade's inlined one.
-    ``lined``: the task that holds the turn's lines already, and when it
-    asked for them (submitted work, see _submit).
+    ``task``: the task this runs in, if the caller knows it (and its loop is
+    settled in the thread mode); ``lined``: it holds the turn's lines already,
+    asked for at ``since`` (submitted work, see _submit).
     """
-    if lined is None:
+    if task is None:
         task = turn._task_here()
-        begun = turn._start(task, 0.0, False)
-    else:
-        task = lined[0]
-        begun = turn._start(task, lined[1], True)
+    begun = turn._start(task, since, lined)
     if begun is not None:
         await turn._drive(task, *begun)
     turn._holder = task
     try:
         result = fn(*args, **kwargs)
-        if isawaitable(result):
+        if type(result) is CoroutineType or isawaitable(result):
             result = await result
     except BaseException as error:
         begun = turn._leave(error, None)
