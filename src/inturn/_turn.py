@@ -181,11 +181,12 @@ class Turn:
     # -- a task's turn -----------------------------------------------------------------
 
     async def __aenter__(self) -> Turn:
-        task = self._task_here()
-        begun = self._start(task, 0.0, False)
-        if begun is not None:
-            await self._drive(task, *begun)
-        self._holder = task
+        task: asyncio.Task[Any] = self._enter_now(None)  # type: ignore[assignment]
+        if self._holder is None:
+            begun = self._start(task, 0.0, False)
+            if begun is not None:
+                await self._drive(task, *begun)
+            self._holder = task
         return self
 
     async def __aexit__(
@@ -195,23 +196,46 @@ class Turn:
         tb: TracebackType | None,
     ) -> None:
         holder = self._holder
+        if self._parts is None:  # (_leave's first case, one call less: keyed()'s hot path)
+            self._holder = None
+            self._registry.finish(self.keys[0], holder, exc, None)
+            return
         begun = self._leave(exc, None)
         if begun is not None:
-            await self._drive(cast("asyncio.Task[Any]", holder), *begun)
+            await self._drive(holder, *begun)  # type: ignore[arg-type]
 
-    def _task_here(self) -> asyncio.Task[Any]:
-        """The task that takes this turn (whose loop is settled in the thread mode)."""
-        if self._holder is not None:
-            raise RuntimeError("inturn: this keyed() turn is already entered; make one per block")
-        mode = self._registry.mode
-        try:
-            task = mode.current_task()
-        except RuntimeError:
-            raise outside_asyncio("keyed()") from None
-        if task is None:
-            raise RuntimeError("inturn: a turn can only be taken inside an asyncio task")
-        mode.settle(loop_of(task))
-        return task
+    def _enter_now(self, holder: object) -> object:
+        """Who takes this turn; the turn taken at once by the registry's fast verb, if it can be.
+
+        ``holder``: a thread's, or the task when the caller knows it; None:
+        the current task, whose loop is then settled in the thread mode. The
+        fast verb takes an untimed turn on one key of an in-process queue,
+        free (or held by holder already): no steps, nothing allocated. Then
+        ``_holder`` is set; else the steps take the turn (see _start).
+        """
+        registry = self._registry
+        if holder is None:
+            if self._holder is not None:
+                raise RuntimeError(
+                    "inturn: this keyed() turn is already entered; make one per block"
+                )
+            mode = registry.mode
+            try:
+                holder = mode.current_task()
+            except RuntimeError:
+                raise outside_asyncio("keyed()") from None
+            if holder is None:
+                raise RuntimeError("inturn: a turn can only be taken inside an asyncio task")
+            if loop_of(holder) is not mode.solo:
+                mode.settle(loop_of(holder))
+        if registry.timed or self._hold is not None or len(self.keys) != 1:
+            return holder
+        got = registry.try_take(self.keys[0], holder)  # the fast verb first
+        if got is not False:
+            self._parts = None if got is True else _NOTHING
+            self.token = next(registry.tokens)
+            self._holder = holder
+        return holder
 
     def _drive(self, task: asyncio.Task[Any], steps: Steps, wait: tuple[int, Any]) -> Any:
         """The coroutine that performs steps' waits for task, from wait on (see _drive)."""
@@ -233,11 +257,12 @@ class Turn:
                 f"inturn: max_hold={self._hold:g} s cannot cut a thread's turn short "
                 "(a thread cannot be cancelled); take it from a task, or without max_hold"
             )
-        me = self._me()
-        begun = self._start(me, 0.0, False)
-        if begun is not None:
-            self._drive_sync(me, *begun)
-        self._holder = me
+        me = self._enter_now(self._me())
+        if self._holder is None:
+            begun = self._start(me, 0.0, False)
+            if begun is not None:
+                self._drive_sync(me, *begun)
+            self._holder = me
         return self
 
     def __exit__(
@@ -288,19 +313,13 @@ class Turn:
     # -- entering and leaving: sync until a wait is needed ---------------------------------
 
     def _start(self, holder: object, since: float, lined: bool) -> _Begun | None:
-        """Take the turn for holder as far as it goes without a wait.
+        """Take the turn for holder by its steps, as far as they go without a wait.
 
         None once it is held; else the steps and their first wait. ``since``:
         when it was asked for (0: now); ``lined``: holder holds its keys'
         lines already (submitted work).
         """
         registry = self._registry
-        if not registry.timed and self._hold is None and len(self.keys) == 1 and not lined:
-            got = registry.try_take(self.keys[0], holder)  # the fast verb first
-            if got is not False:
-                self._parts = None if got is True else _NOTHING
-                self.token = next(registry.tokens)
-                return None
         parts = self._parts = _Parts(since or (_monotonic() if registry.timed else 0.0))
         own = False
         backend = registry.backend
@@ -383,7 +402,7 @@ class Turn:
         if registry.timed:
             parts.since = registry.started(parts.since)
         if self._hold is not None and taken:
-            parts.clock = Clock(cast("asyncio.Task[Any]", holder), self._hold)
+            parts.clock = Clock(holder, self._hold)  # type: ignore[arg-type]
         if shared is not None:
             CURRENT.set(shared)
 
@@ -444,12 +463,13 @@ async def call_in_turn(
     settled in the thread mode); ``lined``: it holds the turn's lines already,
     asked for at ``since`` (submitted work, see _submit).
     """
-    if task is None:
-        task = turn._task_here()
-    begun = turn._start(task, since, lined)
-    if begun is not None:
-        await turn._drive(task, *begun)
-    turn._holder = task
+    here: asyncio.Task[Any] = task if lined else turn._enter_now(task)  # type: ignore[assignment]
+    task = here
+    if turn._holder is None:
+        begun = turn._start(task, since, lined)
+        if begun is not None:
+            await turn._drive(task, *begun)
+        turn._holder = task
     try:
         result = fn(*args, **kwargs)
         if type(result) is CoroutineType or isawaitable(result):
