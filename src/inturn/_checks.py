@@ -20,6 +20,7 @@ __all__ = (
     "check_name",
     "check_seconds",
     "check_timeout",
+    "check_transaction",
     "missed",
 )
 
@@ -136,3 +137,14 @@ def check_backend(backend: object, concurrency: int) -> Backend | None:
             f"{backend!r} grants one holder per key"
         )
     return backend
+
+
+def check_transaction(transaction: object, backend: Backend | None) -> None:
+    """Refuse keyed(transaction=...) that is not True, or on a backend without transactions."""
+    if transaction is not True:
+        raise TypeError(f"inturn: transaction must be True or False, got {describe(transaction)}")
+    if backend is None or not backend.capabilities.transactions:
+        raise TypeError(
+            f"inturn: keyed(..., transaction=True) needs a backend that takes turns in a "
+            f"database (PostgresBackend); this queue's is {describe(backend)}"
+        )

@@ -12,7 +12,15 @@ from types import CoroutineType, MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeVar, final, overload
 
 from ._batch import Batch
-from ._checks import UNSET, check_backend, check_count, check_hold, check_name, check_timeout
+from ._checks import (
+    UNSET,
+    check_backend,
+    check_count,
+    check_hold,
+    check_name,
+    check_timeout,
+    check_transaction,
+)
 from ._checks import Unset as _Unset
 from ._describe import describe
 from ._keyspec import KeySpec, KeysSpec
@@ -424,7 +432,7 @@ class KeyedQueue:
         limit = self._timeout if timeout is UNSET else check_timeout(timeout)  # type: ignore[arg-type]
         hold = self._max_hold if max_hold is UNSET else check_hold(max_hold)  # type: ignore[arg-type]
         if transaction is not False:
-            self._check_transaction(transaction)
+            check_transaction(transaction, self._backend)
             if not keys:
                 raise TypeError("inturn: keyed() needs at least one key")
             ordered = self._registry.ordered(keys)
@@ -438,18 +446,6 @@ class KeyedQueue:
         if not keys:
             raise TypeError("inturn: keyed() needs at least one key")
         return Turn(self._registry, self._registry.ordered(keys), limit, hold)
-
-    def _check_transaction(self, transaction: object) -> None:
-        """Refuse keyed(transaction=...) that is not True, or on a backend without transactions."""
-        if transaction is not True:
-            raise TypeError(
-                f"inturn: transaction must be True or False, got {describe(transaction)}"
-            )
-        if self._backend is None or not self._backend.capabilities.transactions:
-            raise TypeError(
-                f"inturn: keyed(..., transaction=True) needs a backend that takes turns in a "
-                f"database (PostgresBackend); this queue's is {describe(self._backend)}"
-            )
 
     # -- fire and forget ---------------------------------------------------------------
 
