@@ -32,9 +32,22 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable
 
     from ._line import Waiter
+    from ._registry import Registry
     from .backends._base import Backend
 
-__all__ = ("CLOSE", "GRANT", "LINE", "RELEASE", "SLOT", "Place", "Steps", "drive", "drive_sync")
+__all__ = (
+    "CLOSE",
+    "GRANT",
+    "LINE",
+    "RELEASE",
+    "SLOT",
+    "Place",
+    "Steps",
+    "drive",
+    "drive_sync",
+    "wait_alone",
+    "wait_alone_sync",
+)
 
 LINE: Final = 0
 SLOT: Final = 1
@@ -123,6 +136,29 @@ def _wait_in_sync(
     if not place.settle(key, line, waiter, me):  # timed out (and not handed just then)
         place.abandon(key, line, waiter)
         raise place.too_late(key, limit)
+
+
+async def wait_alone(
+    registry: Registry, key: Hashable, task: asyncio.Task[Any], timeout: float | None
+) -> None:
+    """Wait in key's line for task, for a turn on that key alone (no steps around it).
+
+    Return holding the key; if it is not reached, the turn is counted as missed.
+    """
+    try:
+        await _wait_in(registry, key, task, timeout, timeout)
+    except BaseException as error:
+        registry.missed(error)
+        raise
+
+
+def wait_alone_sync(registry: Registry, key: Hashable, me: object, timeout: float | None) -> None:
+    """wait_alone, for thread me: blocking it."""
+    try:
+        _wait_in_sync(registry, key, me, timeout, timeout)
+    except BaseException as error:
+        registry.missed(error)
+        raise
 
 
 async def _settle(release: Awaitable[None]) -> None:

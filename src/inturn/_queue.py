@@ -23,7 +23,9 @@ from ._checks import (
 )
 from ._checks import Unset as _Unset
 from ._describe import describe
+from ._drive import wait_alone
 from ._keyspec import KeySpec, KeysSpec
+from ._line import held_by
 from ._line import resolve as _resolve
 from ._order import unhashable
 from ._registry import Registry
@@ -278,18 +280,18 @@ class KeyedQueue:
             line = lines.get(key)
         except TypeError:
             raise unhashable(key) from None
-        if line is not None or task is None or loop_of(task) is not mode.fast_loop:
-            if not callable(fn):
-                raise TypeError(f"inturn: run() needs a callable, got {describe(fn)}")
-            keys = (key,) if self._backend is None else self._backend.order((key,))
-            turn = Turn(registry, keys, self._timeout, self._max_hold)
-            if task is None or registry.tally.observer is not None:
-                return await self._call(turn, fn, args, kwargs)
-            mode.settle(loop_of(task))
-            return await call_in_turn(turn, fn, args, kwargs, task)
+        if task is None or loop_of(task) is not mode.fast_loop or held_by(line, task):
+            timeout, hold = self._timeout, self._max_hold
+            return await self._run_keyed((key,), fn, args, kwargs, timeout, hold, task)
         # NOTE: the licensed inline path (see _registry): a free key on the fast
         # loop is a dict insert, and its release a pop, as try_take and finish do.
-        lines[key] = task
+        # (A busy key: the wait in its line that a turn alone makes.)
+        if line is None:
+            lines[key] = task
+        elif callable(fn):
+            await wait_alone(registry, key, task, self._timeout)
+        else:
+            raise TypeError(f"inturn: run() needs a callable, got {describe(fn)}")
         try:
             # fn() and fn(*args) are cheaper than fn(*args, **kwargs) when they fit
             result = fn(*args, **kwargs) if kwargs else fn(*args) if args else fn()
@@ -314,18 +316,22 @@ class KeyedQueue:
         kwargs: dict[str, Any],
         timeout: float | None,
         hold: float | None,
+        task: asyncio.Task[Any] | None = None,
     ) -> Coroutine[Any, Any, Any]:
         """The coroutine that takes the turns of keys as keyed() does, calls fn, releases.
 
-        The path of every call but run()'s inline one: a busy key, a shared
-        backend, another loop or a thread, flow control, an observer, and the
-        decorator's keys=, or a timeout or max_hold of its own.
+        The path of every call but run()'s inline one: a shared backend,
+        another loop or a thread, flow control, an observer, and the
+        decorator's keys=, or a timeout or max_hold of its own. ``task``: the
+        caller's, when it runs the coroutine at once (run()).
         """
         if not callable(fn):
             raise TypeError(f"inturn: run() needs a callable, got {describe(fn)}")
-        return self._call(
-            Turn(self._registry, self._registry.ordered(keys), timeout, hold), fn, args, kwargs
-        )
+        turn = Turn(self._registry, self._registry.ordered(keys), timeout, hold)
+        if task is None or self._registry.tally.observer is not None:
+            return self._call(turn, fn, args, kwargs)
+        self._registry.mode.settle(loop_of(task))
+        return call_in_turn(turn, fn, args, kwargs, task)
 
     def _call(
         self, turn: Turn, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]

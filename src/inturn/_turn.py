@@ -24,9 +24,9 @@ from types import CoroutineType, MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn, cast, final
 
 from ._describe import describe
-from ._drive import GRANT, LINE, SLOT, Steps, drive, drive_sync
+from ._drive import GRANT, LINE, SLOT, Steps, drive, drive_sync, wait_alone, wait_alone_sync
 from ._hold import Clock
-from ._line import HELD, held_by
+from ._line import HELD, Held, held_by
 from ._shared import CURRENT, Shared
 from ._stats import FUNCTION, function_label
 from ._tasks import loop_here, loop_of, outside_asyncio
@@ -74,6 +74,9 @@ class _Parts:
 
 #: The parts of a reentrant turn on one key: it took nothing (never changed).
 _NOTHING = _Parts(0.0)
+#: Markers of a turn not taken yet (see Turn._enter_now): alone, its key busy; by steps.
+_ALONE = _Parts(0.0)
+_STEPS = _Parts(0.0)
 
 
 @final
@@ -183,10 +186,14 @@ class Turn:
     async def __aenter__(self) -> Turn:
         task: asyncio.Task[Any] = self._enter_now(None)  # type: ignore[assignment]
         if self._holder is None:
-            begun = self._start(task, 0.0, False)
-            if begun is not None:
-                await self._drive(task, *begun)
-            self._holder = task
+            if self._parts is _ALONE:
+                await wait_alone(self._registry, self.keys[0], task, self._timeout)
+                self._held_alone(task)
+            else:
+                begun = self._start(task, 0.0, False)
+                if begun is not None:
+                    await self._drive(task, *begun)
+                self._holder = task
         return self
 
     async def __aexit__(
@@ -204,14 +211,18 @@ class Turn:
         if begun is not None:
             await self._drive(holder, *begun)  # type: ignore[arg-type]
 
-    def _enter_now(self, holder: object) -> object:
+    def _enter_now(self, holder: object, lined: bool = False) -> object:
         """Who takes this turn; the turn taken at once by the registry's fast verb, if it can be.
 
         ``holder``: a thread's, or the task when the caller knows it; None:
-        the current task, whose loop is then settled in the thread mode. The
-        fast verb takes an untimed turn on one key of an in-process queue,
-        free (or held by holder already): no steps, nothing allocated. Then
-        ``_holder`` is set; else the steps take the turn (see _start).
+        the current task, whose loop is then settled in the thread mode;
+        ``lined``: holder holds the key's line already (submitted work). An
+        untimed turn on one key of an in-process queue is a turn alone: the
+        fast verb takes it if it is free (or held by holder already), and
+        ``_holder`` is set; if it is busy, ``_parts`` is ``_ALONE`` and the
+        caller waits in the key's line alone (see wait_alone). Any other turn
+        (``_parts`` is ``_STEPS``) is taken by its steps (see _start). No
+        steps, nothing allocated for a turn alone.
         """
         registry = self._registry
         if holder is None:
@@ -229,13 +240,20 @@ class Turn:
             if loop_of(holder) is not mode.solo:
                 mode.settle(loop_of(holder))
         if registry.timed or self._hold is not None or len(self.keys) != 1:
+            self._parts = _STEPS
             return holder
-        got = registry.try_take(self.keys[0], holder)  # the fast verb first
-        if got is not False:
-            self._parts = None if got is True else _NOTHING
-            self.token = next(registry.tokens)
-            self._holder = holder
+        got = True if lined else registry.try_take(self.keys[0], holder)  # the fast verb first
+        if got is False:
+            self._parts = _ALONE  # (busy: the caller waits in the key's line, alone)
+            return holder
+        self._held_alone(holder, got)
         return holder
+
+    def _held_alone(self, holder: object, got: bool | Held = True) -> None:
+        """The turn is holder's, taken with no steps (reentrant: HELD)."""
+        self._parts = None if got is True else _NOTHING
+        self.token = next(self._registry.tokens)
+        self._holder = holder
 
     def _drive(self, task: asyncio.Task[Any], steps: Steps, wait: tuple[int, Any]) -> Any:
         """The coroutine that performs steps' waits for task, from wait on (see _drive)."""
@@ -259,10 +277,14 @@ class Turn:
             )
         me = self._enter_now(self._me())
         if self._holder is None:
-            begun = self._start(me, 0.0, False)
-            if begun is not None:
-                self._drive_sync(me, *begun)
-            self._holder = me
+            if self._parts is _ALONE:
+                wait_alone_sync(self._registry, self.keys[0], me, self._timeout)
+                self._held_alone(me)
+            else:
+                begun = self._start(me, 0.0, False)
+                if begun is not None:
+                    self._drive_sync(me, *begun)
+                self._holder = me
         return self
 
     def __exit__(
@@ -463,13 +485,17 @@ async def call_in_turn(
     settled in the thread mode); ``lined``: it holds the turn's lines already,
     asked for at ``since`` (submitted work, see _submit).
     """
-    here: asyncio.Task[Any] = task if lined else turn._enter_now(task)  # type: ignore[assignment]
+    here: asyncio.Task[Any] = turn._enter_now(task, lined)  # type: ignore[assignment]
     task = here
     if turn._holder is None:
-        begun = turn._start(task, since, lined)
-        if begun is not None:
-            await turn._drive(task, *begun)
-        turn._holder = task
+        if turn._parts is _ALONE:
+            await wait_alone(turn._registry, turn.keys[0], task, turn._timeout)
+            turn._held_alone(task)
+        else:
+            begun = turn._start(task, since, lined)
+            if begun is not None:
+                await turn._drive(task, *begun)
+            turn._holder = task
     try:
         result = fn(*args, **kwargs)
         if type(result) is CoroutineType or isawaitable(result):
