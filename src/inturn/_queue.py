@@ -8,7 +8,7 @@ import threading
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Hashable
 from inspect import isawaitable
-from types import CoroutineType, MappingProxyType
+from types import CoroutineType
 from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeVar, final, overload
 
 from ._batch import Batch
@@ -667,23 +667,12 @@ class KeyedQueue:
         Safe from any thread (a metrics exporter's, say) while the queue's
         event loop runs: the counts are then as of one moment or the next.
         """
-        registry = self._registry
+        registry, slots = self._registry, self._slots
         with registry.mode.guard():
             holders, waiting = registry.holders()
-            slots = self._slots
-            tally = registry.tally
-            timed = registry.timed
-            return QueueStats(
-                running=len(holders) if slots is None else len(slots.holders),
-                waiting_for_slot=0 if slots is None else slots.waiting,
-                waiting=MappingProxyType(waiting),
-                completed=tally.completed,
-                failed=tally.failed,
-                timed_out=tally.timed_out,
-                cancelled=tally.cancelled,
-                wait_time=tally.waited if timed else None,
-                hold_time=tally.held if timed else None,
-            )
+            running = len(holders) if slots is None else len(slots.holders)
+            in_line = 0 if slots is None else slots.waiting
+            return registry.tally.snapshot(running, in_line, waiting, registry.timed)
 
     # -- lifecycle ------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ from collections.abc import Hashable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Protocol, final
 
 __all__ = ("FUNCTION", "Observer", "QueueStats", "Tally", "function_label", "labelled")
@@ -134,6 +135,22 @@ class Tally:
             self.cancelled += 1
         if self.observer is not None:
             _tell(self.observer, "missed", error, FUNCTION.get())
+
+    def snapshot(
+        self, running: int, in_line: int, waiting: dict[Hashable, int], timed: bool
+    ) -> QueueStats:
+        """The QueueStats of a queue with these counts now (``in_line``: waiting for a slot)."""
+        return QueueStats(
+            running=running,
+            waiting_for_slot=in_line,
+            waiting=MappingProxyType(waiting),
+            completed=self.completed,
+            failed=self.failed,
+            timed_out=self.timed_out,
+            cancelled=self.cancelled,
+            wait_time=self.waited if timed else None,
+            hold_time=self.held if timed else None,
+        )
 
     def refused(self, error: BaseException) -> None:
         """Tell the observer of work refused at once (QueueFull): never queued, not counted."""
