@@ -29,7 +29,7 @@ from ._line import ThreadWaiter
 from ._tasks import retrieve
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable
+    from collections.abc import Awaitable, Coroutine
 
     from ._line import Waiter
     from ._registry import Registry
@@ -45,6 +45,9 @@ __all__ = (
     "Steps",
     "drive",
     "drive_sync",
+    "give_up",
+    "line_up",
+    "seated",
     "wait_alone",
     "wait_alone_sync",
 )
@@ -96,69 +99,123 @@ def _expire(waiter: asyncio.Future[None], place: Place, key: Hashable, limit: fl
         waiter.set_exception(place.too_late(key, limit))
 
 
-async def _wait_in(
-    place: Place, key: Hashable, task: asyncio.Task[Any], left: float | None, limit: float | None
-) -> None:
-    """Wait in place's line for task; return holding the place."""
+#: A task's place in a line, while it waits: the line, the waiter, its time limit's timer.
+Queued = tuple[Any, "asyncio.Future[None]", "asyncio.TimerHandle | None"]
+
+
+def line_up(
+    place: Place,
+    key: Hashable,
+    task: asyncio.Task[Any],
+    left: float | None,
+    limit: float | None,
+    alone: Registry | None = None,
+) -> Queued | None:
+    """Join place's line for task, its time limit armed; None if task took the place at once.
+
+    A task awaits the waiter in its own frame (a coroutine more per waiting
+    task would cost it some 300 bytes), then calls :func:`seated`, or
+    :func:`give_up` if the wait was interrupted. ``alone``: the registry of a
+    turn on this key alone (no steps around it), which counts the turn as
+    missed if it is not reached.
+    """
     loop = task.get_loop()
     waiter: asyncio.Future[None] = loop.create_future()
-    line = place.join(key, task, waiter, left)
-    if line is None:
-        return
-    timer = None if left is None else loop.call_later(left, _expire, waiter, place, key, limit)
     try:
-        await waiter
-    except BaseException:
-        place.abandon(key, line, waiter)
+        line = place.join(key, task, waiter, left)
+    except BaseException as error:
+        if alone is not None:
+            alone.missed(error)
         raise
-    finally:
-        if timer is not None:
-            timer.cancel()
+    if line is None:
+        return None
+    timer = None if left is None else loop.call_later(left, _expire, waiter, place, key, limit)
+    return line, waiter, timer
+
+
+def seated(place: Place, key: Hashable, task: asyncio.Task[Any], queued: Queued) -> None:
+    """After line_up's waiter completed: task holds the place."""
+    line, waiter, timer = queued
+    if timer is not None:
+        timer.cancel()
     place.settle(key, line, waiter, task)
 
 
+def give_up(
+    place: Place, key: Hashable, queued: Queued, error: BaseException, alone: Registry | None = None
+) -> None:
+    """After line_up's wait was interrupted (cancelled, timed out): leave the line."""
+    line, waiter, timer = queued
+    if timer is not None:
+        timer.cancel()
+    place.abandon(key, line, waiter)
+    if alone is not None:
+        alone.missed(error)
+
+
+async def _wait_in(
+    place: Place,
+    key: Hashable,
+    task: asyncio.Task[Any],
+    left: float | None,
+    limit: float | None,
+    alone: Registry | None = None,
+) -> None:
+    """Wait in place's line for task; return holding the place (see line_up)."""
+    queued = line_up(place, key, task, left, limit, alone)
+    if queued is not None:
+        try:
+            await queued[1]
+        except BaseException as error:
+            give_up(place, key, queued, error, alone)
+            raise
+        seated(place, key, task, queued)
+
+
 def _wait_in_sync(
-    place: Place, key: Hashable, me: object, left: float | None, limit: float | None
+    place: Place,
+    key: Hashable,
+    me: object,
+    left: float | None,
+    limit: float | None,
+    alone: Registry | None = None,
 ) -> None:
-    """Block thread me in place's line; return holding the place."""
+    """Block thread me in place's line; return holding the place (``alone``: see _wait_in)."""
     waiter = ThreadWaiter()
-    line = place.join(key, me, waiter, left)
-    if line is None:
-        return
     try:
-        if left is None:
-            waiter.lock.acquire()
-        else:
-            waiter.lock.acquire(timeout=left)
-    except BaseException:  # interrupted: KeyboardInterrupt, or a signal handler's
-        place.abandon(key, line, waiter)
+        line = place.join(key, me, waiter, left)
+        if line is None:
+            return
+        try:
+            if left is None:
+                waiter.lock.acquire()
+            else:
+                waiter.lock.acquire(timeout=left)
+        except BaseException:  # interrupted: KeyboardInterrupt, or a signal handler's
+            place.abandon(key, line, waiter)
+            raise
+        if not place.settle(key, line, waiter, me):  # timed out (and not handed just then)
+            place.abandon(key, line, waiter)
+            raise place.too_late(key, limit)  # noqa: TRY301 - counted below, as every miss
+    except BaseException as error:
+        if alone is not None:
+            alone.missed(error)
         raise
-    if not place.settle(key, line, waiter, me):  # timed out (and not handed just then)
-        place.abandon(key, line, waiter)
-        raise place.too_late(key, limit)
 
 
-async def wait_alone(
+def wait_alone(
     registry: Registry, key: Hashable, task: asyncio.Task[Any], timeout: float | None
-) -> None:
+) -> Coroutine[Any, Any, None]:
     """Wait in key's line for task, for a turn on that key alone (no steps around it).
 
     Return holding the key; if it is not reached, the turn is counted as missed.
     """
-    try:
-        await _wait_in(registry, key, task, timeout, timeout)
-    except BaseException as error:
-        registry.missed(error)
-        raise
+    return _wait_in(registry, key, task, timeout, timeout, registry)
 
 
 def wait_alone_sync(registry: Registry, key: Hashable, me: object, timeout: float | None) -> None:
     """wait_alone, for thread me: blocking it."""
-    try:
-        _wait_in_sync(registry, key, me, timeout, timeout)
-    except BaseException as error:
-        registry.missed(error)
-        raise
+    _wait_in_sync(registry, key, me, timeout, timeout, registry)
 
 
 async def _settle(release: Awaitable[None]) -> None:
@@ -223,7 +280,14 @@ async def drive(
                 else:
                     place = places[kind]
                     assert place is not None
-                    await _wait_in(place, arg, task, deadline.left(), limit)
+                    queued = line_up(place, arg, task, deadline.left(), limit)
+                    if queued is not None:  # (awaited here: see line_up)
+                        try:
+                            await queued[1]
+                        except BaseException as problem:
+                            give_up(place, arg, queued, problem)
+                            raise
+                        seated(place, arg, task, queued)
         except BaseException as problem:  # thrown into the steps, which roll back
             error = problem
         next_wait = _answer(steps, reply, error)

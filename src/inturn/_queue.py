@@ -23,7 +23,7 @@ from ._checks import (
 )
 from ._checks import Unset as _Unset
 from ._describe import describe
-from ._drive import wait_alone
+from ._drive import give_up, line_up, seated
 from ._keyspec import KeySpec, KeysSpec
 from ._line import held_by
 from ._line import resolve as _resolve
@@ -288,10 +288,15 @@ class KeyedQueue:
         # (A busy key: the wait in its line that a turn alone makes.)
         if line is None:
             lines[key] = task
-        elif callable(fn):
-            await wait_alone(registry, key, task, self._timeout)
-        else:
+        elif not callable(fn):
             raise TypeError(f"inturn: run() needs a callable, got {describe(fn)}")
+        elif queued := line_up(registry, key, task, self._timeout, self._timeout, registry):
+            try:  # (awaited in this frame: see line_up)
+                await queued[1]
+            except BaseException as error:
+                give_up(registry, key, queued, error, registry)
+                raise
+            seated(registry, key, task, queued)
         try:
             # fn() and fn(*args) are cheaper than fn(*args, **kwargs) when they fit
             result = fn(*args, **kwargs) if kwargs else fn(*args) if args else fn()

@@ -224,8 +224,10 @@ class Registry:
         Return the line joined. Raise if the queue is closed, the line is
         full (QueueFull), or the key is busy and there is no time to wait.
         """
-        with self.mode.guard():
-            return self._join(key, holder, waiter, timeout)
+        if self.mode.shared:
+            with self.mode.locked():
+                return self._join(key, holder, waiter, timeout)
+        return self._join(key, holder, waiter, timeout)
 
     def _join(
         self, key: Hashable, holder: object, waiter: Waiter, timeout: float | None
@@ -271,19 +273,25 @@ class Registry:
         lines (its holder left and no live waiter remained), and a new line
         may even stand for the same key.
         """
-        with self.mode.guard():
-            if type(line) is Gate:
-                line.drop(waiter, self.mode.shared)
-                if line.idle:
-                    del self.lines[key]
-            elif line.holder is waiter:
-                # The turn was handed over just as the waiter was interrupted:
-                # pass it on, or the line would stall behind a caller that left.
-                self.leave(key, self.lines.pop(key), None, None)
-            else:
-                waiter.cancel()  # so that the hand-off skips it
-                line.waiting -= 1
-                line.compact()
+        if self.mode.shared:
+            with self.mode.locked():
+                self._abandon(key, line, waiter)
+        else:
+            self._abandon(key, line, waiter)
+
+    def _abandon(self, key: Hashable, line: Line | Gate, waiter: Waiter) -> None:
+        if type(line) is Gate:
+            line.drop(waiter, self.mode.shared)
+            if line.idle:
+                del self.lines[key]
+        elif line.holder is waiter:
+            # The turn was handed over just as the waiter was interrupted:
+            # pass it on, or the line would stall behind a caller that left.
+            self.leave(key, self.lines.pop(key), None, None)
+        else:
+            waiter.cancel()  # so that the hand-off skips it
+            line.waiting -= 1
+            line.compact()
 
     def too_late(self, key: Hashable, limit: float | None) -> TimeoutError:
         """The error of key's turn not reached within limit (see _drive.Place)."""

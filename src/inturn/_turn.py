@@ -24,7 +24,19 @@ from types import CoroutineType, MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn, cast, final
 
 from ._describe import describe
-from ._drive import GRANT, LINE, SLOT, Steps, drive, drive_sync, wait_alone, wait_alone_sync
+from ._drive import (
+    GRANT,
+    LINE,
+    SLOT,
+    Steps,
+    drive,
+    drive_sync,
+    give_up,
+    line_up,
+    seated,
+    wait_alone,
+    wait_alone_sync,
+)
 from ._hold import Clock
 from ._line import HELD, Held, held_by
 from ._shared import CURRENT, Shared
@@ -186,8 +198,16 @@ class Turn:
     async def __aenter__(self) -> Turn:
         task: asyncio.Task[Any] = self._enter_now(None)  # type: ignore[assignment]
         if self._holder is None:
-            if self._parts is _ALONE:
-                await wait_alone(self._registry, self.keys[0], task, self._timeout)
+            if self._parts is _ALONE:  # (awaited in this frame: see line_up)
+                registry, key, timeout = self._registry, self.keys[0], self._timeout
+                queued = line_up(registry, key, task, timeout, timeout, registry)
+                if queued is not None:
+                    try:
+                        await queued[1]
+                    except BaseException as error:
+                        give_up(registry, key, queued, error, registry)
+                        raise
+                    seated(registry, key, task, queued)
                 self._held_alone(task)
             else:
                 begun = self._start(task, 0.0, False)
