@@ -232,10 +232,13 @@ class Registry:
     def _join(
         self, key: Hashable, holder: object, waiter: Waiter, timeout: float | None
     ) -> Line | Gate | None:
-        if self._try_take(key, holder) is True:  # (never HELD: one waits for no key one holds)
-            return None
         lines = self.lines
-        line = lines[key]
+        line = lines.get(key)
+        # (holder holds no key it waits for: a bare holder or a Line is busy)
+        if line is None or type(line) is Gate or not self.open:
+            if self._try_take(key, holder) is True:  # (free after all, or a free place)
+                return None
+            line = lines[key]
         if type(line) is not Line and type(line) is not Gate:
             line = lines[key] = Line(line)
         if self.max_pending is not None and line.waiting >= self.max_pending:
@@ -247,7 +250,7 @@ class Registry:
             raise missed_turn(key, 0)
         line.waiters.append(waiter)
         line.waiting += 1
-        return line  # type: ignore[no-any-return]
+        return line
 
     def settle(self, key: Hashable, line: Line | Gate, waiter: Waiter, holder: object) -> bool:
         """Make holder the holder of key's turn handed to waiter; False if it was not handed.
