@@ -281,8 +281,9 @@ class KeyedQueue:
         except TypeError:
             raise unhashable(key) from None
         if task is None or loop_of(task) is not mode.fast_loop or held_by(line, task):
+            keys = (key,) if self._backend is None else self._backend.order((key,))
             timeout, hold = self._timeout, self._max_hold
-            return await self._run_keyed((key,), fn, args, kwargs, timeout, hold, task)
+            return await self._run_keyed(keys, fn, args, kwargs, timeout, hold, task)
         # NOTE: the licensed inline path (see _registry): a free key on the fast
         # loop is a dict insert, and its release a pop, as try_take and finish do.
         # (A busy key: the wait in its line that a turn alone makes.)
@@ -300,7 +301,7 @@ class KeyedQueue:
         try:
             # fn() and fn(*args) are cheaper than fn(*args, **kwargs) when they fit
             result = fn(*args, **kwargs) if kwargs else fn(*args) if args else fn()
-            if type(result) is CoroutineType or isawaitable(result):
+            if type(result) is CoroutineType or (result is not None and isawaitable(result)):
                 result = await result
         except BaseException as error:
             registry.finish(key, task, error, None)
@@ -328,11 +329,14 @@ class KeyedQueue:
         The path of every call but run()'s inline one: a shared backend,
         another loop or a thread, flow control, an observer, and the
         decorator's keys=, or a timeout or max_hold of its own. ``task``: the
-        caller's, when it runs the coroutine at once (run()).
+        caller's, when it runs the coroutine at once (run(), whose keys are
+        checked and ordered already).
         """
         if not callable(fn):
             raise TypeError(f"inturn: run() needs a callable, got {describe(fn)}")
-        turn = Turn(self._registry, self._registry.ordered(keys), timeout, hold)
+        if task is None:  # (else run()'s: its one key is checked already)
+            keys = self._registry.ordered(keys)
+        turn = Turn(self._registry, keys, timeout, hold)
         if task is None or self._registry.tally.observer is not None:
             return self._call(turn, fn, args, kwargs)
         self._registry.mode.settle(loop_of(task))

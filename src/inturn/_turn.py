@@ -518,7 +518,7 @@ async def call_in_turn(
             turn._holder = task
     try:
         result = fn(*args, **kwargs)
-        if type(result) is CoroutineType or isawaitable(result):
+        if type(result) is CoroutineType or (result is not None and isawaitable(result)):
             result = await result
     except BaseException as error:
         begun = turn._leave(error, None)
