@@ -38,7 +38,7 @@ from ._drive import (
     wait_alone_sync,
 )
 from ._hold import Clock
-from ._line import HELD, Held, held_by
+from ._line import HELD, held_by
 from ._shared import CURRENT, Shared
 from ._stats import FUNCTION, function_label
 from ._tasks import loop_here, loop_of, outside_asyncio
@@ -266,14 +266,14 @@ class Turn:
         if got is False:
             self._parts = _ALONE  # (busy: the caller waits in the key's line, alone)
             return holder
-        self._parts = None if got is True else _NOTHING  # (_held_alone, one call less)
+        self._parts = None if got is True else _NOTHING  # (HELD: reentrant, took nothing)
         self.token = next(registry.tokens)
         self._holder = holder
         return holder
 
-    def _held_alone(self, holder: object, got: bool | Held = True) -> None:
-        """The turn is holder's, taken with no steps (reentrant: HELD)."""
-        self._parts = None if got is True else _NOTHING
+    def _held_alone(self, holder: object) -> None:
+        """The turn is holder's: its one key, waited for alone (see _enter_now), is taken."""
+        self._parts = None
         self.token = next(self._registry.tokens)
         self._holder = holder
 
