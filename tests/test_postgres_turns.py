@@ -240,6 +240,70 @@ async def test_a_connection_the_server_ended_in_the_pool_is_replaced(own_postgre
         await backend.aclose()
 
 
+async def _session_ends(admin: Any, pid: int) -> bool:
+    """Whether the server's session pid is gone (asked until it is, or PATIENCE ran out)."""
+    deadline = asyncio.get_running_loop().time() + PATIENCE
+    while True:
+        cursor = await admin.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [pid])
+        row = await cursor.fetchone()
+        if row is not None and row[0] == 0:
+            return True
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+
+
+async def test_a_threads_turn_that_ends_after_aclose_closes_its_connection(
+    postgres_url: str, admin: Any
+) -> None:
+    """aclose() while a thread holds a key: the connection is closed when the turn ends,
+    not kept by a place nothing will close (left to the collector, with a ResourceWarning)."""
+    backend = _backend(postgres_url)
+    queue = KeyedQueue(backend=backend)
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with queue.keyed("k"):
+            inside.set()
+            assert leave.wait(PATIENCE)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    try:
+        assert await asyncio.to_thread(inside.wait, PATIENCE)
+        (pid,) = await _holders(admin)
+        await backend.aclose()
+    finally:
+        leave.set()
+        await asyncio.to_thread(thread.join, PATIENCE)
+    assert await _session_ends(admin, pid)
+
+
+async def test_a_tasks_turn_that_ends_after_aclose_closes_its_connection(
+    postgres_url: str, admin: Any
+) -> None:
+    """The same for a task's turn: aclose() from another task while it holds its key."""
+    backend = _backend(postgres_url)
+    queue = KeyedQueue(backend=backend)
+    inside, leave = asyncio.Event(), asyncio.Event()
+
+    async def hold() -> None:
+        async with queue.keyed("k"):
+            inside.set()
+            await leave.wait()
+
+    holder = asyncio.create_task(hold())
+    try:
+        await asyncio.wait_for(inside.wait(), PATIENCE)
+        (pid,) = await _holders(admin)
+        await backend.aclose()
+    finally:
+        leave.set()
+        await asyncio.wait_for(holder, PATIENCE)
+    assert await _session_ends(admin, pid)
+    await backend.aclose()
+
+
 # -- transaction=True ----------------------------------------------------------------------
 
 

@@ -164,10 +164,11 @@ class LoopPlace:
     """What the backend keeps for one event loop: its slots per tier, idle connections,
     and the watch of its answers' bounds."""
 
-    __slots__ = ("active", "given", "guard", "idle", "size", "tiers", "watch")
+    __slots__ = ("active", "closed", "given", "guard", "idle", "size", "tiers", "watch")
 
     def __init__(self, size: int, given: Any = None) -> None:
         self.size = size
+        self.closed = False  # by aclose() or the loop's end: keeps no connection given back
         self.watch = Watch(asyncio.get_running_loop())
         # the connections its turns use now: closed with the idle ones if the loop ends
         # first (a turn's ending in flight then never completes)
@@ -203,7 +204,7 @@ class LoopPlace:
     ) -> None:
         if connection is not None:
             self.active.discard(connection)
-            if ready is not None and reusable(connection):
+            if ready is not None and not self.closed and reusable(connection):
                 self.idle.append((connection, ready))
             else:
                 self._drop(connection)
@@ -217,7 +218,9 @@ class LoopPlace:
 
     async def close(self, ending: bool = False) -> None:
         """Close the idle connections (or give them back to the caller's pool); ``ending``:
-        the loop is ending, so those still in use too (their turns will never end them)."""
+        the loop is ending, so those still in use too (their turns will never end them).
+        Connections given back afterwards are closed (or given back) at once."""
+        self.closed = True
         if ending:
             active, self.active = self.active, set()
             for connection in active:
@@ -234,12 +237,13 @@ class LoopPlace:
 class ThreadPlace:
     """The same for the threads of this process."""
 
-    __slots__ = ("idle", "lock", "size", "tiers")
+    __slots__ = ("closed", "idle", "lock", "size", "tiers")
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.tiers: list[threading.BoundedSemaphore] = []
-        self.lock = threading.Lock()  # held to add a tier
+        self.lock = threading.Lock()  # held to add a tier, to keep a connection, and to close
+        self.closed = False
         self.idle: collections.deque[tuple[psycopg.Connection[Any], Any]] = collections.deque()
 
     def slots(self, tier: int) -> threading.BoundedSemaphore:
@@ -267,13 +271,18 @@ class ThreadPlace:
         try:
             if connection is not None:
                 if ready is not None and reusable(connection):
-                    self.idle.append((connection, ready))
-                else:
-                    _pg_wire.discard(connection)
+                    with self.lock:
+                        if not self.closed:
+                            self.idle.append((connection, ready))
+                            return
+                _pg_wire.discard(connection)
         finally:
             self.release(tier)
 
     def close(self) -> None:
+        """Close the idle connections; those given back afterwards are closed at once."""
+        with self.lock:
+            self.closed = True
         while self.idle:
             _pg_wire.discard(self.idle.pop()[0])
 
