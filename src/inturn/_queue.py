@@ -329,26 +329,18 @@ class KeyedQueue:
         The path of every call but run()'s inline one: a shared backend,
         another loop or a thread, flow control, an observer, and the
         decorator's keys=, or a timeout or max_hold of its own. ``task``: the
-        caller's, when it runs the coroutine at once (run(), whose keys are
-        checked and ordered already).
+        caller's, awaiting it at once (run(): keys are checked and ordered).
         """
         if not callable(fn):
             raise TypeError(f"inturn: run() needs a callable, got {describe(fn)}")
-        if task is None:  # (else run()'s: its one key is checked already)
+        if task is None:
             keys = self._registry.ordered(keys)
         turn = Turn(self._registry, keys, timeout, hold)
-        if task is None or self._registry.tally.observer is not None:
-            return self._call(turn, fn, args, kwargs)
-        self._registry.mode.settle(loop_of(task))
+        if self._registry.tally.observer is not None:  # (labelled for it)
+            return call_labelled(turn, fn, args, kwargs)
+        if task is not None and loop_of(task) is not self._registry.mode.solo:
+            self._registry.mode.settle(loop_of(task))  # (settle's test, one call less)
         return call_in_turn(turn, fn, args, kwargs, task)
-
-    def _call(
-        self, turn: Turn, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Coroutine[Any, Any, Any]:
-        """The coroutine that calls fn in turn (labelled for the queue's observer, if any)."""
-        if self._registry.tally.observer is None:
-            return call_in_turn(turn, fn, args, kwargs)
-        return call_labelled(turn, fn, args, kwargs)
 
     @overload
     def run_sync(

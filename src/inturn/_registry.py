@@ -314,13 +314,39 @@ class Registry:
         self, keys: Sequence[Hashable], holder: object, error: BaseException | None, result: Any
     ) -> None:
         """End holder's turns on keys (taken in that order), newest first."""
+        with self.mode.guard():
+            for key in reversed(keys):
+                self._release(key, holder, error, result)
+
+    def end(
+        self,
+        keys: Sequence[Hashable],
+        holder: object,
+        error: BaseException | None,
+        result: Any,
+        cut: bool,
+        since: float,
+    ) -> None:
+        """End holder's turns on keys (see release_all) and count the turn (see Tally.ended):
+        the end of a turn taken by its steps; ``since``: when a timed one started."""
+        held = (_monotonic() - since) if since else None
         if self.mode.shared:
             with self.mode.locked():
                 for key in reversed(keys):
                     self._release(key, holder, error, result)
+                self.tally.ended(error, cut, held)
+            return
+        lines = self.lines
+        for key in reversed(keys):
+            if (line := lines.pop(key)) is not holder:  # (_release, one call less)
+                self._hand_on(key, line, holder, error, result)
+        tally = self.tally
+        if error is None and tally.observer is None:  # (Tally.ended's first case)
+            tally.completed += 1
+            if held is not None:
+                tally.held += held
         else:
-            for key in reversed(keys):
-                self._release(key, holder, error, result)
+            tally.ended(error, cut, held)
 
     def finish(
         self, key: Hashable, holder: object, error: BaseException | None, result: Any
@@ -417,11 +443,14 @@ class Registry:
     def started(self, since: float) -> float:
         """Count the wait of a timed turn that was submitted at since and starts now; return now."""
         now = _monotonic()
+        tally = self.tally
         if self.mode.shared:
             with self.mode.locked():
-                self.tally.started(now - since)
+                tally.started(now - since)
+        elif tally.observer is None:
+            tally.waited += now - since  # (Tally.started's first case, one call less)
         else:
-            self.tally.started(now - since)
+            tally.started(now - since)
         return now
 
     def missed(self, error: BaseException) -> None:
@@ -433,15 +462,6 @@ class Registry:
                 self.tally.refused(error)
             else:
                 self.tally.missed(error)
-
-    def ended(self, error: BaseException | None, cut: bool, since: float) -> None:
-        """Count a turn that ended (see Tally.ended); a timed one started at since."""
-        held = (_monotonic() - since) if since else None
-        if self.mode.shared:
-            with self.mode.locked():
-                self.tally.ended(error, cut, held)
-        else:
-            self.tally.ended(error, cut, held)
 
     # -- looking at the lines ----------------------------------------------------------
 

@@ -480,9 +480,8 @@ class Turn:
                 failure = yield from shared.give_back(registry.backend, error)  # type: ignore[arg-type]
                 error, failure = shared.ended(registry.name, error, failure)
         finally:
-            registry.release_all(parts.taken, holder, error, result)
             if parts.taken:
-                registry.ended(error, cut is not None, parts.since)
+                registry.end(parts.taken, holder, error, result, cut is not None, parts.since)
         if cut is not None:
             raise cut
         if failure is not None and failure is error:
