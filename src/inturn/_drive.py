@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 
     from ._line import Waiter
     from ._registry import Registry
-    from .backends._base import Backend
 
 __all__ = (
     "CLOSE",
@@ -237,20 +236,20 @@ async def drive(
     steps: Steps,
     wait: tuple[int, Any],
     task: asyncio.Task[Any],
-    places: tuple[Place, Place | None],
-    backend: Backend | None,
+    registry: Registry,
     limit: float | None,
     since: float,
     via: bool,
 ) -> None:
     """Perform steps' waits for task, from wait on, until the steps end.
 
-    ``places``: the lines and the slots; ``limit``: the turn's timeout,
+    ``registry``: the lines, with their slots and backend; ``limit``: the turn's timeout,
     spent across its waits from ``since`` (monotonic; 0: from the first
     wait); ``via``: the backend's calls go through the process's backend
     loop (see ThreadMode.via).
     """
     deadline: Deadline | None = None
+    backend = registry.backend
     while True:
         kind, arg = wait
         reply: Any = None
@@ -266,21 +265,24 @@ async def drive(
                     release = close_via(backend, session, failed) if via else session.close(failed)
                 await _settle(release)
             else:
-                if deadline is None:
-                    clock = task.get_loop().time  # (the loop's: timers run on it)
-                    start = clock() - (_monotonic() - since) if since else 0.0
-                    deadline = Deadline(limit, clock, start)
+                left = None
+                if limit is not None:  # (no Deadline for none: one object less per waiter)
+                    if deadline is None:
+                        clock = task.get_loop().time  # (the loop's: timers run on it)
+                        start = clock() - (_monotonic() - since) if since else 0.0
+                        deadline = Deadline(limit, clock, start)
+                    left = deadline.left()
                 if kind == GRANT:
                     assert backend is not None
                     source, key = arg
                     if via:
-                        reply = await acquire_via(backend, source, key, deadline.left())
+                        reply = await acquire_via(backend, source, key, left)
                     else:
-                        reply = await source.acquire(key, deadline.left())
+                        reply = await source.acquire(key, left)
                 else:
-                    place = places[kind]
+                    place = registry if kind == LINE else registry.slots
                     assert place is not None
-                    queued = line_up(place, arg, task, deadline.left(), limit)
+                    queued = line_up(place, arg, task, left, limit)
                     if queued is not None:  # (awaited here: see line_up)
                         try:
                             await queued[1]
@@ -300,13 +302,13 @@ def drive_sync(
     steps: Steps,
     wait: tuple[int, Any],
     me: object,
-    places: tuple[Place, Place | None],
-    backend: Backend | None,
+    registry: Registry,
     limit: float | None,
     since: float,
 ) -> None:
     """Perform steps' waits for thread me, blocking it, from wait on (see drive)."""
     deadline: Deadline | None = None
+    backend = registry.backend
     while True:
         kind, arg = wait
         reply: Any = None
@@ -319,16 +321,19 @@ def drive_sync(
                 assert backend is not None
                 close_sync(backend, *arg)
             else:
-                if deadline is None:
-                    deadline = Deadline(limit, _monotonic, since)
+                left = None
+                if limit is not None:
+                    if deadline is None:
+                        deadline = Deadline(limit, _monotonic, since)
+                    left = deadline.left()
                 if kind == GRANT:
                     assert backend is not None
                     source, key = arg
-                    reply = acquire_sync(backend, source, key, deadline.left())
+                    reply = acquire_sync(backend, source, key, left)
                 else:
-                    place = places[kind]
+                    place = registry if kind == LINE else registry.slots
                     assert place is not None
-                    _wait_in_sync(place, arg, me, deadline.left(), limit)
+                    _wait_in_sync(place, arg, me, left, limit)
         except BaseException as problem:  # thrown into the steps, which roll back
             error = problem
         next_wait = _answer(steps, reply, error)

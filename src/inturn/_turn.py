@@ -84,6 +84,9 @@ class _Parts:
         self.shared: Shared | None = None  # on a shared backend
 
 
+#: The wait for a running slot.
+_SLOT = (SLOT, None)
+
 #: The parts of a reentrant turn on one key: it took nothing (never changed).
 _NOTHING = _Parts(0.0)
 #: Markers of a turn not taken yet (see Turn._enter_now): alone, its key busy; by steps.
@@ -283,8 +286,7 @@ class Turn:
         assert parts is not None
         shared = parts.shared
         via = shared is not None and shared.via
-        places = (registry, registry.slots)
-        return drive(steps, wait, task, places, registry.backend, self._timeout, parts.since, via)
+        return drive(steps, wait, task, registry, self._timeout, parts.since, via)
 
     # -- a thread's turn ---------------------------------------------------------------
 
@@ -332,8 +334,7 @@ class Turn:
         """Perform steps' waits for thread me, from wait on (see _drive)."""
         registry, parts = self._registry, self._parts
         assert parts is not None
-        places = (registry, registry.slots)
-        drive_sync(steps, wait, me, places, registry.backend, self._timeout, parts.since)
+        drive_sync(steps, wait, me, registry, self._timeout, parts.since)
 
     def _me(self) -> object:
         """Who takes a thread's turn: this thread, or a running loop's task that holds the keys.
@@ -434,7 +435,7 @@ class Turn:
             if slots is not None:
                 got = slots.try_take(holder)
                 if got is False:
-                    yield SLOT, None
+                    yield _SLOT  # (one tuple for every turn)
                 parts.slot = got is not HELD
         except BaseException as error:
             registry.missed(error)
