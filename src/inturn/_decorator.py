@@ -299,11 +299,6 @@ class _Flight:
         self.task = task
         self.joiners: list[asyncio.Future[Any]] = []
 
-    def join(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[Any]:
-        joiner: asyncio.Future[Any] = loop.create_future()
-        self.joiners.append(joiner)
-        return joiner
-
     def finish(self, error: BaseException | None, result: Any) -> None:
         """Wake every joiner with the call's outcome; call once nobody can join any more."""
         for joiner in self.joiners:
@@ -351,7 +346,8 @@ def _coalescing(start: _Start) -> _Start:
                 if flight.task is task:  # a reentrant call: run it inside the turn
                     flight = None
                     break
-                joiner = flight.join(loop)
+                joiner: asyncio.Future[Any] = loop.create_future()
+                flight.joiners.append(joiner)
             outcome = await joiner
             if outcome is not _RERUN:
                 return outcome
