@@ -26,16 +26,6 @@ from .backends import LineInfo
 __all__ = ("main",)
 
 
-async def _hammer(
-    increment: Callable[[str], Awaitable[None]], counters: dict[str, int], tasks: int
-) -> float:
-    """Run `tasks` concurrent increments spread over the counters; return seconds taken."""
-    names = list(counters)
-    start = time.perf_counter()
-    await asyncio.gather(*(increment(names[i % len(names)]) for i in range(tasks)))
-    return time.perf_counter() - start
-
-
 async def demo(tasks: int = 1000, keys: int = 4) -> tuple[dict[str, int], dict[str, int]]:
     """Increment counters with read-modify-write, without inturn and with it.
 
@@ -50,7 +40,8 @@ async def demo(tasks: int = 1000, keys: int = 4) -> tuple[dict[str, int], dict[s
         await asyncio.sleep(0)  # ... the round trip, where other tasks run ...
         counters[name] = value + 1  # write: lost if another task wrote meanwhile
 
-    unsafe = dict.fromkeys((f"counter-{i}" for i in range(keys)), 0)
+    names = [f"counter-{i}" for i in range(keys)]
+    unsafe = dict.fromkeys(names, 0)
     safe = dict(unsafe)
 
     async def increment_unsafe(name: str) -> None:
@@ -69,7 +60,9 @@ async def demo(tasks: int = 1000, keys: int = 4) -> tuple[dict[str, int], dict[s
         ("without inturn", increment_unsafe, unsafe),
         ("with inturn   ", increment_safe, safe),
     ):
-        seconds = await _hammer(increment, counters, tasks)
+        start = time.perf_counter()
+        await asyncio.gather(*(increment(names[i % keys]) for i in range(tasks)))
+        seconds = time.perf_counter() - start
         total = sum(counters.values())
         print(
             f"  {label}: {total:>6} counted, {tasks - total:>6} updates lost, "

@@ -158,12 +158,7 @@ class _Call:
                 describe(grant.key),
                 describe(self.backend),
             )
-            _release_here(self.backend, grant)
-
-
-def _release_here(backend: Source, grant: Grant) -> asyncio.Future[None]:
-    """(On the backend loop.) Release grant; the future of the release, which goes on alone."""
-    return _end_here(lambda: backend.release(grant))
+            _end_here(lambda: self.backend.release(grant))
 
 
 def _end_here(end: Callable[[], Awaitable[None]]) -> asyncio.Future[None]:
@@ -230,20 +225,21 @@ async def acquire_via(
 
 def release_via(backend: Backend, source: Source, grant: Grant) -> asyncio.Future[None]:
     """source.release(grant) on the backend's loop, for acquire_via's grant; it goes on alone."""
-    return _end_via(backend, lambda: source.release(grant))
+    return asyncio.wrap_future(_end_there(backend, lambda: source.release(grant)))
 
 
 def close_via(
     backend: Backend, session: TurnSession, error: BaseException | None
 ) -> asyncio.Future[None]:
     """session.close(error) on the backend's loop, for acquire_via's session; it goes on alone."""
-    return _end_via(backend, lambda: session.close(error))
+    return asyncio.wrap_future(_end_there(backend, lambda: session.close(error)))
 
 
-def _end_via(backend: Backend, end: Callable[[], Awaitable[None]]) -> asyncio.Future[None]:
+def _end_there(backend: Backend, end: Callable[[], Awaitable[None]]) -> Future[None]:
+    """Start end() on the backend's loop; the future of its outcome, for a thread or a task."""
     outcome: Future[None] = Future()
     _loop_for(backend).call_soon_threadsafe(_end_into, end, outcome)
-    return asyncio.wrap_future(outcome)
+    return outcome
 
 
 def _end_into(end: Callable[[], Awaitable[None]], outcome: Future[None]) -> None:
@@ -262,7 +258,7 @@ def release_sync(backend: Backend, source: Source, grant: Grant) -> None:
     if backend.capabilities.blocking:
         cast("BlockingBackend | BlockingTurnSession", source).release_sync(grant)
         return
-    _end_sync(backend, lambda: source.release(grant))
+    _end_there(backend, lambda: source.release(grant)).result()
 
 
 def close_sync(backend: Backend, session: TurnSession, error: BaseException | None) -> None:
@@ -270,22 +266,14 @@ def close_sync(backend: Backend, session: TurnSession, error: BaseException | No
     if backend.capabilities.blocking:
         cast("BlockingTurnSession", session).close_sync(error)
         return
-    _end_sync(backend, lambda: session.close(error))
-
-
-def _end_sync(backend: Backend, end: Callable[[], Awaitable[None]]) -> None:
-    outcome: Future[None] = Future()
-    _loop_for(backend).call_soon_threadsafe(_end_into, end, outcome)
-    outcome.result()
+    _end_there(backend, lambda: session.close(error)).result()
 
 
 def _settle_outcome(done: asyncio.Future[None], outcome: Future[Any]) -> None:
     try:
-        if done.cancelled():
-            outcome.set_result(None)
-        elif (error := done.exception()) is not None:
+        if not done.cancelled() and (error := done.exception()) is not None:
             outcome.set_exception(error)
         else:
-            outcome.set_result(None)
+            outcome.set_result(None)  # (a cancelled one too: the release went on alone)
     except concurrent.futures.InvalidStateError:
         pass  # cancelled by a task's wrap_future meanwhile: the release went on all the same

@@ -30,7 +30,7 @@ from ._checks import Unset as _Unset
 from ._checks import check_hold as _check_hold
 from ._checks import check_timeout as _check_timeout
 from ._describe import describe, function_name
-from ._keyspec import KeySpec, KeysSpec, compile_key
+from ._keyspec import KeyFunction, KeySpec, KeysSpec, compile_key
 from ._tasks import current_task as _current_task
 from ._tasks import in_loop_of, outside_asyncio
 
@@ -155,9 +155,6 @@ class Decorator(Protocol):
     def __call__(self, fn: Callable[P, R], /) -> SyncQueuedFunction[P, R]: ...
 
 
-_Call = Callable[[tuple[Any, ...], dict[str, Any]], Any]
-
-
 class _BoundQueued(wrapt.BoundFunctionWrapper):  # type: ignore[type-arg]
     """A decorated method, bound to its instance or class."""
 
@@ -218,7 +215,9 @@ class _Queued(wrapt.FunctionWrapper):  # type: ignore[type-arg]
 
     __bound_function_wrapper__ = _BoundQueued
 
-    def __init__(self, wrapped: Any, kind: type[Any], queue: KeyedQueue, key_of: _Call) -> None:
+    def __init__(
+        self, wrapped: Any, kind: type[Any], queue: KeyedQueue, key_of: KeyFunction
+    ) -> None:
         def through(
             wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
         ) -> Any:
@@ -300,11 +299,6 @@ class _Flight:
         self.task = task
         self.joiners: list[asyncio.Future[Any]] = []
 
-    def join(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[Any]:
-        joiner: asyncio.Future[Any] = loop.create_future()
-        self.joiners.append(joiner)
-        return joiner
-
     def finish(self, error: BaseException | None, result: Any) -> None:
         """Wake every joiner with the call's outcome; call once nobody can join any more."""
         for joiner in self.joiners:
@@ -352,7 +346,8 @@ def _coalescing(start: _Start) -> _Start:
                 if flight.task is task:  # a reentrant call: run it inside the turn
                     flight = None
                     break
-                joiner = flight.join(loop)
+                joiner: asyncio.Future[Any] = loop.create_future()
+                flight.joiners.append(joiner)
             outcome = await joiner
             if outcome is not _RERUN:
                 return outcome
@@ -428,25 +423,43 @@ def decorate(
     target = fn.__func__ if kind is not FunctionType else fn
     if not callable(target) or isinstance(target, type):
         raise TypeError(f"inturn: queue_by_key() decorates functions and methods; got {fn!r}")
-    if not inspect.iscoroutinefunction(target):
-        return _decorate_sync(runner, fn, kind, target, key, keys, limit, coalesce, hold)
-    return _decorate_async(runner, fn, kind, target, key, keys, limit, coalesce, hold)
+    if inspect.iscoroutinefunction(target):
+        extract, several = compile_key(target, key, keys)
+        call = _async_call(runner, target, extract, several, limit, coalesce, hold)
+        return _queued_type(call)(fn, kind, queue, extract)
+    # a plain def: its calls block their thread for the turn
+    if hold is not None:
+        raise TypeError(
+            f"inturn: max_hold={hold:g} s cannot cut a thread's turn short, and "
+            f"{function_name(target)} is a plain def (its calls block their thread); "
+            "decorate an async def, or leave max_hold out"
+        )
+    if coalesce:
+        raise TypeError(
+            "inturn: coalesce=True is for async def functions; "
+            f"{function_name(target)} is a plain def"
+        )
+    extract, several = compile_key(target, key, keys)
+    run_keyed_sync = runner.run_keyed_sync
+
+    def call_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
+        found = extract(args, kwargs)
+        return run_keyed_sync(found if several else (found,), target, args, kwargs, limit)
+
+    return _queued_type(call_sync)(fn, kind, queue, extract)
 
 
-def _decorate_async(
+def _async_call(
     runner: Runner,
-    fn: Any,
-    kind: type[Any],
     target: Callable[..., Any],
-    key: KeySpec,
-    keys: KeysSpec | None,
+    extract: KeyFunction,
+    several: bool,
     limit: float | None,
     coalesce: bool,
     hold: float | None,
-) -> Any:
-    """Apply queue_by_key to an async def: its calls return coroutines that take the turn."""
+) -> Callable[..., Any]:
+    """The __call__ of an async def's wrapper: (self, *args, **kwargs) -> the turn's coroutine."""
     queue = runner.queue
-    extract, several = compile_key(target, key, keys)
     # Calls arrive with args as target receives them: the instance or class
     # first for methods (see _BoundQueued).
     if several or limit != queue.timeout or hold != queue.max_hold:
@@ -471,50 +484,11 @@ def _decorate_async(
             def hot(self: Any, *args: Any, **kwargs: Any) -> Any:
                 return run(extract(args, kwargs), target, *args, **kwargs)
 
-            return _queued_type(hot)(fn, kind, queue, extract)
+            return hot
 
     begin: _Start = _coalescing(start) if coalesce else start
 
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         return begin(extract(args, kwargs), args, kwargs)
 
-    return _queued_type(call)(fn, kind, queue, extract)
-
-
-def _decorate_sync(
-    runner: Runner,
-    fn: Any,
-    kind: type[Any],
-    target: Callable[..., Any],
-    key: KeySpec,
-    keys: KeysSpec | None,
-    limit: float | None,
-    coalesce: bool,
-    hold: float | None,
-) -> Any:
-    """Apply queue_by_key to a plain def: its calls block their thread for the turn."""
-    if hold is not None:
-        raise TypeError(
-            f"inturn: max_hold={hold:g} s cannot cut a thread's turn short, and "
-            f"{function_name(target)} is a plain def (its calls block their thread); "
-            "decorate an async def, or leave max_hold out"
-        )
-    if coalesce:
-        raise TypeError(
-            "inturn: coalesce=True is for async def functions; "
-            f"{function_name(target)} is a plain def"
-        )
-    extract, several = compile_key(target, key, keys)
-    run_keyed = runner.run_keyed_sync
-
-    if several:
-
-        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-            return run_keyed(extract(args, kwargs), target, args, kwargs, limit)
-
-    else:
-
-        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-            return run_keyed((extract(args, kwargs),), target, args, kwargs, limit)
-
-    return _queued_type(call)(fn, kind, runner.queue, extract)
+    return call

@@ -30,6 +30,7 @@ KeyFunction: TypeAlias = Callable[[tuple[Any, ...], dict[str, Any]], Any]
 
 _MISSING: Final = inspect.Parameter.empty
 _POSITIONAL: Final = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+_VARIADIC: Final = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
 _FIELD_ROOT: Final = re.compile(r"[^.\[]*")
 
 
@@ -45,14 +46,6 @@ class _Signature:
         self.positions = {p.name: i for i, p in enumerate(params) if p.kind in _POSITIONAL}
         self.kinds = {p.name: p.kind for p in params}
         self.defaults = {p.name: p.default for p in params}
-
-    @property
-    def simple(self) -> bool:
-        """Whether no parameter is ``*args`` or ``**kwargs``."""
-        return all(
-            kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-            for kind in self.kinds.values()
-        )
 
     def check(self, names: Iterable[str], what: str) -> None:
         """Raise ValueError if ``what`` names a parameter the function lacks."""
@@ -84,7 +77,7 @@ class _Signature:
         kind = self.kinds[name]
         keyword = kind is not inspect.Parameter.POSITIONAL_ONLY
         bind = self.bind
-        if kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+        if kind in _VARIADIC:
             # the *args tuple or **kwargs dict itself: rare, bind the whole call
             return lambda args, kwargs: bind(args, kwargs)[name]
 
@@ -101,7 +94,7 @@ class _Signature:
 
     def mapping(self) -> Callable[[tuple[Any, ...], dict[str, Any]], Mapping[str, Any]]:
         """Compile ``(args, kwargs) -> read-only mapping of every argument by name``."""
-        if not self.simple:
+        if any(kind in _VARIADIC for kind in self.kinds.values()):  # *args or **kwargs
             bind = self.bind
             return lambda args, kwargs: MappingProxyType(bind(args, kwargs))
         getters = [(name, self.getter(name)) for name in self.kinds]
@@ -271,25 +264,17 @@ def _template(sig: _Signature, template: str) -> KeyFunction | str:
         # The common 'prefix-{param}suffix' shape: no str.format machinery per call.
         ((root, get),) = getters
         prefix, suffix = texts
-        index = sig.positions.get(root)
-        if index is None:
+        # passed by position, as most calls pass it: no second call (never, for a
+        # parameter that cannot be: its index is past any call's arguments)
+        index = sig.positions.get(root, sys.maxsize)
 
-            def key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-                try:
-                    return f"{prefix}{get(args, kwargs)}{suffix}"
-                except Exception:  # re-raised, clearer
-                    failed(args, kwargs)
-
-            return key
-
-        def key_at(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-            # passed by position, as most calls pass it: no second call
+        def key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
             try:
                 return f"{prefix}{args[index] if len(args) > index else get(args, kwargs)}{suffix}"
             except Exception:  # re-raised, clearer
                 failed(args, kwargs)
 
-        return key_at
+        return key
 
     def format_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         values = {name: get(args, kwargs) for name, get in getters}
@@ -376,10 +361,7 @@ def compile_key(
                 for part, dynamic in compiled
             )
         ), True
-    if key is None:
-        name = f"{function.__module__}.{function.__qualname__}"
-        return (lambda args, kwargs: name), False
-    part = _one(sig, key)
+    part = f"{function.__module__}.{function.__qualname__}" if key is None else _one(sig, key)
     if callable(part):
         return part, False
     return (lambda args, kwargs: part), False

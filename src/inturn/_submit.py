@@ -1,6 +1,7 @@
 """submit(): work queued as data in its key's line, its Handle, producers' backpressure.
 
-A submission joins its key's line when ``submit()`` is called, in arrival
+On every queue (with a backend, ``concurrency`` or ``max_running`` too), a
+submission joins its key's line when ``submit()`` is called, in arrival
 order with every other caller of the key (tasks, threads, other
 submissions). Taking a free key, it becomes the key's holder at once and
 its task starts; finding the key busy, it waits in the key's line as data
@@ -21,7 +22,8 @@ place itself then. NOTE: a task cancelled by someone else before its first
 step (code cancelling every task of a running loop) runs none of its code,
 so its work keeps its place until the loop's shutdown (the watch below then
 gives it up); a done callback per task would free it at once, but measured
-10% of a submission's cost (bench (g)).
+10% of a submission's cost (bench (g)). The task enters the turn's steps
+holding its line already (see ``_run``).
 
 Work waiting as data is no task, so asyncio.run()'s shutdown, which
 cancels the loop's tasks, cannot cancel it; and a hand-off during that
@@ -30,11 +32,6 @@ loop's end. So the first work of a loop to wait as data starts a watch on
 the loop: an async generator, which the loop closes at its shutdown
 (``shutdown_asyncgens()``), and which then cancels that loop's submitted
 work still pending and waits for it to leave its lines.
-
-On every queue (with a backend, ``concurrency`` or ``max_running`` too) a
-submission joins its key's line at the call; its task then enters the
-turn's steps holding its line already (see ``_turn``): with a backend, it
-takes the key's grant there, then a running slot.
 """
 
 from __future__ import annotations
@@ -154,6 +151,7 @@ class Handle(Deferred, Generic[R]):
         failed: list[Handle[Any]],
         batch: Batch | None,
     ) -> None:
+        """Count the new handle among its queue's (and its batch's) unfinished."""
         self._queue = queue
         self.key = key
         self._fn = fn
@@ -174,6 +172,9 @@ class Handle(Deferred, Generic[R]):
         # add_done_callback's callbacks, each with what the future calls instead (made on first use)
         self._callbacks: list[tuple[Callable[[Handle[R]], object], Callable[..., object]]] | None
         self._callbacks = None
+        queue.handles.add(self)
+        if batch is not None:
+            batch._handles.add(self)
 
     def __await__(self) -> Generator[Any, None, R]:
         future = self._future
@@ -351,7 +352,7 @@ class Handle(Deferred, Generic[R]):
         self._task = task
 
     def _ended(self, error: BaseException | None, result: Any) -> None:
-        """Give the handle the outcome of its work, from the work's task."""
+        """Give the handle the outcome of its work, from the work's task (or its refusal)."""
         future = self._future
         if error is None:
             future.set_result(result)
@@ -363,12 +364,6 @@ class Handle(Deferred, Generic[R]):
             future.set_exception(error)
             future.exception()  # retrieved: it reaches the handle's awaiters, or its batch
             self._finish(True)
-
-    def _fail(self, error: BaseException) -> None:
-        """End work that never ran with error (refused when submitted)."""
-        self._future.set_exception(error)
-        self._future.exception()
-        self._finish(True)
 
     def _finish(self, failed: bool) -> None:
         """Let the queue and the batch know the work has finished (failed: with an error)."""
@@ -447,7 +442,11 @@ async def submit(
         raise TypeError(f"inturn: submit() needs a callable, got {describe(fn)}")
     registry = queue.registry
     key = registry.ordered((key,))[0]  # (checked: hashable, or a backend's kind)
-    loop = _admitted(queue, key)
+    if not registry.open:
+        raise QueueClosed(
+            f"inturn: the queue is closed; the work for key {describe(key)} was not queued"
+        )
+    loop = running_loop("submit()")
     slots = queue.slots
     me = None
     if slots is not None:
@@ -455,7 +454,7 @@ async def submit(
         # (work for a busy key waits in its line, and takes no slot until its turn)
         if slots.free <= slots.unplaced and slots.needs(key, me):
             await slots.backpressure(key, me, loop)
-    handle = _new_handle(queue, key, fn, args, kwargs, loop, failed, batch)
+    handle: Handle[Any] = Handle(queue, key, fn, args, kwargs, loop.create_future(), failed, batch)
     if registry.timed:
         handle._since = _monotonic()
     refused: BaseException | None = None
@@ -476,7 +475,7 @@ async def submit(
                     slots.wake_producers_behind()
     if refused is not None:
         registry.missed(refused)
-        handle._fail(refused)
+        handle._ended(refused, None)
     elif line is None:
         handle._task = loop.create_task(_run(handle))
         _watch(loop, queue)  # (see the module's doc: a task cancelled before its first step)
@@ -546,33 +545,6 @@ async def _shutdown(queues: weakref.WeakSet[Submissions]) -> AsyncGenerator[None
                         tasks.append(task)
         if tasks:  # they leave their lines as they end
             await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _admitted(queue: Submissions, key: Hashable) -> asyncio.AbstractEventLoop:
-    """submit()'s refusal of a closed queue; the caller's running loop."""
-    if not queue.registry.open:
-        raise QueueClosed(
-            f"inturn: the queue is closed; the work for key {describe(key)} was not queued"
-        )
-    return running_loop("submit()")
-
-
-def _new_handle(
-    queue: Submissions,
-    key: Hashable,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    loop: asyncio.AbstractEventLoop,
-    failed: list[Handle[Any]],
-    batch: Batch | None,
-) -> Handle[Any]:
-    """A handle for submitted work, counted among the queue's (and its batch's) unfinished."""
-    handle: Handle[Any] = Handle(queue, key, fn, args, kwargs, loop.create_future(), failed, batch)
-    queue.handles.add(handle)
-    if batch is not None:
-        batch._handles.add(handle)
-    return handle
 
 
 def failures(message: str, errors: list[BaseException]) -> BaseExceptionGroup[BaseException]:

@@ -195,16 +195,8 @@ class _Metrics:
 
 
 _LOCK = threading.Lock()
+#: Each meter provider's instruments (None: the global provider's), made once.
 _INSTRUMENTS: dict[MeterProvider | None, _Instruments] = {}
-
-
-def _instruments(provider: MeterProvider | None) -> _Instruments:
-    """The instruments of provider (None: the global one), made once."""
-    with _LOCK:
-        instruments = _INSTRUMENTS.get(provider)
-        if instruments is None:
-            instruments = _INSTRUMENTS[provider] = _Instruments(provider)
-        return instruments
 
 
 def instrument(*queues: KeyedQueue, meter_provider: MeterProvider | None = None) -> None:
@@ -224,7 +216,10 @@ def instrument(*queues: KeyedQueue, meter_provider: MeterProvider | None = None)
     for queue in chosen:
         if not isinstance(queue, KeyedQueue):
             raise TypeError(f"inturn: instrument() takes KeyedQueue objects, got {queue!r}")
-    instruments = _instruments(meter_provider)
+    with _LOCK:
+        instruments = _INSTRUMENTS.get(meter_provider)
+        if instruments is None:
+            instruments = _INSTRUMENTS[meter_provider] = _Instruments(meter_provider)
     for queue in chosen:
         with _LOCK:
             for other in _INSTRUMENTS.values():
