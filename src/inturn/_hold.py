@@ -46,7 +46,7 @@ from typing import Any, Final, final
 from ._describe import describe
 from ._errors import HoldTimeout
 
-__all__ = ("Clock",)
+__all__ = ("Clock", "start_clock")
 
 #: Whether a task counts its cancellation requests (Task.cancelling(), uncancel()).
 _COUNTS: Final = sys.version_info >= (3, 11)
@@ -126,31 +126,20 @@ def _timer(loop: asyncio.AbstractEventLoop, limit: float) -> _Timer:
 
 @final
 class Clock:
-    """A turn's max_hold: cancels the holding task when the limit runs out."""
+    """A turn's max_hold: cancels the holding task when the limit runs out.
+
+    Made by :func:`start_clock`. Once stopped, it is no longer its turn's:
+    its timer may start it again for another turn.
+    """
 
     __slots__ = ("cancelling", "deadline", "expired", "limit", "task")
 
-    task: asyncio.Task[Any] | None  # the holding task; None once stopped (done)
-
-    def __init__(self, task: asyncio.Task[Any], limit: float) -> None:
-        self.task = task
-        self.limit = limit
-        self.expired = False
-        # the task's cancellation requests before this one (as asyncio.timeout() counts them)
-        self.cancelling = 0
-        if _COUNTS:
-            self.cancelling = task.cancelling()  # type: ignore[attr-defined, unused-ignore]
-        loop = task.get_loop()
-        timer = _last()
-        if timer is None or timer.loop is not loop or timer.limit != limit:
-            timer = _timer(loop, limit)
-        self.deadline = deadline = timer.now() + limit
-        clocks = timer.clocks
-        if clocks and clocks[0].task is None:
-            clocks.popleft()  # (one per clock started: the FIFO stays short while turns end)
-        clocks.append(self)
-        if timer.handle is None:
-            timer.arm(deadline)
+    task: asyncio.Task[Any] | None  #: the holding task; None once stopped (done)
+    limit: float  #: the turn's max_hold, seconds
+    deadline: float  #: when it runs out, in its loop's time()
+    expired: bool  #: whether it ran out (the task was cancelled)
+    #: the task's cancellation requests before this one (as asyncio.timeout() counts them)
+    cancelling: int
 
     def expire(self) -> None:
         """Cut the work: the limit ran out (see _Timer)."""
@@ -159,17 +148,20 @@ class Clock:
 
     def stop(self, keys: tuple[Hashable, ...], error: BaseException | None) -> HoldTimeout | None:
         """Stop the clock; the HoldTimeout (caused by error) to raise if the limit cut the work."""
-        task, self.task = self.task, None  # done: its timer drops it, and keeps no task
         if not self.expired:
+            self.task = None  # done: its timer drops it (and keeps no task)
             return None
+        # (read first: once done, the clock may serve another turn, see start_clock)
+        task, limit, cancelling = self.task, self.limit, self.cancelling
+        self.task = None
         assert task is not None
-        if sys.version_info >= (3, 11) and task.uncancel() > self.cancelling:
+        if sys.version_info >= (3, 11) and task.uncancel() > cancelling:
             return None  # cancelled from elsewhere too: that cancellation goes on
         if not isinstance(error, asyncio.CancelledError):
             return None  # the work caught the cancellation and ended by itself
         what = ", ".join(map(describe, keys))
         cut = HoldTimeout(
-            f"inturn: the work held {what} longer than max_hold={self.limit:g} s "
+            f"inturn: the work held {what} longer than max_hold={limit:g} s "
             "and was cancelled; the next in line started after it finished"
         )
         cut.__cause__ = error
@@ -178,3 +170,26 @@ class Clock:
     def __repr__(self) -> str:
         state = "stopped" if self.task is None else "cut" if self.expired else "running"
         return f"<Clock max_hold={self.limit:g} s {state}, deadline {self.deadline:.3f}>"
+
+
+def start_clock(task: asyncio.Task[Any], limit: float) -> Clock:
+    """Start the clock of task's turn: cut it in limit seconds, unless stopped first."""
+    loop = task.get_loop()
+    timer = _last()
+    if timer is None or timer.loop is not loop or timer.limit != limit:
+        timer = _timer(loop, limit)
+    clocks = timer.clocks
+    # A done clock at the head is dropped (one per clock started: the FIFO stays short
+    # while turns end in time), and started again: turns one after another make none.
+    clock = clocks.popleft() if clocks and clocks[0].task is None else object.__new__(Clock)
+    clock.task = task
+    clock.limit = limit
+    clock.expired = False
+    clock.cancelling = 0
+    if _COUNTS:
+        clock.cancelling = task.cancelling()  # type: ignore[attr-defined, unused-ignore]
+    clock.deadline = deadline = timer.now() + limit
+    clocks.append(clock)
+    if timer.handle is None:
+        timer.arm(deadline)
+    return clock
