@@ -15,6 +15,7 @@ import math
 import sys
 import threading
 import time
+import weakref
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Callable, Hashable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,8 +27,9 @@ import pytest
 import inturn
 from inturn import HoldTimeout, InturnError, KeyedQueue, QueueClosed
 from inturn.backends.file import FileBackend
+from virtual_time import Deadlock, VirtualTimeLoop
 
-from helpers import Recorder, checkpoints, settle, wait_until
+from helpers import PATIENCE, Recorder, checkpoints, settle, wait_until
 
 if sys.version_info < (3, 11):
     from exceptiongroup import ExceptionGroup
@@ -1266,6 +1268,131 @@ def test_max_hold_refuses_threads_which_cannot_be_cancelled() -> None:
     assert other.active_count == 0
     assert other.run_sync("k", ran.append, 5) is None  # no max_hold: threads welcome
     assert ran == [5]
+
+
+# The clocks of one loop and one limit share one timer (``_hold``): these check that each
+# turn is still cut at its own deadline, and only it, and that the timer outlives nothing.
+
+
+async def test_max_hold_on_one_timer_cuts_only_the_work_that_overran(
+    loop_errors: list[dict[str, Any]],
+) -> None:
+    queue = KeyedQueue(max_hold=0.05)
+    never = asyncio.Event()
+    expected = [str(i) for i in range(20)]
+    for _ in range(2):  # the second round after the timer ran out of turns and was left unset
+        # Each quick turn starts and ends in one step of this task: surely before its
+        # deadline, so a timer that cut a turn that ended would cancel this test.
+        before = [await queue.run(f"before{i}", str, i) for i in range(20)]
+        late = asyncio.create_task(queue.run("late", never.wait))
+        await settle(lambda: queue.is_active("late"))
+        after = [await queue.run(f"after{i}", str, i) for i in range(20)]
+        with pytest.raises(HoldTimeout, match=r"'late' longer than max_hold=0\.05 s"):
+            await late
+        assert before == after == expected
+        assert not queue.is_active("late")
+    assert queue.stats().timed_out == 2
+    assert loop_errors == []  # (what a timer's callback raised would be reported there)
+
+
+def test_max_hold_cuts_each_turn_at_its_own_deadline_on_virtual_time() -> None:
+    # A loop whose time() is not time.monotonic(): deadlines are the loop's time, exactly.
+    loop = VirtualTimeLoop()
+    queue = KeyedQueue(max_hold=1.0)
+    never = asyncio.Event()
+    cut: dict[str, float] = {}
+    ended: dict[str, float] = {}
+
+    async def work(key: str, held: float | None) -> None:
+        try:
+            await (never.wait() if held is None else asyncio.sleep(held))
+        except asyncio.CancelledError:
+            cut[key] = loop.time()
+            raise
+        ended[key] = loop.time()
+
+    async def hold(key: str, start: float, held: float | None, limit: float = 1.0) -> None:
+        await asyncio.sleep(start)
+        async with queue.keyed(key, max_hold=limit):
+            await work(key, held)
+
+    async def main() -> list[BaseException | None]:
+        turns = [
+            hold("a", 0.0, 0.5),  # ends at 0.5: the head of the timer's line, done by then
+            hold("b", 0.25, 0.999),  # ends at 1.249, just before its deadline
+            hold("c", 0.5, None),  # overruns: cut at 1.5
+            hold("d", 0.75, 2.0),  # overruns too: cut at 1.75
+            hold("e", 1.0, 0.9),  # ends at 1.9, before its deadline
+            hold("f", 1.0, None, limit=0.25),  # another limit, another timer: cut at 1.25
+        ]
+        outcomes = await asyncio.gather(*turns, return_exceptions=True)
+        assert loop.time() == pytest.approx(1.9)
+        await never.wait()  # every turn ended: the loop deadlocks once no timer is left
+        return outcomes
+
+    with pytest.raises(Deadlock):
+        loop.run_until_complete(main())
+    # No timer of ours is left once the last deadline (2.0, "e"'s) has passed.
+    assert loop.time() <= 2.0 + 1e-9
+    assert cut == pytest.approx({"c": 1.5, "d": 1.75, "f": 1.25})
+    assert ended == pytest.approx({"a": 0.5, "b": 1.249, "e": 1.9})
+    (main_task,) = asyncio.all_tasks(loop)
+    main_task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        loop.run_until_complete(main_task)
+    loop.close()
+    assert queue.stats().timed_out == 3
+    assert queue.active_count == 0
+
+
+def test_max_hold_on_two_loops_in_two_threads_at_once() -> None:
+    queue = KeyedQueue(max_hold=0.05)  # one queue, one limit: one timer on each loop
+    both = threading.Barrier(2, timeout=PATIENCE)
+    results: dict[str, list[str]] = {}
+    errors: list[BaseException] = []
+
+    async def main(name: str) -> None:
+        never = asyncio.Event()
+        late = asyncio.create_task(queue.run(f"{name}-late", never.wait))
+        await settle(lambda: queue.is_active(f"{name}-late"))
+        # both loops have a clock running; their quick turns now interleave (the GIL)
+        await asyncio.get_running_loop().run_in_executor(None, both.wait)
+        results[name] = [await queue.run(f"{name}-{i % 7}", str, i) for i in range(2_000)]
+        with pytest.raises(HoldTimeout, match=f"'{name}-late'"):
+            await late
+
+    def thread(name: str) -> None:
+        try:
+            # debug: a clock's loop timer touched from the other loop's thread would raise
+            asyncio.run(main(name), debug=True)
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=thread, args=(name,)) for name in ("one", "two")]
+    for each in threads:
+        each.start()
+    for each in threads:
+        each.join(PATIENCE)
+    assert errors == []
+    assert results == {name: [str(i) for i in range(2_000)] for name in ("one", "two")}
+    assert queue.stats().timed_out == 2
+
+
+def test_max_hold_keeps_no_loop_alive_once_it_ends() -> None:
+    # The timer stays set for 60 s past the last turn (a turn costs none of its own), and
+    # a turn is still held when asyncio.run() ends: the loop must still go with its tasks.
+    loops: list[weakref.ref[asyncio.AbstractEventLoop]] = []
+
+    async def main() -> None:
+        queue = KeyedQueue(max_hold=60)
+        loops.append(weakref.ref(asyncio.get_running_loop()))
+        assert await queue.run("k", str, 1) == "1"
+        asyncio.create_task(queue.run("held", asyncio.Event().wait))  # noqa: RUF006 - run() cancels it
+        await settle(lambda: queue.is_active("held"))
+
+    asyncio.run(main())
+    gc.collect()
+    assert loops[0]() is None
 
 
 # -- stats() -----------------------------------------------------------------------------

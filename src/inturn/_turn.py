@@ -37,7 +37,7 @@ from ._drive import (
     wait_alone,
     wait_alone_sync,
 )
-from ._hold import Clock
+from ._hold import Clock, start_clock
 from ._line import HELD, held_by
 from ._shared import CURRENT, Shared
 from ._stats import FUNCTION, function_label
@@ -451,7 +451,7 @@ class Turn:
         if registry.timed:
             parts.since = registry.started(parts.since)
         if self._hold is not None and taken:
-            parts.clock = Clock(holder, self._hold)  # type: ignore[arg-type]
+            parts.clock = start_clock(holder, self._hold)  # type: ignore[arg-type]
         if shared is not None:
             CURRENT.set(shared)
 
