@@ -191,7 +191,7 @@ class Registry:
         :raises QueueClosed: the queue is closed (and holder does not hold the key).
         """
         if self.mode.shared:
-            with self.mode.locked():
+            with self.mode.lock or self.mode.locked():
                 return self._try_take(key, holder)
         lines = self.lines
         if key not in lines and self.concurrency == 1 and self.open:
@@ -225,7 +225,7 @@ class Registry:
         full (QueueFull), or the key is busy and there is no time to wait.
         """
         if self.mode.shared:
-            with self.mode.locked():
+            with self.mode.lock or self.mode.locked():
                 return self._join(key, holder, waiter, timeout)
         return self._join(key, holder, waiter, timeout)
 
@@ -277,7 +277,7 @@ class Registry:
         may even stand for the same key.
         """
         if self.mode.shared:
-            with self.mode.locked():
+            with self.mode.lock or self.mode.locked():
                 self._abandon(key, line, waiter)
         else:
             self._abandon(key, line, waiter)
@@ -305,7 +305,7 @@ class Registry:
     ) -> None:
         """End holder's turn on key: hand it to the next waiter, or the key leaves the lines."""
         if self.mode.shared:
-            with self.mode.locked():
+            with self.mode.lock or self.mode.locked():
                 self._release(key, holder, error, result)
         else:
             self._release(key, holder, error, result)
@@ -331,7 +331,7 @@ class Registry:
         the end of a turn taken by its steps; ``since``: when a timed one started."""
         held = (_monotonic() - since) if since else None
         if self.mode.shared:
-            with self.mode.locked():
+            with self.mode.lock or self.mode.locked():
                 for key in reversed(keys):
                     self._release(key, holder, error, result)
                 self.tally.ended(error, cut, held)
@@ -353,7 +353,7 @@ class Registry:
     ) -> None:
         """End an untimed turn on one key (see release) and count it."""
         if self.mode.shared:
-            with self.mode.locked():
+            with self.mode.lock or self.mode.locked():
                 self._release(key, holder, error, result)
                 if error is None:
                     self.tally.completed += 1
@@ -445,7 +445,7 @@ class Registry:
         now = _monotonic()
         tally = self.tally
         if self.mode.shared:
-            with self.mode.locked():
+            with self.mode.lock or self.mode.locked():
                 tally.started(now - since)
         elif tally.observer is None:
             tally.waited += now - since  # (Tally.started's first case, one call less)

@@ -47,7 +47,7 @@ class Slots(Places):
         """Take a free slot for holder: True; HELD if it holds one (a nested turn); else False."""
         mode = self.registry.mode
         if mode.shared:
-            with mode.locked():
+            with mode.lock or mode.locked():
                 return self._try_take(holder)
         holders = self.holders
         if self.free and not self.handed and not self.producers and holder not in holders:
@@ -96,7 +96,7 @@ class Slots(Places):
         """End holder's running slot, handing it to the next in the slot line."""
         mode = self.registry.mode
         if mode.shared:
-            with mode.locked():
+            with mode.lock or mode.locked():
                 self.leave(holder, True)
         elif self.waiters or self.marks is not None or self.producers:
             self.leave(holder, False)

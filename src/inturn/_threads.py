@@ -119,6 +119,7 @@ class ThreadMode:
         "_solo_at",
         "_solo_thread",
         "fast_loop",
+        "lock",
         "shared",
         "solo",
     )
@@ -132,6 +133,8 @@ class ThreadMode:
         self._solo_at: tuple[int, asyncio.AbstractEventLoop | None] = (0, None)  # one store
         self.shared = False
         self._lock = threading.Lock()
+        # The lock, once it is safe to take without settling (None meanwhile: see locked)
+        self.lock: threading.Lock | None = self._lock
         self._arrival = threading.Lock()
         self._settling: _Settling | None = None
         self._quick = True  # whether the queue allows run()'s inline path (see allow_fast)
@@ -172,7 +175,7 @@ class ThreadMode:
 
     def forked(self) -> None:
         """In a forked child: the parent's other threads and loops, and its locks, are gone."""
-        self._lock = threading.Lock()
+        self.lock = self._lock = threading.Lock()
         self._arrival = threading.Lock()
         self._settling = None
         self._direct = None
@@ -203,11 +206,13 @@ class ThreadMode:
                     self._solo_at = (here, loop)
                     self.fast_loop = loop if self._quick else None
                     return True
+                if solo is not None and self._solo_thread != here:
+                    # (first: a caller that sees shared must see the settling too)
+                    self.lock = None
+                    self._settling = _Settling(solo, self._solo_thread)
                 self.fast_loop = self.solo = None
                 self._solo_at = (0, None)
                 self.shared = True
-                if solo is not None and self._solo_thread != here:
-                    self._settling = _Settling(solo, self._solo_thread)
         return False
 
     def settle(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -217,11 +222,11 @@ class ThreadMode:
 
     def guard(self) -> AbstractContextManager[object]:
         """What to hold while changing the lines: the lock once shared, else nothing."""
-        return self.locked() if self.shared else UNLOCKED
+        return (self.lock or self.locked()) if self.shared else UNLOCKED
 
     def guard_for(self, loop: asyncio.AbstractEventLoop) -> AbstractContextManager[object]:
         """guard() for a task of loop, which may first settle the mode (arrive)."""
-        return UNLOCKED if loop is self.solo or self.arrive(loop) else self.locked()
+        return UNLOCKED if loop is self.solo or self.arrive(loop) else (self.lock or self.locked())
 
     def locked(self) -> threading.Lock:
         """The lock of a shared mode's lines, once it is safe to take (see _Settling)."""
@@ -229,6 +234,7 @@ class ThreadMode:
         if settling is not None and settling.thread != get_ident():
             settling.wait()
             self._settling = None
+            self.lock = self._lock  # (so that the next callers skip this call: see guard)
         return self._lock
 
     def for_threads(self) -> threading.Lock:
