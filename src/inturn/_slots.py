@@ -80,7 +80,9 @@ class Slots(Places):
         with self.registry.mode.guard():
             if waiter not in self.holders:
                 return False
-            self.settle_place(waiter, holder)
+            self.seat(waiter, holder, self.registry.mode.shared)
+            if self.producers:
+                self.wake_producers_behind()
             return True
 
     def abandon(self, key: Hashable, line: Slots, waiter: Waiter) -> None:
@@ -103,12 +105,6 @@ class Slots(Places):
         else:  # (nobody to hand it to or to tell: leave's last case, one call less)
             self.holders.remove(holder)
             self.free += 1
-
-    def settle_place(self, waiter: Waiter, holder: object) -> None:
-        """Record holder in the slot its waiter was handed. Under the guard."""
-        self.seat(waiter, holder, self.registry.mode.shared)
-        if self.producers:
-            self.wake_producers_behind()
 
     # -- producers' backpressure (submit) ------------------------------------------------
 
