@@ -280,7 +280,11 @@ class KeyedQueue:
             line = lines.get(key)
         except TypeError:
             raise unhashable(key) from None
-        if task is None or loop_of(task) is not mode.fast_loop or held_by(line, task):
+        if (
+            task is None
+            or loop_of(task) is not mode.fast_loop
+            or (line is not None and held_by(line, task))
+        ):
             keys = (key,) if self._backend is None else self._backend.order((key,))
             timeout, hold = self._timeout, self._max_hold
             return await self._run_keyed(keys, fn, args, kwargs, timeout, hold, task)
