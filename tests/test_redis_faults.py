@@ -34,10 +34,11 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.sentinel import Sentinel
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from faults import Proxy
 from inturn import BackendUnavailable, KeyedQueue, LeaseLost, Turn
-from inturn.backends import _redis_takeover
+from inturn.backends import _redis_takeover, _redis_wire
 from inturn.backends.redis import RedisBackend
 from processes import Worker
 from redis_checks import BackendFactory, hand_over, waiting
@@ -453,6 +454,48 @@ async def test_a_dropped_connection_under_renewals_leaves_no_unretrieved_error(
     gc.collect()
     await asyncio.sleep(0)
     assert "never retrieved" not in caplog.text
+
+
+class Gone:
+    """A carrier's listener that keeps only how its connection ended."""
+
+    def __init__(self) -> None:
+        self.error: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+
+    def got(self, reply: Any) -> None:
+        pass
+
+    def gone(self, error: BaseException) -> None:
+        self.error.set_result(error)
+
+
+async def test_a_connect_cancelled_into_an_error_leaves_no_task_unretrieved(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Closing a backend while it connects cancels redis-py's connect(), which may end with a
+    # ConnectionError instead (its own wait_for let a write's failure win over the
+    # cancellation: seen under load). On Python 3.11 and earlier, wait_for ran it in a task
+    # of its own, and that error was logged as never retrieved.
+    started = asyncio.Event()
+
+    class Connecting:
+        async def connect(self) -> None:
+            started.set()
+            try:
+                await asyncio.Event().wait()  # (never set: the handshake never ends)
+            except asyncio.CancelledError:
+                raise RedisConnectionError("Connection lost") from None
+
+        async def disconnect(self, nowait: bool = False) -> None:
+            pass
+
+    opening = asyncio.create_task(_redis_wire.connect(Connecting, Gone(), LEASE, False))
+    await within(LEASE, started.wait())
+    opening.cancel()
+    with pytest.raises((asyncio.CancelledError, RedisConnectionError)):
+        await opening
+    await asyncio.sleep(0)  # (a round: the loop lets go of the tasks that ended)
+    assert asyncio_problems(caplog) == []
 
 
 async def clients(url: str) -> list[dict[str, Any]]:

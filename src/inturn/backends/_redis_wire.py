@@ -70,16 +70,19 @@ async def connect(
     ``pushes``: the listener wants RESP3 push frames (a subscription does).
     """
     connection = make()
+    failed: BaseException | None
     try:
-        await asyncio.wait_for(connection.connect(), limit)
-    except BaseException as error:
+        failed = await asyncio.wait_for(_opened(connection), limit)
+    except BaseException as error:  # (the time ran out, or cancelled)
+        failed = error
+    if failed is not None:
         with contextlib.suppress(Exception):
             await connection.disconnect(nowait=True)
-        if isinstance(error, asyncio.TimeoutError):
+        if isinstance(failed, asyncio.TimeoutError):
             raise RedisTimeoutError(
                 f"Redis did not answer within {limit:g} s while connecting"
             ) from None
-        raise
+        raise failed
     if takeover.ENABLED:
         try:
             transport = takeover.transport_of(connection)
@@ -98,6 +101,22 @@ async def connect(
                 transport,
             )
     return _Public(connection, listener, pushes)
+
+
+async def _opened(connection: Any) -> Exception | None:
+    """Connect; return (not raise) the error it failed with.
+
+    On Python 3.11 and earlier, ``wait_for`` runs this in a task of its own,
+    and when it is cancelled (the backend closed while connecting) it
+    waits for that task but never retrieves its error: redis-py's
+    connecting may turn the cancellation into a ConnectionError, which would
+    be logged as never retrieved.
+    """
+    try:
+        await connection.connect()
+    except Exception as error:
+        return error
+    return None
 
 
 def _lost(exc: BaseException | None) -> RedisConnectionError:
