@@ -469,6 +469,32 @@ class Gone:
         self.error.set_result(error)
 
 
+async def test_a_write_that_fails_first_still_ends_the_connection_for_its_listener(
+    own_redis: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Through redis-py's public API, a write that failed before the reader had seen the
+    # connection end (the order Python 3.12 and 3.13 take when a write breaks the pipe)
+    # stopped the reader, which took that for its loop's end and never told its listener:
+    # the Link wrote into a dead connection for good. Here the write fails alone.
+    monkeypatch.setattr(_redis_takeover, "ENABLED", False)
+    client = aioredis.Redis.from_url(own_redis.url)
+    listener = Gone()
+    carrier = await _redis_wire.connect(
+        client.connection_pool.make_connection, listener, LEASE, False
+    )
+
+    async def broken(*args: Any, **kwargs: Any) -> None:
+        raise RedisConnectionError("Error 32 while writing to socket. Broken pipe.")
+
+    try:
+        monkeypatch.setattr(carrier._connection, "send_packed_command", broken)  # type: ignore[attr-defined]
+        carrier.write(b"*1\r\n$4\r\nPING\r\n")
+        assert "Broken pipe" in str(await within(LEASE, listener.error))
+    finally:
+        await carrier.close()
+        await client.aclose()
+
+
 async def test_a_connect_cancelled_into_an_error_leaves_no_task_unretrieved(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -221,6 +221,7 @@ class _Public:
 
     __slots__ = (
         "_connection",
+        "_failed",
         "_listener",
         "_outgoing",
         "_pushes",
@@ -243,6 +244,7 @@ class _Public:
         # NOTE: the writer ends on this, not only on cancel(): redis-py's
         # send_packed_command may swallow a cancellation (Python 3.10, 3.11)
         self._stopped = False  # the connection is gone, or going
+        self._failed: Exception | None = None  # the write that failed first, if one did
         self._reader = loop.create_task(self._read(), name="inturn-redis-read")
         self._writer = loop.create_task(self._write(), name="inturn-redis-write")
 
@@ -260,9 +262,12 @@ class _Public:
                     data = b"".join(outgoing)
                     outgoing.clear()
                     await self._connection.send_packed_command(data, check_health=False)
-        except Exception as error:  # the reader sees the connection go too
+        except Exception as error:
             logger.debug("inturn: writing to Redis failed: %s", error)
-            self._reader.cancel()
+            if not self._stopped:  # the reader has not seen the end yet: stop it, it tells
+                self._stopped = True
+                self._failed = error
+                self._reader.cancel()
 
     async def _read(self) -> None:
         connection, got = self._connection, self._listener.got
@@ -291,6 +296,7 @@ class _Public:
                 self._stopped = True
                 self._wake.set()
                 raise
+            error = self._failed or error  # stopped by abort(), close() or a failed write
         except Exception as problem:
             error = problem
         # (a GeneratorExit, when abandoned with its loop and collected, skips all this)
