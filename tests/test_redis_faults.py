@@ -842,6 +842,39 @@ async def test_a_try_lock_ends_within_its_timeout_on_a_partition(
     assert took < SLACK, f"a try-lock took {took:.1f} s (lease {lease:g} s)"
 
 
+# -- a try-lock on an event loop whose connections to Redis are slow to set up --------------
+
+
+@pytest.mark.parametrize("timeout", [0, 0.2])
+async def test_a_short_timeout_waits_out_a_slow_setup_and_takes_a_free_key(
+    make_backend: BackendFactory, server: aioredis.Redis, timeout: float
+) -> None:
+    # An event loop's first call connects, subscribes and greets Redis; on a loaded
+    # machine that once took over a second, the round trip a try-lock gets (a tenth of
+    # the default lease), and it failed with "not reached in time" on a free key.
+    queue = KeyedQueue(backend=make_backend(lease=10.0), timeout=timeout)
+    await server.execute_command("CLIENT", "PAUSE", 1500, "ALL")  # (Redis ends the pause)
+    began = time.monotonic()
+    assert await within(1.5, queue.run("k", lambda: "ran")) == "ran"
+    assert time.monotonic() - began > 1.0  # the setup was slower than a round trip's bound
+
+
+async def test_a_try_lock_on_an_unreachable_redis_ends_within_seconds_and_says_why(
+    make_backend: BackendFactory, proxy: Proxy
+) -> None:
+    # The setup's floor is a few seconds, not the lease: a partition at the first call
+    # ends a try-lock that soon, with what happened (and that the work did not run).
+    queue = KeyedQueue(backend=make_backend(url=proxy.url, lease=10.0), timeout=0)
+    proxy.freeze()
+    ran: list[str] = []
+    try:
+        with pytest.raises(TimeoutError, match=r"connecting to Redis took over 3 s.*did not run"):
+            await within(3.0, queue.run("k", ran.append, "ran"))
+    finally:
+        proxy.thaw()
+    assert ran == []
+
+
 # -- lines() shows another namespace's lines ----------------------------------------------
 
 
