@@ -83,6 +83,7 @@ async def connect(
                 f"Redis did not answer within {limit:g} s while connecting"
             ) from None
         raise failed
+    takeover.retrieve_close(connection)  # (should its stream end with an error: see there)
     if takeover.ENABLED:
         try:
             transport = takeover.transport_of(connection)
