@@ -26,6 +26,7 @@ __all__ = (
     "loop_of",
     "makes_plain_tasks",
     "outside_asyncio",
+    "retrieve_when_closed",
     "running_loop",
 )
 
@@ -63,6 +64,22 @@ def retrieve(future: asyncio.Future[Any]) -> None:
     logged as never retrieved: whoever owns it reports it otherwise, or it does not matter."""
     if not future.cancelled():
         future.exception()
+
+
+def retrieve_when_closed(writer: asyncio.StreamWriter) -> None:
+    """Retrieve the error a stream's connection ends with, once it ends: none is logged.
+
+    asyncio keeps it in the protocol's close waiter (what ``wait_closed()``
+    awaits), which only the protocol's ``__del__`` retrieves. A write that
+    failed in ``drain()`` leaves the protocol in a reference cycle (the
+    error's traceback holds drain's frame, and so the writer), and the
+    collector finalizes the objects of a cycle in no set order: the waiter,
+    finalized before its protocol, logs "Future exception was never retrieved".
+    """
+    protocol = writer.transport.get_protocol()
+    closed = getattr(protocol, "_closed", None)  # (asyncio.StreamReaderProtocol's)
+    if isinstance(closed, asyncio.Future):
+        closed.add_done_callback(retrieve)
 
 
 def in_loop_of(future: asyncio.Future[Any], callback: Callable[..., None], *args: Any) -> bool:

@@ -21,7 +21,7 @@ import threading
 import time
 import typing
 from collections.abc import AsyncGenerator, Awaitable, Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, Final
 
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -41,6 +41,14 @@ __all__ = ("LoopShare", "RedisGrant", "owner")
 #: What this backend logs: only what is rare (here: a release Redis did not take), never a
 #: turn that went as it should.
 logger = logging.getLogger("inturn.redis")
+
+#: Seconds a turn with a shorter timeout (0: a try-lock) still waits for its event loop's
+#: share to start (connected, subscribed, greeted), half the lease at most: a one-time
+#: setup, not the wait for a key, which took over a second on a loaded machine (a tenth of
+#: the default lease, all a try-lock had). Yet a turn with a timeout ends within seconds
+#: when Redis is unreachable, and by its own clock (TimeoutError) before the start's parts
+#: give up on Redis (BackendUnavailable, after a lease).
+_SETTING_UP: Final = 3.0
 
 #: Forks between the process that imported this module and this one: a share made
 #: with a smaller count is an ancestor's, whose connections and members are not ours.
@@ -175,6 +183,15 @@ class LoopShare:
             timer.cancel()
             starting.remove_done_callback(copy)
 
+    async def _start_for(self, key: Hashable, timeout: float | None) -> None:
+        """Start, for a turn on key: by its timeout, or after min(_SETTING_UP, lease / 2) s."""
+        lease = self.config.lease
+        if timeout is None or timeout >= lease:
+            await self.start(self.loop.time() + lease, self._silent)
+        else:
+            bound = max(timeout, min(_SETTING_UP, lease / 2))
+            await self.start(self.loop.time() + bound, _slow_start(key, bound))
+
     def _silent(self) -> BaseException:
         return unavailable(
             RedisTimeoutError(f"no answer within {self.config.lease:g} s (the lease)")
@@ -287,35 +304,40 @@ class LoopShare:
     ) -> RedisGrant:
         """Join key's line in Redis; return once this share holds the key.
 
-        ``timeout`` covers everything: connecting, joining and waiting; 0 asks
-        once (one round trip) whether the key is free. With no answer from
-        Redis within a lease (with no timeout, or a longer one), the call
-        ends with BackendUnavailable.
+        ``timeout`` covers connecting, joining and waiting, with two floors,
+        so that a short one fails for a busy key (or Redis unreachable), not
+        for a slow connection: the share's start (connecting, subscribing,
+        greeting: once per event loop, not the wait for a key) gets up to
+        3 s (``_SETTING_UP``), half the lease at most, and then Redis's answer
+        to the enqueue gets one round trip from there, up to a tenth of the
+        lease (0 asks once whether the key is free). So with Redis
+        unreachable, a call with a timeout ends after the larger of its
+        timeout and those. With no answer from Redis within a lease (with no
+        timeout, or a longer one), the call ends with BackendUnavailable.
 
-        :raises TimeoutError: the turn was not reached within ``timeout``; the
-            place was given up.
+        :raises TimeoutError: the turn was not reached within ``timeout`` (or
+            the start took longer than its floor, which the message says);
+            the place was given up, and the work did not run.
         :raises ~inturn.BackendUnavailable: Redis could not be reached, refused,
             or lost the place; the turn was not taken.
         """
         loop = self.loop
         lease = self.config.lease
-        deadline = None if timeout is None else loop.time() + timeout
-        # Redis answers (connected, subscribed, enqueued) by the caller's
-        # deadline if that comes first, but gets one round trip, up to a tenth
-        # of the lease, however short the timeout (0: a try-lock); else within
-        # about a lease: the link's connecting is bounded so, and the heartbeat
-        # drops a link that leaves a call unanswered longer (a cluster's calls
-        # get a timer of their own)
-        late = None
-        if timeout is not None and timeout < lease:
-            late = loop.time() + max(timeout, lease / 10)
+        began = loop.time()
         if not self.ready:
-            if late is not None:
-                await self.start(late, _late(key))
-            else:
-                await self.start(loop.time() + lease, self._silent)
+            await self._start_for(key, timeout)
         else:
             self.leases.run()  # (again, if it ended)
+        # Redis answers the enqueue by the caller's deadline if that comes
+        # first, but gets one round trip from now (after a start), up to a
+        # tenth of the lease, however short the timeout (0: a try-lock); else
+        # within about a lease: the heartbeat drops a link that leaves a call
+        # unanswered longer (a cluster's calls get a timer of their own)
+        deadline = late = None
+        if timeout is not None:
+            deadline = began + timeout
+            if timeout < lease:
+                late = max(deadline, loop.time() + lease / 10)
         member_id = f"{self.id}/{next(self.counter)}"
         member = Member(key, names, self.calls.pack(names), loop.create_future())
         members = self.leases.members
@@ -485,6 +507,15 @@ def _expire(future: asyncio.Future[Any], error: Callable[[], BaseException]) -> 
 def _late(key: Hashable) -> Callable[[], BaseException]:
     def error() -> BaseException:
         return missed(f"the turn for key {show(key)}", None)
+
+    return error
+
+
+def _slow_start(key: Hashable, bound: float) -> Callable[[], BaseException]:
+    def error() -> BaseException:
+        return missed(
+            f"the turn for key {show(key)} (connecting to Redis took over {bound:g} s)", None
+        )
 
     return error
 

@@ -22,7 +22,9 @@ from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-__all__ = ("ENABLED", "forget", "transport_of", "writer_transport")
+from .._tasks import retrieve_when_closed
+
+__all__ = ("ENABLED", "forget", "retrieve_close", "transport_of", "writer_transport")
 
 #: Whether to take connections over at all (else: always redis-py's public API).
 ENABLED = os.environ.get("INTURN_REDIS_WIRE", "fast") != "public"
@@ -46,6 +48,19 @@ def transport_of(connection: Any) -> asyncio.Transport | str:
     if transport.is_closing() or reader.at_eof():
         raise RedisConnectionError("Redis closed the connection as it was set up")
     return transport
+
+
+def retrieve_close(connection: Any) -> None:
+    """Have the error a connected redis-py connection's stream ends with retrieved.
+
+    redis-py's ``disconnect(nowait=True)`` never awaits the stream's close,
+    whose error asyncio would log if collected unretrieved (see
+    :func:`~inturn._tasks.retrieve_when_closed`). A taken-over connection's
+    stream never hears of its end: nothing to retrieve.
+    """
+    writer = getattr(connection, "_writer", None)
+    if isinstance(writer, asyncio.StreamWriter):
+        retrieve_when_closed(writer)
 
 
 def writer_transport(connection: Any) -> asyncio.BaseTransport | None:

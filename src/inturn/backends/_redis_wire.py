@@ -70,16 +70,20 @@ async def connect(
     ``pushes``: the listener wants RESP3 push frames (a subscription does).
     """
     connection = make()
+    failed: BaseException | None
     try:
-        await asyncio.wait_for(connection.connect(), limit)
-    except BaseException as error:
+        failed = await asyncio.wait_for(_opened(connection), limit)
+    except BaseException as error:  # (the time ran out, or cancelled)
+        failed = error
+    if failed is not None:
         with contextlib.suppress(Exception):
             await connection.disconnect(nowait=True)
-        if isinstance(error, asyncio.TimeoutError):
+        if isinstance(failed, asyncio.TimeoutError):
             raise RedisTimeoutError(
                 f"Redis did not answer within {limit:g} s while connecting"
             ) from None
-        raise
+        raise failed
+    takeover.retrieve_close(connection)  # (should its stream end with an error: see there)
     if takeover.ENABLED:
         try:
             transport = takeover.transport_of(connection)
@@ -98,6 +102,22 @@ async def connect(
                 transport,
             )
     return _Public(connection, listener, pushes)
+
+
+async def _opened(connection: Any) -> Exception | None:
+    """Connect; return (not raise) the error it failed with.
+
+    On Python 3.11 and earlier, ``wait_for`` runs this in a task of its own,
+    and when it is cancelled (the backend closed while connecting) it
+    waits for that task but never retrieves its error: redis-py's
+    connecting may turn the cancellation into a ConnectionError, which would
+    be logged as never retrieved.
+    """
+    try:
+        await connection.connect()
+    except Exception as error:
+        return error
+    return None
 
 
 def _lost(exc: BaseException | None) -> RedisConnectionError:
@@ -202,6 +222,7 @@ class _Public:
 
     __slots__ = (
         "_connection",
+        "_failed",
         "_listener",
         "_outgoing",
         "_pushes",
@@ -224,6 +245,7 @@ class _Public:
         # NOTE: the writer ends on this, not only on cancel(): redis-py's
         # send_packed_command may swallow a cancellation (Python 3.10, 3.11)
         self._stopped = False  # the connection is gone, or going
+        self._failed: Exception | None = None  # the write that failed first, if one did
         self._reader = loop.create_task(self._read(), name="inturn-redis-read")
         self._writer = loop.create_task(self._write(), name="inturn-redis-write")
 
@@ -241,9 +263,12 @@ class _Public:
                     data = b"".join(outgoing)
                     outgoing.clear()
                     await self._connection.send_packed_command(data, check_health=False)
-        except Exception as error:  # the reader sees the connection go too
+        except Exception as error:
             logger.debug("inturn: writing to Redis failed: %s", error)
-            self._reader.cancel()
+            if not self._stopped:  # the reader has not seen the end yet: stop it, it tells
+                self._stopped = True
+                self._failed = error
+                self._reader.cancel()
 
     async def _read(self) -> None:
         connection, got = self._connection, self._listener.got
@@ -272,6 +297,7 @@ class _Public:
                 self._stopped = True
                 self._wake.set()
                 raise
+            error = self._failed or error  # stopped by abort(), close() or a failed write
         except Exception as problem:
             error = problem
         # (a GeneratorExit, when abandoned with its loop and collected, skips all this)

@@ -113,7 +113,14 @@ class RedisBackend:
     - Nothing hangs: ``timeout`` covers connecting, joining and waiting;
       without one, a waiter whose place is lost, or whose process cannot
       reach Redis for longer than the lease, gets
-      :exc:`~inturn.BackendUnavailable` within about a lease.
+      :exc:`~inturn.BackendUnavailable` within about a lease. A short
+      timeout fails for a busy key, not for a slow connection: an event
+      loop's first call, which sets up its connections, waits for that up
+      to 3 s (half the lease at most) whatever its timeout, and Redis's
+      answer to joining gets one round trip from there, up to a tenth of
+      the lease (``timeout=0``, a try-lock, asks once whether the key is
+      free). With Redis unreachable, a call with a timeout ends after the
+      larger of its timeout and those.
     - Errors tell the truth: :exc:`~inturn.BackendUnavailable` means the
       work did not run (with what Redis said: unreachable, a missing
       permission, out of memory, wrong credentials); a holder whose lease
@@ -321,10 +328,16 @@ class RedisBackend:
         """Join key's line in Redis; return once this process holds the key.
 
         ``timeout`` covers connecting, joining the line and waiting in it; 0
-        asks once whether the key is free (one round trip to Redis).
+        asks once whether the key is free (one round trip to Redis). However
+        short it is, an event loop's first call (and the next, if that one
+        failed to connect) waits up to 3 s (half the lease at most) for its
+        connections to be set up, and then up to a tenth of the lease for
+        Redis's answer to joining.
 
-        :raises TimeoutError: the turn was not reached within ``timeout``;
-            this process's place was given up.
+        :raises TimeoutError: the turn was not reached within ``timeout``, or
+            the connections were not set up within those 3 s (the message
+            says which); this process's place was given up, and the work did
+            not run.
         :raises ~inturn.BackendUnavailable: Redis could not be reached, or
             refused (a missing permission, out of memory, wrong credentials),
             or lost the place; the turn was not taken.
