@@ -340,13 +340,7 @@ class Registry:
         for key in reversed(keys):
             if (line := lines.pop(key)) is not holder:  # (_release, one call less)
                 self._hand_on(key, line, holder, error, result)
-        tally = self.tally
-        if error is None and tally.observer is None:  # (Tally.ended's first case)
-            tally.completed += 1
-            if held is not None:
-                tally.held += held
-        else:
-            tally.ended(error, cut, held)
+        self.tally.ended(error, cut, held)
 
     def finish(
         self, key: Hashable, holder: object, error: BaseException | None, result: Any
@@ -443,14 +437,11 @@ class Registry:
     def started(self, since: float) -> float:
         """Count the wait of a timed turn that was submitted at since and starts now; return now."""
         now = _monotonic()
-        tally = self.tally
         if self.mode.shared:
             with self.mode.lock or self.mode.locked():
-                tally.started(now - since)
-        elif tally.observer is None:
-            tally.waited += now - since  # (Tally.started's first case, one call less)
+                self.tally.started(now - since)
         else:
-            tally.started(now - since)
+            self.tally.started(now - since)
         return now
 
     def missed(self, error: BaseException) -> None:

@@ -100,11 +100,8 @@ class Slots(Places):
         if mode.shared:
             with mode.lock or mode.locked():
                 self.leave(holder, True)
-        elif self.waiters or self.marks is not None or self.producers:
+        else:
             self.leave(holder, False)
-        else:  # (nobody to hand it to or to tell: leave's last case, one call less)
-            self.holders.remove(holder)
-            self.free += 1
 
     # -- producers' backpressure (submit) ------------------------------------------------
 
