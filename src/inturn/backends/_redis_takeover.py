@@ -51,16 +51,34 @@ def transport_of(connection: Any) -> asyncio.Transport | str:
 
 
 def retrieve_close(connection: Any) -> None:
-    """Have the error a connected redis-py connection's stream ends with retrieved.
+    """Have the error a redis-py connection's stream ends with retrieved, from the moment
+    each of its streams opens (call it before connecting).
 
     redis-py's ``disconnect(nowait=True)`` never awaits the stream's close,
     whose error asyncio would log if collected unretrieved (see
-    :func:`~inturn._tasks.retrieve_when_closed`). A taken-over connection's
-    stream never hears of its end: nothing to retrieve.
+    :func:`~inturn._tasks.retrieve_when_closed`). A write that fails in
+    redis-py's handshake (the server dropped the new connection) does that
+    and leaves no stream to find afterwards: so the retrieval is set up in
+    the handshake itself, first, wrapping redis-py's ``redis_connect_func``
+    (or its ``on_connect``). A taken-over connection's stream never hears of
+    its end: nothing to retrieve.
     """
-    writer = getattr(connection, "_writer", None)
-    if isinstance(writer, asyncio.StreamWriter):
-        retrieve_when_closed(writer)
+    if not hasattr(connection, "redis_connect_func"):
+        return  # (not redis-py's: no stream of asyncio's)
+    original = connection.redis_connect_func
+
+    async def handshake(opened: Any) -> None:
+        writer = getattr(opened, "_writer", None)
+        if isinstance(writer, asyncio.StreamWriter):
+            retrieve_when_closed(writer)
+        if original is None:
+            await opened.on_connect()
+        elif asyncio.iscoroutinefunction(original):
+            await original(opened)
+        else:
+            original(opened)
+
+    connection.redis_connect_func = handshake
 
 
 def writer_transport(connection: Any) -> asyncio.BaseTransport | None:

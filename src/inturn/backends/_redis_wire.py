@@ -70,6 +70,7 @@ async def connect(
     ``pushes``: the listener wants RESP3 push frames (a subscription does).
     """
     connection = make()
+    takeover.retrieve_close(connection)  # (should a stream of it end with an error: see there)
     failed: BaseException | None
     try:
         failed = await asyncio.wait_for(_opened(connection), limit)
@@ -83,7 +84,6 @@ async def connect(
                 f"Redis did not answer within {limit:g} s while connecting"
             ) from None
         raise failed
-    takeover.retrieve_close(connection)  # (should its stream end with an error: see there)
     if takeover.ENABLED:
         try:
             transport = takeover.transport_of(connection)
