@@ -217,21 +217,22 @@ class Registry:
         return False
 
     def join(
-        self, key: Hashable, holder: object, waiter: Waiter, timeout: float | None
+        self,
+        key: Hashable,
+        holder: object,
+        waiter: Waiter,
+        timeout: float | None,
+        guarded: bool = False,
     ) -> Line | Gate | None:
         """Put waiter in key's line for holder; None if holder took the key (it freed meanwhile).
 
         Return the line joined. Raise if the queue is closed, the line is
         full (QueueFull), or the key is busy and there is no time to wait.
+        ``guarded``: the caller holds the guard already.
         """
-        if self.mode.shared:
+        if self.mode.shared and not guarded:
             with self.mode.lock or self.mode.locked():
-                return self._join(key, holder, waiter, timeout)
-        return self._join(key, holder, waiter, timeout)
-
-    def _join(
-        self, key: Hashable, holder: object, waiter: Waiter, timeout: float | None
-    ) -> Line | Gate | None:
+                return self.join(key, holder, waiter, timeout, True)
         lines = self.lines
         line = lines.get(key)
         # (holder holds no key it waits for: a bare holder or a Line is busy)
@@ -400,7 +401,9 @@ class Registry:
                 # another loop may run at once and make itself the holder.
                 line.holder = waiter
                 self.lines[key] = line
-                if not hand(waiter, shared):  # its loop is closed: its task is gone
+                if not shared and type(waiter) is asyncio.Future:
+                    waiter.set_result(None)  # (hand's first case, one call less)
+                elif not hand(waiter, shared):  # its loop is closed: its task is gone
                     del self.lines[key]
                     continue
                 return
@@ -412,7 +415,7 @@ class Registry:
 
         Raise as :meth:`join`. Under the guard.
         """
-        return self._join(key, work, work, timeout)
+        return self.join(key, work, work, timeout, True)
 
     def start(self, key: Hashable, work: Deferred, task: object, handed: bool) -> None:
         """Make the task of submitted work the holder of key in the work's place.
