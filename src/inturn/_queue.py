@@ -34,7 +34,7 @@ from ._stats import FUNCTION, Observer, QueueStats, function_label
 from ._submit import Handle, Submissions, failures, submit, unawaited
 from ._tasks import current_task, loop_here, loop_of, outside_asyncio, running_loop
 from ._tasks import in_loop_of as _soon
-from ._turn import Turn, call_in_turn, call_in_turn_sync, call_labelled
+from ._turn import Turn, call_in_turn, call_in_turn_sync
 from .backends._base import Backend
 from .backends._local import LocalBackend
 
@@ -339,12 +339,13 @@ class KeyedQueue:
             raise TypeError(f"inturn: run() needs a callable, got {describe(fn)}")
         if task is None:
             keys = self._registry.ordered(keys)
-        turn = Turn(self._registry, keys, timeout, hold)
-        if self._registry.tally.observer is not None:  # (labelled for it)
-            return call_labelled(turn, fn, args, kwargs)
-        if task is not None and loop_of(task) is not self._registry.mode.solo:
-            self._registry.mode.settle(loop_of(task))  # (settle's test, one call less)
-        return call_in_turn(turn, fn, args, kwargs, task)
+        registry = self._registry
+        turn = Turn(registry, keys, timeout, hold)
+        if task is not None and loop_of(task) is not registry.mode.solo:
+            registry.mode.settle(loop_of(task))  # (settle's test, one call less)
+        if registry.tally.observer is None:
+            return call_in_turn(turn, fn, args, kwargs, task)
+        return call_in_turn(turn, fn, args, kwargs, task, label=function_label(fn))
 
     @overload
     def run_sync(

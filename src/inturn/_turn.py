@@ -17,7 +17,7 @@ driver run.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from inspect import isawaitable
 from time import monotonic as _monotonic
 from types import CoroutineType, MappingProxyType, TracebackType
@@ -40,14 +40,14 @@ from ._drive import (
 from ._hold import Clock, start_clock
 from ._line import HELD, held_by
 from ._shared import CURRENT, Shared
-from ._stats import FUNCTION, function_label
+from ._stats import FUNCTION
 from ._tasks import loop_here, loop_of, outside_asyncio
 from ._threads import thread_holder
 
 if TYPE_CHECKING:
     from ._registry import Registry
 
-__all__ = ("Turn", "call_in_turn", "call_in_turn_sync", "call_labelled", "current_turn")
+__all__ = ("Turn", "call_in_turn", "call_in_turn_sync", "current_turn")
 
 #: Steps begun, and the first wait they need.
 _Begun = tuple[Steps, tuple[int, Any]]
@@ -503,53 +503,45 @@ async def call_in_turn(
     task: asyncio.Task[Any] | None = None,
     since: float = 0.0,
     lined: bool = False,
+    label: str | None = None,
 ) -> Any:
     """Take turn, call fn (awaiting what it returns), end turn with the outcome; return it.
 
     The path of every async call that is not the facade's inlined one.
     ``task``: the task this runs in, if the caller knows it (and its loop is
     settled in the thread mode); ``lined``: it holds the turn's lines already,
-    asked for at ``since`` (submitted work, see _submit).
+    asked for at ``since`` (submitted work, see _submit); ``label``: fn's name
+    for the queue's observer (see FUNCTION), around the whole turn.
     """
-    here: asyncio.Task[Any] = turn._enter_now(task, lined)  # type: ignore[assignment]
-    task = here
-    if turn._holder is None:
-        if turn._parts is _ALONE:
-            await wait_alone(turn._registry, turn.keys[0], task, turn._timeout)
-            turn._held_alone(task)
-        else:
-            begun = turn._start(task, since, lined)
+    token = None if label is None else FUNCTION.set(label)
+    try:
+        here: asyncio.Task[Any] = turn._enter_now(task, lined)  # type: ignore[assignment]
+        task = here
+        if turn._holder is None:
+            if turn._parts is _ALONE:
+                await wait_alone(turn._registry, turn.keys[0], task, turn._timeout)
+                turn._held_alone(task)
+            else:
+                begun = turn._start(task, since, lined)
+                if begun is not None:
+                    await turn._drive(task, *begun)
+                turn._holder = task
+        try:
+            result = fn(*args, **kwargs)
+            if type(result) is CoroutineType or (result is not None and isawaitable(result)):
+                result = await result
+        except BaseException as error:
+            begun = turn._leave(error, None)
             if begun is not None:
                 await turn._drive(task, *begun)
-            turn._holder = task
-    try:
-        result = fn(*args, **kwargs)
-        if type(result) is CoroutineType or (result is not None and isawaitable(result)):
-            result = await result
-    except BaseException as error:
-        begun = turn._leave(error, None)
+            raise
+        begun = turn._leave(None, result)
         if begun is not None:
             await turn._drive(task, *begun)
-        raise
-    begun = turn._leave(None, result)
-    if begun is not None:
-        await turn._drive(task, *begun)
-    return result
-
-
-def call_labelled(
-    turn: Turn, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Coroutine[Any, Any, Any]:
-    """call_in_turn, with the turn labelled by fn's name for the queue's observer."""
-    return _labelled(function_label(fn), call_in_turn(turn, fn, args, kwargs))
-
-
-async def _labelled(label: str, call: Coroutine[Any, Any, Any]) -> Any:
-    token = FUNCTION.set(label)
-    try:
-        return await call
+        return result
     finally:
-        FUNCTION.reset(token)
+        if token is not None:
+            FUNCTION.reset(token)
 
 
 def call_in_turn_sync(
