@@ -389,3 +389,46 @@ def test_a_key_whose_equality_fails_is_refused_with_a_type_error() -> None:
     with pytest.raises(TypeError, match=r"key <.*Touchy object at 0x.*cannot be told apart"):
         order_keys([Touchy(), Touchy()])
     assert len(twins) == 2
+
+
+class Flooding:
+    """A value whose repr() is a megabyte long."""
+
+    def __repr__(self) -> str:
+        return "x" * 1_000_000
+
+
+HOSTILE = [Unshowable(), Flooding()]
+
+
+def _refuse(place: str, bad: object) -> None:
+    """Give bad to one public place that refuses it and names it in its message."""
+    from inturn import __main__ as command
+    from inturn import otel
+
+    queue = KeyedQueue()
+    if place == "name":
+        KeyedQueue(name=bad)  # type: ignore[arg-type]
+    elif place == "backend":
+        KeyedQueue(backend=bad)  # type: ignore[arg-type]
+    elif place == "coalesce":
+        queue.queue_by_key(coalesce=bad)  # type: ignore[call-overload]
+    elif place == "decorate":
+        queue.queue_by_key()(bad)  # type: ignore[call-overload]
+    elif place == "instrument":
+        otel.instrument(bad)  # type: ignore[arg-type]
+    else:  # a --redis URL without its scheme, a megabyte long (bad's part: its length)
+        command._open_lines(type("Options", (), {"redis": "h" * 1_000_000, "namespace": None})())
+
+
+@pytest.mark.parametrize("bad", HOSTILE, ids=["repr-raises", "repr-floods"])
+@pytest.mark.parametrize(
+    "place", ["name", "backend", "coalesce", "decorate", "instrument", "inspect --redis"]
+)
+def test_a_refusal_names_a_hostile_value_briefly(place: str, bad: object) -> None:
+    """A value whose repr() raises or floods is refused with its own error, briefly named."""
+    with pytest.raises((TypeError, ValueError)) as refused:
+        _refuse(place, bad)
+    message = str(refused.value)
+    assert message.startswith("inturn: "), message
+    assert len(message) < 1_000, message[:300]

@@ -210,11 +210,11 @@ def _open_lines(
         namespace = options.namespace or "inturn"
         if "://" not in options.redis:
             raise ValueError(
-                f"inturn: {options.redis!r} is not a Redis URL; give it with its scheme: "
-                f"redis://{options.redis}, rediss:// for TLS, or unix:///path/to.sock"
+                f"inturn: {describe(options.redis)} is not a Redis URL; give it with its scheme: "
+                "redis://host:port, rediss:// for TLS, or unix:///path/to.sock"
             )
         redis = RedisBackend.from_url(options.redis, namespace=namespace)
-        return redis, f"namespace {namespace!r}", redis.namespaces
+        return redis, f"namespace {describe(namespace)}", redis.namespaces
     from .backends.file import FileBackend
 
     if not os.path.isdir(options.dir):

@@ -115,7 +115,7 @@ def check_name(name: str | None) -> str | None:
     if name is not None and (type(name) is not str or not name or not name.isprintable()):
         raise (TypeError if not isinstance(name, str) else ValueError)(
             f"inturn: name= takes a short printable str naming the queue (in its repr, "
-            f"logs and metrics), or None; got {name!r}"
+            f"logs and metrics), or None; got {describe(name)}"
         )
     return name
 
@@ -127,14 +127,14 @@ def check_backend(backend: object, concurrency: int) -> Backend | None:
     if not isinstance(backend, Backend):
         raise TypeError(
             f"inturn: backend= takes a backend from inturn.backends (LocalBackend, "
-            f"FileBackend, RedisBackend, PostgresBackend) or None, got {backend!r}; a "
+            f"FileBackend, RedisBackend, PostgresBackend) or None, got {describe(backend)}; a "
             "backend of your own needs every member of inturn.backends.Backend, "
             "`capabilities` and `thread_loop()` included"
         )
     if concurrency > 1:
         raise ValueError(
             f"inturn: concurrency={concurrency} needs the in-process lines; "
-            f"{backend!r} grants one holder per key"
+            f"{describe(backend)} grants one holder per key"
         )
     return backend
 

@@ -416,13 +416,15 @@ def decorate(
     limit = queue.timeout if isinstance(timeout, _Unset) else _check_timeout(timeout)
     hold = queue.max_hold if isinstance(max_hold, _Unset) else _check_hold(max_hold)
     if not isinstance(coalesce, bool):
-        raise TypeError(f"inturn: coalesce must be True or False, got {coalesce!r}")
+        raise TypeError(f"inturn: coalesce must be True or False, got {describe(coalesce)}")
     if fn is None:
         return lambda fn: decorate(runner, fn, key, keys, limit, coalesce, hold)
     kind = type(fn) if isinstance(fn, classmethod | staticmethod) else FunctionType
     target = fn.__func__ if kind is not FunctionType else fn
     if not callable(target) or isinstance(target, type):
-        raise TypeError(f"inturn: queue_by_key() decorates functions and methods; got {fn!r}")
+        raise TypeError(
+            f"inturn: queue_by_key() decorates functions and methods; got {describe(fn)}"
+        )
     if inspect.iscoroutinefunction(target):
         extract, several = compile_key(target, key, keys)
         call = _async_call(runner, target, extract, several, limit, coalesce, hold)

@@ -53,6 +53,7 @@ from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
 
 from . import KeyedQueue, LeaseLost, QueueFull, __version__, default_queue
+from ._describe import describe
 
 __all__ = ("instrument", "uninstrument")
 
@@ -215,7 +216,7 @@ def instrument(*queues: KeyedQueue, meter_provider: MeterProvider | None = None)
     chosen = queues or (default_queue,)
     for queue in chosen:
         if not isinstance(queue, KeyedQueue):
-            raise TypeError(f"inturn: instrument() takes KeyedQueue objects, got {queue!r}")
+            raise TypeError(f"inturn: instrument() takes KeyedQueue objects, got {describe(queue)}")
     with _LOCK:
         instruments = _INSTRUMENTS.get(meter_provider)
         if instruments is None:
