@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 from . import BackendUnavailable, KeyedQueue, __version__
-from ._describe import describe
+from ._describe import SHOWN, describe
 from .backends import LineInfo
 
 __all__ = ("main",)
@@ -209,9 +209,10 @@ def _open_lines(
 
         namespace = options.namespace or "inturn"
         if "://" not in options.redis:
+            where = options.redis if len(options.redis) <= SHOWN else "host:port"
             raise ValueError(
                 f"inturn: {describe(options.redis)} is not a Redis URL; give it with its scheme: "
-                "redis://host:port, rediss:// for TLS, or unix:///path/to.sock"
+                f"redis://{where}, rediss:// for TLS, or unix:///path/to.sock"
             )
         redis = RedisBackend.from_url(options.redis, namespace=namespace)
         return redis, f"namespace {describe(namespace)}", redis.namespaces

@@ -95,7 +95,7 @@ class Shared:
             enclosing = enclosing.outer
 
     def on_session(
-        self, backend: Backend, taken: list[Hashable], own: bool
+        self, backend: Backend, taken: tuple[Hashable, ...], own: bool
     ) -> Generator[tuple[int, Any], Any, None]:
         """The grants of the keys taken, on one connection for the turn (steps).
 

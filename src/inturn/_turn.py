@@ -17,6 +17,7 @@ driver run.
 from __future__ import annotations
 
 import asyncio
+import enum
 from collections.abc import Callable, Hashable, Mapping
 from inspect import isawaitable
 from time import monotonic as _monotonic
@@ -70,28 +71,18 @@ def current_turn() -> Turn | None:
     return None if shared is None else cast("Turn", shared.turn)
 
 
-@final
-class _Parts:
-    """What a turn taken by its steps holds: its keys, slot, clock, start, backend part."""
-
-    __slots__ = ("clock", "shared", "since", "slot", "taken")
-
-    def __init__(self, since: float) -> None:
-        self.taken: list[Hashable] = []  # the keys this turn took (not held already), in order
-        self.slot = False  # whether it took a running slot (max_running)
-        self.since = since  # when it was asked for (timed queues), then when it started
-        self.clock: Clock | None = None  # max_hold, while held
-        self.shared: Shared | None = None  # on a shared backend
-
-
 #: The wait for a running slot.
 _SLOT = (SLOT, None)
 
-#: The parts of a reentrant turn on one key: it took nothing (never changed).
-_NOTHING = _Parts(0.0)
-#: Markers of a turn not taken yet (see Turn._enter_now): alone, its key busy; by steps.
-_ALONE = _Parts(0.0)
-_STEPS = _Parts(0.0)
+class _Path(enum.Enum):
+    """How a turn is taken (Turn._path), but None: its one key, by try_take alone."""
+
+    NOTHING = "a reentrant turn on one key: it took nothing"
+    ALONE = "a turn alone whose key is busy (see Turn._enter_now)"
+    STEPS = "a turn taken by its steps, whose parts are the Turn's _-fields"
+
+
+_NOTHING, _ALONE, _STEPS = _Path.NOTHING, _Path.ALONE, _Path.STEPS
 
 
 @final
@@ -112,10 +103,15 @@ class Turn:
     """
 
     __slots__ = (
+        "_clock",
         "_hold",
         "_holder",
-        "_parts",
+        "_path",
         "_registry",
+        "_shared",
+        "_since",
+        "_slot",
+        "_taken",
         "_timeout",
         "_transaction",
         "keys",
@@ -123,6 +119,15 @@ class Turn:
     )
 
     keys: tuple[Hashable, ...]
+    # A turn taken by its steps (_STEPS) holds, set by _start: the keys it took
+    # (not held already), in order; whether it took a running slot (max_running);
+    # when it was asked for (timed queues), then when it started; max_hold's clock,
+    # while held; its part on a shared backend.
+    _taken: tuple[Hashable, ...]
+    _slot: bool
+    _since: float
+    _clock: Clock | None
+    _shared: Shared | None
     #: A fencing token, set on entry: larger than the token of every turn
     #: granted earlier on the same key, so a downstream store can refuse a
     #: write that carries an older one. With several keys, the token of the
@@ -145,16 +150,16 @@ class Turn:
         self._transaction = transaction
         self.token = 0
         self._holder: object = None  # the task or thread inside the block, None outside it
-        # None: the one key taken by try_take alone; else what the steps took
-        self._parts: _Parts | None = None
+        # How it is taken: None, the one key by try_take alone; else see _STEPS
+        self._path: _Path | None = None
 
     @property
     def tokens(self) -> Mapping[Hashable, int]:
         """Each key's fencing token (all the same in process, one per key on a shared backend)."""
-        parts = self._parts
-        if parts is None or parts.shared is None:
+        shared = self._shared if self._path is _STEPS else None
+        if shared is None:
             return MappingProxyType(dict.fromkeys(self.keys, self.token))
-        return MappingProxyType(parts.shared.tokens)
+        return MappingProxyType(shared.tokens)
 
     @property
     def connection(self) -> Any:
@@ -172,8 +177,7 @@ class Turn:
         :raises RuntimeError: outside the block, or the turn was not taken with
             ``transaction=True``.
         """
-        parts = self._parts
-        shared = None if parts is None else parts.shared
+        shared = self._shared if self._path is _STEPS else None
         if shared is None or shared.session is None or not self._transaction:
             raise RuntimeError(
                 "inturn: turn.connection exists inside the block of "
@@ -193,15 +197,15 @@ class Turn:
         deleted under it. Long work can check this and stop early. Always
         ``False`` in process: an in-process turn cannot be lost.
         """
-        parts = self._parts
-        return parts is not None and parts.shared is not None and parts.shared.lost
+        shared = self._shared if self._path is _STEPS else None
+        return shared is not None and shared.lost
 
     # -- a task's turn -----------------------------------------------------------------
 
     async def __aenter__(self) -> Turn:
         task: asyncio.Task[Any] = self._enter_now(None)  # type: ignore[assignment]
         if self._holder is None:
-            if self._parts is _ALONE:  # (awaited in this frame: see line_up)
+            if self._path is _ALONE:  # (awaited in this frame: see line_up)
                 registry, key, timeout = self._registry, self.keys[0], self._timeout
                 queued = line_up(registry, key, task, timeout, timeout, registry)
                 if queued is not None:
@@ -226,7 +230,7 @@ class Turn:
         tb: TracebackType | None,
     ) -> None:
         holder = self._holder
-        if self._parts is None:  # (_leave's first case, one call less: keyed()'s hot path)
+        if self._path is None:  # (_leave's first case, one call less: keyed()'s hot path)
             self._holder = None
             self._registry.finish(self.keys[0], holder, exc, None)
             return
@@ -242,9 +246,9 @@ class Turn:
         ``lined``: holder holds the key's line already (submitted work). An
         untimed turn on one key of an in-process queue is a turn alone: the
         fast verb takes it if it is free (or held by holder already), and
-        ``_holder`` is set; if it is busy, ``_parts`` is ``_ALONE`` and the
+        ``_holder`` is set; if it is busy, ``_path`` is ``_ALONE`` and the
         caller waits in the key's line alone (see wait_alone). Any other turn
-        (``_parts`` is ``_STEPS``) is taken by its steps (see _start). No
+        (``_path`` is ``_STEPS``) is taken by its steps (see _start). No
         steps, nothing allocated for a turn alone.
         """
         registry = self._registry
@@ -263,30 +267,28 @@ class Turn:
             if loop_of(holder) is not mode.solo:
                 mode.settle(loop_of(holder))
         if registry.timed or self._hold is not None or len(self.keys) != 1:
-            self._parts = _STEPS
+            self._path = _STEPS
             return holder
         got = True if lined else registry.try_take(self.keys[0], holder)  # the fast verb first
         if got is False:
-            self._parts = _ALONE  # (busy: the caller waits in the key's line, alone)
+            self._path = _ALONE  # (busy: the caller waits in the key's line, alone)
             return holder
-        self._parts = None if got is True else _NOTHING  # (HELD: reentrant, took nothing)
+        self._path = None if got is True else _NOTHING  # (HELD: reentrant, took nothing)
         self.token = next(registry.tokens)
         self._holder = holder
         return holder
 
     def _held_alone(self, holder: object) -> None:
         """The turn is holder's: its one key, waited for alone (see _enter_now), is taken."""
-        self._parts = None
+        self._path = None
         self.token = next(self._registry.tokens)
         self._holder = holder
 
     def _drive(self, task: asyncio.Task[Any], steps: Steps, wait: tuple[int, Any]) -> Any:
         """The coroutine that performs steps' waits for task, from wait on (see _drive)."""
-        registry, parts = self._registry, self._parts
-        assert parts is not None
-        shared = parts.shared
+        shared = self._shared
         via = shared is not None and shared.via
-        return drive(steps, wait, task, registry, self._timeout, parts.since, via)
+        return drive(steps, wait, task, self._registry, self._timeout, self._since, via)
 
     # -- a thread's turn ---------------------------------------------------------------
 
@@ -301,7 +303,7 @@ class Turn:
             )
         me = self._enter_now(self._me())
         if self._holder is None:
-            if self._parts is _ALONE:
+            if self._path is _ALONE:
                 wait_alone_sync(self._registry, self.keys[0], me, self._timeout)
                 self._held_alone(me)
             else:
@@ -317,7 +319,7 @@ class Turn:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self._parts is None:  # (_leave's first case, two calls less: a thread's hot path)
+        if self._path is None:  # (_leave's first case, two calls less: a thread's hot path)
             holder, self._holder = self._holder, None
             self._registry.finish(self.keys[0], holder, exc, None)
         else:
@@ -332,9 +334,7 @@ class Turn:
 
     def _drive_sync(self, me: object, steps: Steps, wait: tuple[int, Any]) -> None:
         """Perform steps' waits for thread me, from wait on (see _drive)."""
-        registry, parts = self._registry, self._parts
-        assert parts is not None
-        drive_sync(steps, wait, me, registry, self._timeout, parts.since)
+        drive_sync(steps, wait, me, self._registry, self._timeout, self._since)
 
     def _me(self) -> object:
         """Who takes a thread's turn: this thread, or a running loop's task that holds the keys.
@@ -369,39 +369,43 @@ class Turn:
         lines already (submitted work).
         """
         registry = self._registry
-        parts = self._parts = _Parts(since or (_monotonic() if registry.timed else 0.0))
+        self._since = since or (_monotonic() if registry.timed else 0.0)
+        self._taken = ()
+        self._slot = False
+        self._clock = None
+        self._shared = None
         own = False
         backend = registry.backend
         if backend is not None:
-            shared = parts.shared = Shared(self, registry, holder, self._transaction)
+            shared = self._shared = Shared(self, registry, holder, self._transaction)
             if isinstance(holder, asyncio.Task):
                 via = registry.mode.via(loop_of(holder))
                 # A transaction's connection must be this loop's; on a loop the backend
                 # does not serve directly (a loop per job), one of the turn's own.
                 shared.via = via and not self._transaction
                 own = via and self._transaction
-        steps = self._taking(parts, holder, own, lined)
+        steps = self._taking(holder, own, lined)
         wait = next(steps, None)  # (up to the first wait)
         return None if wait is None else (steps, wait)
 
     def _leave(self, error: BaseException | None, result: Any) -> _Begun | None:
         """End the turn (the work ended with error, or with result) as far as it goes without
         a wait; None once it ended, else the steps and their first wait."""
-        parts = self._parts
-        if parts is None:  # one key, taken by try_take alone
+        path = self._path
+        if path is None:  # one key, taken by try_take alone
             holder, self._holder = self._holder, None
             self._registry.finish(self.keys[0], holder, error, result)
             return None
-        if parts is _NOTHING:
+        if path is _NOTHING:
             self._holder = None
             return None
-        steps = self._ending(parts, error, result)
+        steps = self._ending(error, result)
         wait = next(steps, None)  # (up to the first wait)
         return None if wait is None else (steps, wait)
 
     # -- the steps ---------------------------------------------------------------------
 
-    def _taking(self, parts: _Parts, holder: object, own: bool, lined: bool) -> Steps:
+    def _taking(self, holder: object, own: bool, lined: bool) -> Steps:
         """Take each key's line (and its grant), or all on the turn's session, then a slot (steps).
 
         If any is not reached, what was taken is given back, newest first,
@@ -411,9 +415,9 @@ class Turn:
         """
         registry = self._registry
         backend = registry.backend
-        shared = parts.shared
+        shared = self._shared
         each = shared is not None and not backend.capabilities.sessions  # type: ignore[union-attr]
-        taken = parts.taken
+        taken: tuple[Hashable, ...] = ()
         try:
             for key in self.keys:
                 got = True if lined else registry.try_take(key, holder)
@@ -423,7 +427,7 @@ class Turn:
                     continue
                 if got is False:
                     yield LINE, key
-                taken.append(key)
+                taken += (key,)
                 if each:
                     shared.granted(key, (yield GRANT, (backend, key)))  # type: ignore[union-attr]
             if shared is not None and not each:
@@ -436,7 +440,7 @@ class Turn:
                 got = slots.try_take(holder)
                 if got is False:
                     yield _SLOT  # (one tuple for every turn)
-                parts.slot = got is not HELD
+                self._slot = got is not HELD
         except BaseException as error:
             registry.missed(error)
             try:
@@ -445,17 +449,18 @@ class Turn:
             finally:
                 registry.release_all(taken, holder, error, None)
             raise
+        self._taken = taken
         self.token = (
             shared.tokens[self.keys[0]] if shared and shared.tokens else next(registry.tokens)
         )
         if registry.timed:
-            parts.since = registry.started(parts.since)
+            self._since = registry.started(self._since)
         if self._hold is not None and taken:
-            parts.clock = start_clock(holder, self._hold)  # type: ignore[arg-type]
+            self._clock = start_clock(holder, self._hold)  # type: ignore[arg-type]
         if shared is not None:
             CURRENT.set(shared)
 
-    def _ending(self, parts: _Parts, error: BaseException | None, result: Any) -> Steps:
+    def _ending(self, error: BaseException | None, result: Any) -> Steps:
         """Stop the clock, release the slot, the grants (or session), then the keys (steps).
 
         Raises :exc:`~inturn.HoldTimeout` if max_hold cut the work;
@@ -466,14 +471,15 @@ class Turn:
         holder, self._holder = self._holder, None
         registry = self._registry
         cut = None
-        if parts.clock is not None:
-            cut = parts.clock.stop(self.keys, error)
-            parts.clock = None
+        clock = self._clock
+        if clock is not None:
+            self._clock = None
+            cut = clock.stop(self.keys, error)
             error = cut or error
-        if parts.slot:  # first: the next work here may start meanwhile
-            parts.slot = False
+        if self._slot:  # first: the next work here may start meanwhile
+            self._slot = False
             registry.slots.vacate(holder)  # type: ignore[union-attr]
-        shared = parts.shared
+        shared = self._shared
         failure: Exception | None = None
         try:
             if shared is not None:
@@ -481,8 +487,8 @@ class Turn:
                 failure = yield from shared.give_back(registry.backend, error)  # type: ignore[arg-type]
                 error, failure = shared.ended(registry.name, error, failure)
         finally:
-            if parts.taken:
-                registry.end(parts.taken, holder, error, result, cut is not None, parts.since)
+            if self._taken:
+                registry.end(self._taken, holder, error, result, cut is not None, self._since)
         if cut is not None:
             raise cut
         if failure is not None and failure is error:
@@ -518,7 +524,7 @@ async def call_in_turn(
         here: asyncio.Task[Any] = turn._enter_now(task, lined)  # type: ignore[assignment]
         task = here
         if turn._holder is None:
-            if turn._parts is _ALONE:
+            if turn._path is _ALONE:
                 await wait_alone(turn._registry, turn.keys[0], task, turn._timeout)
                 turn._held_alone(task)
             else:
