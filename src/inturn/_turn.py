@@ -74,6 +74,7 @@ def current_turn() -> Turn | None:
 #: The wait for a running slot.
 _SLOT = (SLOT, None)
 
+
 class _Path(enum.Enum):
     """How a turn is taken (Turn._path), but None: its one key, by try_take alone."""
 
