@@ -228,7 +228,8 @@ class Registry:
 
         Return the line joined. Raise if the queue is closed, the line is
         full (QueueFull), or the key is busy and there is no time to wait.
-        ``guarded``: the caller holds the guard already.
+        ``guarded``: the caller holds the guard already. Submitted work joins
+        as data: it is the holder and the waiter (a Deferred), under the guard.
         """
         if self.mode.shared and not guarded:
             with self.mode.lock or self.mode.locked():
@@ -409,13 +410,6 @@ class Registry:
                 return
 
     # -- submitted work, waiting as data -----------------------------------------------
-
-    def defer(self, key: Hashable, work: Deferred, timeout: float | None) -> Line | Gate | None:
-        """Put submitted work in key's line as data; None if it took the key (it holds it now).
-
-        Raise as :meth:`join`. Under the guard.
-        """
-        return self.join(key, work, work, timeout, True)
 
     def start(self, key: Hashable, work: Deferred, task: object, handed: bool) -> None:
         """Make the task of submitted work the holder of key in the work's place.

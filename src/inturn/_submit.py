@@ -461,7 +461,7 @@ async def submit(
     line = None
     with registry.mode.guard_for(loop):
         try:
-            line = registry.defer(key, handle, queue.timeout)
+            line = registry.join(key, handle, handle, queue.timeout, guarded=True)  # as data
         except (QueueFull, QueueClosed, TimeoutError) as error:
             refused = error
         else:
