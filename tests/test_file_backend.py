@@ -22,7 +22,7 @@ from inturn.backends import file as file_backend
 from inturn.backends.file import FileBackend
 from processes import Worker, first_to_hold, until
 
-from helpers import checkpoints, settle
+from helpers import PATIENCE, checkpoints, settle
 
 
 @pytest.fixture
@@ -84,6 +84,37 @@ async def test_the_last_to_leave_deletes_the_line_file_though_a_tidier_held_its_
     finally:
         os.close(tidier)  # the tidier is done
     await asyncio.wait_for(turn, 5)
+    assert files(backend.directory) == []
+
+
+async def test_a_tidier_frozen_with_the_line_files_lock_holds_up_a_release_briefly(
+    backend: FileBackend,
+) -> None:
+    """A process frozen while it holds the line file's lock (SIGSTOP mid-tidy) holds the
+    last holder's release up for half a second at most: the release is then done, and
+    the line file is left to the key's next turn, which removes it."""
+    import fcntl
+
+    queue = KeyedQueue(backend=backend)
+    inside = asyncio.Event()
+    gate = asyncio.Event()
+
+    async def hold() -> None:
+        inside.set()
+        await gate.wait()
+
+    turn = asyncio.create_task(queue.run("k", hold))
+    await inside.wait()
+    line = line_file(backend.directory, "k")
+    frozen = os.open(line, os.O_RDONLY)  # the frozen process's tidy: it never lets go
+    try:
+        fcntl.flock(frozen, fcntl.LOCK_EX)
+        gate.set()
+        await asyncio.wait_for(turn, PATIENCE)  # (its release waited for good)
+        assert line.exists()  # left to the next turn
+    finally:
+        os.close(frozen)  # thawed, or killed
+    await queue.run("k", lambda: None)
     assert files(backend.directory) == []
 
 

@@ -55,7 +55,7 @@ _COMPACT_AT = 128
 #: meanwhile stops between two pages: a compaction writes its tickets only
 #: where they fit between two page boundaries, so that they are written whole or not at all.
 _PAGE = 4096 if sys.platform == "win32" else os.sysconf("SC_PAGE_SIZE")
-#: How long (about: the last pause, in seconds) a release tries again to tidy a line it left last.
+#: How long (seconds) a release tries again to tidy a line it left last.
 _RETRY_FOR = 0.5
 #: How long (seconds) release_sync tries again to tidy a line it left last: its thread waits.
 _RETRY_SYNC_FOR = 0.002
@@ -227,21 +227,25 @@ def retry(
     digest: str,
     own: str,
     key: Hashable,
-    pause: float,
+    pause: float = 0.0,
+    until: float | None = None,
 ) -> None:
     """Tidy again after pause (the line file's lock was busy), until done or it is gone.
 
     At once (the loop's next round), then every millisecond, then less
-    and less often, up to every 50 ms, for about a second at most: then
-    it is left to the key's next turn. done completes when it ends (also
-    if it was cancelled).
+    and less often, up to every 50 ms, for _RETRY_FOR (half a second) at
+    most, on the loop's clock (``until``: when that ends): then it is left
+    to the key's next turn, though the lock's holder (a process frozen
+    mid-tidy) never lets go. done completes when it ends (also if it was
+    cancelled).
     """
     loop = done.get_loop()
+    end = loop.time() + _RETRY_FOR if until is None else until
 
     def again() -> None:
         first, longest = LOCK_PAUSES
-        if tidy_again(where, digest, own, key) and pause < _RETRY_FOR:
-            retry(done, where, digest, own, key, min(max(pause * 2, first), longest))
+        if tidy_again(where, digest, own, key) and loop.time() < end:
+            retry(done, where, digest, own, key, min(max(pause * 2, first), longest), end)
         else:
             _finish(done)
 

@@ -361,7 +361,7 @@ class FileBackend:
         done = asyncio.get_running_loop().create_future()
         again = self._leave(own)
         if again is not None:
-            retry(done, *again, 0.0)  # at once, then 1 ms...
+            retry(done, *again)  # at once, then 1 ms...
             return done
         done.set_result(None)
         return done
