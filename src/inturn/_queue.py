@@ -48,7 +48,6 @@ if TYPE_CHECKING:
 __all__ = ("UNSET", "KeyedQueue")
 
 R = TypeVar("R")
-W = TypeVar("W")
 
 
 #: Every queue of this process, for a forked child to reset (see KeyedQueue._forked).

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, TypeVar, final
+from typing import TYPE_CHECKING, final
 
 from ._checks import missed
 from ._line import Gate, Held, Places, Waiter, resolve
@@ -23,8 +23,6 @@ if TYPE_CHECKING:
     from ._registry import Registry
 
 __all__ = ("Slots",)
-
-W = TypeVar("W")
 
 
 @final
