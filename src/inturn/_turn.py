@@ -302,7 +302,15 @@ class Turn:
                 f"inturn: max_hold={self._hold:g} s cannot cut a thread's turn short "
                 "(a thread cannot be cancelled); take it from a task, or without max_hold"
             )
-        me = self._enter_now(self._me())
+        # Who takes it: this thread; inside a running event loop, only a reentrant
+        # call is possible, whose holder is the loop's task (see _task_holding).
+        if loop_here() is None:
+            mode = self._registry.mode
+            if not mode.shared:
+                mode.arrive(None)
+            me = self._enter_now(thread_holder())
+        else:
+            me = self._enter_now(self._task_holding())
         if self._holder is None:
             if self._path is _ALONE:
                 wait_alone_sync(self._registry, self.keys[0], me, self._timeout)
@@ -337,28 +345,23 @@ class Turn:
         """Perform steps' waits for thread me, from wait on (see _drive)."""
         drive_sync(steps, wait, me, self._registry, self._timeout, self._since)
 
-    def _me(self) -> object:
-        """Who takes a thread's turn: this thread, or a running loop's task that holds the keys.
+    def _task_holding(self) -> object:
+        """Inside a running event loop: the loop's current task, if it holds every key already.
 
-        Inside a running event loop, only a reentrant call is possible: the
-        loop's current task holds every key already, and is the holder.
+        :raises RuntimeError: it does not (a blocking wait would freeze the loop).
         """
         registry = self._registry
-        if loop_here() is not None:
-            task = registry.mode.current_task()
-            lines = registry.lines
-            keys = self.keys
-            if task is not None and all(held_by(lines.get(key), task) for key in keys):
-                return task
-            raise RuntimeError(
-                "inturn: a blocking turn (run_sync(), `with keyed()`, a decorated plain def) "
-                f"was taken inside a running event loop, for {', '.join(map(describe, keys))}; "
-                "waiting would freeze the loop. Use `await queue.run(...)` or `async with`, "
-                "or call it in a thread: `await asyncio.to_thread(...)`"
-            )
-        if not registry.mode.shared:
-            registry.mode.arrive(None)
-        return thread_holder()
+        task = registry.mode.current_task()
+        lines = registry.lines
+        keys = self.keys
+        if task is not None and all(held_by(lines.get(key), task) for key in keys):
+            return task
+        raise RuntimeError(
+            "inturn: a blocking turn (run_sync(), `with keyed()`, a decorated plain def) "
+            f"was taken inside a running event loop, for {', '.join(map(describe, keys))}; "
+            "waiting would freeze the loop. Use `await queue.run(...)` or `async with`, "
+            "or call it in a thread: `await asyncio.to_thread(...)`"
+        )
 
     # -- entering and leaving: sync until a wait is needed ---------------------------------
 
