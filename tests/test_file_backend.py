@@ -54,6 +54,20 @@ async def test_two_queues_on_one_directory_exclude_each_other(backend: FileBacke
     assert files(backend.directory) == []
 
 
+async def held(queue: KeyedQueue, key: str) -> tuple[asyncio.Task[None], asyncio.Event]:
+    """A task that holds key on queue (returned once it does) until the event is set."""
+    inside = asyncio.Event()
+    gate = asyncio.Event()
+
+    async def hold() -> None:
+        inside.set()
+        await gate.wait()
+
+    turn = asyncio.create_task(queue.run(key, hold))
+    await inside.wait()
+    return turn, gate
+
+
 @pytest.mark.parametrize("lock", ["shared", "exclusive"])
 async def test_the_last_to_leave_deletes_the_line_file_though_a_tidier_held_its_lock(
     backend: FileBackend, lock: str
@@ -64,15 +78,7 @@ async def test_the_last_to_leave_deletes_the_line_file_though_a_tidier_held_its_
     import fcntl
 
     queue = KeyedQueue(backend=backend)
-    inside = asyncio.Event()
-    gate = asyncio.Event()
-
-    async def hold() -> None:
-        inside.set()
-        await gate.wait()
-
-    turn = asyncio.create_task(queue.run("k", hold))
-    await inside.wait()
+    turn, gate = await held(queue, "k")
     line = line_file(backend.directory, "k")
     tidier = os.open(line, os.O_RDONLY)  # another process's tidy
     try:
@@ -96,15 +102,7 @@ async def test_a_tidier_frozen_with_the_line_files_lock_holds_up_a_release_brief
     import fcntl
 
     queue = KeyedQueue(backend=backend)
-    inside = asyncio.Event()
-    gate = asyncio.Event()
-
-    async def hold() -> None:
-        inside.set()
-        await gate.wait()
-
-    turn = asyncio.create_task(queue.run("k", hold))
-    await inside.wait()
+    turn, gate = await held(queue, "k")
     line = line_file(backend.directory, "k")
     frozen = os.open(line, os.O_RDONLY)  # the frozen process's tidy: it never lets go
     try:

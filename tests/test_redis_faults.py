@@ -470,8 +470,26 @@ class Gone:
         self.error.set_result(error)
 
 
+@pytest.fixture
+async def public_carrier(
+    own_redis: Server, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[tuple[Any, Gone]]:
+    """A carrier through redis-py's public API (no takeover), and the listener it tells."""
+    monkeypatch.setattr(_redis_takeover, "ENABLED", False)
+    client = aioredis.Redis.from_url(own_redis.url)
+    listener = Gone()
+    carrier = await _redis_wire.connect(
+        client.connection_pool.make_connection, listener, LEASE, False
+    )
+    try:
+        yield carrier, listener
+    finally:
+        await carrier.close()
+        await client.aclose()
+
+
 async def test_a_write_that_breaks_the_pipe_leaves_no_error_for_the_collector_to_log(
-    own_redis: Server, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    public_carrier: tuple[Any, Gone], caplog: pytest.LogCaptureFixture
 ) -> None:
     # Through redis-py's public API, a write into a broken connection fails in the
     # StreamWriter's drain(); asyncio keeps the BrokenPipeError in its protocol's close
@@ -479,51 +497,33 @@ async def test_a_write_that_breaks_the_pipe_leaves_no_error_for_the_collector_to
     # the protocol in a reference cycle: the collector finalizes their objects in no set
     # order, and "Future exception was never retrieved" came once in CI. Here the waiter
     # is finalized first on purpose.
-    monkeypatch.setattr(_redis_takeover, "ENABLED", False)
-    client = aioredis.Redis.from_url(own_redis.url)
-    listener = Gone()
-    carrier = await _redis_wire.connect(
-        client.connection_pool.make_connection, listener, LEASE, False
-    )
-    try:
-        transport = _redis_takeover.writer_transport(carrier._connection)  # type: ignore[attr-defined]
-        assert transport is not None
-        closed = transport.get_protocol()._closed  # type: ignore[attr-defined]
-        transport.get_extra_info("socket").shutdown(socket.SHUT_WR)  # the next write: EPIPE
-        carrier.write(b"*1\r\n$4\r\nPING\r\n")
-        await within(LEASE, listener.error)
-        closed.__del__()  # finalized before its protocol, as the collector may
-        assert asyncio_problems(caplog) == []
-        assert isinstance(closed.exception(), BrokenPipeError)  # (there was one to retrieve)
-    finally:
-        await carrier.close()
-        await client.aclose()
+    carrier, listener = public_carrier
+    transport = _redis_takeover.writer_transport(carrier._connection)
+    assert transport is not None
+    closed = transport.get_protocol()._closed  # type: ignore[attr-defined]
+    transport.get_extra_info("socket").shutdown(socket.SHUT_WR)  # the next write: EPIPE
+    carrier.write(b"*1\r\n$4\r\nPING\r\n")
+    await within(LEASE, listener.error)
+    closed.__del__()  # finalized before its protocol, as the collector may
+    assert asyncio_problems(caplog) == []
+    assert isinstance(closed.exception(), BrokenPipeError)  # (there was one to retrieve)
 
 
 async def test_a_write_that_fails_first_still_ends_the_connection_for_its_listener(
-    own_redis: Server, monkeypatch: pytest.MonkeyPatch
+    public_carrier: tuple[Any, Gone], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Through redis-py's public API, a write that failed before the reader had seen the
     # connection end (the order Python 3.12 and 3.13 take when a write breaks the pipe)
     # stopped the reader, which took that for its loop's end and never told its listener:
     # the Link wrote into a dead connection for good. Here the write fails alone.
-    monkeypatch.setattr(_redis_takeover, "ENABLED", False)
-    client = aioredis.Redis.from_url(own_redis.url)
-    listener = Gone()
-    carrier = await _redis_wire.connect(
-        client.connection_pool.make_connection, listener, LEASE, False
-    )
+    carrier, listener = public_carrier
 
     async def broken(*args: Any, **kwargs: Any) -> None:
         raise RedisConnectionError("Error 32 while writing to socket. Broken pipe.")
 
-    try:
-        monkeypatch.setattr(carrier._connection, "send_packed_command", broken)  # type: ignore[attr-defined]
-        carrier.write(b"*1\r\n$4\r\nPING\r\n")
-        assert "Broken pipe" in str(await within(LEASE, listener.error))
-    finally:
-        await carrier.close()
-        await client.aclose()
+    monkeypatch.setattr(carrier._connection, "send_packed_command", broken)
+    carrier.write(b"*1\r\n$4\r\nPING\r\n")
+    assert "Broken pipe" in str(await within(LEASE, listener.error))
 
 
 async def test_a_connect_cancelled_into_an_error_leaves_no_task_unretrieved(
