@@ -9,11 +9,19 @@ the steps raise goes to the driver's caller.
   registry); ``SLOT, None``: wait for a running slot (max_running). Both
   end holding the place, or raise (a TimeoutError naming the caller's
   limit, or what interrupted the wait), having left the line.
-- ``GRANT, (source, key)``: the backend's turn on key, from the backend or a
-  turn's session -> the Grant.
+- ``GRANT, (source, key, grants)``: the backend's turn on key, from the
+  backend or a turn's session: the driver appends the Grant to grants (a
+  list of the steps) as it gets it, before anything else can run: so an
+  interrupt at any later point finds it there, and the roll-back gives
+  it back. The answer is None.
 - ``RELEASE, (source, grant)`` and ``CLOSE, (session, error)``: give a grant
   back, or end a turn's session; they complete even if the caller is
   cancelled again meanwhile (a task) or interrupted (a thread).
+- ``INTERRUPTED, error`` (from the thread's turn, not the steps): throw error
+  in. An exception that a signal handler raised in a thread between two
+  of its calls, outside the steps (as the driver sent them an answer, say),
+  leaves them suspended where they were; so the turn hands it to them
+  this way, and they roll back and raise it.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ if TYPE_CHECKING:
 __all__ = (
     "CLOSE",
     "GRANT",
+    "INTERRUPTED",
     "LINE",
     "RELEASE",
     "SLOT",
@@ -56,6 +65,7 @@ SLOT: Final = 1
 GRANT: Final = 2
 RELEASE: Final = 3
 CLOSE: Final = 4
+INTERRUPTED: Final = 5
 
 #: A turn's steps: they yield waits, and are sent each wait's answer.
 Steps = Generator[tuple[int, Any], Any, None]
@@ -190,10 +200,11 @@ def _wait_in_sync(
                 waiter.lock.acquire()
             else:
                 waiter.lock.acquire(timeout=left)
+            settled = place.settle(key, line, waiter, me)
         except BaseException:  # interrupted: KeyboardInterrupt, or a signal handler's
-            place.abandon(key, line, waiter)
+            place.abandon(key, line, waiter)  # (passes on a turn handed to it)
             raise
-        if not place.settle(key, line, waiter, me):  # timed out (and not handed just then)
+        if not settled:  # timed out (and not handed just then)
             place.abandon(key, line, waiter)
             raise place.too_late(key, limit)  # noqa: TRY301 - counted below, as every miss
     except BaseException as error:
@@ -274,11 +285,11 @@ async def drive(
                     left = deadline.left()
                 if kind == GRANT:
                     assert backend is not None
-                    source, key = arg
+                    source, key, grants = arg
                     if via:
-                        reply = await acquire_via(backend, source, key, left)
+                        grants.append(await acquire_via(backend, source, key, left))
                     else:
-                        reply = await source.acquire(key, left)
+                        grants.append(await source.acquire(key, left))
                 else:
                     place = registry if kind == LINE else registry.slots
                     assert place is not None
@@ -317,6 +328,8 @@ def drive_sync(
             if kind == RELEASE:
                 assert backend is not None
                 release_sync(backend, *arg)
+            elif kind == INTERRUPTED:
+                raise arg  # noqa: TRY301 - (see INTERRUPTED)
             elif kind == CLOSE:
                 assert backend is not None
                 close_sync(backend, *arg)
@@ -328,8 +341,8 @@ def drive_sync(
                     left = deadline.left()
                 if kind == GRANT:
                     assert backend is not None
-                    source, key = arg
-                    reply = acquire_sync(backend, source, key, left)
+                    source, key, grants = arg
+                    grants.append(acquire_sync(backend, source, key, left))  # (see GRANT)
                 else:
                     place = registry if kind == LINE else registry.slots
                     assert place is not None

@@ -79,10 +79,9 @@ class Shared:
             enclosing.lost for enclosing in self.holders
         )
 
-    def granted(self, key: Hashable, grant: Grant) -> None:
-        """Keep key's grant."""
-        self.grants.append(grant)
-        self.tokens[key] = grant.token
+    def granted(self, key: Hashable) -> None:
+        """Note the token of key's grant, the newest in grants (see _drive: GRANT)."""
+        self.tokens[key] = self.grants[-1].token
 
     def reentered(self, key: Hashable) -> None:
         """Note the enclosing turn that holds key, taken again: its token, its lease."""
@@ -112,7 +111,8 @@ class Shared:
             session = opener.session(len(taken), self.transaction, own, self._depth())
         self.session = session
         for key in taken:
-            self.granted(key, (yield GRANT, (session, key)))
+            yield GRANT, (session, key, self.grants)
+            self.granted(key)
 
     def _lender(self) -> TurnSession | None:
         """The session of the holder's innermost enclosing turn on its queue, unless a

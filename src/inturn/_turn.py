@@ -18,15 +18,17 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import inspect
 from collections.abc import Callable, Hashable, Mapping
 from inspect import isawaitable
 from time import monotonic as _monotonic
 from types import CoroutineType, MappingProxyType, TracebackType
-from typing import TYPE_CHECKING, Any, NoReturn, cast, final
+from typing import TYPE_CHECKING, Any, Final, NoReturn, cast, final
 
 from ._describe import describe
 from ._drive import (
     GRANT,
+    INTERRUPTED,
     LINE,
     SLOT,
     Steps,
@@ -73,6 +75,7 @@ def current_turn() -> Turn | None:
 
 #: The wait for a running slot.
 _SLOT = (SLOT, None)
+_NO_KEY: Final = object()  # (_taking waits for no key or slot: see _untaking)
 
 
 class _Path(enum.Enum):
@@ -314,7 +317,9 @@ class Turn:
         if self._holder is None:
             if self._path is _ALONE:
                 wait_alone_sync(self._registry, self.keys[0], me, self._timeout)
-                self._held_alone(me)
+                self._path = None  # (_held_alone, inlined: no call to be interrupted at)
+                self.token = next(self._registry.tokens)
+                self._holder = me
             else:
                 begun = self._start(me, 0.0, False)
                 if begun is not None:
@@ -343,7 +348,12 @@ class Turn:
 
     def _drive_sync(self, me: object, steps: Steps, wait: tuple[int, Any]) -> None:
         """Perform steps' waits for thread me, from wait on (see _drive)."""
-        drive_sync(steps, wait, me, self._registry, self._timeout, self._since)
+        try:
+            drive_sync(steps, wait, me, self._registry, self._timeout, self._since)
+        except BaseException as error:
+            if inspect.getgeneratorstate(steps) == inspect.GEN_SUSPENDED:  # (see INTERRUPTED)
+                drive_sync(steps, (INTERRUPTED, error), me, self._registry, None, self._since)
+            raise
 
     def _task_holding(self) -> object:
         """Inside a running event loop: the loop's current task, if it holds every key already.
@@ -422,6 +432,8 @@ class Turn:
         shared = self._shared
         each = shared is not None and not backend.capabilities.sessions  # type: ignore[union-attr]
         taken: tuple[Hashable, ...] = ()
+        waited: object = _NO_KEY  # the key (or _SLOT) it waits for (see _untaking)
+        slots = registry.slots
         try:
             for key in self.keys:
                 got = True if lined else registry.try_take(key, holder)
@@ -430,39 +442,63 @@ class Turn:
                         shared.reentered(key)
                     continue
                 if got is False:
+                    waited = key
                     yield LINE, key
+                    waited = _NO_KEY
                 taken += (key,)
                 if each:
-                    shared.granted(key, (yield GRANT, (backend, key)))  # type: ignore[union-attr]
+                    yield GRANT, (backend, key, shared.grants)  # type: ignore[union-attr]
+                    shared.granted(key)  # type: ignore[union-attr]
             if shared is not None and not each:
                 if self._transaction and not taken:
                     raise _no_transaction(self.keys)  # noqa: TRY301
                 if taken or self._transaction:
                     yield from shared.on_session(backend, taken, own)  # type: ignore[arg-type]
-            slots = registry.slots
             if slots is not None:
                 got = slots.try_take(holder)
                 if got is False:
+                    waited = _SLOT
                     yield _SLOT  # (one tuple for every turn)
+                    waited = _NO_KEY
                 self._slot = got is not HELD
+            self._taken = taken
+            self.token = (
+                shared.tokens[self.keys[0]] if shared and shared.tokens else next(registry.tokens)
+            )
+            if registry.timed:
+                self._since = registry.started(self._since)
+            if self._hold is not None and taken:
+                self._clock = start_clock(holder, self._hold)  # type: ignore[arg-type]
         except BaseException as error:
-            registry.missed(error)
-            try:
-                if shared is not None:
-                    yield from shared.give_back(backend, error)  # type: ignore[arg-type]
-            finally:
-                registry.release_all(taken, holder, error, None)
+            yield from self._untaking(holder, taken, waited, error)
             raise
-        self._taken = taken
-        self.token = (
-            shared.tokens[self.keys[0]] if shared and shared.tokens else next(registry.tokens)
-        )
-        if registry.timed:
-            self._since = registry.started(self._since)
-        if self._hold is not None and taken:
-            self._clock = start_clock(holder, self._hold)  # type: ignore[arg-type]
         if shared is not None:
             CURRENT.set(shared)
+
+    def _untaking(
+        self, holder: object, taken: tuple[Hashable, ...], waited: object, error: BaseException
+    ) -> Steps:
+        """Give back what _taking took, and count the turn as missed (steps).
+
+        The key or slot waited for is given back too if it is found held: an
+        interrupt (a signal handler's exception) came after the wait ended.
+        """
+        registry = self._registry
+        if waited is _SLOT:
+            self._slot = holder in registry.slots.holders  # type: ignore[union-attr]
+        elif waited is not _NO_KEY and held_by(registry.lines.get(waited), holder):
+            taken += (waited,)
+        registry.missed(error)
+        try:
+            if self._slot:
+                self._slot = False
+                registry.slots.vacate(holder)  # type: ignore[union-attr]
+            shared = self._shared
+            if shared is not None:
+                yield from shared.give_back(registry.backend, error)  # type: ignore[arg-type]
+        finally:
+            self._taken = ()
+            registry.release_all(taken, holder, error, None)
 
     def _ending(self, error: BaseException | None, result: Any) -> Steps:
         """Stop the clock, release the slot, the grants (or session), then the keys (steps).

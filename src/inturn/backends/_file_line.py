@@ -18,9 +18,9 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Generator, Hashable
+from collections.abc import Callable, Generator, Hashable
 from pathlib import Path
-from typing import NamedTuple, final
+from typing import NamedTuple, TypeVar, final
 
 from .._checks import missed
 from .._describe import describe
@@ -141,15 +141,17 @@ class _Left(NamedTuple):
     fd: int
 
 
-#: The steps of a turn (see taking): they yield waits, and return the token and the place.
-_Taking = Generator[_Locked | _Left, bytes, tuple[int, Place]]
+#: What a turn's steps return: its grant, made of its token and its place (see taking).
+G = TypeVar("G")
+#: The steps of a turn (see taking): they yield waits, and return its grant.
+_Taking = Generator[_Locked | _Left, bytes, G]
 
 
 def _missed(key: Hashable) -> TimeoutError:
     return missed(f"the turn for key {describe(key)}", None)
 
 
-async def drive(steps: _Taking, key: Hashable, deadline: float | None) -> tuple[int, Place]:
+async def drive(steps: _Taking[G], key: Hashable, deadline: float | None) -> G:
     """Run the steps of key's turn to their end in the event loop; deadline is on its clock.
 
     An error (a missed deadline, a cancellation) leaves steps to the caller
@@ -168,11 +170,11 @@ async def drive(steps: _Taking, key: Hashable, deadline: float | None) -> tuple[
             else:
                 wait = steps.send(await until_left(wait.fd, deadline, expired))
     except StopIteration as taken:
-        took: tuple[int, Place] = taken.value
+        took: G = taken.value
         return took
 
 
-def drive_blocking(steps: _Taking, key: Hashable, deadline: float | None) -> tuple[int, Place]:
+def drive_blocking(steps: _Taking[G], key: Hashable, deadline: float | None) -> G:
     """As drive, blocking this thread while it waits; deadline is on time.monotonic()."""
 
     def expired() -> TimeoutError:
@@ -187,11 +189,11 @@ def drive_blocking(steps: _Taking, key: Hashable, deadline: float | None) -> tup
             else:
                 wait = steps.send(until_left_blocking(wait.fd, deadline, expired))
     except StopIteration as taken:
-        took: tuple[int, Place] = taken.value
+        took: G = taken.value
         return took
 
 
-def taking(home: Home, key: Hashable) -> _Taking:
+def taking(home: Home, key: Hashable, grant: Callable[[Hashable, int, Place], G]) -> _Taking[G]:
     """Take key's turn: every system call of acquire and acquire_sync, written once.
 
     Where a step would block, it yields what it waits for (see _Locked,
@@ -199,7 +201,11 @@ def taking(home: Home, key: Hashable) -> _Taking:
     sends the answer. A driver whose wait fails (timeout, cancellation,
     an exception from a signal handler) closes it: GeneratorExit at the
     wait runs the same clean-up as any error, so the ticket leaves the line.
-    Returns the token to hold with, and the turn's place in line.
+    Returns grant(key, token, place): the token to hold with and its place
+    in line, made into a grant here, in the steps, so that an interrupt at
+    any call before the grant exists (a signal handler's exception at the
+    start of a Python function) leaves the line too: nothing of a turn that
+    its caller never got stays held.
     """
     begun = time.monotonic()
     name = portable_name(key)
@@ -212,6 +218,7 @@ def taking(home: Home, key: Hashable) -> _Taking:
         token = yield from _wait_behind(key, where, digest, before)
         if time.monotonic() - begun > _LATE:
             os.utime(fd)  # the ticket's time is when its turn began: for inspect
+        taken = grant(key, token, place)
     except BaseException:
         # Leave the line: with no writer, the tickets behind skip this one.
         _quit(fd)
@@ -219,7 +226,7 @@ def taking(home: Home, key: Hashable) -> _Taking:
         unlink(where.fd, pipe_name(digest, ticket))
         tidy_again(where, digest, ticket, key, held=False, line_fd=line_fd)
         raise
-    return token, place
+    return taken
 
 
 def _join(
@@ -262,6 +269,9 @@ def _join(
             end = os.lseek(line_fd, 0, os.SEEK_CUR)
             records = read_records(line_fd)
             fcntl.flock(line_fd, fcntl.LOCK_UN)
+            place = Place(where, digest, ticket, fd, (info.st_dev, info.st_ino), end)
+            # Last: an interrupt before it leaves the line file open for the clean-up below.
+            close_tracked(line_fd)  # opened again to tidy: a turn keeps one descriptor, the ticket
         except BaseException as error:
             if fd >= 0:
                 close_tracked(fd)
@@ -275,8 +285,7 @@ def _join(
                 where = home.again(where, key)
                 continue
             raise
-        close_tracked(line_fd)  # opened again to tidy: a turn keeps one descriptor, the ticket
-        return Place(where, digest, ticket, fd, (info.st_dev, info.st_ino), end), records
+        return place, records
 
 
 def _wait_behind(

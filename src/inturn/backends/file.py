@@ -293,14 +293,13 @@ class FileBackend:
         """
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
-        steps = taking(self._home, key)
+        steps = taking(self._home, key, FileGrant)
         try:
-            token, place = await drive(steps, key, deadline)
+            grant = await drive(steps, key, deadline)
         except BaseException as error:
             steps.close()  # leave the line (see _file_line.taking)
             self._not_taken(key, error)
             raise
-        grant = FileGrant(key, token, place)
         grant._loop = loop
         return grant
 
@@ -330,14 +329,13 @@ class FileBackend:
         :raises ~inturn.BackendUnavailable: as :meth:`acquire`.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        steps = taking(self._home, key)
+        steps = taking(self._home, key, FileGrant)
         try:
-            token, place = drive_blocking(steps, key, deadline)
+            return drive_blocking(steps, key, deadline)
         except BaseException as error:
             steps.close()  # leave the line (see _file_line.taking)
             self._not_taken(key, error)
             raise
-        return FileGrant(key, token, place)
 
     def release(self, grant: Grant) -> Awaitable[None]:
         """Hand the key on (close grant's ticket), then tidy the line file up.

@@ -1,0 +1,262 @@
+"""An exception from a signal handler at any point of a thread's taking of its turn.
+
+A signal's Python handler (KeyboardInterrupt from Ctrl-C, SystemExit from
+a server's SIGTERM, a SIGALRM timeout) runs in the main thread at the
+start of a Python function that is called, wherever that is. Its
+exception must leave nothing of the turn behind: no key held in this
+process, no ticket in a file backend's line, no file left open.
+
+Each test takes a turn once per such point, from the first to the last:
+it raises KeyboardInterrupt at the n-th Python call the thread makes
+(sys.settrace), n = 1, 2, ... until a try passes every call. So every
+point is tried, in one deterministic run, without real signals.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import pytest
+
+from inturn import KeyedQueue
+from inturn.backends.file import FileBackend
+
+from helpers import PATIENCE
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX: the file backend")
+
+#: How long a later turn may wait for the key before the test says it was left held.
+FREE_WITHIN = 2.0
+#: The Python functions a thread blocks in while it waits for a turn.
+_WAITS = frozenset({"until_left_blocking", "lock_blocking", "_wait_in_sync"})
+
+
+class Interrupter:
+    """A trace function that raises KeyboardInterrupt at the n-th Python call while armed.
+
+    It counts the calls of every function but this file's (and of weak
+    references' callbacks, which the garbage collector runs, not the turn).
+    ``waiting`` is set at the call of a function the thread blocks in.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.calls = 0
+        self.armed = True
+        self.where = ""
+        self.waiting = threading.Event()
+
+    def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
+        code = frame.f_code
+        if event != "call" or not self.armed or code.co_filename in _NOT_COUNTED:
+            return
+        if _RESUMES_OUTSIDE and code.co_flags & inspect.CO_GENERATOR and frame.f_lasti > 0:
+            return
+        if code.co_name in _WAITS:
+            self.waiting.set()
+        self.calls += 1
+        if self.calls == self.n:
+            self.armed = False
+            caller = frame.f_back
+            self.where = f"{code.co_name} (from {caller.f_code.co_name if caller else '?'})"
+            raise KeyboardInterrupt(f"interrupted at call {self.n}: {self.where}")
+
+    @property
+    def fired(self) -> bool:
+        return self.calls >= self.n
+
+    def run(self, call: Callable[[], Any]) -> Any:
+        """call(), traced: interrupted at the n-th Python call it makes."""
+        sys.settrace(self)  # type: ignore[arg-type]
+        try:
+            return call()
+        finally:
+            sys.settrace(None)
+
+
+#: Before 3.11, a trace function's exception at a generator's resume ends the
+#: generator at once, outside its handlers; a signal's comes inside them,
+#: at the resumed instruction. Those points are not tried there.
+_RESUMES_OUTSIDE = sys.version_info < (3, 11)
+
+_NOT_COUNTED = frozenset(
+    {__file__, os.path.join(os.path.dirname(__file__), "helpers.py")}
+    | {module.__file__ for module in (sys.modules["weakref"], sys.modules["_weakrefset"])}
+)
+
+
+def open_files() -> set[str]:
+    gc.collect()
+    return set(os.listdir("/proc/self/fd"))
+
+
+@contextmanager
+def holder(take: Callable[[], Any], release: threading.Event) -> Iterator[None]:
+    """A thread holds a turn (take() is its context manager) until release is set."""
+    held = threading.Event()
+
+    def hold() -> None:
+        with take():
+            held.set()
+            release.wait(PATIENCE)
+
+    thread = threading.Thread(target=hold, name="holder")
+    thread.start()
+    try:
+        assert held.wait(PATIENCE), "the holder never took its turn"
+        yield
+    finally:
+        release.set()
+        thread.join(PATIENCE)
+
+
+def free_in_another_thread(take: Callable[[], Any]) -> str | None:
+    """Take a turn (take(): its context manager) in another thread: None, or why it failed."""
+    outcome: list[str | None] = []
+
+    def go() -> None:
+        try:
+            with take():
+                outcome.append(None)
+        except BaseException as error:  # reported
+            outcome.append(f"{type(error).__name__}: {error}")
+
+    thread = threading.Thread(target=go, name="next turn")
+    thread.start()
+    thread.join(PATIENCE)
+    return outcome[0] if outcome else "the next turn hung"
+
+
+def each_interrupt(trial: Callable[[Interrupter], str | None]) -> None:
+    """Run trial with an interrupt at call 1, 2, ... until one passes every call.
+
+    trial returns what it found left behind (None: nothing). The test fails
+    with every point that left something.
+    """
+    left: list[str] = []
+    n = 1
+    while True:
+        interrupter = Interrupter(n)
+        found = trial(interrupter)
+        if not interrupter.fired:
+            break
+        if found is not None:
+            left.append(f"call {n}, {interrupter.where}: {found}")
+        n += 1
+    assert n > 10, f"only {n - 1} points were tried: is tracing working?"
+    assert not left, "an interrupt left the turn behind:\n" + "\n".join(left)
+
+
+# -- a file backend's own taking -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("contended", [False, True], ids=["free", "held"])
+def test_an_interrupt_anywhere_in_a_file_backends_taking_leaves_no_ticket(
+    tmp_path: Path, contended: bool
+) -> None:
+    """FileBackend.acquire_sync either gives a grant, or raises having left nothing."""
+
+    def trial(interrupter: Interrupter) -> str | None:
+        place = tmp_path / f"lines-{interrupter.n}"
+        backend, other = FileBackend(place), FileBackend(place)
+        release = threading.Event()
+        with (
+            holder(lambda: KeyedQueue(backend=other).keyed("k"), release)
+            if contended
+            else (_nothing())
+        ):
+            before = open_files()
+            threading.Thread(
+                target=lambda: interrupter.waiting.wait(PATIENCE) and release.set(), daemon=True
+            ).start()
+            try:
+                grant = interrupter.run(lambda: backend.acquire_sync("k", PATIENCE))
+            except KeyboardInterrupt:
+                pass
+            else:
+                backend.release_sync(grant)
+        interrupter.waiting.set()
+        try:
+            next_grant = other.acquire_sync("k", FREE_WITHIN)
+        except TimeoutError:
+            return "the key stayed held"
+        other.release_sync(next_grant)
+        leaked = open_files() - before
+        return f"{len(leaked)} file(s) left open" if leaked else None
+
+    each_interrupt(trial)
+
+
+# -- a thread's whole taking, through the queue ---------------------------------------------------
+
+
+#: The shapes of a thread's turn: its queue's kind and options, and the key its holder holds.
+SHAPES = {
+    "alone": ("memory", {}, "k"),  # one key, untimed: the turn taken alone (no steps)
+    "steps": ("memory", {"timeout": PATIENCE}, "k"),  # timed: taken by its steps
+    "slot": ("memory", {"max_running": 1}, "other"),  # it waits for a running slot
+    "file": ("file", {}, "k"),  # a shared backend: the backend's grant too
+}
+
+
+@pytest.mark.parametrize("contended", [False, True], ids=["free", "held"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_an_interrupt_anywhere_in_a_threads_taking_leaves_the_key_free(
+    tmp_path: Path, shape: str, contended: bool
+) -> None:
+    """run_sync interrupted before its work: the work did not run, the key is free everywhere."""
+    kind, options, held_key = SHAPES[shape]
+
+    def trial(interrupter: Interrupter) -> str | None:
+        place = tmp_path / f"lines-{interrupter.n}"
+        if kind == "file":
+            queue = KeyedQueue(backend=FileBackend(place), **options)
+            other = KeyedQueue(backend=FileBackend(place), **options)
+        else:
+            queue = other = KeyedQueue(**options)
+        ran: list[int] = []
+
+        def work() -> None:
+            interrupter.armed = False  # the turn is taken: its end is not under test here
+            ran.append(1)
+
+        release = threading.Event()
+        with holder(lambda: other.keyed(held_key), release) if contended else _nothing():
+            before = open_files()
+            threading.Thread(
+                target=lambda: interrupter.waiting.wait(PATIENCE) and release.set(), daemon=True
+            ).start()
+            interrupted = False
+            try:
+                interrupter.run(lambda: queue.run_sync("k", work))
+            except KeyboardInterrupt:
+                interrupted = True
+        interrupter.waiting.set()
+        problems = []
+        if interrupted and ran:
+            problems.append("the work ran, yet the caller was told it was interrupted")
+        if queue.is_active("k"):
+            problems.append("the key is still active in its queue")
+        failed = free_in_another_thread(lambda: other.keyed("k", timeout=FREE_WITHIN))
+        if failed is not None:
+            problems.append(f"a later turn failed ({failed})")
+        leaked = open_files() - before
+        if leaked:
+            problems.append(f"{len(leaked)} file(s) left open")
+        return "; ".join(problems) or None
+
+    each_interrupt(trial)
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
