@@ -97,17 +97,60 @@ _LOOP = _BackendLoop()
 
 
 @final
+class _Answer:
+    """What a thread waits for from the backend loop: an outcome, behind a plain lock.
+
+    Not a concurrent.futures.Future: its waits take a threading.Condition,
+    whose ``__enter__`` and ``__exit__`` are Python functions, so a signal
+    handler's exception (raised at the start of a Python function) can
+    leave its lock taken, and the backend loop would block for good the
+    next time it touched the future. A thread blocks on a C lock here
+    instead, which an interrupt never leaves half taken. Set once, on the
+    backend loop (as much of a Future as _Call and _settle_outcome use).
+    """
+
+    __slots__ = ("_error", "_set", "_value")
+
+    def __init__(self) -> None:
+        self._set = threading.Lock()
+        self._set.acquire()  # (released once the outcome is set)
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def cancelled(self) -> bool:
+        return False  # (a thread gives up by _Call.abandon instead)
+
+    def set_result(self, value: Any) -> None:
+        self._value = value
+        self._set.release()
+
+    def set_exception(self, error: BaseException) -> None:
+        self._error = error
+        self._set.release()
+
+    def wait(self, timeout: float | None) -> bool:
+        """Block until the outcome is set (True), or timeout seconds went by (False)."""
+        return self._set.acquire(timeout=-1 if timeout is None else timeout)
+
+    def result(self) -> Any:
+        """The outcome, once wait() said it is set: its value, or its error raised."""
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+@final
 class _Call:
-    """One thread's acquire on the backend loop, which the thread may give up.
+    """One acquire on the backend loop, which its caller (a thread, a task) may give up.
 
     Its methods but the constructor run on the backend loop, so they never race.
     """
 
     __slots__ = ("abandoned", "backend", "finished", "outcome", "task")
 
-    def __init__(self, backend: Source) -> None:
+    def __init__(self, backend: Source, outcome: Future[Grant] | _Answer) -> None:
         self.backend = backend
-        self.outcome: Future[Grant] = Future()
+        self.outcome = outcome  # a thread's _Answer, or a Future for a task's wrap_future
         self.task: asyncio.Task[Grant] | None = None
         self.abandoned = False  # the thread gave up
         self.finished = False  # the acquire ended and _finished saw it
@@ -186,22 +229,21 @@ def acquire_sync(backend: Backend, source: Source, key: Hashable, timeout: float
     if backend.capabilities.blocking:
         return cast("BlockingBackend | BlockingTurnSession", source).acquire_sync(key, timeout)
     loop = _loop_for(backend)
-    call = _Call(source)
+    answer = _Answer()
+    call = _Call(source, answer)
     try:
         loop.call_soon_threadsafe(call.start, key, timeout)
-        try:
-            return call.outcome.result(None if timeout is None else timeout + _GRACE)
-        except concurrent.futures.TimeoutError:  # (not the builtin one before 3.11)
-            if call.outcome.done():
-                raise  # the backend's own TimeoutError
-            raise TimeoutError(
+        if not answer.wait(None if timeout is None else timeout + _GRACE):
+            raise TimeoutError(  # noqa: TRY301 - given up below, as any failure
                 f"inturn: the backend did not answer within {timeout:g} s (and {_GRACE:g} s "
                 f"more) for key {describe(key)}; the turn was not taken"
-            ) from None
+            )
+        grant: Grant = answer.result()
     except BaseException:
         # Timed out, interrupted, or refused by the backend: nothing may stay held.
         loop.call_soon_threadsafe(call.abandon)
         raise
+    return grant
 
 
 async def acquire_via(
@@ -214,10 +256,11 @@ async def acquire_via(
     Cancelled or timed out, the call is given up as a thread's is.
     """
     loop = _loop_for(backend)
-    call = _Call(source)
+    outcome: Future[Grant] = Future()
+    call = _Call(source, outcome)
     try:
         loop.call_soon_threadsafe(call.start, key, timeout)
-        return await asyncio.wrap_future(call.outcome)
+        return await asyncio.wrap_future(outcome)
     except BaseException:
         loop.call_soon_threadsafe(call.abandon)
         raise
@@ -236,13 +279,21 @@ def close_via(
 
 
 def _end_there(backend: Backend, end: Callable[[], Awaitable[None]]) -> Future[None]:
-    """Start end() on the backend's loop; the future of its outcome, for a thread or a task."""
+    """Start end() on the backend's loop; the future of its outcome, for a task."""
     outcome: Future[None] = Future()
     _loop_for(backend).call_soon_threadsafe(_end_into, end, outcome)
     return outcome
 
 
-def _end_into(end: Callable[[], Awaitable[None]], outcome: Future[None]) -> None:
+def _end_for_thread(backend: Backend, end: Callable[[], Awaitable[None]]) -> None:
+    """Run end() on the backend's loop; return once it is done (its error raised)."""
+    answer = _Answer()
+    _loop_for(backend).call_soon_threadsafe(_end_into, end, answer)
+    answer.wait(None)  # (the end completes by itself: see release_sync)
+    answer.result()
+
+
+def _end_into(end: Callable[[], Awaitable[None]], outcome: Future[None] | _Answer) -> None:
     """(On the backend loop.) Start end(); settle outcome once it is done."""
     done = _end_here(end)
     done.add_done_callback(lambda _: _settle_outcome(done, outcome))
@@ -258,7 +309,7 @@ def release_sync(backend: Backend, source: Source, grant: Grant) -> None:
     if backend.capabilities.blocking:
         cast("BlockingBackend | BlockingTurnSession", source).release_sync(grant)
         return
-    _end_there(backend, lambda: source.release(grant)).result()
+    _end_for_thread(backend, lambda: source.release(grant))
 
 
 def close_sync(backend: Backend, session: TurnSession, error: BaseException | None) -> None:
@@ -266,10 +317,10 @@ def close_sync(backend: Backend, session: TurnSession, error: BaseException | No
     if backend.capabilities.blocking:
         cast("BlockingTurnSession", session).close_sync(error)
         return
-    _end_there(backend, lambda: session.close(error)).result()
+    _end_for_thread(backend, lambda: session.close(error))
 
 
-def _settle_outcome(done: asyncio.Future[None], outcome: Future[Any]) -> None:
+def _settle_outcome(done: asyncio.Future[None], outcome: Future[Any] | _Answer) -> None:
     try:
         if not done.cancelled() and (error := done.exception()) is not None:
             outcome.set_exception(error)

@@ -27,6 +27,7 @@ the steps raise goes to the driver's caller.
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Generator, Hashable
 from time import monotonic as _monotonic
 from typing import TYPE_CHECKING, Any, Final, Protocol
@@ -56,6 +57,7 @@ __all__ = (
     "give_up",
     "line_up",
     "seated",
+    "unwind_sync",
     "wait_alone",
     "wait_alone_sync",
 )
@@ -211,6 +213,22 @@ def _wait_in_sync(
         if alone is not None:
             alone.missed(error)
         raise
+
+
+def unwind_sync(
+    steps: Steps, error: BaseException, me: object, registry: Registry, since: float
+) -> None:
+    """If error came between two of steps' steps (they are suspended still), roll them back.
+
+    It is thrown into them (see INTERRUPTED), and their roll-back's waits
+    are performed for thread me; they raise it at the end. Steps that
+    raised it themselves have rolled back already. The caller drives the
+    steps in a ``try`` of the frame that got them, and calls this from its
+    ``except``: so no call comes between (an interrupt at the start of a
+    call to a function that drives them would find nobody to hand them to).
+    """
+    if inspect.getgeneratorstate(steps) == inspect.GEN_SUSPENDED:
+        drive_sync(steps, (INTERRUPTED, error), me, registry, None, since)
 
 
 def wait_alone(

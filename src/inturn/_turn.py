@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import inspect
 from collections.abc import Callable, Hashable, Mapping
 from inspect import isawaitable
 from time import monotonic as _monotonic
@@ -28,7 +27,6 @@ from typing import TYPE_CHECKING, Any, Final, NoReturn, cast, final
 from ._describe import describe
 from ._drive import (
     GRANT,
-    INTERRUPTED,
     LINE,
     SLOT,
     Steps,
@@ -37,6 +35,7 @@ from ._drive import (
     give_up,
     line_up,
     seated,
+    unwind_sync,
     wait_alone,
     wait_alone_sync,
 )
@@ -322,8 +321,12 @@ class Turn:
                 self._holder = me
             else:
                 begun = self._start(me, 0.0, False)
-                if begun is not None:
-                    self._drive_sync(me, *begun)
+                if begun is not None:  # (in one frame with begun: see unwind_sync)
+                    try:
+                        drive_sync(*begun, me, self._registry, self._timeout, self._since)
+                    except BaseException as error:
+                        unwind_sync(begun[0], error, me, self._registry, self._since)
+                        raise
                 self._holder = me
         return self
 
@@ -343,17 +346,12 @@ class Turn:
         """End a thread's turn whose work ended with error, or with result."""
         holder = self._holder
         begun = self._leave(error, result)
-        if begun is not None:
-            self._drive_sync(holder, *begun)
-
-    def _drive_sync(self, me: object, steps: Steps, wait: tuple[int, Any]) -> None:
-        """Perform steps' waits for thread me, from wait on (see _drive)."""
-        try:
-            drive_sync(steps, wait, me, self._registry, self._timeout, self._since)
-        except BaseException as error:
-            if inspect.getgeneratorstate(steps) == inspect.GEN_SUSPENDED:  # (see INTERRUPTED)
-                drive_sync(steps, (INTERRUPTED, error), me, self._registry, None, self._since)
-            raise
+        if begun is not None:  # (as in __enter__)
+            try:
+                drive_sync(*begun, holder, self._registry, self._timeout, self._since)
+            except BaseException as problem:
+                unwind_sync(begun[0], problem, holder, self._registry, self._since)
+                raise
 
     def _task_holding(self) -> object:
         """Inside a running event loop: the loop's current task, if it holds every key already.
