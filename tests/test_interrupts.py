@@ -55,7 +55,6 @@ class Interrupter:
         self.calls = 0
         self.armed = True
         self.where = ""
-        self.in_psycopg_connect = False
         self.waiting = threading.Event()
 
     def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
@@ -73,7 +72,6 @@ class Interrupter:
             self.armed = False
             caller = frame.f_back
             self.where = f"{code.co_name} (from {caller.f_code.co_name if caller else '?'})"
-            self.in_psycopg_connect = _within(frame, "psycopg", "connect")
             raise KeyboardInterrupt(f"interrupted at call {self.n}: {self.where}")
 
     @property
@@ -93,16 +91,6 @@ class Interrupter:
 #: generator at once, outside its handlers; a signal's comes inside them,
 #: at the resumed instruction. Those points are not tried there.
 _RESUMES_OUTSIDE = sys.version_info < (3, 11)
-
-
-def _within(frame: FrameType | None, package: str, function: str) -> bool:
-    """Whether frame is in a call of package's function (by name)."""
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == function and f"{os.sep}{package}{os.sep}" in code.co_filename:
-            return True
-        frame = frame.f_back
-    return False
 
 
 _NOT_COUNTED = frozenset(
@@ -176,11 +164,6 @@ def each_interrupt(trial: Callable[[Interrupter], str | None]) -> None:
             gc.collect()
         finally:
             sys.unraisablehook = hook
-        if interrupter.in_psycopg_connect:
-            # psycopg's connect() drops a connection that an interrupt stopped in its
-            # last steps, unclosed: the garbage collector closes it (a ResourceWarning).
-            # It had no lock yet. Not inturn's to close: it never got it.
-            unraisable = [what for what in unraisable if "psycopg.Connection" not in what]
         if unraisable:
             found = "; ".join(filter(None, [found, *unraisable]))
         if not interrupter.fired:
@@ -242,7 +225,6 @@ SHAPES = {
     "slot": ("memory", {"max_running": 1}, "other"),  # it waits for a running slot
     "file": ("file", {}, "k"),  # a shared backend: the backend's grant too
     "redis": ("redis", {}, "k"),  # a thread's calls run on the backend's loop
-    "postgres": ("postgres", {}, "k"),  # a thread blocks on its own connection
 }
 
 
@@ -262,21 +244,13 @@ def _queues(
             from inturn.backends.redis import RedisBackend
 
             return RedisBackend.from_url(url, namespace=namespace)
-        if kind == "postgres":
-            pytest.importorskip("psycopg")
-            from inturn.backends.postgres import PostgresBackend
-
-            return PostgresBackend.from_url(url, namespace=namespace)
         return FileBackend(place)
 
     return KeyedQueue(backend=make(), **options), KeyedQueue(backend=make(), **options)
 
 
-#: psycopg's connect() drops a connection interrupted in its last steps, unclosed
-#: (see each_interrupt): one may be collected only once the test ends.
-_PSYCOPG_DROPS = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 #: A server's shapes: hundreds of points each, on the newest Python only (see pyproject).
-_MARKS = {"redis": [pytest.mark.server], "postgres": [pytest.mark.server, _PSYCOPG_DROPS]}
+_MARKS = {"redis": [pytest.mark.server]}
 
 
 @pytest.mark.parametrize("contended", [False, True], ids=["free", "held"])
