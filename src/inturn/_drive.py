@@ -38,7 +38,7 @@ from ._line import ThreadWaiter
 from ._tasks import retrieve
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Coroutine
+    from collections.abc import Awaitable
 
     from ._line import Waiter
     from ._registry import Registry
@@ -97,10 +97,10 @@ class Place(Protocol):
         ...
 
 
-def _answer(steps: Steps, reply: Any, error: BaseException | None) -> tuple[int, Any] | None:
-    """Give steps the answer to its last wait (or throw in error); its next wait, None once done."""
+def _answer(steps: Steps, error: BaseException | None) -> tuple[int, Any] | None:
+    """Tell steps their last wait ended (or throw in error); their next wait, None once done."""
     try:
-        return steps.send(reply) if error is None else steps.throw(error)
+        return steps.send(None) if error is None else steps.throw(error)
     except StopIteration:
         return None
 
@@ -164,25 +164,6 @@ def give_up(
         alone.missed(error)
 
 
-async def _wait_in(
-    place: Place,
-    key: Hashable,
-    task: asyncio.Task[Any],
-    left: float | None,
-    limit: float | None,
-    alone: Registry | None = None,
-) -> None:
-    """Wait in place's line for task; return holding the place (see line_up)."""
-    queued = line_up(place, key, task, left, limit, alone)
-    if queued is not None:
-        try:
-            await queued[1]
-        except BaseException as error:
-            give_up(place, key, queued, error, alone)
-            raise
-        seated(place, key, task, queued)
-
-
 def _wait_in_sync(
     place: Place,
     key: Hashable,
@@ -191,7 +172,7 @@ def _wait_in_sync(
     limit: float | None,
     alone: Registry | None = None,
 ) -> None:
-    """Block thread me in place's line; return holding the place (``alone``: see _wait_in)."""
+    """Block thread me in place's line; return holding the place (``alone``: see line_up)."""
     waiter = ThreadWaiter()
     try:
         line = place.join(key, me, waiter, left)
@@ -231,14 +212,21 @@ def unwind_sync(
         drive_sync(steps, (INTERRUPTED, error), me, registry, None, since)
 
 
-def wait_alone(
+async def wait_alone(
     registry: Registry, key: Hashable, task: asyncio.Task[Any], timeout: float | None
-) -> Coroutine[Any, Any, None]:
+) -> None:
     """Wait in key's line for task, for a turn on that key alone (no steps around it).
 
     Return holding the key; if it is not reached, the turn is counted as missed.
     """
-    return _wait_in(registry, key, task, timeout, timeout, registry)
+    queued = line_up(registry, key, task, timeout, timeout, registry)
+    if queued is not None:
+        try:
+            await queued[1]
+        except BaseException as error:
+            give_up(registry, key, queued, error, registry)
+            raise
+        seated(registry, key, task, queued)
 
 
 def wait_alone_sync(registry: Registry, key: Hashable, me: object, timeout: float | None) -> None:
@@ -281,10 +269,9 @@ async def drive(
     backend = registry.backend
     while True:
         kind, arg = wait
-        reply: Any = None
         error: BaseException | None = None
         try:
-            if kind >= RELEASE:
+            if RELEASE <= kind <= CLOSE:  # (INTERRUPTED is a thread's: see drive_sync)
                 assert backend is not None
                 if kind == RELEASE:
                     source, grant = arg
@@ -321,7 +308,7 @@ async def drive(
                         seated(place, arg, task, queued)
         except BaseException as problem:  # thrown into the steps, which roll back
             error = problem
-        next_wait = _answer(steps, reply, error)
+        next_wait = _answer(steps, error)
         if next_wait is None:
             return
         wait = next_wait
@@ -340,7 +327,6 @@ def drive_sync(
     backend = registry.backend
     while True:
         kind, arg = wait
-        reply: Any = None
         error: BaseException | None = None
         try:
             if kind == RELEASE:
@@ -367,7 +353,7 @@ def drive_sync(
                     _wait_in_sync(place, arg, me, left, limit)
         except BaseException as problem:  # thrown into the steps, which roll back
             error = problem
-        next_wait = _answer(steps, reply, error)
+        next_wait = _answer(steps, error)
         if next_wait is None:
             return
         wait = next_wait
