@@ -190,10 +190,13 @@ class Registry:
 
         :raises QueueClosed: the queue is closed (and holder does not hold the key).
         """
+        lines = self.lines
         if self.mode.shared:
             with self.mode.lock or self.mode.locked():
-                return self._try_take(key, holder)
-        lines = self.lines
+                if key in lines or self.concurrency != 1 or not self.open:
+                    return self._try_take(key, holder)
+                lines[key] = holder  # (as below)
+                return True
         if key not in lines and self.concurrency == 1 and self.open:
             lines[key] = holder  # (the free key: _try_take's first case, one call less)
             return True
@@ -350,7 +353,8 @@ class Registry:
         """End an untimed turn on one key (see release) and count it."""
         if self.mode.shared:
             with self.mode.lock or self.mode.locked():
-                self._release(key, holder, error, result)
+                if (line := self.lines.pop(key)) is not holder:  # (_release, as below)
+                    self._hand_on(key, line, holder, error, result)
                 if error is None:
                     self.tally.completed += 1
                 else:
