@@ -171,7 +171,8 @@ def each_interrupt(trial: Callable[[Interrupter], str | None]) -> None:
         if found is not None:
             left.append(f"call {n}, {interrupter.where}: {found}")
         n += 1
-    assert n > 10, f"only {n - 1} points were tried: is tracing working?"
+    # (the shortest shape, a free key alone, makes some 8 calls)
+    assert n > 5, f"only {n - 1} points were tried: is tracing working?"
     assert not left, "an interrupt left the turn behind:\n" + "\n".join(left)
 
 
