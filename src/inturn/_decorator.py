@@ -59,12 +59,10 @@ _Start = Callable[[Any, tuple[Any, ...], dict[str, Any]], Coroutine[Any, Any, An
 class Runner(NamedTuple):
     """What the decorator uses of a queue: the queue builds it (see KeyedQueue.queue_by_key)."""
 
-    #: The queue, the decorated function's ``.queue``: its public settings.
     queue: KeyedQueue
     #: ``queue.run``: a call's turn on one key with the queue's settings (the hot path).
     run: Callable[..., Coroutine[Any, Any, Any]]
-    #: ``(keys, fn, args, kwargs, timeout, max_hold)``: the turns of several keys, or
-    #: with settings of the call's own, as ``keyed()`` takes them.
+    #: ``(keys, fn, args, kwargs, timeout, max_hold)``: several keys, or settings of the call's own.
     run_keyed: Callable[..., Coroutine[Any, Any, Any]]
     #: ``(keys, fn, args, kwargs, timeout)``: the same for a thread, blocking it.
     run_keyed_sync: Callable[..., Any]
@@ -181,14 +179,10 @@ class _BoundQueued(wrapt.BoundFunctionWrapper):  # type: ignore[type-arg]
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickle by reference, as a bound method: what it is got from, and its name."""
         parent = self._self_parent
-        kind = parent._self_kind
-        if kind is classmethod:
-            cls = self.__wrapped__.__self__  # type: ignore[attr-defined]
-            return getattr, (cls, parent.__name__)
-        if kind is FunctionType and self._self_instance is not None:
-            return getattr, (self._self_instance, parent.__name__)
-        # a staticmethod, or a method got from its class: the class that defines it
-        return getattr, _defined_in(parent)
+        # its self or cls; none for a staticmethod or a method got from its class,
+        # which are got from the class that defines them
+        bound = self._full(())
+        return getattr, ((*bound, parent.__name__) if bound else _defined_in(parent))
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
         return self.__reduce__()
@@ -203,14 +197,10 @@ class _BoundQueued(wrapt.BoundFunctionWrapper):  # type: ignore[type-arg]
 
 
 class _Queued(wrapt.FunctionWrapper):  # type: ignore[type-arg]
-    """A decorated function or method, before binding.
+    """A decorated function or method, before binding; wrapt gives it identity and binding.
 
-    wrapt provides identity (name, docstring, signature, ``__wrapped__``,
-    ``iscoroutinefunction``) and method binding. Calls do not take wrapt's
-    generic path: each decorated function gets a subclass (see
-    :func:`_queued_type`) whose ``__call__`` goes straight to the queue,
-    because attribute lookups on wrapt proxies, and wrapt's own call path,
-    each cost several times a plain function call.
+    Each decorated function gets a subclass whose ``__call__`` goes straight
+    to the queue: wrapt's call path costs several times a plain call.
     """
 
     __bound_function_wrapper__ = _BoundQueued
@@ -238,9 +228,8 @@ class _Queued(wrapt.FunctionWrapper):  # type: ignore[type-arg]
         return self._self_key_of(args, kwargs)
 
     # NOTE: wrapt's proxies refuse to be pickled or copied. A decorated function
-    # is pickled by reference (module and qualified name), as a plain function:
-    # unpickling, in a child process too, finds that process's own decorated
-    # function; and copying gives the function itself.
+    # pickles by reference, as a plain function (a child process finds its own);
+    # copying gives the function itself.
 
     def __reduce__(self) -> str:
         return self.__qualname__
@@ -256,11 +245,7 @@ class _Queued(wrapt.FunctionWrapper):  # type: ignore[type-arg]
 
 
 def _defined_in(function: _Queued) -> tuple[Any, str]:
-    """Where function is found by name, as pickle finds a plain function: (class or module, name).
-
-    :raises pickle.PicklingError: its module and qualified name do not lead
-        to it (a function or class defined inside a function).
-    """
+    """Find function by name as pickle finds a plain function: (class or module, name)."""
     module, qualname = function.__module__, function.__qualname__
     path, _, name = qualname.rpartition(".")
     try:
@@ -280,18 +265,9 @@ def _defined_in(function: _Queued) -> tuple[Any, str]:
     return owner, name
 
 
-def _queued_type(call: Callable[..., Any]) -> type[_Queued]:
-    """A subclass of _Queued whose __call__ is call: (self, *args, **kwargs) -> coroutine."""
-    return type("_Queued", (_Queued,), {"__call__": call, "__module__": __name__})
-
-
 @final
 class _Flight:
-    """A call of a coalescing function that is in flight, and who joined it.
-
-    Its joiners may wait in other event loops (of other threads): each is
-    woken in its own loop.
-    """
+    """A coalescing function's call in flight, and its joiners (each woken in its own loop)."""
 
     __slots__ = ("joiners", "task")
 
@@ -323,10 +299,8 @@ _RERUN: Final = object()
 def _coalescing(start: _Start) -> _Start:
     """Wrap start so that a call joins an in-flight call with the same key.
 
-    The calls in flight are shared by every event loop and thread that calls
-    the function: looking one up and joining it, and ending one, happen
-    under one lock, so that a call either joins a flight before it ends (and
-    is woken by its end) or finds none and starts its own.
+    Joining a flight and ending it happen under one lock shared by every loop
+    and thread, so a call either joins before the end (and is woken by it) or starts its own.
     """
     flights: dict[Hashable, _Flight] = {}
     lock = threading.Lock()
@@ -369,15 +343,9 @@ def _coalescing(start: _Start) -> _Start:
 
 
 def is_decoratable(obj: object) -> bool:
-    """Whether obj, queue_by_key's argument by position, is a function to decorate.
+    """Whether obj, queue_by_key's argument by position, is a function (not None) to decorate.
 
-    False for None (queue_by_key called with settings only). By position,
-    queue_by_key takes only the function to decorate, so anything else there
-    is refused with the fix: a key or template (it belongs in ``key=``), a
-    lambda or any callable that is not a ``def`` (a key function belongs in
-    ``key=``; another callable is decorated by ``queue_by_key()(...)``).
-
-    :raises TypeError: obj is neither None nor a function (other than a lambda).
+    :raises TypeError: anything else but None, with the fix (``key=``, or ``queue_by_key()(...)``).
     """
     if obj is None:
         return False
@@ -425,30 +393,30 @@ def decorate(
         raise TypeError(
             f"inturn: queue_by_key() decorates functions and methods; got {describe(fn)}"
         )
-    if inspect.iscoroutinefunction(target):
-        extract, several = compile_key(target, key, keys)
-        call = _async_call(runner, target, extract, several, limit, coalesce, hold)
-        return _queued_type(call)(fn, kind, queue, extract)
-    # a plain def: its calls block their thread for the turn
-    if hold is not None:
+    sync = not inspect.iscoroutinefunction(target)  # its calls block their thread for the turn
+    if sync and hold is not None:
         raise TypeError(
             f"inturn: max_hold={hold:g} s cannot cut a thread's turn short, and "
             f"{function_name(target)} is a plain def (its calls block their thread); "
             "decorate an async def, or leave max_hold out"
         )
-    if coalesce:
+    if sync and coalesce:
         raise TypeError(
             "inturn: coalesce=True is for async def functions; "
             f"{function_name(target)} is a plain def"
         )
     extract, several = compile_key(target, key, keys)
-    run_keyed_sync = runner.run_keyed_sync
+    if sync:
+        run_keyed_sync = runner.run_keyed_sync
 
-    def call_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
-        found = extract(args, kwargs)
-        return run_keyed_sync(found if several else (found,), target, args, kwargs, limit)
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            found = extract(args, kwargs)
+            return run_keyed_sync(found if several else (found,), target, args, kwargs, limit)
 
-    return _queued_type(call_sync)(fn, kind, queue, extract)
+    else:
+        call = _async_call(runner, target, extract, several, limit, coalesce, hold)
+    queued = type("_Queued", (_Queued,), {"__call__": call, "__module__": __name__})
+    return queued(fn, kind, queue, extract)
 
 
 def _async_call(
