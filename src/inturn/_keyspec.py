@@ -1,7 +1,6 @@
 """A decorator's key spec compiled at decoration: templates, constants and key functions.
 
-Everything that can be decided from a decorated function's signature is
-decided here once, at decoration time; what runs per call is a small closure.
+What the signature decides is decided once; what runs per call is a small closure.
 """
 
 from __future__ import annotations
@@ -47,22 +46,8 @@ class _Signature:
         self.kinds = {p.name: p.kind for p in params}
         self.defaults = {p.name: p.default for p in params}
 
-    def check(self, names: Iterable[str], what: str) -> None:
-        """Raise ValueError if ``what`` names a parameter the function lacks."""
-        for name in names:
-            if name not in self.kinds:
-                have = ", ".join(self.kinds) or "none"
-                raise ValueError(
-                    f"inturn: {what} names {name!r}, but {function_name(self.function)} has no "
-                    f"parameter of that name (its parameters: {have})"
-                )
-
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        """Map every parameter to its value in this call, defaults applied.
-
-        Raises the ``TypeError`` Python itself would raise for a call that does
-        not fit the signature, naming the function as Python does.
-        """
+        """Map each parameter to its value in this call, with defaults (or Python's TypeError)."""
         try:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as error:
@@ -159,8 +144,7 @@ def _parse(template: str, where: str) -> list[tuple[str, str | None, str, str | 
 def _fields(template: str, where: str) -> tuple[list[str], list[_Field], list[str]]:
     """Parse template into its literal texts, its fields and every parameter they name.
 
-    Raises ValueError, naming where, for a template str.format() refuses
-    whatever the arguments, and for a positional field.
+    :raises ValueError: str.format() refuses it whatever the arguments, or a field is positional.
     """
     texts = [""]  # the literal text before, between and after the fields
     fields: list[_Field] = []
@@ -234,23 +218,24 @@ def _culprit(fields: list[_Field], values: Mapping[str, Any]) -> _Field | None:
 
 
 def _template(sig: _Signature, template: str) -> KeyFunction | str:
-    """Compile a key template; return the key itself when it has no fields.
-
-    A call whose arguments the template cannot format (a missing attribute
-    or item, a value whose ``__format__`` raises) raises from :func:`_fail`;
-    a call that does not fit the signature raises Python's ``TypeError``.
-    """
+    """Compile a key template; return the key itself when it has no fields."""
     where = f"key template {describe(template)} of {function_name(sig.function)}"
     texts, fields, names = _fields(template, where)
     if not fields:
         return template.format()  # a constant, with any {{ }} escapes undone
-    sig.check(names, f"key template {describe(template)}")
+    for name in names:
+        if name not in sig.kinds:
+            have = ", ".join(sig.kinds) or "none"
+            raise ValueError(
+                f"inturn: key template {describe(template)} names {name!r}, but "
+                f"{function_name(sig.function)} has no parameter of that name "
+                f"(its parameters: {have})"
+            )
     getters = [(name, sig.getter(name)) for name in names]
 
     def failed(args: tuple[Any, ...], kwargs: dict[str, Any]) -> NoReturn:
-        # Called in an except clause, for its exception. Off the hot path, and
-        # without that exception as an argument: the hot closures carry one
-        # cell more than before, and no local more.
+        # Called in an except clause, for its exception: not an argument, so the
+        # hot closures carry one cell more and no local more.
         error = sys.exc_info()[1]
         assert isinstance(error, Exception)
         try:
@@ -307,28 +292,13 @@ def _one(sig: _Signature, spec: KeySpec) -> KeyFunction | Hashable:
 def compile_key(
     function: Callable[..., Any], key: KeySpec, keys: KeysSpec | None
 ) -> tuple[KeyFunction, bool]:
-    """Compile a decorator's key spec into ``(extract, several)``.
+    """Compile a decorator's key spec into ``(extract, several)``; bad specs raise here.
 
     ``extract(args, kwargs)`` returns the call's key, or a tuple of its keys
-    when ``several`` is true (``keys=``). Bad specs raise here, at decoration
-    time: a template naming a missing parameter (in a field or in a field's
-    format spec, as in ``'{n:>{width}}'``) or a positional field, a template
-    ``str.format()`` refuses whatever the arguments (a bad conversion, a
-    malformed field), both ``key=`` and ``keys=``, or a ``keys=`` that is
-    neither a callable nor an iterable of keys.
-
-    ``extract`` raises for a call that does not fit the function's signature
-    (Python's ``TypeError``), whatever a key function raises, and, for a
-    call whose arguments a template cannot format (a missing attribute or
-    item, a value whose ``__format__`` raises), an exception of the
-    original's kind, so that an ``except`` that caught it still does: a new
-    one of the same builtin class (``AttributeError``, ``KeyError``,
-    ``IndexError``, ``TypeError``, ``ValueError``...) whose message names
-    the template, the field, the parameter and the function and says the
-    call did not run, with the original as its ``__cause__``; or, for the
-    user's own exception class (raised by a property or a ``__format__``)
-    or a builtin that takes more than a message, the original itself, with
-    that sentence added as a note (:pep:`678`).
+    when ``several`` (``keys=``). It raises Python's ``TypeError`` for a call
+    that does not fit the signature, whatever a key function raises, and for
+    arguments a template cannot format, an error of the original's kind (see
+    :func:`_fail`), so that an ``except`` that caught it still does.
     """
     sig = _Signature(function)
     if keys is not None:
