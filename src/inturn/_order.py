@@ -28,7 +28,7 @@ def unhashable(key: object) -> TypeError:
 
 @final
 class _Rank:
-    """Where a line stands among the lines that share its hash (see :func:`order_keys`)."""
+    """Where a line stands among the lines that share its hash."""
 
     __slots__ = ("__weakref__", "value")
 
@@ -50,9 +50,6 @@ _NEXT_RANK: Final = itertools.count()
 
 def order_keys(keys: Iterable[Hashable]) -> tuple[Hashable, ...]:
     """Drop duplicate keys and sort the rest into the queue's global order.
-
-    Every holder of several keys takes them in this order, so two holders of
-    overlapping key sets can never wait for each other in a cycle.
 
     The invariant: two keys that name different lines (``a != b``) are put
     the same way round by every call in this process, for as long as any
@@ -167,9 +164,7 @@ def portable_key(name: bytes | str) -> str | bytes | int:
 def order_portable(keys: Iterable[Hashable]) -> tuple[Hashable, ...]:
     """Drop duplicate keys and sort the rest into an order every process computes alike.
 
-    The order of :func:`portable_name`, never ``hash()``, which is salted per
-    process: two processes taking overlapping key sets take them in the same
-    order, so they can never wait for each other in a cycle.
+    The order of :func:`portable_name`, never ``hash()``, which is salted per process.
     """
     named = {portable_name(key): key for key in keys}
     return tuple(named[name] for name in sorted(named))

@@ -50,7 +50,7 @@ from collections.abc import Iterable, Mapping
 from typing import final
 
 from opentelemetry import metrics
-from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
+from opentelemetry.metrics import CallbackOptions, Counter, Histogram, MeterProvider, Observation
 
 from . import KeyedQueue, LeaseLost, QueueFull, __version__, default_queue
 from ._describe import describe
@@ -88,37 +88,33 @@ class _Instruments:
 
     def __init__(self, provider: MeterProvider | None) -> None:
         meter = metrics.get_meter("inturn", __version__, meter_provider=provider)
-        self.wait = meter.create_histogram(
-            "inturn.turn.wait.duration",
-            unit="s",
-            description="Time from asking for a turn to its start",
-            explicit_bucket_boundaries_advisory=_BUCKETS,
-        )
-        self.hold = meter.create_histogram(
-            "inturn.turn.hold.duration",
-            unit="s",
-            description="Time from a turn's start to its end",
-            explicit_bucket_boundaries_advisory=_BUCKETS,
-        )
-        self.timeouts = meter.create_counter(
+
+        def seconds(name: str, description: str) -> Histogram:
+            return meter.create_histogram(
+                name,
+                unit="s",
+                description=description,
+                explicit_bucket_boundaries_advisory=_BUCKETS,
+            )
+
+        def turns(name: str, description: str) -> Counter:
+            return meter.create_counter(name, unit="{turn}", description=description)
+
+        self.wait = seconds("inturn.turn.wait.duration", "Time from asking for a turn to its start")
+        self.hold = seconds("inturn.turn.hold.duration", "Time from a turn's start to its end")
+        self.timeouts = turns(
             "inturn.turn.timeouts",
-            unit="{turn}",
-            description="Turns not reached within their timeout, and work cut by max_hold",
+            "Turns not reached within their timeout, and work cut by max_hold",
         )
-        self.refused = meter.create_counter(
-            "inturn.turn.refused",
-            unit="{turn}",
-            description="Work refused at once by max_pending (QueueFull)",
+        self.refused = turns(
+            "inturn.turn.refused", "Work refused at once by max_pending (QueueFull)"
         )
-        self.lease_lost = meter.create_counter(
+        self.lease_lost = turns(
             "inturn.turn.lease_lost",
-            unit="{turn}",
-            description="Work that returned, but whose turn the backend could not vouch for",
+            "Work that returned, but whose turn the backend could not vouch for",
         )
-        self.errors = meter.create_counter(
-            "inturn.turn.errors",
-            unit="{turn}",
-            description="Work that raised, and turns the backend could not grant",
+        self.errors = turns(
+            "inturn.turn.errors", "Work that raised, and turns the backend could not grant"
         )
         #: The queues instrumented with this provider, and their attributes.
         self.queues: weakref.WeakKeyDictionary[KeyedQueue, Attributes] = weakref.WeakKeyDictionary()
