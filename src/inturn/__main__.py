@@ -76,18 +76,13 @@ async def demo(tasks: int = 1000, keys: int = 4) -> tuple[dict[str, int], dict[s
     return unsafe, safe
 
 
-#: The longest a key is shown: a longer one is cut short, with an ellipsis.
-_KEY_SHOWN = 120
-
-
 def show_key(key: str | bytes | int) -> str:
-    """A key as Python writes it: 'a str' quoted, b'bytes' with its b, an int bare.
+    """A key as Python writes it, so "1", b"1" and 1 never look alike (see describe()).
 
-    So "1", b"1" and 1 never look alike. An int too long for decimal
-    (beyond what ``str()`` converts) is written in hexadecimal (``0x...``);
-    a key longer than 120 characters is cut short, with an ellipsis.
+    An int too long for decimal is written in hexadecimal (``0x...``); a key
+    longer than 120 characters is cut short, with an ellipsis.
     """
-    return describe(key, _KEY_SHOWN)
+    return describe(key, 120)
 
 
 def _who(host: str | None, pid: int) -> str:
@@ -103,10 +98,9 @@ def format_lines(
 ) -> str:
     """Render a backend's ``lines()`` for people: one block per key, holder then waiters.
 
-    where names the place of the lines (``namespace 'shop'``, ``directory
-    '/run/app'``). Keys are shown by :func:`show_key`; a host, token or
-    lease is shown where the backend knows it (Redis), not on the file backend.
-    elsewhere: with no lines, the other places that have some (Redis's namespaces).
+    where names the place of the lines (``namespace 'shop'``); elsewhere, with
+    no lines, the other places that have some (Redis's namespaces). A host,
+    token or lease is shown where the backend knows it (Redis).
     """
     if not lines:
         if elsewhere is None:
@@ -146,11 +140,9 @@ def json_lines(
 ) -> str:
     """Render a backend's ``lines()`` for scripts: one JSON object, keys shown as by show_key.
 
-    ``{"where": ..., "lines": [{"key": ..., "holder": {...} or null,
-    "waiters": [...]}]}``, each holder and waiter with the fields of
-    :class:`~inturn.backends.HolderInfo` and :class:`~inturn.backends.WaiterInfo`
-    (null where the backend does not know one); with no lines on Redis,
-    ``"namespaces_with_lines"`` too.
+    ``{"where": ..., "lines": [{"key": ..., "holder": {...} or null, "waiters":
+    [...]}]}``, holders and waiters as ``HolderInfo`` and ``WaiterInfo``; with
+    no lines on Redis, ``"namespaces_with_lines"`` too.
     """
     extra = {} if elsewhere is None else {"namespaces_with_lines": list(elsewhere)}
     return json.dumps(
@@ -178,8 +170,7 @@ async def inspect_lines(
 ) -> None:
     """Print the live lines of backend (as JSON with as_json); with watch, every watch seconds.
 
-    ``namespaces``: where else lines are, to name when there are none here
-    (Redis: see format_lines).
+    namespaces: where else lines are, to name when there are none here (Redis).
     """
     render = json_lines if as_json else format_lines
     try:
@@ -190,10 +181,9 @@ async def inspect_lines(
             if watch is None:
                 print(report)
                 return
-            if as_json:
-                print(report, flush=True)  # one object per line
-            else:
-                print("\033[2J\033[H" + time.strftime("%H:%M:%S ") + report, flush=True)
+            # JSON: one object per line; for people: a cleared screen, and the time
+            head = "" if as_json else "\033[2J\033[H" + time.strftime("%H:%M:%S ")
+            print(head + report, flush=True)
             await asyncio.sleep(watch)
     finally:
         await backend.aclose()
@@ -202,8 +192,7 @@ async def inspect_lines(
 def _open_lines(
     options: argparse.Namespace,
 ) -> tuple[_Lines, str, Callable[[], Awaitable[list[str]]] | None]:
-    """The backend that inspect looks at, how to name where its lines are, and the
-    other places that may have lines (see inspect_lines)."""
+    """Open what inspect looks at: (backend, where its lines are, other places with lines)."""
     if options.redis is not None:
         from .backends.redis import RedisBackend  # (ImportError without redis-py: see main)
 
