@@ -15,9 +15,8 @@ The same line serves threads: ``@queue_by_key`` on a plain ``def``, ``with
 keyed(...)``, :func:`run_sync`.
 
 The module-level :func:`queue_by_key`, :func:`keyed`, :func:`run` and
-:func:`run_sync` act on
-:data:`default_queue`; make a :class:`KeyedQueue` of your own for separate
-settings (timeout, max_pending) or a separate set of lines.
+:func:`run_sync` act on :data:`default_queue`; make a :class:`KeyedQueue` of
+your own for separate settings (timeout, max_pending) or a separate set of lines.
 """
 
 from __future__ import annotations

@@ -18,15 +18,12 @@ SHOWN: Final = 200
 def describe(value: object, limit: int = SHOWN) -> str:
     """Write value for a message as repr() does, but never fail and never flood.
 
-    Any hashable is a key, and a message about a key must not raise in its
-    place (from a timer callback, it would leave a waiter waiting forever).
-    A value whose repr() raises is written ``<module.Type object at 0x...>``
-    (a tuple's items each so, when one of them is to blame); an int too
-    long to write in full is written in hexadecimal, its leading digits
-    only, never converted whole to decimal (which ``str()`` refuses beyond
-    ``sys.get_int_max_str_digits()``); and whatever is longer than limit
-    characters is cut short, with an ellipsis. For people only: two values
-    may be written alike.
+    A message about a key must not raise in its place (from a timer callback,
+    it would leave a waiter waiting forever). A value whose repr() raises is
+    written ``<module.Type object at 0x...>`` (a tuple's items each so); a
+    long int in hexadecimal, its leading digits only (``str()`` refuses
+    beyond ``sys.get_int_max_str_digits()``); anything longer than limit is
+    cut short, with an ellipsis. For people only: two values may look alike.
     """
     try:
         shown = _shown(value, limit)
@@ -63,9 +60,7 @@ def _shown(value: object, limit: int) -> str:
 def function_name(function: object) -> str:
     """How a message names a function: its qualified name and ``()``, else describe() of it.
 
-    Never fails and never floods, as :func:`describe`: an object whose
-    ``__qualname__`` cannot be read is described, and a name longer than
-    :data:`SHOWN` characters is cut short.
+    Never fails and never floods, as :func:`describe`: a name is cut at :data:`SHOWN` characters.
     """
     try:
         name = getattr(function, "__qualname__", None)

@@ -1,9 +1,4 @@
-"""The errors inturn raises.
-
-Builtins are used where they already say it: ``TypeError`` for a key or
-argument of the wrong type, ``ValueError`` for a setting out of range and
-``TimeoutError`` for a turn not reached in time.
-"""
+"""The errors inturn raises where no builtin (TypeError, ValueError, TimeoutError) says it."""
 
 from __future__ import annotations
 

@@ -114,11 +114,9 @@ def _ranked(keys: list[Hashable]) -> _Ordered:
 def portable_name(key: Hashable) -> bytes:
     """The bytes that name key's line outside this process, the same in every process.
 
-    Only ``str``, ``bytes`` and ``int`` keys (``bool`` counts as ``int``, as
-    in process ``True == 1``) have one, whatever their size; the type is part
-    of the name, so ``1`` and ``"1"`` stay different lines, as they are in
-    process. Distinct keys have distinct names, and :func:`portable_key`
-    turns a name back into its key.
+    Only ``str``, ``bytes`` and ``int`` keys (``bool`` as ``int``) have one,
+    whatever their size. The type is part of the name, so ``1`` and ``"1"``
+    stay different lines; distinct keys have distinct names.
     """
     if isinstance(key, str):
         return b"s:" + key.encode("utf-8", "surrogatepass")
@@ -135,10 +133,7 @@ def portable_name(key: Hashable) -> bytes:
 
 
 def portable_key(name: bytes | str) -> str | bytes | int:
-    """The key that :func:`portable_name` gave name: the key as the user gave it.
-
-    A ``bool`` comes back as the ``int`` it equals. name may also be the
-    name as text (its UTF-8 decoding).
+    """The key that :func:`portable_name` gave name (or its UTF-8 text); a bool comes back an int.
 
     :raises ValueError: name is not a portable name.
     """
