@@ -43,25 +43,17 @@ async def demo(tasks: int = 1000, keys: int = 4) -> tuple[dict[str, int], dict[s
     names = [f"counter-{i}" for i in range(keys)]
     unsafe = dict.fromkeys(names, 0)
     safe = dict(unsafe)
-
-    async def increment_unsafe(name: str) -> None:
-        await read_modify_write(unsafe, name)
-
-    @queue.queue_by_key(key="{name}")
-    async def increment_safe(name: str) -> None:
-        await read_modify_write(safe, name)
-
     expected = {name: tasks // keys + (i < tasks % keys) for i, name in enumerate(unsafe)}
     plural = "s" if keys != 1 else ""
     print(
         f"inturn demo: {tasks} concurrent read-modify-write increments over {keys} counter{plural}"
     )
     for label, increment, counters in (
-        ("without inturn", increment_unsafe, unsafe),
-        ("with inturn   ", increment_safe, safe),
+        ("without inturn", read_modify_write, unsafe),
+        ("with inturn   ", queue.queue_by_key(key="{name}")(read_modify_write), safe),
     ):
         start = time.perf_counter()
-        await asyncio.gather(*(increment(names[i % keys]) for i in range(tasks)))
+        await asyncio.gather(*(increment(counters, names[i % keys]) for i in range(tasks)))
         seconds = time.perf_counter() - start
         total = sum(counters.values())
         print(
