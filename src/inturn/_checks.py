@@ -96,18 +96,15 @@ def missed(what: str, timeout: float | None) -> TimeoutError:
 class Deadline:
     """One time limit spent across the waits of one call: how long each may still wait."""
 
-    __slots__ = ("at", "clock", "limit")
+    __slots__ = ("at", "clock")
 
-    def __init__(self, limit: float | None, clock: Callable[[], float], start: float = 0.0) -> None:
-        self.limit = limit  # the caller's limit, for its error
+    def __init__(self, limit: float, clock: Callable[[], float], start: float = 0.0) -> None:
         self.clock = clock  # the clock the waits are timed on (a loop's, or monotonic)
-        # (start: when the limit began, on clock, if not now)
-        self.at = None if limit is None else (start or clock()) + limit
+        self.at = (start or clock()) + limit  # (start: when the limit began, on clock, if not now)
 
-    def left(self) -> float | None:
-        """The seconds left, never below 0; None for no limit."""
-        at = self.at
-        return None if at is None else max(0.0, at - self.clock())
+    def left(self) -> float:
+        """The seconds left, never below 0."""
+        return max(0.0, self.at - self.clock())
 
 
 def check_name(name: str | None) -> str | None:
