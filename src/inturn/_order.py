@@ -52,18 +52,15 @@ def order_keys(keys: Iterable[Hashable]) -> tuple[Hashable, ...]:
     """Drop duplicate keys and sort the rest into the queue's global order.
 
     The invariant: two keys that name different lines (``a != b``) are put
-    the same way round by every call in this process, for as long as any
-    order that put them so is still in use (by a turn waiting for or
-    holding its keys); equal keys (``1 == 1.0 == True``) are one line, and
-    whichever of them a caller names stands in the same place. Keys are
-    sorted by ``hash()``, which equal keys share. Lines whose keys share a
-    hash are sorted by a rank each line gets on first sight, found by
-    equality (so ``1.0`` finds the rank of ``1``); never by type or repr(),
-    which differ between equal keys and coincide between unequal ones. The
-    tuple returned keeps its ranks alive (a turn keeps its tuple as its
-    ``keys``), and a rank no tuple keeps is dropped: no turn then relies on
-    it, so a new one cannot contradict a turn in progress. Fixed for the
-    life of a process, not across processes (see :func:`order_portable`).
+    the same way round by every call in this process while any order that
+    put them so is in use (by a turn waiting for or holding its keys); equal
+    keys (``1 == 1.0 == True``) are one line, in one place whichever a caller
+    names. Keys are sorted by ``hash()``, which equal keys share; lines whose
+    keys share a hash, by a rank each line gets on first sight, found by
+    equality (never by type or repr(), which differ between equal keys and
+    coincide between unequal ones). The tuple returned keeps its ranks alive
+    (a turn keeps it as its ``keys``); a rank no tuple keeps, which no turn
+    relies on, is dropped. Not across processes (see :func:`order_portable`).
 
     :raises TypeError: a key is unhashable, or its ``==`` failed against a
         key that shares its hash.
