@@ -277,8 +277,7 @@ def _one(sig: _Signature, spec: KeySpec) -> KeyFunction | Hashable:
         return _template(sig, spec) if "{" in spec or "}" in spec else spec
     if callable(spec):
         mapping = sig.mapping()
-        call = spec
-        return lambda args, kwargs: call(mapping(args, kwargs))
+        return lambda args, kwargs: spec(mapping(args, kwargs))
     try:
         hash(spec)
     except TypeError:
@@ -311,8 +310,7 @@ def compile_key(
             )
         if callable(keys):
             mapping = sig.mapping()
-            several = keys
-            return (lambda args, kwargs: tuple(several(mapping(args, kwargs)))), True
+            return (lambda args, kwargs: tuple(keys(mapping(args, kwargs)))), True
         if not isinstance(keys, Iterable):
             raise TypeError(
                 "inturn: keys= takes a list of keys or templates, or a callable; "
