@@ -222,9 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--redis", metavar="URL", help="a Redis backend's server: redis://host:port/db"
     )
     where.add_argument("--dir", metavar="PATH", help="a file backend's directory, as given to it")
-    inspect.add_argument(
-        "--namespace", default=None, help="the Redis backend's namespace (default: inturn)"
-    )
+    inspect.add_argument("--namespace", help="the Redis backend's namespace (default: inturn)")
     inspect.add_argument(
         "--watch",
         type=float,
