@@ -145,18 +145,17 @@ class _Instruments:
 class _Metrics:
     """The observer of one queue: records each turn to the instruments (see inturn.Observer)."""
 
-    __slots__ = ("_base", "_by_function", "_instruments")
+    __slots__ = ("_by_function", "_instruments")
 
     def __init__(self, instruments: _Instruments, base: Attributes) -> None:
         self._instruments = instruments
-        self._base = base
-        # function -> its attributes: as many as the functions that take turns
+        # function -> its attributes: as many as the functions that take turns (None: base)
         self._by_function: dict[str | None, Attributes] = {None: base}
 
     def _attributes(self, function: str | None) -> Attributes:
         attributes = self._by_function.get(function)
         if attributes is None:
-            attributes = {**self._base, "code.function.name": str(function)}
+            attributes = {**self._by_function[None], "code.function.name": str(function)}
             self._by_function[function] = attributes
         return attributes
 
