@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Hashable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Protocol, final
 
-__all__ = ("FUNCTION", "Observer", "QueueStats", "Tally", "function_label", "labelled")
+__all__ = ("FUNCTION", "Observer", "QueueStats", "Tally", "function_label")
 
 #: The function whose turn is being taken, on an observed queue: set around
 #: the turn by run(), run_sync(), a decorated function and submitted work, so
@@ -33,16 +32,6 @@ def function_label(fn: object) -> str:
     if not isinstance(name, str):  # a partial, a callable object
         name = type(fn).__qualname__
     return f"{module}.{name}" if isinstance(module, str) else name
-
-
-@contextmanager
-def labelled(fn: object) -> Iterator[None]:
-    """Label the turns taken inside (in this context) with fn's name, for an observer."""
-    token = FUNCTION.set(function_label(fn))
-    try:
-        yield
-    finally:
-        FUNCTION.reset(token)
 
 
 class Observer(Protocol):
