@@ -113,17 +113,6 @@ def _none() -> None:
 _last: Callable[[], _Timer | None] = _none
 
 
-def _timer(loop: asyncio.AbstractEventLoop, limit: float) -> _Timer:
-    """The timer of loop and limit (made if it has none); the one Clock tries first next."""
-    global _last
-    key = (id(loop), limit)
-    timer = _TIMERS.get(key)
-    if timer is None:
-        timer = _TIMERS[key] = _Timer(loop, limit)
-    _last = weakref.ref(timer)
-    return timer
-
-
 @final
 class Clock:
     """A turn's max_hold: cancels the holding task when the limit runs out.
@@ -174,10 +163,15 @@ class Clock:
 
 def start_clock(task: asyncio.Task[Any], limit: float) -> Clock:
     """Start the clock of task's turn: cut it in limit seconds, unless stopped first."""
+    global _last
     loop = task.get_loop()
     timer = _last()
     if timer is None or timer.loop is not loop or timer.limit != limit:
-        timer = _timer(loop, limit)
+        key = (id(loop), limit)
+        timer = _TIMERS.get(key)
+        if timer is None:
+            timer = _TIMERS[key] = _Timer(loop, limit)
+        _last = weakref.ref(timer)
     clocks = timer.clocks
     # A done clock at the head is dropped (one per clock started: the FIFO stays short
     # while turns end in time), and started again: turns one after another make none.
@@ -185,9 +179,7 @@ def start_clock(task: asyncio.Task[Any], limit: float) -> Clock:
     clock.task = task
     clock.limit = limit
     clock.expired = False
-    clock.cancelling = 0
-    if _COUNTS:
-        clock.cancelling = task.cancelling()  # type: ignore[attr-defined, unused-ignore]
+    clock.cancelling = task.cancelling() if _COUNTS else 0  # type: ignore[attr-defined, unused-ignore]
     clock.deadline = deadline = timer.now() + limit
     clocks.append(clock)
     if timer.handle is None:
