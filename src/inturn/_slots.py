@@ -110,15 +110,12 @@ class Slots(Places):
         work never waits on itself), nor if the work will wait in its key's
         line, as data, behind whoever holds the key.
         """
-        running = self.holders
-        if me in running:
+        if me in self.holders:
             return False
         line = self.registry.lines.get(key)
-        if line is None:
-            return True
         if type(line) is Gate:  # (a free place: the work would take it, and need a slot)
             return bool(line.free) and not line.handed
-        return False
+        return line is None
 
     def wake_producers_behind(self) -> None:
         """Wake the producers whose key's work just got a running slot (they need none now).
@@ -140,45 +137,32 @@ class Slots(Places):
     async def backpressure(
         self, key: Hashable, me: object, loop: asyncio.AbstractEventLoop
     ) -> None:
-        """submit()'s wait while every slot is busy, or promised to work submitted but not
-        started yet, and the work needs one (``me``: see :meth:`needs`)."""
-        again = False
-        while self.free <= self.unplaced and self.needs(key, me):
-            await self.vacancy(key, me, loop, again)
-            again = True  # woken, but the slot may have gone to work already queued
+        """submit()'s wait, FIFO among producers, while every slot is busy, or promised to
+        work submitted but not started yet, and the work needs one (``me``: see :meth:`needs`).
 
-    async def vacancy(
-        self,
-        key: Hashable,
-        me: object,
-        loop: asyncio.AbstractEventLoop,
-        again: bool,
-    ) -> None:
-        """Wait, FIFO among producers, until a running slot frees or key's work needs none.
-
-        ``me``: as for :meth:`needs`. Return at once if a slot is
-        free, or the work needs none, by the time the guard is held: the
-        caller checked without it, and a slot freed in another thread in
-        between would wake nobody. ``again``: at the head of the producers
-        (it was woken, but lost the slot).
+        Each wait checks again under the guard: a slot freed in another
+        thread after a check without it would wake nobody.
         """
-        producer: asyncio.Future[None] = loop.create_future()
-        with self.registry.mode.guard_for(loop):  # (a new loop's first call settles the mode)
-            if self.free > self.unplaced or not self.needs(key, me):
-                return
-            if self.producers is None:
-                self.producers = deque()
-            if again:
-                self.producers.appendleft((producer, key))
-            else:
-                self.producers.append((producer, key))
-        try:
-            await producer
-        except BaseException:
-            if producer.done() and not producer.cancelled():  # woken, then cancelled: pass it on
-                self.next_producer()
-            producer.cancel()
-            raise
+        again = False  # woken, but the slot went to work already queued: wait at the head
+        while self.free <= self.unplaced and self.needs(key, me):
+            producer: asyncio.Future[None] = loop.create_future()
+            with self.registry.mode.guard_for(loop):  # (a new loop's first call settles the mode)
+                if self.free > self.unplaced or not self.needs(key, me):
+                    return
+                if self.producers is None:
+                    self.producers = deque()
+                if again:
+                    self.producers.appendleft((producer, key))
+                else:
+                    self.producers.append((producer, key))
+            try:
+                await producer
+            except BaseException:
+                if producer.done() and not producer.cancelled():  # woken, cancelled: pass it on
+                    self.next_producer()
+                producer.cancel()
+                raise
+            again = True
 
     def next_producer(self) -> None:
         """Wake the first producer waiting in submit() for a slot, if any."""
