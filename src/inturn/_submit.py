@@ -1,37 +1,31 @@
 """submit(): work queued as data in its key's line, its Handle, producers' backpressure.
 
-On every queue (with a backend, ``concurrency`` or ``max_running`` too), a
-submission joins its key's line when ``submit()`` is called, in arrival
-order with every other caller of the key (tasks, threads, other
-submissions). Taking a free key, it becomes the key's holder at once and
-its task starts; finding the key busy, it waits in the key's line as data
-(its :class:`Handle`: the function, its arguments, the context), costing no
-task, and its task is made only when the line hands it the key. So a hot
-key's backlog waits as data, and the tasks alive stay bounded by the
-running slots and the producers' backpressure.
+On every queue, a submission joins its key's line at the call (see
+``KeyedQueue.submit``): holding a free key, its task starts; behind a busy key
+it waits as data (its :class:`Handle`: the function, its arguments, the
+context), costing no task, so the tasks alive stay bounded by the running slots
+and backpressure.
 
-NOTE: the hand-off (``Registry.leave``) makes a waiting Handle the
-line's holder before its task exists, as it does a waiter future; the
-task, scheduled in the Handle's loop, then makes itself the holder. A Handle
-cancelled or timed out between the two passes the turn on.
+NOTE: the hand-off (``Registry.leave``) makes a waiting Handle the line's holder
+before its task exists, as it does a waiter future; the task, scheduled in the
+Handle's loop, then makes itself the holder and enters the turn's steps holding
+the line (see ``_run``). A Handle cancelled or timed out between the two passes
+the turn on.
 
-The work's task gives the handle its outcome itself and ends quietly (no
-done callback per task: it cost a loop callback per work). A task that has
-not run yet runs no code when cancelled, so Handle.cancel() gives up its
-place itself then. NOTE: a task cancelled by someone else before its first
-step (code cancelling every task of a running loop) runs none of its code,
-so its work keeps its place until the loop's shutdown (the watch below then
-gives it up); a done callback per task would free it at once, but measured
-10% of a submission's cost (bench (g)). The task enters the turn's steps
-holding its line already (see ``_run``).
+The work's task gives the handle its outcome itself and ends quietly: a done
+callback per task measured 10% of a submission's cost (bench (g)). A task not
+run yet runs no code when cancelled, so Handle.cancel() gives up its place
+itself then. NOTE: so one cancelled by someone else before its first step (code
+cancelling every task of a running loop) keeps its place until the loop's
+shutdown, when the watch below gives it up.
 
-Work waiting as data is no task, so asyncio.run()'s shutdown, which
-cancels the loop's tasks, cannot cancel it; and a hand-off during that
-shutdown makes tasks it never cancels, which would hold their key past the
-loop's end. So the first work of a loop to wait as data starts a watch on
-the loop: an async generator, which the loop closes at its shutdown
-(``shutdown_asyncgens()``), and which then cancels that loop's submitted
-work still pending and waits for it to leave its lines.
+Work waiting as data is no task, so asyncio.run()'s shutdown, which cancels
+the loop's tasks, cannot cancel it; and a hand-off during that shutdown makes
+tasks it never cancels, which would hold their key past the loop's end. So the
+first work of a loop to wait as data starts a watch on the loop: an async
+generator, which the loop closes at its shutdown (``shutdown_asyncgens()``),
+and which then cancels that loop's submitted work still pending and waits for
+it to leave its lines.
 """
 
 from __future__ import annotations
@@ -70,10 +64,7 @@ R = TypeVar("R")
 
 @final
 class Submissions:
-    """A queue's submitted work: what submit() and its handles use of the queue.
-
-    The queue makes one, at its making; its handles not finished yet are here.
-    """
+    """A queue's submitted work (one per queue): what submit() and its handles use of it."""
 
     __slots__ = ("__weakref__", "handles", "max_hold", "registry", "slots", "timeout")
 
@@ -239,15 +230,9 @@ class Handle(Deferred, Generic[R]):
 
     def remove_done_callback(self, fn: Callable[[Handle[R]], object]) -> int:
         """Remove every registration of ``fn`` by :meth:`add_done_callback`; return how many."""
-        kept = []
-        removed = 0
-        for added, call in self._callbacks or ():
-            if added == fn:
-                removed += self._future.remove_done_callback(call)
-            else:
-                kept.append((added, call))
-        self._callbacks = kept
-        return removed
+        callbacks = self._callbacks or []
+        self._callbacks = [(added, call) for added, call in callbacks if added != fn]
+        return sum(self._future.remove_done_callback(c) for added, c in callbacks if added == fn)
 
     def cancel(self, msg: object = None) -> bool:
         """Cancel the work: it leaves its line, or is cancelled at its next ``await``.
@@ -287,7 +272,7 @@ class Handle(Deferred, Generic[R]):
     def _leave_line(self, error: BaseException) -> None:
         """Leave the key's line, where it waits or holds the key (passing it on); finish.
 
-        The outcome is set already (done: a hand-off skips it, and _drop's
+        The outcome is set already (done: a hand-off skips it, and the line's
         ``waiter.cancel()`` is a no-op); error is what the stats count.
         """
         if self._timer is not None:
@@ -319,14 +304,12 @@ class Handle(Deferred, Generic[R]):
             if held_by(queue.registry.lines.get(self.key), self):
                 return  # handed the key just now: its task takes the rest of the time
             future.set_exception(missed(f"the turn for key {describe(self.key)}", timeout))
-        future.exception()  # retrieved: it reaches the handle's awaiters, or its batch
-        self._leave_line(future.exception())  # type: ignore[arg-type]
+        self._leave_line(future.exception())  # type: ignore[arg-type]  # (read: retrieved)
 
     def handed(self, shared: bool) -> bool:
-        """The line was handed to this work: start its task, in its loop.
+        """The line was handed to this work, under the guard: start its task, in its loop.
 
-        Return False if its loop is closed: nothing will ever run it. The
-        caller holds the guard.
+        Return False if its loop is closed: nothing will ever run it.
         """
         loop = self._future.get_loop()
         if not shared and makes_plain_tasks(loop):
@@ -356,14 +339,12 @@ class Handle(Deferred, Generic[R]):
         future = self._future
         if error is None:
             future.set_result(result)
-            self._finish(False)
         elif isinstance(error, asyncio.CancelledError):
             future.cancel()
-            self._finish(False)
         else:
             future.set_exception(error)
             future.exception()  # retrieved: it reaches the handle's awaiters, or its batch
-            self._finish(True)
+        self._finish(error is not None and not future.cancelled())
 
     def _finish(self, failed: bool) -> None:
         """Let the queue and the batch know the work has finished (failed: with an error)."""
@@ -385,10 +366,7 @@ _NO_KWARGS: dict[str, Any] = {}
 
 
 def _uncount(handle: Handle[Any], slots: Slots | None) -> None:
-    """Count submitted work as placed (once): a producer may go if a slot is left.
-
-    The caller holds the guard.
-    """
+    """Count submitted work as placed (once), under the guard; wake a producer if a slot is free."""
     handle._counted = False
     assert slots is not None
     slots.unplaced -= 1
@@ -397,11 +375,8 @@ def _uncount(handle: Handle[Any], slots: Slots | None) -> None:
 
 
 async def _run(handle: Handle[Any]) -> Any:
-    """The task of submitted work that holds its key's line: the rest of its turn, the work.
-
-    The turn's steps, entered holding the line already: a backend's grant,
-    a running slot (max_running), max_hold; then the release of each.
-    """
+    """The task of submitted work that holds its key's line: the rest of its turn's steps
+    (a backend's grant, a running slot, max_hold), the work, then the release of each."""
     handle._stage = _STARTED
     queue = handle._queue
     registry = queue.registry
