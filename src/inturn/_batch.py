@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, final, overload
 
 from ._describe import describe
 from ._submit import Handle, failures, submit, unawaited
-from ._tasks import current_task as _current_task
-from ._tasks import outside_asyncio
+from ._tasks import running_loop
 
 if TYPE_CHECKING:
     from typing_extensions import ParamSpec
@@ -116,10 +115,7 @@ class Batch:
     async def __aenter__(self) -> Batch:
         if self._parent is not None:
             raise RuntimeError("inturn: this batch was entered already; make one per block")
-        try:
-            task = _current_task()
-        except RuntimeError:
-            raise outside_asyncio("batch()") from None
+        task = asyncio.current_task(running_loop("batch()"))
         if task is None:
             raise RuntimeError("inturn: a batch is for inside an asyncio task")
         self._parent = task
@@ -148,9 +144,8 @@ class Batch:
                 cancelled = error
                 self._abort()
         assert self._parent is not None
-        if self._stopped_parent and sys.version_info >= (3, 11):
-            if self._parent.uncancel() > 0:  # cancelled from outside as well
-                cancelled = cancelled or exc
+        if self._stopped_parent and sys.version_info >= (3, 11) and self._parent.uncancel() > 0:
+            cancelled = cancelled or exc  # cancelled from outside as well
         errors = unawaited(self._failed)
         if exc is not None and not isinstance(exc, asyncio.CancelledError):
             errors.insert(0, exc)
