@@ -9,28 +9,25 @@ cut, and a turn's cut never touches another turn. :meth:`Clock.stop` then
 says whether the limit cut the work (see there).
 
 How, cheaply: a turn sets no timer of its own. The clocks of one event loop
-and one limit share a :class:`_Timer`: a FIFO of clocks, and one loop timer
-set for the earliest deadline of a clock that may still run. Every clock of
-a timer gets ``loop.time() + limit``, and a loop's time never goes back, so
-the FIFO is in deadline order (no heap): starting a clock appends it, and
-sets the timer if it is unset; stopping one only marks it done (one store,
-harmless from any thread). When the timer fires, it drops the done clocks
-at the head, cuts those whose deadline came, and is set again for the new
-head's; once no clock runs it is left unset (and the ``_Timer`` is gone).
-So a run of turns that each end in time sets the timer once per ``limit``
-seconds, not once per turn, and it stays set up to ``limit`` after the last
-one ended, keeping nothing but the ``_Timer`` and the done clocks (not
-their tasks).
+and one limit share a :class:`_Timer`: a FIFO of clocks, in deadline order
+(each gets ``loop.time() + limit``, and a loop's time never goes back: no
+heap), and one loop timer set for the earliest deadline of a clock that may
+still run. Starting a clock appends it, and sets the timer if it is unset;
+stopping one only marks it done (one store, harmless from any thread). When
+the timer fires, it drops the done clocks at the head, cuts those whose
+deadline came, and is set again for the new head's, or left unset once no
+clock runs (and the ``_Timer`` is gone). So a run of turns that each end in
+time sets the timer once per ``limit`` seconds, not once per turn; set up
+to ``limit`` after the last one ended, it keeps only the ``_Timer`` and the
+done clocks (not their tasks).
 
-Where a timer is found again: the table keyed by ``(id(loop), limit)``, and
-the cache of the one used last, hold it weakly; what holds it is its
-loop's pending timer handle. It holds its loop, so that id is its loop's
-while it lives. So nothing global keeps a loop, its tasks, or a timer: a
-loop that ends, even with clocks running, drops the timer with its pending
-handles. A timer is only touched on its loop's thread (a clock is started
-and stopped by its task: see ``_turn``), so each loop's entry of the table
-has one writer. A forked child has copies, shared with nobody: the copies of
-its parent's loops never run there, and its own loops are new.
+Nothing global keeps a loop, its tasks, or a timer: the table of timers
+(``_TIMERS``) and the cache of the last one hold them weakly; a timer is
+held by its loop's pending timer handle, so a loop that ends, even with
+clocks running, drops it. A timer is only touched on its loop's thread (a
+clock is started and stopped by its task: see ``_turn``), so each loop's
+entry of the table has one writer. A forked child has copies, shared with
+nobody: its parent's loops never run there, and its own loops are new.
 """
 
 from __future__ import annotations

@@ -118,10 +118,7 @@ class Slots(Places):
         return line is None
 
     def wake_producers_behind(self) -> None:
-        """Wake the producers whose key's work just got a running slot (they need none now).
-
-        The caller holds the guard.
-        """
+        """Under the guard: wake the producers whose key's work just got a slot (they need none)."""
         producers = self.producers
         assert producers is not None
         still = type(producers)()
