@@ -172,8 +172,7 @@ class Handle(Deferred, Generic[R]):
         try:
             return (yield from asyncio.shield(future).__await__())
         finally:
-            if future.done():  # the outcome reached this awaiter
-                self._awaited = True
+            self._awaited |= future.done()  # (done: the outcome reached this awaiter)
 
     def done(self) -> bool:
         """Whether the work has finished: returned, raised, or was cancelled."""
@@ -190,8 +189,7 @@ class Handle(Deferred, Generic[R]):
         :raises asyncio.CancelledError: the work was cancelled.
         """
         future = self._future
-        if future.done() and not future.cancelled():
-            self._awaited = True  # its error, if any, reaches this caller
+        self._awaited |= future.done() and not future.cancelled()  # its error reaches the caller
         return future.result()
 
     def exception(self) -> BaseException | None:
@@ -204,8 +202,7 @@ class Handle(Deferred, Generic[R]):
         :raises asyncio.CancelledError: the work was cancelled.
         """
         future = self._future
-        if future.done() and not future.cancelled():
-            self._awaited = True
+        self._awaited |= future.done() and not future.cancelled()
         return future.exception()
 
     def add_done_callback(
@@ -432,14 +429,9 @@ async def submit(
     handle: Handle[Any] = Handle(queue, key, fn, args, kwargs, loop.create_future(), failed, batch)
     if registry.timed:
         handle._since = _monotonic()
-    refused: BaseException | None = None
-    line = None
-    with registry.mode.guard_for(loop):
-        try:
+    try:
+        with registry.mode.guard_for(loop):
             line = registry.join(key, handle, handle, queue.timeout, guarded=True)  # as data
-        except (QueueFull, QueueClosed, TimeoutError) as error:
-            refused = error
-        else:
             handle._stage = _PLACED
             handle._line = line
             if line is None and slots is not None:  # it holds the key: its task starts next
@@ -448,18 +440,18 @@ async def submit(
                     slots.unplaced += 1
                 if slots.producers:  # those waiting to submit for this key may go: it is busy
                     slots.wake_producers_behind()
-    if refused is not None:
+    except (QueueFull, QueueClosed, TimeoutError) as refused:  # (the guard is let go first)
         registry.missed(refused)
         handle._ended(refused, None)
-    elif line is None:
-        handle._task = loop.create_task(_run(handle))
-        _watch(loop, queue)  # (see the module's doc: a task cancelled before its first step)
     else:
-        handle._context = contextvars.copy_context()
-        _watch(loop, queue)
-        timeout = queue.timeout
-        if timeout is not None:
-            handle._timer = loop.call_later(timeout, handle._expire, timeout)
+        _watch(loop, queue)  # (see the module's doc: a task cancelled before its first step)
+        if line is None:
+            handle._task = loop.create_task(_run(handle))
+        else:
+            handle._context = contextvars.copy_context()
+            timeout = queue.timeout
+            if timeout is not None:
+                handle._timer = loop.call_later(timeout, handle._expire, timeout)
     if slots is not None and slots.producers and slots.free > slots.unplaced:
         slots.next_producer()  # a slot is still free: the next producer may go
     return handle
