@@ -97,10 +97,8 @@ class Tally:
             _tell(self.observer, "started", waited, FUNCTION.get())
 
     def ended(self, error: BaseException | None, cut: bool, held: float | None) -> None:
-        """Count a turn that ended: cut by its max_hold, or by error (None: completed).
-
-        ``held``: how long it held its turn, if it was timed.
-        """
+        """Count a turn that ended: cut by its max_hold, or by error (None: completed), after
+        ``held`` seconds (None: it was not timed)."""
         if error is None:
             self.completed += 1
         elif cut:

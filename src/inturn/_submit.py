@@ -142,7 +142,6 @@ class Handle(Deferred, Generic[R]):
         failed: list[Handle[Any]],
         batch: Batch | None,
     ) -> None:
-        """Count the new handle among its queue's (and its batch's) unfinished."""
         self._queue = queue
         self.key = key
         self._fn = fn
@@ -371,7 +370,7 @@ def _uncount(handle: Handle[Any], slots: Slots | None) -> None:
         slots.wake_producer()
 
 
-async def _run(handle: Handle[Any]) -> Any:
+async def _run(handle: Handle[Any]) -> None:
     """The task of submitted work that holds its key's line: the rest of its turn's steps
     (a backend's grant, a running slot, max_hold), the work, then the release of each."""
     handle._stage = _STARTED
@@ -394,10 +393,9 @@ async def _run(handle: Handle[Any]) -> Any:
     except BaseException as error:
         handle._ended(error, None)
         if isinstance(error, Exception):
-            return None  # it is the handle's now: the task ends quietly
+            return  # it is the handle's now: the task ends quietly
         raise
     handle._ended(None, result)
-    return None
 
 
 async def submit(
@@ -423,7 +421,6 @@ async def submit(
     me = None
     if slots is not None:
         me = _current_task()
-        # (work for a busy key waits in its line, and takes no slot until its turn)
         if slots.free <= slots.unplaced and slots.needs(key, me):
             await slots.backpressure(key, me, loop)
     handle: Handle[Any] = Handle(queue, key, fn, args, kwargs, loop.create_future(), failed, batch)
