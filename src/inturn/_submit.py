@@ -274,18 +274,16 @@ class Handle(Deferred, Generic[R]):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        queue = self._queue
+        registry = self._queue.registry
         if self._counted:
-            with queue.registry.mode.guard():
-                _uncount(self, queue.slots)
+            with registry.mode.guard():
+                _uncount(self, self._queue.slots)
         if self._stage == _PLACED:
             self._stage = _UNPLACED
-            registry = queue.registry
-            line = self._line
-            if line is None:  # it took the free key: give it back
+            if self._line is None:  # it took the free key: give it back
                 registry.release(self.key, self, None, None)
             else:  # (passes on the key if it was handed just now)
-                registry.abandon(self.key, line, self)
+                registry.abandon(self.key, self._line, self)
             registry.missed(error)
         self._finish(not isinstance(error, asyncio.CancelledError))
 
@@ -325,10 +323,9 @@ class Handle(Deferred, Generic[R]):
         assert context is not None
         loop = self._future.get_loop()
         if sys.version_info >= (3, 11):
-            task = loop.create_task(_run(self), context=context)
+            self._task = loop.create_task(_run(self), context=context)
         else:  # pragma: no cover - depends on the interpreter
-            task = context.run(loop.create_task, _run(self))
-        self._task = task
+            self._task = context.run(loop.create_task, _run(self))
 
     def _ended(self, error: BaseException | None, result: Any) -> None:
         """Give the handle the outcome of its work, from the work's task (or its refusal)."""
