@@ -129,11 +129,8 @@ class Batch:
     ) -> bool:
         self._exiting = True
         ours = self._stopped_parent and isinstance(exc, asyncio.CancelledError)
-        if (
-            exc is not None
-            and not ours
-            and (self._on_error == "cancel" or not isinstance(exc, Exception))
-        ):
+        stops = exc is not None and (self._on_error == "cancel" or not isinstance(exc, Exception))
+        if stops and not ours:
             self._abort()  # a failed or cancelled block: its work is cancelled too
         cancelled: BaseException | None = None
         while self._handles:
