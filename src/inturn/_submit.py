@@ -451,14 +451,12 @@ async def submit(
     return handle
 
 
-#: Per event loop: the queues with its submitted work waiting as data (see the module's doc).
-_WATCHED: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, weakref.WeakSet[Submissions]]
-_WATCHED = weakref.WeakKeyDictionary()
-#: Per event loop: its watch, which the loop holds weakly only. NOTE: a watch holds
-#: its loop (the loop's finalizer hook): its entry goes when the loop shuts down, or
-#: when a new loop is watched and finds that loop closed.
-_WATCHES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncGenerator[None, None]]
-_WATCHES = weakref.WeakKeyDictionary()
+_Watch = tuple[weakref.WeakSet[Submissions], AsyncGenerator[None, None]]
+#: Per event loop: the queues with its submitted work waiting as data (see the module's
+#: doc), and its watch, which the loop holds weakly only. NOTE: a watch holds its loop
+#: (the loop's finalizer hook): its entry goes when the loop shuts down, or when a new
+#: loop is watched and finds that loop closed.
+_WATCHES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Watch] = weakref.WeakKeyDictionary()
 #: The (loop, queue) watched last, to skip the lookups for the next work alike.
 _last: tuple[weakref.ref[asyncio.AbstractEventLoop], weakref.ref[Submissions]] | None = None
 
@@ -470,18 +468,18 @@ def _watch(loop: asyncio.AbstractEventLoop, queue: Submissions) -> None:
     if last is not None and last[0]() is loop and last[1]() is queue:
         return
     try:
-        queues = _WATCHED.get(loop)
-        if queues is None:
+        watched = _WATCHES.get(loop)
+        if watched is None:
             for closed in [other for other in _WATCHES if other.is_closed()]:
                 del _WATCHES[closed]  # closed without shutdown_asyncgens()
-            queues = _WATCHED[loop] = weakref.WeakSet()
+            queues: weakref.WeakSet[Submissions] = weakref.WeakSet()
             watch = _shutdown(queues)  # (not given the loop: the map holds the loop weakly)
             try:  # its first step, in this loop: the loop's hooks track it from now on
                 watch.asend(None).send(None)
             except StopIteration:
                 pass
-            _WATCHES[loop] = watch
-        queues.add(queue)
+            watched = _WATCHES[loop] = (queues, watch)
+        watched[0].add(queue)
         _last = (weakref.ref(loop), weakref.ref(queue))
     except TypeError:  # pragma: no cover - a loop that takes no weak reference: no watch
         return
@@ -496,7 +494,6 @@ async def _shutdown(queues: weakref.WeakSet[Submissions]) -> AsyncGenerator[None
         _last = None
         loop = asyncio.get_running_loop()  # (the loop closes it, in its own run)
         _WATCHES.pop(loop, None)
-        _WATCHED.pop(loop, None)
         tasks = []
         for queue in list(queues):
             for handle in list(queue.handles):
