@@ -53,7 +53,6 @@ class Held:
         return "HELD"
 
 
-#: The one answer of every take for "held already by this caller".
 HELD: Final = Held()
 
 
@@ -203,9 +202,7 @@ class Places(Waiting):
     """A FIFO line for one of a bounded number of places at once.
 
     The base of a key's Gate and of a queue's running slots (``_slots.Slots``).
-    A holder that leaves hands its place
-    to exactly the next live waiter. On a shared queue, the caller of every
-    method holds the queue's lock.
+    A holder that leaves hands its place to exactly the next live waiter.
     """
 
     __slots__ = ("free", "handed", "holders", "marks", "producers", "size", "unplaced")

@@ -207,7 +207,6 @@ class KeyedQueue:
         self._concurrency: int = check_count("concurrency", concurrency, none=False)  # type: ignore[assignment]
         self._backend = check_backend(backend, self._concurrency)
         self._max_hold = check_hold(max_hold)
-        # The lines, and the thread mode (see _registry).
         self._registry = Registry(
             backend=self._backend,
             concurrency=self._concurrency,
@@ -220,7 +219,6 @@ class KeyedQueue:
             ),
             name=name,
         )
-        # The running slots, with max_running.
         self._slots = None if max_running is None else Slots(max_running, self._registry)
         self._registry.slots = self._slots
         # submit()'s work (its handles not finished yet), and the failed ones nobody awaited
@@ -443,12 +441,8 @@ class KeyedQueue:
         limit = self._timeout if timeout is UNSET else check_timeout(timeout)  # type: ignore[arg-type]
         hold = self._max_hold if max_hold is UNSET else check_hold(max_hold)  # type: ignore[arg-type]
         if transaction is not False:
-            check_transaction(transaction, self._backend)
-            if not keys:
-                raise TypeError("inturn: keyed() needs at least one key")
-            ordered = self._registry.ordered(keys)
-            return Turn(self._registry, ordered, limit, hold, transaction=True)
-        if len(keys) == 1 and self._backend is None:
+            check_transaction(transaction, self._backend)  # (then it is True)
+        elif len(keys) == 1 and self._backend is None:
             try:
                 hash(keys[0])
             except TypeError:
@@ -456,7 +450,7 @@ class KeyedQueue:
             return Turn(self._registry, keys, limit, hold)
         if not keys:
             raise TypeError("inturn: keyed() needs at least one key")
-        return Turn(self._registry, self._registry.ordered(keys), limit, hold)
+        return Turn(self._registry, self._registry.ordered(keys), limit, hold, transaction)
 
     # -- fire and forget ---------------------------------------------------------------
 
@@ -623,8 +617,6 @@ class KeyedQueue:
                 )
             return decorate(runner, fn, None, None, timeout, coalesce, max_hold)
         return decorate(runner, None, key, keys, timeout, coalesce, max_hold)
-
-    # -- the lines --------------------------------------------------------------
 
     # -- looking at the lines -----------------------------------------------------
 

@@ -36,12 +36,7 @@ if TYPE_CHECKING:
     from ._slots import Slots
     from .backends._base import Backend
 
-__all__ = ("Registry", "missed_turn")
-
-
-def missed_turn(key: Hashable, timeout: float | None) -> TimeoutError:
-    """The error of a turn on key not reached within timeout (None: the caller's limit)."""
-    return missed(f"the turn for key {describe(key)}", timeout)
+__all__ = ("Registry",)
 
 
 def _outcome(future: asyncio.Future[Any], error: BaseException | None, result: Any) -> None:
@@ -55,12 +50,6 @@ def _outcome(future: asyncio.Future[Any], error: BaseException | None, result: A
         future.exception()  # the holder's own caller gets the error; don't log it again
     else:  # cancelled, or interrupted
         future.cancel()
-
-
-def _closed(key: Hashable) -> QueueClosed:
-    return QueueClosed(
-        f"inturn: the queue is closed; the work for key {describe(key)} was not queued"
-    )
 
 
 @final
@@ -214,7 +203,9 @@ class Registry:
         if line is not None and held_by(line, holder):
             return HELD
         if not self.open:
-            raise _closed(key)
+            raise QueueClosed(
+                f"inturn: the queue is closed; the work for key {describe(key)} was not queued"
+            )
         if type(line) is Gate:
             return line.enter(holder)
         return False
@@ -252,7 +243,7 @@ class Registry:
                 f"(max_pending={self.max_pending}); the work was not queued"
             )
         if timeout is not None and timeout <= 0:
-            raise missed_turn(key, 0)
+            raise self.too_late(key, 0)
         line.waiters.append(waiter)
         line.waiting += 1
         return line
@@ -303,7 +294,7 @@ class Registry:
 
     def too_late(self, key: Hashable, limit: float | None) -> TimeoutError:
         """The error of key's turn not reached within limit (see _drive.Place)."""
-        return missed_turn(key, limit)
+        return missed(f"the turn for key {describe(key)}", limit)
 
     def release(
         self, key: Hashable, holder: object, error: BaseException | None, result: Any

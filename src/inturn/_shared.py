@@ -36,11 +36,6 @@ CURRENT: contextvars.ContextVar[Shared | None] = contextvars.ContextVar(
 )
 
 
-def _outcome(error: BaseException | None) -> str:
-    """How a log line says how the work ended."""
-    return "returned" if error is None else f"raised {type(error).__name__}"
-
-
 @final
 class Shared:
     """What a turn on a shared backend holds besides its lines."""
@@ -187,14 +182,13 @@ class Shared:
             "inturn: %s%s; the work ran and %s",
             "" if name is None else f"queue {name!r}: ",
             message.removeprefix("inturn: "),
-            _outcome(error),
+            "returned" if error is None else f"raised {type(error).__name__}",
         )
         if error is None and failure is None:
             error = failure = LeaseLost(message)
-        elif error is None:  # the backend's own account of what happened comes first
-            error = failure
+        else:
+            if error is None:  # the backend's own account of what happened comes first
+                error = failure
             if sys.version_info >= (3, 11):  # pragma: no branch
-                cast(Exception, failure).add_note(message)
-        elif sys.version_info >= (3, 11):  # pragma: no branch
-            error.add_note(message)
+                cast(BaseException, error).add_note(message)
         return error, failure

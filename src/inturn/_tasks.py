@@ -1,11 +1,9 @@
-"""The only place that touches asyncio's privates.
+"""The only place that touches asyncio's privates; and the asyncio helpers the core shares.
 
-The current task, cheaply (every turn asks for it on the hot path), and
-what is left of a backend's share of an event loop that will never run
-again (closed without ``shutdown_asyncgens()``, or abandoned with its
-thread): its sockets closed and its tasks let go, without the loop. Also
-a call made in a future's own loop from any thread, and the one wording of
-a call made where no asyncio loop runs (under trio).
+The privates: the current task, cheaply (every turn asks for it on the hot
+path), and what is left of a backend's share of an event loop that will
+never run again (closed without ``shutdown_asyncgens()``, or abandoned
+with its thread): its sockets closed and its tasks let go.
 """
 
 from __future__ import annotations

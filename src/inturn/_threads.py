@@ -174,16 +174,9 @@ class ThreadMode:
             self.fast_loop = self.solo if quick else None
 
     def forked(self) -> None:
-        """In a forked child: the parent's other threads and loops, and its locks, are gone."""
-        self.lock = self._lock = threading.Lock()
-        self._arrival = threading.Lock()
-        self._settling = None
-        self._direct = None
-        self._directs_ended = 0
-        self.solo = self.fast_loop = None
-        self._solo_thread = 0
-        self._solo_at = (0, None)
-        self.shared = False
+        """In a forked child: start over, as the parent's other threads and loops, and its
+        locks, are gone (the caller then tells allow_fast again)."""
+        ThreadMode.__init__(self, self._one_loop)
 
     def arrive(self, loop: asyncio.AbstractEventLoop | None) -> bool:
         """Decide how a caller works on the lines: True for lock-free (solo), False for locked.

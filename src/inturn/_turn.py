@@ -72,7 +72,6 @@ def current_turn() -> Turn | None:
     return None if shared is None else cast("Turn", shared.turn)
 
 
-#: The wait for a running slot.
 _SLOT = (SLOT, None)
 _NO_KEY: Final = object()  # (_taking waits for no key or slot: see _untaking)
 
@@ -153,7 +152,6 @@ class Turn:
         self._transaction = transaction
         self.token = 0
         self._holder: object = None  # the task or thread inside the block, None outside it
-        # How it is taken: None, the one key by try_take alone; else see _STEPS
         self._path: _Path | None = None
 
     @property
