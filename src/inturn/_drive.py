@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
     from ._line import Waiter
     from ._registry import Registry
+    from .backends._base import Backend
 
 __all__ = (
     "CLOSE",
@@ -266,13 +267,12 @@ async def drive(
     loop (see ThreadMode.via).
     """
     deadline: Deadline | None = None
-    backend = registry.backend
+    backend: Backend = registry.backend  # type: ignore[assignment]  # (None: no wait needs it)
     while True:
         kind, arg = wait
         error: BaseException | None = None
         try:
             if RELEASE <= kind <= CLOSE:  # (INTERRUPTED is a thread's: see drive_sync)
-                assert backend is not None
                 if kind == RELEASE:
                     source, grant = arg
                     release = release_via(backend, source, grant) if via else source.release(grant)
@@ -289,7 +289,6 @@ async def drive(
                         deadline = Deadline(limit, clock, start)
                     left = deadline.left()
                 if kind == GRANT:
-                    assert backend is not None
                     source, key, grants = arg
                     if via:
                         grants.append(await acquire_via(backend, source, key, left))
@@ -324,18 +323,16 @@ def drive_sync(
 ) -> None:
     """Perform steps' waits for thread me, blocking it, from wait on (see drive)."""
     deadline: Deadline | None = None
-    backend = registry.backend
+    backend: Backend = registry.backend  # type: ignore[assignment]  # (None: no wait needs it)
     while True:
         kind, arg = wait
         error: BaseException | None = None
         try:
             if kind == RELEASE:
-                assert backend is not None
                 release_sync(backend, *arg)
             elif kind == INTERRUPTED:
                 raise arg  # noqa: TRY301 - (see INTERRUPTED)
             elif kind == CLOSE:
-                assert backend is not None
                 close_sync(backend, *arg)
             else:
                 left = None
@@ -344,7 +341,6 @@ def drive_sync(
                         deadline = Deadline(limit, _monotonic, since)
                     left = deadline.left()
                 if kind == GRANT:
-                    assert backend is not None
                     source, key, grants = arg
                     grants.append(acquire_sync(backend, source, key, left))  # (see GRANT)
                 else:

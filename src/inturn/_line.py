@@ -95,8 +95,7 @@ class ThreadWaiter:
 class Deferred:
     """Work waiting in a line as data (submit()'s Handle): handed the line, it starts a task.
 
-    Quacks like the futures of waiting tasks where a line looks at its
-    waiters: ``done()`` once it left, ``cancel()`` (a no-op once it left).
+    Quacks as a ThreadWaiter does (its ``cancel()`` a no-op once it left).
     """
 
     __slots__ = ()

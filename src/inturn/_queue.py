@@ -240,12 +240,7 @@ class KeyedQueue:
 
     @overload
     async def run(
-        self,
-        key: Hashable,
-        fn: Callable[P, Awaitable[R]],
-        /,
-        *args: P.args,
-        **kwargs: P.kwargs,
+        self, key: Hashable, fn: Callable[P, Awaitable[R]], /, *args: P.args, **kwargs: P.kwargs
     ) -> R: ...
 
     @overload
@@ -456,12 +451,7 @@ class KeyedQueue:
 
     @overload
     async def submit(
-        self,
-        key: Hashable,
-        fn: Callable[P, Awaitable[R]],
-        /,
-        *args: P.args,
-        **kwargs: P.kwargs,
+        self, key: Hashable, fn: Callable[P, Awaitable[R]], /, *args: P.args, **kwargs: P.kwargs
     ) -> Handle[R]: ...
 
     @overload

@@ -154,13 +154,10 @@ class Registry:
         """keys checked (hashable; a backend's kinds) and in the one global order of turns."""
         if self.backend is not None:
             return self.backend.order(keys)
-        if len(keys) == 1:
-            try:
-                hash(keys[0])
-            except TypeError:
-                raise unhashable(keys[0]) from None
-            return keys
         try:
+            if len(keys) == 1:
+                hash(keys[0])
+                return keys
             return order_keys(keys)
         except TypeError:
             for key in keys:

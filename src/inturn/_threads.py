@@ -249,10 +249,7 @@ class ThreadMode:
         follows one startup ``asyncio.run()`` is still served directly.)
         Other backends serve every loop directly.
         """
-        if not self._one_loop:
-            return False
-        direct = self._direct
-        if direct is loop:
+        if not self._one_loop or self._direct is loop:
             return False
         with self._arrival:
             direct = self._direct
