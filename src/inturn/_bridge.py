@@ -157,8 +157,7 @@ class _Call:
 
     def start(self, key: Hashable, timeout: float | None) -> None:
         """Call the backend's acquire."""
-        task = asyncio.ensure_future(self.backend.acquire(key, timeout))
-        self.task = task
+        task = self.task = asyncio.ensure_future(self.backend.acquire(key, timeout))
         task.add_done_callback(self._finished)
 
     def _finished(self, task: asyncio.Task[Grant]) -> None:

@@ -47,7 +47,6 @@ if TYPE_CHECKING:
 __all__ = (
     "CLOSE",
     "GRANT",
-    "INTERRUPTED",
     "LINE",
     "RELEASE",
     "SLOT",
@@ -202,12 +201,11 @@ def unwind_sync(
 ) -> None:
     """If error came between two of steps' steps (they are suspended still), roll them back.
 
-    It is thrown into them (see INTERRUPTED), and their roll-back's waits
-    are performed for thread me; they raise it at the end. Steps that
-    raised it themselves have rolled back already. The caller drives the
-    steps in a ``try`` of the frame that got them, and calls this from its
-    ``except``: so no call comes between (an interrupt at the start of a
-    call to a function that drives them would find nobody to hand them to).
+    It is thrown into them (see INTERRUPTED), their roll-back's waits
+    performed for thread me; steps that raised it themselves have rolled
+    back already. The caller drives the steps in a ``try`` of the frame that
+    got them and calls this from its ``except``, so that no call comes
+    between: an interrupt at the start of one would find nobody to hand them to.
     """
     if inspect.getgeneratorstate(steps) == inspect.GEN_SUSPENDED:
         drive_sync(steps, (INTERRUPTED, error), me, registry, None, since)

@@ -27,7 +27,6 @@ __all__ = (
     "Places",
     "ThreadWaiter",
     "Waiter",
-    "Waiting",
     "hand",
     "held_by",
     "resolve",

@@ -215,10 +215,8 @@ class Registry:
         timeout: float | None,
         guarded: bool = False,
     ) -> Line | Gate | None:
-        """Put waiter in key's line for holder; None if holder took the key (it freed meanwhile).
+        """Put waiter in key's line for holder, as _drive.Place.join (QueueFull: the line is full).
 
-        Return the line joined. Raise if the queue is closed, the line is
-        full (QueueFull), or the key is busy and there is no time to wait.
         ``guarded``: the caller holds the guard already. Submitted work joins
         as data: it is the holder and the waiter (a Deferred), under the guard.
         """

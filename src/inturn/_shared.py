@@ -1,12 +1,10 @@
 """A turn's part on a shared backend: its grants or session, tokens, and what it re-took.
 
-The backend's half of the turn's steps (see ``_turn``): the grants of the
-keys on the turn's session, giving them back, and the report of a lease
-that ran out. A turn nested in another (in the same task, or a task made in
-its block) sees the enclosing turn's part as ``outer``: a key it takes again
-keeps the enclosing grant's token, and on a backend with sessions it takes
-its keys on the enclosing turn's connection, or draws one from the next
-tier (see TurnSession).
+The backend's half of the turn's steps (see ``_turn``). A turn nested in
+another (in the same task, or a task made in its block) sees the enclosing
+turn's part as ``outer``: a key it takes again keeps the enclosing grant's
+token, and on a backend with sessions it takes its keys on the enclosing
+turn's connection, or draws one from the next tier (see TurnSession).
 """
 
 from __future__ import annotations

@@ -148,8 +148,7 @@ class Turn:
         self.keys = keys
         self._timeout = timeout
         self._hold = hold  # max_hold, seconds
-        # keyed(transaction=True): the work runs in a transaction on self.connection
-        self._transaction = transaction
+        self._transaction = transaction  # keyed(transaction=True): see connection
         self.token = 0
         self._holder: object = None  # the task or thread inside the block, None outside it
         self._path: _Path | None = None
@@ -244,13 +243,12 @@ class Turn:
 
         ``holder``: a thread's, or the task when the caller knows it; None:
         the current task, whose loop is then settled in the thread mode;
-        ``lined``: holder holds the key's line already (submitted work). An
-        untimed turn on one key of an in-process queue is a turn alone: the
-        fast verb takes it if it is free (or held by holder already), and
-        ``_holder`` is set; if it is busy, ``_path`` is ``_ALONE`` and the
-        caller waits in the key's line alone (see wait_alone). Any other turn
-        (``_path`` is ``_STEPS``) is taken by its steps (see _start). No
-        steps, nothing allocated for a turn alone.
+        ``lined``: holder holds the key's line already (submitted work). A
+        turn alone (untimed, one key, in process: no steps, nothing allocated)
+        is taken by the fast verb if its key is free or held by holder already
+        (``_holder`` is set), else ``_path`` is ``_ALONE`` and the caller
+        waits in the key's line alone (see wait_alone). Any other turn
+        (``_STEPS``) is taken by its steps (see _start).
         """
         registry = self._registry
         if holder is None:
