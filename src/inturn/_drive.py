@@ -179,10 +179,7 @@ def _wait_in_sync(
         if line is None:
             return
         try:
-            if left is None:
-                waiter.lock.acquire()
-            else:
-                waiter.lock.acquire(timeout=left)
+            waiter.lock.acquire(timeout=-1 if left is None else left)
             settled = place.settle(key, line, waiter, me)
         except BaseException:  # interrupted: KeyboardInterrupt, or a signal handler's
             place.abandon(key, line, waiter)  # (passes on a turn handed to it)
@@ -214,10 +211,7 @@ def unwind_sync(
 async def wait_alone(
     registry: Registry, key: Hashable, task: asyncio.Task[Any], timeout: float | None
 ) -> None:
-    """Wait in key's line for task, for a turn on that key alone (no steps around it).
-
-    Return holding the key; if it is not reached, the turn is counted as missed.
-    """
+    """Wait in key's line for task's turn on it alone (no steps); unreached, it counts as missed."""
     queued = line_up(registry, key, task, timeout, timeout, registry)
     if queued is not None:
         try:

@@ -177,11 +177,7 @@ class Waiting:
 
 @final
 class Line(Waiting):
-    """A key's line once anyone but its holder has looked at it.
-
-    While one task holds a key and nobody else asked about it, the queue maps
-    the key straight to that task: no object is made on the uncontended path.
-    """
+    """A key's line once anyone but its holder has looked at it (until then: see _registry)."""
 
     __slots__ = ("holder", "watchers")
 
@@ -314,10 +310,8 @@ class Places(Waiting):
         """A drain mark reached the head: it waits for the present holders to leave."""
         if not self.holders:
             drain.reached()
-        elif self.marks is None:
-            self.marks = [(drain, set(self.holders))]
         else:
-            self.marks.append((drain, set(self.holders)))
+            self.marks = [*(self.marks or ()), (drain, set(self.holders))]
 
     def _passed(self, holder: object) -> None:
         assert self.marks is not None

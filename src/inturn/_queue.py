@@ -322,9 +322,7 @@ class KeyedQueue:
     ) -> Coroutine[Any, Any, Any]:
         """The coroutine that takes the turns of keys as keyed() does, calls fn, releases.
 
-        The path of every call but run()'s inline one: a shared backend,
-        another loop or a thread, flow control, an observer, and the
-        decorator's keys=, or a timeout or max_hold of its own. ``task``: the
+        The path of every async call but run()'s inline one. ``task``: the
         caller's, awaiting it at once (run(): keys are checked and ordered).
         """
         if not callable(fn):

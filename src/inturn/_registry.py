@@ -2,12 +2,11 @@
 
 Invariant: a key is in ``lines`` exactly while a task or thread holds or
 waits for it, mapped to its holder while nobody else asked about it (no
-object is made on the uncontended path), to a :class:`~inturn._line.Line`
-(or a :class:`~inturn._line.Gate`, with ``concurrency`` above 1) otherwise.
-This module is the only writer of that map, except the facade's inlined
-uncontended ``run()``, which inserts and pops a bare holder on the mode's
-``fast_loop`` exactly as :meth:`Registry.try_take` and :meth:`Registry.release`
-would.
+object is made on the uncontended path), to a Line (or a Gate, with
+``concurrency`` above 1) otherwise. This module is the only writer of
+that map, except the facade's inlined uncontended ``run()``, which inserts
+and pops a bare holder on the mode's ``fast_loop`` exactly as
+``Registry.try_take`` and ``Registry.release`` would.
 
 Every verb takes the lock of a shared mode itself (see ``_threads``), but
 those marked "under the guard", whose callers make several changes at once.
@@ -87,9 +86,7 @@ class Registry:
         name: str | None = None,
     ) -> None:
         self.name = name  # the queue's, for its log lines
-        # key -> the holder (a task or a thread), while nobody else asked
-        # about the key; key -> Line (or Gate) otherwise.
-        self.lines: dict[Hashable, Any] = {}
+        self.lines: dict[Hashable, Any] = {}  # key -> holder, Line or Gate (see the module's doc)
         self.backend = backend  # shares the lines with other processes, or None
         self.concurrency = concurrency  # holders per key: a Gate per key above 1
         self.max_pending = max_pending
@@ -147,8 +144,6 @@ class Registry:
         self.tally.observer = observer
         self.timed = not self._plain or observer is not None
         self.mode.allow_fast(self.open and not self.timed)
-
-    # -- keys --------------------------------------------------------------------------
 
     def ordered(self, keys: tuple[Hashable, ...]) -> tuple[Hashable, ...]:
         """keys checked (hashable; a backend's kinds) and in the one global order of turns."""
@@ -371,11 +366,8 @@ class Registry:
             self.leave(key, line, error, result)
 
     def leave(self, key: Hashable, line: Line, error: BaseException | None, result: Any) -> None:
-        """End the turn of line's holder, just popped from the lines. Under the guard.
-
-        Tell its watchers, then hand the key to the next waiter and put the
-        line back, or leave the key out if nobody waits.
-        """
+        """End the turn of line's holder, just popped from the lines: tell its watchers, then hand
+        the key on (the line put back) or leave it out if nobody waits. Under the guard."""
         if line.watchers is not None:
             watchers, line.watchers = line.watchers, None
             for watcher in watchers:

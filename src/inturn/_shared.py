@@ -94,7 +94,6 @@ class Shared:
         Asked for once this process's lines are taken: a turn waiting for one
         holds no connection, and one holding a connection waits for nothing
         of this process, so a pool of them cannot deadlock (see TurnSession).
-        A turn nested in another takes its keys on the enclosing turn's.
         ``own``: the session should have a connection of its own.
         """
         session = None if self.transaction else self._lender()
