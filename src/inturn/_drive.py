@@ -1,27 +1,25 @@
 """The two drivers of a turn's steps: a task awaits each wait, a thread blocks on it.
 
 A turn's steps (``_turn``) are generators that yield only the waits they
-need, each as ``(kind, argument)``; a driver performs the wait and sends its
-answer back, or throws in what interrupted it, until the steps end. What
-the steps raise goes to the driver's caller.
+need, each as ``(kind, argument)``; a driver performs the wait and resumes
+them (a wait's answer is None), or throws in what interrupted it, until
+the steps end. What the steps raise goes to the driver's caller.
 
 - ``LINE, key``: wait in key's line of this process for the holder (the
   registry); ``SLOT, None``: wait for a running slot (max_running). Both
   end holding the place, or raise (a TimeoutError naming the caller's
   limit, or what interrupted the wait), having left the line.
 - ``GRANT, (source, key, grants)``: the backend's turn on key, from the
-  backend or a turn's session: the driver appends the Grant to grants (a
-  list of the steps) as it gets it, before anything else can run: so an
-  interrupt at any later point finds it there, and the roll-back gives
-  it back. The answer is None.
+  backend or a turn's session: the driver appends the Grant to grants
+  (the steps' list) as it gets it, before anything else can run: so an
+  interrupt at any later point finds it there, and the roll-back releases it.
 - ``RELEASE, (source, grant)`` and ``CLOSE, (session, error)``: give a grant
   back, or end a turn's session; they complete even if the caller is
   cancelled again meanwhile (a task) or interrupted (a thread).
 - ``INTERRUPTED, error`` (from the thread's turn, not the steps): throw error
-  in. An exception that a signal handler raised in a thread between two
-  of its calls, outside the steps (as the driver sent them an answer, say),
-  leaves them suspended where they were; so the turn hands it to them
-  this way, and they roll back and raise it.
+  in. A signal handler's exception raised in a thread outside the steps
+  (as the driver resumed them, say) leaves them suspended; so the turn
+  hands it to them this way, and they roll back and raise it.
 """
 
 from __future__ import annotations
@@ -50,7 +48,6 @@ __all__ = (
     "LINE",
     "RELEASE",
     "SLOT",
-    "Place",
     "Steps",
     "drive",
     "drive_sync",

@@ -114,13 +114,11 @@ class Registry:
         keep = (thread_holder(), task)
         lines = self.lines
         for key, line in list(lines.items()):
-            if line in keep:
-                continue
             if type(line) is Line and line.holder in keep:
                 lines[key] = line.holder
             elif type(line) is Gate and any(holder in line.holders for holder in keep):
                 line.forked(keep)  # (a Gate is always in the lines while anyone holds it)
-            else:
+            elif line not in keep:  # (a bare holder of keep keeps its key)
                 del lines[key]
         if self.slots is not None:
             self.slots.forked(keep)
@@ -390,8 +388,6 @@ class Registry:
                     del self.lines[key]
                     continue
                 return
-
-    # -- submitted work, waiting as data -----------------------------------------------
 
     def start(self, key: Hashable, work: Deferred, task: object, handed: bool) -> None:
         """Make the task of submitted work the holder of key in the work's place.

@@ -41,8 +41,7 @@ else:  # pragma: no cover - depends on the interpreter
     from asyncio.tasks import _current_tasks  # type: ignore[attr-defined]
 
     #: Before 3.12: the task a loop is running a step of, if any, from
-    #: asyncio's own table. A caller that knows the loop running in its
-    #: thread (a registry's solo loop) finds its task without current_task().
+    #: asyncio's own table (see ThreadMode.current_task, which knows its loop).
     task_of_loop: Callable[[object], asyncio.Task[Any] | None] = _current_tasks.get
 
     # Before 3.12, asyncio.current_task() is Python, with argument handling

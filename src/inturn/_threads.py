@@ -247,7 +247,6 @@ class ThreadMode:
         task), and every later loop goes through the backend loop: a job's
         loop is too short-lived to pay for a session. (So a server's loop that
         follows one startup ``asyncio.run()`` is still served directly.)
-        Other backends serve every loop directly.
         """
         if not self._one_loop or self._direct is loop:
             return False

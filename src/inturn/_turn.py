@@ -383,8 +383,7 @@ class Turn:
         self._clock = None
         self._shared = None
         own = False
-        backend = registry.backend
-        if backend is not None:
+        if registry.backend is not None:
             shared = self._shared = Shared(self, registry, holder, self._transaction)
             if isinstance(holder, asyncio.Task):
                 via = registry.mode.via(loop_of(holder))
