@@ -64,12 +64,7 @@ class Batch:
 
     @overload
     async def submit(
-        self,
-        key: Hashable,
-        fn: Callable[P, Awaitable[R]],
-        /,
-        *args: P.args,
-        **kwargs: P.kwargs,
+        self, key: Hashable, fn: Callable[P, Awaitable[R]], /, *args: P.args, **kwargs: P.kwargs
     ) -> Handle[R]: ...
 
     @overload

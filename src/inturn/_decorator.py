@@ -59,9 +59,8 @@ _Start = Callable[[Any, tuple[Any, ...], dict[str, Any]], Coroutine[Any, Any, An
 class Runner(NamedTuple):
     """What the decorator uses of a queue: the queue builds it (see KeyedQueue.queue_by_key)."""
 
+    #: The queue; its ``run`` takes a call's turn on one key with its settings (the hot path).
     queue: KeyedQueue
-    #: ``queue.run``: a call's turn on one key with the queue's settings (the hot path).
-    run: Callable[..., Coroutine[Any, Any, Any]]
     #: ``(keys, fn, args, kwargs, timeout, max_hold)``: several keys, or settings of the call's own.
     run_keyed: Callable[..., Coroutine[Any, Any, Any]]
     #: ``(keys, fn, args, kwargs, timeout)``: the same for a thread, blocking it.
@@ -442,7 +441,7 @@ def _async_call(
             return run_keyed(key if several else (key,), target, args, kwargs, limit, hold)
 
     else:
-        run = runner.run
+        run = runner.queue.run
 
         def start(
             key: Any, args: tuple[Any, ...], kwargs: dict[str, Any]

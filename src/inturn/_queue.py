@@ -222,7 +222,7 @@ class KeyedQueue:
         self._slots = None if max_running is None else Slots(max_running, self._registry)
         self._registry.slots = self._slots
         # submit()'s work (its handles not finished yet), and the failed ones nobody awaited
-        self._submissions = Submissions(self._registry, self._slots, self._timeout, self._max_hold)
+        self._submissions = Submissions(self._registry, self._timeout, self._max_hold)
         self._unclaimed: list[Handle[Any]] = []
         _QUEUES.add(self)
 
@@ -596,7 +596,7 @@ class KeyedQueue:
         """
         from ._decorator import Runner, decorate, is_decoratable
 
-        runner = Runner(self, self.run, self._run_keyed, self._run_keyed_sync)
+        runner = Runner(self, self._run_keyed, self._run_keyed_sync)
         if is_decoratable(fn):
             if key is not None or keys is not None:
                 raise TypeError(

@@ -6,7 +6,7 @@ object is made on the uncontended path), to a Line (or a Gate, with
 ``concurrency`` above 1) otherwise. This module is the only writer of
 that map, except the facade's inlined uncontended ``run()``, which inserts
 and pops a bare holder on the mode's ``fast_loop`` exactly as
-``Registry.try_take`` and ``Registry.release`` would.
+``Registry.try_take`` and ``Registry.finish`` would.
 
 Every verb takes the lock of a shared mode itself (see ``_threads``), but
 those marked "under the guard", whose callers make several changes at once.
@@ -284,16 +284,6 @@ class Registry:
         """The error of key's turn not reached within limit (see _drive.Place)."""
         return missed(f"the turn for key {describe(key)}", limit)
 
-    def release(
-        self, key: Hashable, holder: object, error: BaseException | None, result: Any
-    ) -> None:
-        """End holder's turn on key: hand it to the next waiter, or the key leaves the lines."""
-        if self.mode.shared:
-            with self.mode.lock or self.mode.locked():
-                self._release(key, holder, error, result)
-        else:
-            self._release(key, holder, error, result)
-
     def release_all(
         self, keys: Sequence[Hashable], holder: object, error: BaseException | None, result: Any
     ) -> None:
@@ -420,14 +410,11 @@ class Registry:
         return now
 
     def missed(self, error: BaseException) -> None:
-        """Count a turn that was never reached (refused at once: see Tally.refused)."""
+        """Count a turn that was never reached (see Tally.missed)."""
         if isinstance(error, QueueClosed):
             return  # (not queued: not a turn)
         with self.mode.guard():
-            if isinstance(error, QueueFull):
-                self.tally.refused(error)
-            else:
-                self.tally.missed(error)
+            self.tally.missed(error)
 
     # -- looking at the lines ----------------------------------------------------------
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Protocol, final
 
+from ._errors import QueueFull
+
 __all__ = ("FUNCTION", "Observer", "QueueStats", "Tally", "function_label")
 
 #: The function whose turn is being taken, on an observed queue: set around
@@ -113,9 +115,14 @@ class Tally:
             _tell(self.observer, "ended", held, error, cut, FUNCTION.get())
 
     def missed(self, error: BaseException) -> None:
-        """Count a turn that was never reached: timed out, cancelled or failed while waiting."""
+        """Count a turn that was never reached: timed out, cancelled or failed while waiting.
+
+        Work refused at once (QueueFull) was never queued: the observer hears of it, uncounted.
+        """
         if isinstance(error, TimeoutError):
             self.timed_out += 1
+        elif isinstance(error, QueueFull):
+            pass
         elif isinstance(error, Exception):
             self.failed += 1
         else:
@@ -138,11 +145,6 @@ class Tally:
             wait_time=self.waited if timed else None,
             hold_time=self.held if timed else None,
         )
-
-    def refused(self, error: BaseException) -> None:
-        """Tell the observer of work refused at once (QueueFull): never queued, not counted."""
-        if self.observer is not None:
-            _tell(self.observer, "missed", error, FUNCTION.get())
 
 
 def _tell(observer: Observer, method: str, *args: object) -> None:

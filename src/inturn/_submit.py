@@ -66,17 +66,10 @@ R = TypeVar("R")
 class Submissions:
     """A queue's submitted work (one per queue): what submit() and its handles use of it."""
 
-    __slots__ = ("__weakref__", "handles", "max_hold", "registry", "slots", "timeout")
+    __slots__ = ("__weakref__", "handles", "max_hold", "registry", "timeout")
 
-    def __init__(
-        self,
-        registry: Registry,
-        slots: Slots | None,
-        timeout: float | None,
-        max_hold: float | None,
-    ) -> None:
+    def __init__(self, registry: Registry, timeout: float | None, max_hold: float | None) -> None:
         self.registry = registry
-        self.slots = slots
         self.timeout = timeout  # the queue's
         self.max_hold = max_hold  # the queue's
         self.handles: set[Handle[Any]] = set()  # submitted, not finished yet
@@ -277,11 +270,11 @@ class Handle(Deferred, Generic[R]):
         registry = self._queue.registry
         if self._counted:
             with registry.mode.guard():
-                _uncount(self, self._queue.slots)
+                _uncount(self, registry.slots)
         if self._stage == _PLACED:
             self._stage = _UNPLACED
             if self._line is None:  # it took the free key: give it back
-                registry.release(self.key, self, None, None)
+                registry.release_all((self.key,), self, None, None)
             else:  # (passes on the key if it was handed just now)
                 registry.abandon(self.key, self._line, self)
             registry.missed(error)
@@ -380,7 +373,7 @@ async def _run(handle: Handle[Any]) -> None:
         registry.start(handle.key, handle, task, handle._line is not None)
         handle._line = None
         if handle._counted:
-            _uncount(handle, queue.slots)
+            _uncount(handle, registry.slots)
     if registry.tally.observer is not None:  # (this task's context is its own)
         FUNCTION.set(function_label(handle._fn))
     turn = Turn(registry, (handle.key,), queue.timeout, queue.max_hold)
@@ -414,7 +407,7 @@ async def submit(
             f"inturn: the queue is closed; the work for key {describe(key)} was not queued"
         )
     loop = running_loop("submit()")
-    slots = queue.slots
+    slots = registry.slots
     me = None
     if slots is not None:
         me = _current_task()
