@@ -362,6 +362,40 @@ async def test_submissions_keep_their_order_under_eager_tasks() -> None:
         loop.set_task_factory(None)
 
 
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="eager tasks came with Python 3.12")
+async def test_a_handle_cancelled_in_its_works_eager_first_step_cancels_the_work() -> None:
+    loop = asyncio.get_running_loop()
+    loop.set_task_factory(asyncio.eager_task_factory)  # type: ignore[attr-defined,unused-ignore]
+    errors: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _, context: errors.append(context))
+    try:
+        queue = KeyedQueue()
+        handles: list[Handle[str]] = []
+        steps: list[str] = []
+
+        async def work() -> str:
+            steps.append("first step")
+            handles[0].cancel()  # its task runs this step inside the hand-off, eagerly
+            await asyncio.sleep(0)
+            steps.append("went on")
+            return "done"
+
+        async with queue.keyed("k"):
+            handles.append(await queue.submit("k", work))  # waits in line as data
+        # the release handed the key to the work: its first step ran just then
+        with pytest.raises(asyncio.CancelledError):
+            await handles[0]
+        await queue.drain()
+        gc.collect()
+        assert steps == ["first step"]
+        assert handles[0].cancelled()
+        assert queue.active_count == 0
+        assert errors == []
+    finally:
+        loop.set_task_factory(None)
+        loop.set_exception_handler(None)
+
+
 async def test_a_finished_handle_lets_its_arguments_go() -> None:
     queue = KeyedQueue()
 

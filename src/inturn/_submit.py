@@ -366,9 +366,10 @@ async def _run(handle: Handle[Any]) -> None:
     handle._stage = _STARTED
     queue = handle._queue
     registry = queue.registry
-    # (made by a plain loop, the task is known already; an eager one runs this step first)
-    task = handle._task or _current_task()
-    assert task is not None
+    task = handle._task
+    if task is None:  # an eager task runs this step inside create_task: known so, to cancel()
+        task = handle._task = _current_task()
+        assert task is not None
     with registry.mode.guard():
         registry.start(handle.key, handle, task, handle._line is not None)
         handle._line = None
