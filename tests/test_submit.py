@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from inturn import KeyedQueue, QueueFull
+from inturn import Handle, KeyedQueue, QueueFull
 from inturn.backends.file import FileBackend
 
 from helpers import PATIENCE, Recorder, checkpoints, settle, wait_until
