@@ -269,3 +269,55 @@ def test_importing_inturn_imports_no_client_library() -> None:
     code = "import sys, inturn.otel; print('opentelemetry' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True"  # (the check above can fail)
+
+
+def test_a_queue_instrumented_while_the_gauges_are_read_breaks_no_reading(reader: Any) -> None:
+    """The exporter's thread reads the gauges while instrument() runs in another thread.
+
+    The reading is stopped midway through the instrumented queues (a trace
+    function, at the second resume of the weak mapping's iteration) while
+    another thread instruments one queue more; the reading then goes on.
+    """
+    memory, provider = reader
+    queues = [KeyedQueue(name=f"read-{i}") for i in range(3)]
+    instrument(*queues, meter_provider=provider)
+    midway, go = threading.Event(), threading.Event()
+    resumes = []
+
+    def pause(frame: Any, event: str, arg: Any) -> Any:
+        code = frame.f_code
+        if event == "call" and code.co_name == "items" and code.co_filename.endswith("weakref.py"):
+            resumes.append(frame)
+            if len(resumes) == 2:  # iterating: one queue read, the others not yet
+                midway.set()
+                go.wait(10)
+        return None
+
+    found: list[dict[str, list[tuple[dict[str, Any], Any]]]] = []
+
+    def read() -> None:
+        sys.settrace(pause)
+        try:
+            found.append(points(memory))
+        finally:
+            sys.settrace(None)
+
+    reading = threading.Thread(target=read)
+    reading.start()
+    try:
+        assert midway.wait(10), "the reading never iterated over the queues"
+        late = KeyedQueue(name="late")
+        adding = threading.Thread(
+            target=instrument, args=(late,), kwargs={"meter_provider": provider}
+        )
+        adding.start()
+        adding.join(0.5)  # (time for it to change the mapping, if nothing stops it)
+    finally:
+        go.set()
+        reading.join(10)
+    adding.join(10)
+    assert not reading.is_alive()
+    assert not adding.is_alive()
+    for queue in queues:
+        assert value(found[0], "inturn.queue.waiting", **_k({QUEUE: queue.name})) == 0
+    assert value(points(memory), "inturn.queue.running", **_k({QUEUE: "late"})) == 0

@@ -131,13 +131,18 @@ class _Instruments:
             description="Work running now",
         )
 
+    def _instrumented(self) -> list[tuple[KeyedQueue, Attributes]]:
+        """The queues and their attributes now (read in the exporter's thread: see _QUEUES)."""
+        with _QUEUES:
+            return list(self.queues.items())
+
     def _waiting(self, options: CallbackOptions) -> Iterable[Observation]:
-        for queue, attributes in list(self.queues.items()):
+        for queue, attributes in self._instrumented():
             stats = queue.stats()
             yield Observation(sum(stats.waiting.values()) + stats.waiting_for_slot, attributes)
 
     def _running(self, options: CallbackOptions) -> Iterable[Observation]:
-        for queue, attributes in list(self.queues.items()):
+        for queue, attributes in self._instrumented():
             yield Observation(queue.stats().running, attributes)
 
 
@@ -190,9 +195,13 @@ class _Metrics:
             instruments.errors.add(1, attributes)
 
 
-_LOCK = threading.Lock()
-#: Each meter provider's instruments (None: the global provider's), made once.
+#: Each meter provider's instruments (None: the global provider's), made once, under _LOCK.
 _INSTRUMENTS: dict[MeterProvider | None, _Instruments] = {}
+_LOCK = threading.Lock()
+#: Held to change or read which queues an _Instruments has (after _LOCK, if both), and
+#: never while calling OpenTelemetry: its collection calls the gauges' callbacks,
+#: which take it, while holding a lock that making instruments takes too.
+_QUEUES = threading.Lock()
 
 
 def instrument(*queues: KeyedQueue, meter_provider: MeterProvider | None = None) -> None:
@@ -217,11 +226,11 @@ def instrument(*queues: KeyedQueue, meter_provider: MeterProvider | None = None)
         if instruments is None:
             instruments = _INSTRUMENTS[meter_provider] = _Instruments(meter_provider)
     for queue in chosen:
-        with _LOCK:
+        base = {"inturn.queue.name": queue.name or "unnamed"}
+        with _LOCK, _QUEUES:
             for other in _INSTRUMENTS.values():
                 other.queues.pop(queue, None)
-        base = {"inturn.queue.name": queue.name or "unnamed"}
-        instruments.queues[queue] = base
+            instruments.queues[queue] = base
         queue.observe(_Metrics(instruments, base))
 
 
@@ -229,6 +238,6 @@ def uninstrument(*queues: KeyedQueue) -> None:
     """Stop recording the turns of ``queues`` (none given: the default queue)."""
     for queue in queues or (default_queue,):
         queue.observe(None)
-        with _LOCK:
+        with _LOCK, _QUEUES:
             for instruments in _INSTRUMENTS.values():
                 instruments.queues.pop(queue, None)
