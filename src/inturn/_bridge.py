@@ -28,7 +28,7 @@ import os
 import threading
 from collections.abc import Hashable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, cast, final
+from typing import TYPE_CHECKING, Any, TypeVar, cast, final
 
 from ._describe import describe
 from ._tasks import retrieve
@@ -50,6 +50,9 @@ logger = logging.getLogger("inturn.bridge")
 #: to a call the backend bounds itself: only a backend that broke its contract
 #: (or a backend loop frozen by a callback) needs it.
 _GRACE = 5.0
+
+#: What a thread or a task waits on for an end on the backend loop (see _end_there).
+_O = TypeVar("_O", "Future[None]", "_Answer")
 
 
 @final
@@ -267,27 +270,26 @@ async def acquire_via(
 
 def release_via(backend: Backend, source: Source, grant: Grant) -> asyncio.Future[None]:
     """source.release(grant) on the backend's loop, for acquire_via's grant; it goes on alone."""
-    return asyncio.wrap_future(_end_there(backend, lambda: source.release(grant)))
+    return asyncio.wrap_future(_end_there(backend, lambda: source.release(grant), Future()))
 
 
 def close_via(
     backend: Backend, session: TurnSession, error: BaseException | None
 ) -> asyncio.Future[None]:
     """session.close(error) on the backend's loop, for acquire_via's session; it goes on alone."""
-    return asyncio.wrap_future(_end_there(backend, lambda: session.close(error)))
+    return asyncio.wrap_future(_end_there(backend, lambda: session.close(error), Future()))
 
 
-def _end_there(backend: Backend, end: Callable[[], Awaitable[None]]) -> Future[None]:
-    """Start end() on the backend's loop; the future of its outcome, for a task."""
-    outcome: Future[None] = Future()
+def _end_there(backend: Backend, end: Callable[[], Awaitable[None]], outcome: _O) -> _O:
+    """Start end() on the backend's loop; outcome (a task's Future, a thread's _Answer)
+    is settled once it is done."""
     _loop_for(backend).call_soon_threadsafe(_end_into, end, outcome)
     return outcome
 
 
 def _end_for_thread(backend: Backend, end: Callable[[], Awaitable[None]]) -> None:
     """Run end() on the backend's loop; return once it is done (its error raised)."""
-    answer = _Answer()
-    _loop_for(backend).call_soon_threadsafe(_end_into, end, answer)
+    answer = _end_there(backend, end, _Answer())
     answer.wait(None)  # (the end completes by itself: see release_sync)
     answer.result()
 
