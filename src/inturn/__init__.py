@@ -24,6 +24,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from ._batch import Batch as Batch
+from ._checks import UNSET as UNSET
 from ._decorator import QueuedFunction as QueuedFunction
 from ._decorator import SyncQueuedFunction as SyncQueuedFunction
 from ._errors import BackendUnavailable as BackendUnavailable
@@ -32,7 +33,6 @@ from ._errors import InturnError as InturnError
 from ._errors import LeaseLost as LeaseLost
 from ._errors import QueueClosed as QueueClosed
 from ._errors import QueueFull as QueueFull
-from ._queue import UNSET as UNSET
 from ._queue import KeyedQueue as KeyedQueue
 from ._stats import Observer as Observer
 from ._stats import QueueStats as QueueStats

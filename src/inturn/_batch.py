@@ -19,8 +19,6 @@ if TYPE_CHECKING:
 
     P = ParamSpec("P")
 
-__all__ = ("Batch",)
-
 R = TypeVar("R")
 
 

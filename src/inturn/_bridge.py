@@ -40,8 +40,6 @@ if TYPE_CHECKING:
 
     Source = Backend | TurnSession
 
-__all__ = ("acquire_sync", "acquire_via", "close_sync", "close_via", "release_sync", "release_via")
-
 #: Its own logger, under the core's "inturn": what it logs is rare (a thread per
 #: process started; a grant whose caller gave up), and at DEBUG only.
 logger = logging.getLogger("inturn.bridge")

@@ -10,20 +10,6 @@ from ._describe import describe
 from .backends._base import Backend
 from .backends._local import LocalBackend
 
-__all__ = (
-    "UNSET",
-    "Deadline",
-    "Unset",
-    "check_backend",
-    "check_count",
-    "check_hold",
-    "check_name",
-    "check_seconds",
-    "check_timeout",
-    "check_transaction",
-    "missed",
-)
-
 
 @final
 class Unset:

@@ -37,15 +37,6 @@ from ._tasks import in_loop_of, outside_asyncio
 if TYPE_CHECKING:
     from ._queue import KeyedQueue
 
-__all__ = (
-    "Decorator",
-    "QueuedFunction",
-    "Runner",
-    "SyncQueuedFunction",
-    "decorate",
-    "is_decoratable",
-)
-
 P = ParamSpec("P")
 P2 = ParamSpec("P2")
 R = TypeVar("R")

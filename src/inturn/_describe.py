@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Final
 
-__all__ = ("DECIMAL_BITS", "SHOWN", "describe", "function_name")
-
 #: An int of at most this many bits is named in decimal: 603 digits at most,
 #: under any limit ``sys.set_int_max_str_digits()`` can set (640 at least),
 #: so every process names it alike. A larger one is named in hexadecimal,

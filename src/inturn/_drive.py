@@ -42,23 +42,6 @@ if TYPE_CHECKING:
     from ._registry import Registry
     from .backends._base import Backend
 
-__all__ = (
-    "CLOSE",
-    "GRANT",
-    "LINE",
-    "RELEASE",
-    "SLOT",
-    "Steps",
-    "drive",
-    "drive_sync",
-    "give_up",
-    "line_up",
-    "seated",
-    "unwind_sync",
-    "wait_alone",
-    "wait_alone_sync",
-)
-
 LINE: Final = 0
 SLOT: Final = 1
 GRANT: Final = 2

@@ -2,15 +2,6 @@
 
 from __future__ import annotations
 
-__all__ = (
-    "BackendUnavailable",
-    "HoldTimeout",
-    "InturnError",
-    "LeaseLost",
-    "QueueClosed",
-    "QueueFull",
-)
-
 
 class InturnError(Exception):
     """Base class of every error specific to inturn."""

@@ -43,8 +43,6 @@ from typing import Any, Final, final
 from ._describe import describe
 from ._errors import HoldTimeout
 
-__all__ = ("Clock", "start_clock")
-
 #: Whether a task counts its cancellation requests (Task.cancelling(), uncancel()).
 _COUNTS: Final = sys.version_info >= (3, 11)
 #: asyncio's own loops tell time by time.monotonic(), called directly then (no frame).

@@ -15,8 +15,6 @@ from typing import Any, Final, NoReturn, TypeAlias, final
 
 from ._describe import describe, function_name
 
-__all__ = ("KeyFunction", "KeySpec", "KeysSpec", "compile_key")
-
 #: What ``key=`` accepts: ``None`` (the function's qualified name), a constant
 #: or template ``str``, another hashable constant, or a callable given the
 #: call's arguments by parameter name.

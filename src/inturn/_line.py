@@ -18,21 +18,6 @@ from typing import Any, Final, final
 
 from ._tasks import in_loop_of as _soon
 
-__all__ = (
-    "HELD",
-    "Deferred",
-    "Drain",
-    "Gate",
-    "Line",
-    "Places",
-    "ThreadWaiter",
-    "Waiter",
-    "hand",
-    "held_by",
-    "resolve",
-    "wake",
-)
-
 
 @final
 class Held:

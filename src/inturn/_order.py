@@ -15,8 +15,6 @@ from typing import Final, final
 
 from ._describe import DECIMAL_BITS, describe
 
-__all__ = ("order_keys", "order_portable", "portable_key", "portable_name", "unhashable")
-
 
 def unhashable(key: object) -> TypeError:
     """Build the error for a key that cannot name a line."""

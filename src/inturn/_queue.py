@@ -45,8 +45,6 @@ if TYPE_CHECKING:
 
     P = ParamSpec("P")
 
-__all__ = ("UNSET", "KeyedQueue")
-
 R = TypeVar("R")
 
 

@@ -35,8 +35,6 @@ if TYPE_CHECKING:
     from ._slots import Slots
     from .backends._base import Backend
 
-__all__ = ("Registry",)
-
 
 def _outcome(future: asyncio.Future[Any], error: BaseException | None, result: Any) -> None:
     """Give a current() future the holder's outcome, unless its awaiter left."""

@@ -22,8 +22,6 @@ from ._errors import LeaseLost
 if TYPE_CHECKING:
     from .backends._base import Backend, Grant, SessionBackend, TurnSession
 
-__all__ = ("CURRENT", "Shared")
-
 #: The core's logger: a turn whose lease was lost (WARNING). Nothing on a turn
 #: that goes well.
 logger = logging.getLogger("inturn")

@@ -22,8 +22,6 @@ from ._tasks import in_loop_of as _soon
 if TYPE_CHECKING:
     from ._registry import Registry
 
-__all__ = ("Slots",)
-
 
 @final
 class Slots(Places):

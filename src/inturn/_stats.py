@@ -11,8 +11,6 @@ from typing import Protocol, final
 
 from ._errors import QueueFull
 
-__all__ = ("FUNCTION", "Observer", "QueueStats", "Tally", "function_label")
-
 #: The function whose turn is being taken, on an observed queue: set around
 #: the turn by run(), run_sync(), a decorated function and submitted work, so
 #: that an observer can label what it reports (never with the key).

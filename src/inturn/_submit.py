@@ -57,8 +57,6 @@ if TYPE_CHECKING:
     from ._registry import Registry
     from ._slots import Slots
 
-__all__ = ("Handle", "Submissions", "failures", "submit", "unawaited")
-
 R = TypeVar("R")
 
 

@@ -14,20 +14,6 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = (
-    "abandon_task",
-    "abandon_transport",
-    "call_soon_in",
-    "current_task",
-    "in_loop_of",
-    "loop_here",
-    "loop_of",
-    "makes_plain_tasks",
-    "outside_asyncio",
-    "retrieve_when_closed",
-    "running_loop",
-)
-
 #: The event loop running in this thread, or None (no error, no getpid(): in C).
 loop_here: Callable[[], asyncio.AbstractEventLoop | None] = asyncio._get_running_loop
 

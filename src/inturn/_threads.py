@@ -30,8 +30,6 @@ from ._tasks import current_task as _current_task
 if sys.version_info < (3, 12):  # pragma: no cover - depends on the interpreter
     from ._tasks import task_of_loop
 
-__all__ = ("ThreadHolder", "ThreadMode", "thread_holder")
-
 #: What a solo mode's changes of the lines hold instead of the lock.
 UNLOCKED: Final = nullcontext()
 

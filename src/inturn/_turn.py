@@ -49,8 +49,6 @@ from ._threads import thread_holder
 if TYPE_CHECKING:
     from ._registry import Registry
 
-__all__ = ("Turn", "call_in_turn", "call_in_turn_sync", "current_turn")
-
 #: Steps begun, and the first wait they need.
 _Begun = tuple[Steps, tuple[int, Any]]
 

@@ -14,16 +14,6 @@ from collections.abc import Awaitable, Hashable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-__all__ = (
-    "Backend",
-    "BlockingBackend",
-    "BlockingTurnSession",
-    "Capabilities",
-    "Grant",
-    "SessionBackend",
-    "TurnSession",
-)
-
 
 @dataclass(frozen=True)
 class Capabilities:

@@ -24,8 +24,6 @@ import weakref
 from pathlib import Path
 from typing import final
 
-__all__ = ("Directory",)
-
 #: Write permission for the group or for others.
 _OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
 #: Any permission for the group or for others.

@@ -17,8 +17,6 @@ from .._order import portable_key
 from ._directory import Directory
 from ._linefile import pid_of
 
-__all__ = ("died", "died_joining", "gone", "key_of")
-
 logger = logging.getLogger("inturn.file")
 
 

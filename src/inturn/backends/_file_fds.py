@@ -14,8 +14,6 @@ import threading
 from ._directory import Directory
 from ._linefile import line_name
 
-__all__ = ("OPEN_TIDY", "close_tracked", "forks", "line_in_place_of", "open_tracked")
-
 #: How a line file is opened again (to tidy it, or to check it): never made, never a link.
 OPEN_TIDY = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 

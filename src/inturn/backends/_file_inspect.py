@@ -17,8 +17,6 @@ from ._linefile import Records, line_name, parse, pid_of, pipe_name, read_record
 from ._lines import HolderInfo, LineInfo, WaiterInfo
 from ._tickets import peek
 
-__all__ = ("pids_in_line", "snapshots")
-
 #: How a line file is read by whoever is not in its line: never through a link.
 _OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 

@@ -18,8 +18,6 @@ from pathlib import Path
 from .._describe import describe
 from .._errors import BackendUnavailable
 
-__all__ = ("out_of_files",)
-
 #: What open() says when no descriptor is left, and why, and the fix.
 _WHY = {
     errno.EMFILE: (

@@ -49,8 +49,6 @@ from ._tickets import (
     until_left_blocking,
 )
 
-__all__ = ("Home", "Place", "deleted", "drive", "drive_blocking", "leave", "taking")
-
 if sys.platform != "win32":  # (the file backend refuses other platforms at construction)
     import fcntl
 

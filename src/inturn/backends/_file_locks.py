@@ -19,8 +19,6 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 
-__all__ = ("LOCK_PAUSES", "flock_now", "flock_soon", "lock", "lock_blocking")
-
 if sys.platform != "win32":  # (the file backend refuses other platforms at construction)
     import fcntl
 

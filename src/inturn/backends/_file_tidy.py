@@ -41,8 +41,6 @@ from ._linefile import (
 )
 from ._tickets import alive
 
-__all__ = ("retry", "retry_blocking", "tidy_again", "unlink", "unlinked", "withdraw")
-
 if sys.platform != "win32":  # (the file backend refuses other platforms at construction)
     import fcntl
 

@@ -29,22 +29,6 @@ import re
 import secrets
 from dataclasses import dataclass, field
 
-__all__ = (
-    "Records",
-    "joined",
-    "joining",
-    "line_name",
-    "new_ticket",
-    "parse",
-    "pid_of",
-    "pipe_name",
-    "queued_in",
-    "read_records",
-    "record_of",
-    "render",
-    "ticket_of",
-)
-
 _LINE = ".line"
 _PIPE = ".t"
 _TICKET = "T"

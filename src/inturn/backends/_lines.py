@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ("HolderInfo", "LineInfo", "WaiterInfo")
-
 
 @dataclass(frozen=True)
 class HolderInfo:

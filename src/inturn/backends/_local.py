@@ -7,8 +7,6 @@ from typing import final
 
 from .._order import order_keys
 
-__all__ = ("LocalBackend",)
-
 
 @final
 class LocalBackend:

@@ -49,8 +49,6 @@ from ._pg_places import Lease, LoopPlace, ThreadPlace, Watch, alive, guard
 from ._pg_ready import Readiness
 from ._pg_steps import CONNECT, SLOT, Limits, Op, now, said
 
-__all__ = ("Connections",)
-
 #: Connections a forked child inherited: its parent's, never to be used nor closed
 #: (closing one would end the parent's session), so they are kept from the collector.
 _INHERITED: list[object] = []

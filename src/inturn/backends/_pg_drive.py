@@ -25,8 +25,6 @@ from ._pg_wire import Reply, answer_sync, ask, discard, send, settle
 if TYPE_CHECKING:
     from ._pg_connections import Connections
 
-__all__ = ("Run", "drive_sync")
-
 
 @final
 class Run:

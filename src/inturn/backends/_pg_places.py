@@ -22,19 +22,6 @@ import psycopg
 from .._tasks import retrieve
 from . import _pg_wire
 
-__all__ = (
-    "Due",
-    "Lease",
-    "LoopPlace",
-    "Slots",
-    "ThreadPlace",
-    "Watch",
-    "alive",
-    "guard",
-    "reusable",
-    "stale",
-)
-
 _OK: Final = psycopg.pq.ConnStatus.OK
 _IDLE: Final = psycopg.pq.TransactionStatus.IDLE
 

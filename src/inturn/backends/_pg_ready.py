@@ -24,8 +24,6 @@ from .._errors import BackendUnavailable
 from . import _pg_sql, _pg_wire
 from ._pg_steps import ASK, AUTOCOMMIT, CLOSE, Limits, Op, lost, now, said
 
-__all__ = ("Readiness", "Ready", "logger")
-
 #: The backend's logger, under the core's "inturn".
 logger = logging.getLogger("inturn.postgres")
 

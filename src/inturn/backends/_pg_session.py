@@ -50,8 +50,6 @@ if TYPE_CHECKING:
     from ._pg_connections import Connections
     from ._pg_wire import Outcome, Rows
 
-__all__ = ("PgSession", "PostgresGrant")
-
 _OK: Final = psycopg.pq.ConnStatus.OK
 
 #: What a pooler in transaction mode does to a session, said once.

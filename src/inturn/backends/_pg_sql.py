@@ -24,26 +24,6 @@ from typing import Final
 
 from ._pg_keys import lock_parts
 
-__all__ = (
-    "FIND_SEQUENCE",
-    "MAKE_SEQUENCE",
-    "PREPARED",
-    "PROBE",
-    "SEQUENCE",
-    "TRY",
-    "TRY_AFTER",
-    "UNDO",
-    "UNLOCK",
-    "UNLOCK_SQL",
-    "WAIT",
-    "WAIT_AFTER",
-    "prepare",
-    "resetting",
-    "undoing",
-    "unlocking",
-    "waiting",
-)
-
 #: The sequence that fencing tokens are drawn from (in the search_path's first schema).
 SEQUENCE: Final = "inturn_token"
 

@@ -49,30 +49,6 @@ from .._errors import BackendUnavailable
 from . import _pg_sql
 from ._pg_wire import Outcome, Rows
 
-__all__ = (
-    "ANSWER",
-    "ASK",
-    "AUTOCOMMIT",
-    "CANCEL",
-    "CLOSE",
-    "CONNECT",
-    "PROBE",
-    "SLOT",
-    "UNSURE",
-    "Ended",
-    "Limits",
-    "Op",
-    "Steps",
-    "checking",
-    "ending",
-    "ending_transaction",
-    "first_check",
-    "giving_back",
-    "lost",
-    "said",
-    "waiting",
-)
-
 ASK: Final = 0
 ANSWER: Final = 1
 CANCEL: Final = 2

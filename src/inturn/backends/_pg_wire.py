@@ -30,20 +30,6 @@ from typing import Any, Final
 import psycopg
 from psycopg import errors, pq
 
-__all__ = (
-    "Outcome",
-    "Reply",
-    "Rows",
-    "answer",
-    "answer_sync",
-    "ask",
-    "collect",
-    "discard",
-    "readable",
-    "send",
-    "settle",
-)
-
 #: A statement's rows, in text format: each a tuple of its values (None for NULL).
 Rows = list[tuple[bytes | None, ...]]
 

@@ -21,8 +21,6 @@ from ._redis_link import Call, Link
 from ._redis_scripts import ENQUEUE, HELLO, LEAVE, LOOK, RENEW, SCRIPTS, Script
 from ._resp import bulk
 
-__all__ = ("Calls", "Config")
-
 
 @dataclass(frozen=True)
 class Config:

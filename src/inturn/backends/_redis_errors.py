@@ -20,8 +20,6 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .._errors import BackendUnavailable
 
-__all__ = ("UNREACHABLE", "demoted", "describe", "unavailable")
-
 #: Errors that mean the server could not be reached (as opposed to a refusal). NOTE: the
 #: builtin TimeoutError (a missed deadline) is an OSError: catch it before these.
 UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)

@@ -20,8 +20,6 @@ from .._tasks import abandon_task
 from ._redis_wire import Carrier, connect, fail
 from ._resp import command
 
-__all__ = ("Inbox",)
-
 logger = logging.getLogger("inturn.redis")
 
 

@@ -23,8 +23,6 @@ from .._tasks import retrieve
 from ._redis_errors import describe
 from ._redis_link import Call
 
-__all__ = ("Leases", "Member")
-
 #: What this backend logs: only what is rare (connections lost and back, leases that
 #: could not be renewed or were lost), never a turn that went as it should.
 logger = logging.getLogger("inturn.redis")

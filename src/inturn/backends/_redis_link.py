@@ -24,8 +24,6 @@ from ._redis_scripts import HELLO, SCRIPTS, Script
 from ._redis_wire import Carrier, connect, fail
 from ._resp import Push, bulk, command
 
-__all__ = ("Call", "Link")
-
 logger = logging.getLogger("inturn.redis")
 
 

@@ -36,8 +36,6 @@ from ._redis_inbox import Inbox
 from ._redis_lease import Leases, Member
 from ._redis_link import Call
 
-__all__ = ("LoopShare", "RedisGrant", "owner")
-
 #: What this backend logs: only what is rare (here: a release Redis did not take), never a
 #: turn that went as it should.
 logger = logging.getLogger("inturn.redis")

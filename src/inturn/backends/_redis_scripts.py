@@ -10,8 +10,6 @@ from __future__ import annotations
 import hashlib
 from typing import Final
 
-__all__ = ("ENQUEUE", "HELLO", "LEAVE", "LOOK", "RENEW", "SCRIPTS", "Script")
-
 # KEYS: line, q, lease, info. Shared by every script: the clock, dropping
 # expired members, granting a free key to the head, and deleting or
 # refreshing the line's keys.

@@ -24,8 +24,6 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from .._tasks import retrieve_when_closed
 
-__all__ = ("ENABLED", "forget", "retrieve_close", "transport_of", "writer_transport")
-
 #: Whether to take connections over at all (else: always redis-py's public API).
 ENABLED = os.environ.get("INTURN_REDIS_WIRE", "fast") != "public"
 

@@ -37,8 +37,6 @@ from .._tasks import abandon_task, abandon_transport
 from . import _redis_takeover as takeover
 from ._resp import Incomplete, parse
 
-__all__ = ("Carrier", "Frames", "Listener", "connect", "fail")
-
 logger = logging.getLogger("inturn.redis")
 
 

@@ -12,8 +12,6 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-__all__ = ("Incomplete", "Push", "bulk", "command", "parse")
-
 
 class Incomplete(Exception):
     """More bytes are needed before the next frame is whole."""

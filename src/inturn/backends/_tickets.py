@@ -29,17 +29,6 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = (
-    "LEAVING",
-    "alive",
-    "hand_off",
-    "handed",
-    "peek",
-    "probe",
-    "until_left",
-    "until_left_blocking",
-)
-
 if sys.platform != "win32":  # (the file backend refuses other platforms at construction)
     import fcntl
     import termios
