@@ -91,7 +91,8 @@ class Contender:
     name: ClassVar[str] = ""
     is_async: ClassVar[bool] = False
     #: The kinds of scenario it runs in: "file" (one host), "redis", "postgres",
-    #: "sync-file", "sync-redis", "sync-postgres", or "any" (every kind).
+    #: "sync-file", "sync-redis", "sync-postgres", "rtt" (bench/rtt.py's only), or
+    #: "any" (every kind).
     kinds: ClassVar[tuple[str, ...]] = ("file",)
 
     def available(self) -> str | None:
@@ -340,6 +341,29 @@ class RedisPyLockLease(RedisPyLock):
         return self.client.lock(key, timeout=LEASE, blocking_timeout=WAIT)
 
 
+class RedisPyAsyncLock(AsyncContender):
+    """redis-py's asyncio lock as production code takes it: ``async with r.lock(name,
+    timeout=..., blocking_timeout=...):`` on a ``redis.asyncio.Redis``. Measured by
+    bench/rtt.py alone (uncontended), so it is of no scenario of bench/multiproc.py."""
+
+    name = "redis-py-async-lock"
+    kinds = ("rtt",)
+
+    def available(self) -> str | None:
+        return _missing("redis")
+
+    async def setup(self, run: Run) -> None:
+        import redis.asyncio
+
+        self.client = redis.asyncio.Redis.from_url(run.needs_redis())
+
+    def hold(self, key: str) -> AbstractAsyncContextManager[Any]:
+        return self.client.lock(key, timeout=LEASE, blocking_timeout=WAIT)
+
+    async def teardown(self) -> None:
+        await self.client.aclose()
+
+
 class PythonRedisLock(_RedisClient):
     """PyPI ``python-redis-lock``: ``with redis_lock.Lock(conn, name):``; waiters BLPOP."""
 
@@ -524,6 +548,7 @@ CONTENDERS: dict[str, type[Contender]] = {
         InturnRedisSync,
         RedisPyLock,
         RedisPyLockLease,
+        RedisPyAsyncLock,
         PythonRedisLock,
         Pottery,
         InturnPostgres,

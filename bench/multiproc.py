@@ -65,7 +65,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -268,9 +268,19 @@ class Settings:
 Log = Callable[[str], None]
 
 
-def _spawn(config: dict[str, Any]) -> subprocess.Popen[str]:
+def worker_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A worker's environment: this one's, extra, and the bench package and PYTHONPATH's
+    entries on its path (made absolute: workers run in ROOT, not in this directory)."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), env.get("PYTHONPATH"))))
+    env.update(extra or {})
+    paths = [os.path.abspath(path) for path in env.get("PYTHONPATH", "").split(os.pathsep) if path]
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *paths])
+    return env
+
+
+def _spawn(config: dict[str, Any], env: Mapping[str, str] | None = None) -> subprocess.Popen[str]:
+    """A worker process; env: variables to set in its environment (besides this one's)."""
+    env = worker_env(env)
     return subprocess.Popen(
         [sys.executable, "-m", "bench.mp_worker", json.dumps(config)],
         stdin=subprocess.PIPE,
@@ -323,10 +333,12 @@ def run_once(
     redis_url: str | None = None,
     versions: dict[str, tuple[Path, str]] | None = None,
     postgres_url: str | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> dict[str, float]:
     """Start the workers of one run, release them together, and measure their records.
 
-    versions: by git revision, where its inturn was unpacked and the package's name.
+    versions: by git revision, where its inturn was unpacked and the package's name;
+    env: variables to set in the workers' environment (``INTURN_REDIS_WIRE``, say).
     """
     with tempfile.TemporaryDirectory(prefix="inturn-bench-") as directory:
         workdir = Path(directory)
@@ -346,7 +358,7 @@ def run_once(
             assert versions is not None
             path, package = versions[ref]
             config.update(package=package, package_path=str(path))
-        workers = [_spawn(config) for _ in range(scenario.processes(settings))]
+        workers = [_spawn(config, env) for _ in range(scenario.processes(settings))]
         try:
             for worker in workers:
                 said = _line(worker.stdout, "ready")
