@@ -75,13 +75,11 @@ class QueuedFunction(Protocol[P, R_co]):
     @property
     def queue(self) -> KeyedQueue:
         """The queue the calls wait in."""
-        ...
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Coroutine[Any, Any, R_co]: ...
 
     def key_of(self, *args: P.args, **kwargs: P.kwargs) -> Any:
         """The key (a tuple of keys for ``keys=``) a call with these arguments would use."""
-        ...
 
     @overload
     def __get__(
@@ -109,13 +107,11 @@ class SyncQueuedFunction(Protocol[P, R_co]):
     @property
     def queue(self) -> KeyedQueue:
         """The queue the calls wait in."""
-        ...
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R_co: ...
 
     def key_of(self, *args: P.args, **kwargs: P.kwargs) -> Any:
         """The key (a tuple of keys for ``keys=``) a call with these arguments would use."""
-        ...
 
     @overload
     def __get__(
