@@ -595,14 +595,12 @@ class KeyedQueue:
         from ._decorator import Runner, decorate, is_decoratable
 
         runner = Runner(self, self._run_keyed, self._run_keyed_sync)
-        if is_decoratable(fn):
-            if key is not None or keys is not None:
-                raise TypeError(
-                    "inturn: queue_by_key() takes the function to decorate, or key=/keys=, "
-                    f"not both; got {describe(fn)} by position"
-                )
-            return decorate(runner, fn, None, None, timeout, coalesce, max_hold)
-        return decorate(runner, None, key, keys, timeout, coalesce, max_hold)
+        if is_decoratable(fn) and (key is not None or keys is not None):
+            raise TypeError(
+                "inturn: queue_by_key() takes the function to decorate, or key=/keys=, "
+                f"not both; got {describe(fn)} by position"
+            )
+        return decorate(runner, fn, key, keys, timeout, coalesce, max_hold)
 
     # -- looking at the lines -----------------------------------------------------
 
