@@ -38,7 +38,6 @@ from collections.abc import AsyncGenerator, Callable, Generator, Hashable
 from time import monotonic as _monotonic
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, final
 
-from ._checks import missed
 from ._describe import describe
 from ._errors import QueueClosed, QueueFull
 from ._line import Deferred, Gate, held_by
@@ -288,7 +287,7 @@ class Handle(Deferred, Generic[R]):
         with queue.registry.mode.guard():
             if held_by(queue.registry.lines.get(self.key), self):
                 return  # handed the key just now: its task takes the rest of the time
-            future.set_exception(missed(f"the turn for key {describe(self.key)}", timeout))
+            future.set_exception(queue.registry.too_late(self.key, timeout))
         self._leave_line(future.exception())  # type: ignore[arg-type]  # (read: retrieved)
 
     def handed(self, shared: bool) -> bool:
