@@ -25,15 +25,13 @@ from ._checks import Unset as _Unset
 from ._describe import describe
 from ._drive import give_up, line_up, seated
 from ._keyspec import KeySpec, KeysSpec
-from ._line import held_by
-from ._line import resolve as _resolve
+from ._line import held_by, wake
 from ._order import unhashable
 from ._registry import Registry
 from ._slots import Slots
 from ._stats import FUNCTION, Observer, QueueStats, function_label
 from ._submit import Handle, Submissions, failures, submit, unawaited
 from ._tasks import current_task, loop_here, loop_of, outside_asyncio, running_loop
-from ._tasks import in_loop_of as _soon
 from ._turn import Turn, call_in_turn, call_in_turn_sync
 from .backends._base import Backend
 from .backends._local import LocalBackend
@@ -732,7 +730,7 @@ class KeyedQueue:
         submitted = self._submissions.of_loop(loop)
         # the last mark may be reached in another thread, once the queue is shared
         with self._registry.mode.guard_for(loop):
-            marked = self._registry.mark(lambda: _soon(future, _resolve, future))
+            marked = self._registry.mark(lambda: wake(future))
         if marked:
             await future
         if submitted:

@@ -16,8 +16,7 @@ from collections.abc import Hashable
 from typing import TYPE_CHECKING, final
 
 from ._checks import missed
-from ._line import Gate, Held, Places, Waiter, resolve
-from ._tasks import in_loop_of as _soon
+from ._line import Gate, Held, Places, Waiter, wake
 
 if TYPE_CHECKING:
     from ._registry import Registry
@@ -126,7 +125,7 @@ class Slots(Places):
             if self.needs(key, None):
                 still.append((producer, key))
             else:
-                _soon(producer, resolve, producer)
+                wake(producer)
         self.producers = still
 
     async def backpressure(
