@@ -96,8 +96,6 @@ class Handle(Deferred, Generic[R]):
     was never retrieved".
     """
 
-    # NOTE: while the work waits in its key's line, this object is the
-    # line's waiter (done() once it left); its task exists only from its turn.
     __slots__ = (
         "_args",
         "_awaited",
