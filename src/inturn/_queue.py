@@ -318,8 +318,7 @@ class KeyedQueue:
     ) -> Coroutine[Any, Any, Any]:
         """The coroutine that takes the turns of keys as keyed() does, calls fn, releases.
 
-        The path of every async call but run()'s inline one. ``task``: the
-        caller's, awaiting it at once (run(): keys are checked and ordered).
+        ``task``: the caller's, awaiting it at once (run(): keys are checked and ordered).
         """
         if not callable(fn):
             raise TypeError(f"inturn: run() needs a callable, got {describe(fn)}")
