@@ -85,9 +85,7 @@ class Tally:
         self.cancelled = 0
         self.waited = 0.0  # seconds from submission to start, summed
         self.held = 0.0  # seconds from start to end, summed
-        # Told of each turn, on an observed queue (see KeyedQueue.observe), whose
-        # turns are then all timed; the plain paths count a turn inline, and
-        # are not taken while it is set.
+        # told of each turn; while set, no turn takes the plain paths (see Registry.observe)
         self.observer: Observer | None = None
 
     def started(self, waited: float) -> None:
