@@ -58,9 +58,7 @@ class _Timer:
     def __init__(self, loop: asyncio.AbstractEventLoop, limit: float) -> None:
         self.loop = loop
         self.limit = limit
-        # FIFO of the clocks started, so in deadline order; a done clock (task None) is
-        # dropped at the head (when the timer fires, or one when a clock starts)
-        self.clocks: deque[Clock] = deque()
+        self.clocks: deque[Clock] = deque()  # FIFO, so in deadline order (see the module's doc)
         # set for `at`, the head's deadline, while a clock runs; None once none does
         self.handle: asyncio.TimerHandle | None = None
         self.at = 0.0
