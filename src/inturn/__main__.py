@@ -69,11 +69,7 @@ async def demo(tasks: int = 1000, keys: int = 4) -> tuple[dict[str, int], dict[s
 
 
 def show_key(key: str | bytes | int) -> str:
-    """A key as Python writes it, so "1", b"1" and 1 never look alike (see describe()).
-
-    An int too long for decimal is written in hexadecimal (``0x...``); a key
-    longer than 120 characters is cut short, with an ellipsis.
-    """
+    """A key as describe() writes it, at most 120 characters: "1", b"1" and 1 never look alike."""
     return describe(key, 120)
 
 
