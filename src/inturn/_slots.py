@@ -103,9 +103,7 @@ class Slots(Places):
     def needs(self, key: Hashable, me: object) -> bool:
         """Whether work submitted now for key would take a running slot as soon as it starts.
 
-        Not if the submitter (me) runs in a slot itself (work submitting more
-        work never waits on itself), nor if the work will wait in its key's
-        line, as data, behind whoever holds the key.
+        Not behind a busy key, nor if me, the submitter, runs in a slot (see KeyedQueue.submit).
         """
         if me in self.holders:
             return False
@@ -131,8 +129,7 @@ class Slots(Places):
     async def backpressure(
         self, key: Hashable, me: object, loop: asyncio.AbstractEventLoop
     ) -> None:
-        """submit()'s wait, FIFO among producers, while every slot is busy, or promised to
-        work submitted but not started yet, and the work needs one (``me``: see :meth:`needs`).
+        """submit()'s wait for a running slot, FIFO among producers (see KeyedQueue.submit).
 
         Each wait checks again under the guard: a slot freed in another
         thread after a check without it would wake nobody.
