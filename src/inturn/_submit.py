@@ -1,10 +1,8 @@
 """submit(): work queued as data in its key's line, its Handle, producers' backpressure.
 
-On every queue, a submission joins its key's line at the call (see
-``KeyedQueue.submit``): holding a free key, its task starts; behind a busy key
-it waits as data (its :class:`Handle`: the function, its arguments, the
-context), costing no task, so the tasks alive stay bounded by the running slots
-and backpressure.
+A submission joins its key's line at the call and, behind a busy key, waits
+there as data, its :class:`Handle` (see ``KeyedQueue.submit``): so the tasks
+alive stay bounded by the running slots and backpressure.
 
 NOTE: the hand-off (``Registry.leave``) makes a waiting Handle the line's holder
 before its task exists, as it does a waiter future; the task, scheduled in the
