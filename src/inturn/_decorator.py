@@ -416,8 +416,6 @@ def _async_call(
 ) -> Callable[..., Any]:
     """The __call__ of an async def's wrapper: (self, *args, **kwargs) -> the turn's coroutine."""
     queue = runner.queue
-    # Calls arrive with args as target receives them: the instance or class
-    # first for methods (see _BoundQueued).
     if several or limit != queue.timeout or hold != queue.max_hold:
         # keys=, or a timeout or max_hold of its own: turns are taken as keyed() takes them
         run_keyed = runner.run_keyed
