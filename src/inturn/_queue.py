@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 R = TypeVar("R")
 
 
-#: Every queue of this process, for a forked child to reset (see KeyedQueue._forked).
+#: Every queue of this process, for a forked child to reset (see _after_fork_in_child).
 _QUEUES: weakref.WeakSet[KeyedQueue] = weakref.WeakSet()
 
 
@@ -59,9 +59,15 @@ def _before_fork() -> None:
 
 
 def _after_fork_in_child() -> None:
+    """Forget, in each queue, the parent's other threads, tasks and locks (see Registry.forked).
+
+    The parent's submitted work, and its errors nobody awaited, stay the parent's.
+    """
     task, _forking[0] = _forking[0], None
     for queue in list(_QUEUES):
-        queue._forked(task)
+        queue._registry.forked(task)
+        queue._submissions.handles.clear()
+        queue._unclaimed.clear()
 
 
 def _after_fork_in_parent() -> None:
@@ -221,16 +227,6 @@ class KeyedQueue:
         self._submissions = Submissions(self._registry, self._timeout, self._max_hold)
         self._unclaimed: list[Handle[Any]] = []
         _QUEUES.add(self)
-
-    def _forked(self, task: object) -> None:
-        """In a forked child: forget the parent's other threads, tasks and locks (see Registry).
-
-        task: the one whose step forked, if any. The parent's submitted work,
-        and its errors nobody awaited, stay the parent's.
-        """
-        self._registry.forked(task)
-        self._submissions.handles.clear()
-        self._unclaimed.clear()
 
     # -- taking turns ---------------------------------------------------------
 
