@@ -180,12 +180,8 @@ class KeyedQueue:
     __slots__ = (
         "__weakref__",
         "_backend",
-        "_concurrency",
         "_max_hold",
-        "_max_pending",
-        "_name",
         "_registry",
-        "_slots",
         "_submissions",
         "_timeout",
         "_unclaimed",
@@ -202,27 +198,26 @@ class KeyedQueue:
         max_hold: float | None = None,
         name: str | None = None,
     ) -> None:
-        self._name = check_name(name)
+        name = check_name(name)
         self._timeout = check_timeout(timeout)
-        self._max_pending = check_count("max_pending", max_pending, none=True, least=0)
+        max_pending = check_count("max_pending", max_pending, none=True, least=0)
         max_running = check_count("max_running", max_running, none=True)
-        self._concurrency: int = check_count("concurrency", concurrency, none=False)  # type: ignore[assignment]
-        self._backend = check_backend(backend, self._concurrency)
+        concurrency = check_count("concurrency", concurrency, none=False)  # type: ignore[assignment]
+        self._backend = check_backend(backend, concurrency)
         self._max_hold = check_hold(max_hold)
         self._registry = Registry(
             backend=self._backend,
-            concurrency=self._concurrency,
-            max_pending=self._max_pending,
+            concurrency=concurrency,
+            max_pending=max_pending,
             plain=(
                 self._backend is None
                 and max_running is None
-                and self._concurrency == 1
+                and concurrency == 1
                 and self._max_hold is None
             ),
             name=name,
         )
-        self._slots = None if max_running is None else Slots(max_running, self._registry)
-        self._registry.slots = self._slots
+        self._registry.slots = None if max_running is None else Slots(max_running, self._registry)
         # submit()'s work (its handles not finished yet), and the failed ones nobody awaited
         self._submissions = Submissions(self._registry, self._timeout, self._max_hold)
         self._unclaimed: list[Handle[Any]] = []
@@ -640,7 +635,8 @@ class KeyedQueue:
         Safe from any thread (a metrics exporter's, say) while the queue's
         event loop runs: the counts are then as of one moment or the next.
         """
-        registry, slots = self._registry, self._slots
+        registry = self._registry
+        slots = registry.slots
         with registry.mode.guard():
             holders, waiting = registry.holders()
             running = len(holders) if slots is None else len(slots.holders)
@@ -671,7 +667,7 @@ class KeyedQueue:
     @property
     def name(self) -> str | None:
         """The queue's name (``name=``): in its repr, and in its logs and metrics."""
-        return self._name
+        return self._registry.name
 
     @property
     def closed(self) -> bool:
@@ -686,17 +682,17 @@ class KeyedQueue:
     @property
     def max_pending(self) -> int | None:
         """The most waiters a key may have, or ``None``."""
-        return self._max_pending
+        return self._registry.max_pending
 
     @property
     def max_running(self) -> int | None:
         """The most work that may run at once across keys, or ``None``."""
-        return None if self._slots is None else self._slots.size
+        return None if self._registry.slots is None else self._registry.slots.size
 
     @property
     def concurrency(self) -> int:
         """How many may hold one key at once."""
-        return self._concurrency
+        return self._registry.concurrency
 
     @property
     def max_hold(self) -> float | None:
@@ -786,5 +782,5 @@ class KeyedQueue:
         state = "closed" if not self._registry.open else "open"
         where = "" if self._backend is None else f" on {self._backend!r}"
         mode = ", shared by threads" if self._registry.mode.shared else ""
-        name = "" if self._name is None else f" {self._name!r}"
+        name = "" if self._registry.name is None else f" {self._registry.name!r}"
         return f"<KeyedQueue{name} {state}{where}{mode}, {active} active {{{', '.join(shown)}}}>"
