@@ -111,14 +111,11 @@ class Tally:
             _tell(self.observer, "ended", held, error, cut, FUNCTION.get())
 
     def missed(self, error: BaseException) -> None:
-        """Count a turn that was never reached: timed out, cancelled or failed while waiting.
-
-        Work refused at once (QueueFull) was never queued: the observer hears of it, uncounted.
-        """
+        """Count a turn that was never reached: timed out, cancelled or failed while waiting."""
         if isinstance(error, TimeoutError):
             self.timed_out += 1
         elif isinstance(error, QueueFull):
-            pass
+            pass  # refused at once, never queued: uncounted (see QueueStats), but reported
         elif isinstance(error, Exception):
             self.failed += 1
         else:
