@@ -29,15 +29,13 @@ __all__ = ("main",)
 async def demo(tasks: int = 1000, keys: int = 4) -> tuple[dict[str, int], dict[str, int]]:
     """Increment counters with read-modify-write, without inturn and with it.
 
-    Each increment reads a counter, waits a moment (the database round trip
-    of a real read-modify-write) and writes the value it read plus one.
     Return the final counters: (without, with).
     """
     queue = KeyedQueue()
 
     async def read_modify_write(counters: dict[str, int], name: str) -> None:
         value = counters[name]  # read
-        await asyncio.sleep(0)  # ... the round trip, where other tasks run ...
+        await asyncio.sleep(0)  # ... the database's round trip, where other tasks run ...
         counters[name] = value + 1  # write: lost if another task wrote meanwhile
 
     names = [f"counter-{i}" for i in range(keys)]
