@@ -29,15 +29,13 @@ __all__ = ("main",)
 async def demo(tasks: int = 1000, keys: int = 4) -> tuple[dict[str, int], dict[str, int]]:
     """Increment counters with read-modify-write, without inturn and with it.
 
-    Each increment reads a counter, waits a moment (the database round trip
-    of a real read-modify-write) and writes the value it read plus one.
     Return the final counters: (without, with).
     """
     queue = KeyedQueue()
 
     async def read_modify_write(counters: dict[str, int], name: str) -> None:
         value = counters[name]  # read
-        await asyncio.sleep(0)  # ... the round trip, where other tasks run ...
+        await asyncio.sleep(0)  # ... the database's round trip, where other tasks run ...
         counters[name] = value + 1  # write: lost if another task wrote meanwhile
 
     names = [f"counter-{i}" for i in range(keys)]
@@ -69,11 +67,7 @@ async def demo(tasks: int = 1000, keys: int = 4) -> tuple[dict[str, int], dict[s
 
 
 def show_key(key: str | bytes | int) -> str:
-    """A key as Python writes it, so "1", b"1" and 1 never look alike (see describe()).
-
-    An int too long for decimal is written in hexadecimal (``0x...``); a key
-    longer than 120 characters is cut short, with an ellipsis.
-    """
+    """A key as describe() writes it, at most 120 characters: "1", b"1" and 1 never look alike."""
     return describe(key, 120)
 
 

@@ -52,14 +52,11 @@ def check_count(name: str, value: int | None, none: bool, least: int = 1) -> int
     """A count of at least ``least``; None allowed if ``none``."""
     if value is None and none:
         return None
+    also = " or None" if none else ""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(
-            f"inturn: {name} must be an int{' or None' if none else ''}, got {describe(value)}"
-        )
+        raise TypeError(f"inturn: {name} must be an int{also}, got {describe(value)}")
     if value < least:
-        raise ValueError(
-            f"inturn: {name} must be >= {least}{' or None' if none else ''}, got {describe(value)}"
-        )
+        raise ValueError(f"inturn: {name} must be >= {least}{also}, got {describe(value)}")
     return value
 
 

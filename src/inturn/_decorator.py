@@ -75,13 +75,11 @@ class QueuedFunction(Protocol[P, R_co]):
     @property
     def queue(self) -> KeyedQueue:
         """The queue the calls wait in."""
-        ...
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Coroutine[Any, Any, R_co]: ...
 
     def key_of(self, *args: P.args, **kwargs: P.kwargs) -> Any:
         """The key (a tuple of keys for ``keys=``) a call with these arguments would use."""
-        ...
 
     @overload
     def __get__(
@@ -109,13 +107,11 @@ class SyncQueuedFunction(Protocol[P, R_co]):
     @property
     def queue(self) -> KeyedQueue:
         """The queue the calls wait in."""
-        ...
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R_co: ...
 
     def key_of(self, *args: P.args, **kwargs: P.kwargs) -> Any:
         """The key (a tuple of keys for ``keys=``) a call with these arguments would use."""
-        ...
 
     @overload
     def __get__(
@@ -420,8 +416,6 @@ def _async_call(
 ) -> Callable[..., Any]:
     """The __call__ of an async def's wrapper: (self, *args, **kwargs) -> the turn's coroutine."""
     queue = runner.queue
-    # Calls arrive with args as target receives them: the instance or class
-    # first for methods (see _BoundQueued).
     if several or limit != queue.timeout or hold != queue.max_hold:
         # keys=, or a timeout or max_hold of its own: turns are taken as keyed() takes them
         run_keyed = runner.run_keyed

@@ -3,10 +3,9 @@
 The guarantee: a task's turn with ``max_hold=limit``, started at its loop's
 ``time()`` *t*, is cut (its task cancelled once, with the message
 ``inturn: max_hold=<limit> s ran out``) when the loop runs its timers at or
-after *t + limit*, as a ``loop.call_later(limit, ...)`` made at *t* would be,
-unless the turn ended first: a turn that ends before its deadline is never
-cut, and a turn's cut never touches another turn. :meth:`Clock.stop` then
-says whether the limit cut the work (see there).
+after *t + limit*, as a ``loop.call_later(limit, ...)`` made at *t* would be;
+a turn that ends before then is never cut, and a turn's cut never touches
+another turn. :meth:`Clock.stop` then says whether the limit cut the work.
 
 How, cheaply: a turn sets no timer of its own. The clocks of one event loop
 and one limit share a :class:`_Timer`: a FIFO of clocks, in deadline order
@@ -58,9 +57,7 @@ class _Timer:
     def __init__(self, loop: asyncio.AbstractEventLoop, limit: float) -> None:
         self.loop = loop
         self.limit = limit
-        # FIFO of the clocks started, so in deadline order; a done clock (task None) is
-        # dropped at the head (when the timer fires, or one when a clock starts)
-        self.clocks: deque[Clock] = deque()
+        self.clocks: deque[Clock] = deque()  # FIFO, so in deadline order (see the module's doc)
         # set for `at`, the head's deadline, while a clock runs; None once none does
         self.handle: asyncio.TimerHandle | None = None
         self.at = 0.0

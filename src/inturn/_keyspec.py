@@ -170,12 +170,7 @@ def _fields(template: str, where: str) -> tuple[list[str], list[_Field], list[st
 def _fail(
     error: Exception, where: str, field: _Field | None, values: Mapping[str, Any]
 ) -> NoReturn:
-    """Raise for a call whose arguments a template could not format.
-
-    Raise a new exception of error's class from error when that class is a
-    builtin that takes a message; otherwise (the user's own error, raised in
-    a property or ``__format__``) re-raise error itself with a note.
-    """
+    """Raise for a call whose arguments a template could not format, as QueuedFunction says."""
     if field is None:
         what = "could not be formatted"
     else:

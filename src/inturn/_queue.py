@@ -25,15 +25,13 @@ from ._checks import Unset as _Unset
 from ._describe import describe
 from ._drive import give_up, line_up, seated
 from ._keyspec import KeySpec, KeysSpec
-from ._line import held_by
-from ._line import resolve as _resolve
+from ._line import held_by, wake
 from ._order import unhashable
 from ._registry import Registry
 from ._slots import Slots
 from ._stats import FUNCTION, Observer, QueueStats, function_label
 from ._submit import Handle, Submissions, failures, submit, unawaited
 from ._tasks import current_task, loop_here, loop_of, outside_asyncio, running_loop
-from ._tasks import in_loop_of as _soon
 from ._turn import Turn, call_in_turn, call_in_turn_sync
 from .backends._base import Backend
 from .backends._local import LocalBackend
@@ -48,7 +46,7 @@ if TYPE_CHECKING:
 R = TypeVar("R")
 
 
-#: Every queue of this process, for a forked child to reset (see KeyedQueue._forked).
+#: Every queue of this process, for a forked child to reset (see _after_fork_in_child).
 _QUEUES: weakref.WeakSet[KeyedQueue] = weakref.WeakSet()
 
 
@@ -61,9 +59,15 @@ def _before_fork() -> None:
 
 
 def _after_fork_in_child() -> None:
+    """Forget, in each queue, the parent's other threads, tasks and locks (see Registry.forked).
+
+    The parent's submitted work, and its errors nobody awaited, stay the parent's.
+    """
     task, _forking[0] = _forking[0], None
     for queue in list(_QUEUES):
-        queue._forked(task)
+        queue._registry.forked(task)
+        queue._submissions.handles.clear()
+        queue._unclaimed.clear()
 
 
 def _after_fork_in_parent() -> None:
@@ -176,12 +180,8 @@ class KeyedQueue:
     __slots__ = (
         "__weakref__",
         "_backend",
-        "_concurrency",
         "_max_hold",
-        "_max_pending",
-        "_name",
         "_registry",
-        "_slots",
         "_submissions",
         "_timeout",
         "_unclaimed",
@@ -198,41 +198,30 @@ class KeyedQueue:
         max_hold: float | None = None,
         name: str | None = None,
     ) -> None:
-        self._name = check_name(name)
+        name = check_name(name)
         self._timeout = check_timeout(timeout)
-        self._max_pending = check_count("max_pending", max_pending, none=True, least=0)
+        max_pending = check_count("max_pending", max_pending, none=True, least=0)
         max_running = check_count("max_running", max_running, none=True)
-        self._concurrency: int = check_count("concurrency", concurrency, none=False)  # type: ignore[assignment]
-        self._backend = check_backend(backend, self._concurrency)
+        concurrency = check_count("concurrency", concurrency, none=False)  # type: ignore[assignment]
+        self._backend = check_backend(backend, concurrency)
         self._max_hold = check_hold(max_hold)
         self._registry = Registry(
             backend=self._backend,
-            concurrency=self._concurrency,
-            max_pending=self._max_pending,
+            concurrency=concurrency,
+            max_pending=max_pending,
             plain=(
                 self._backend is None
                 and max_running is None
-                and self._concurrency == 1
+                and concurrency == 1
                 and self._max_hold is None
             ),
             name=name,
         )
-        self._slots = None if max_running is None else Slots(max_running, self._registry)
-        self._registry.slots = self._slots
+        self._registry.slots = None if max_running is None else Slots(max_running, self._registry)
         # submit()'s work (its handles not finished yet), and the failed ones nobody awaited
         self._submissions = Submissions(self._registry, self._timeout, self._max_hold)
         self._unclaimed: list[Handle[Any]] = []
         _QUEUES.add(self)
-
-    def _forked(self, task: object) -> None:
-        """In a forked child: forget the parent's other threads, tasks and locks (see Registry).
-
-        task: the one whose step forked, if any. The parent's submitted work,
-        and its errors nobody awaited, stay the parent's.
-        """
-        self._registry.forked(task)
-        self._submissions.handles.clear()
-        self._unclaimed.clear()
 
     # -- taking turns ---------------------------------------------------------
 
@@ -320,8 +309,7 @@ class KeyedQueue:
     ) -> Coroutine[Any, Any, Any]:
         """The coroutine that takes the turns of keys as keyed() does, calls fn, releases.
 
-        The path of every async call but run()'s inline one. ``task``: the
-        caller's, awaiting it at once (run(): keys are checked and ordered).
+        ``task``: the caller's, awaiting it at once (run(): keys are checked and ordered).
         """
         if not callable(fn):
             raise TypeError(f"inturn: run() needs a callable, got {describe(fn)}")
@@ -586,23 +574,20 @@ class KeyedQueue:
             with those arguments would use).
         :raises TypeError: at decoration, a spec has the wrong type, a key
             or anything but a ``def`` is passed by position (a key or a key
-            function goes in ``key=``),
-            a plain ``def`` is decorated with ``coalesce=True``, a
-            ``max_hold``, or for a queue with a backend.
+            function goes in ``key=``), a plain ``def`` is decorated with
+            ``coalesce=True``, a ``max_hold``, or for a queue with a backend.
         :raises ValueError: at decoration, a template names a parameter the
             function does not have.
         """
         from ._decorator import Runner, decorate, is_decoratable
 
         runner = Runner(self, self._run_keyed, self._run_keyed_sync)
-        if is_decoratable(fn):
-            if key is not None or keys is not None:
-                raise TypeError(
-                    "inturn: queue_by_key() takes the function to decorate, or key=/keys=, "
-                    f"not both; got {describe(fn)} by position"
-                )
-            return decorate(runner, fn, None, None, timeout, coalesce, max_hold)
-        return decorate(runner, None, key, keys, timeout, coalesce, max_hold)
+        if is_decoratable(fn) and (key is not None or keys is not None):
+            raise TypeError(
+                "inturn: queue_by_key() takes the function to decorate, or key=/keys=, "
+                f"not both; got {describe(fn)} by position"
+            )
+        return decorate(runner, fn, key, keys, timeout, coalesce, max_hold)
 
     # -- looking at the lines -----------------------------------------------------
 
@@ -650,7 +635,8 @@ class KeyedQueue:
         Safe from any thread (a metrics exporter's, say) while the queue's
         event loop runs: the counts are then as of one moment or the next.
         """
-        registry, slots = self._registry, self._slots
+        registry = self._registry
+        slots = registry.slots
         with registry.mode.guard():
             holders, waiting = registry.holders()
             running = len(holders) if slots is None else len(slots.holders)
@@ -681,7 +667,7 @@ class KeyedQueue:
     @property
     def name(self) -> str | None:
         """The queue's name (``name=``): in its repr, and in its logs and metrics."""
-        return self._name
+        return self._registry.name
 
     @property
     def closed(self) -> bool:
@@ -696,17 +682,17 @@ class KeyedQueue:
     @property
     def max_pending(self) -> int | None:
         """The most waiters a key may have, or ``None``."""
-        return self._max_pending
+        return self._registry.max_pending
 
     @property
     def max_running(self) -> int | None:
         """The most work that may run at once across keys, or ``None``."""
-        return None if self._slots is None else self._slots.size
+        return None if self._registry.slots is None else self._registry.slots.size
 
     @property
     def concurrency(self) -> int:
         """How many may hold one key at once."""
-        return self._concurrency
+        return self._registry.concurrency
 
     @property
     def max_hold(self) -> float | None:
@@ -734,7 +720,7 @@ class KeyedQueue:
         submitted = self._submissions.of_loop(loop)
         # the last mark may be reached in another thread, once the queue is shared
         with self._registry.mode.guard_for(loop):
-            marked = self._registry.mark(lambda: _soon(future, _resolve, future))
+            marked = self._registry.mark(lambda: wake(future))
         if marked:
             await future
         if submitted:
@@ -796,5 +782,5 @@ class KeyedQueue:
         state = "closed" if not self._registry.open else "open"
         where = "" if self._backend is None else f" on {self._backend!r}"
         mode = ", shared by threads" if self._registry.mode.shared else ""
-        name = "" if self._name is None else f" {self._name!r}"
+        name = "" if self._registry.name is None else f" {self._registry.name!r}"
         return f"<KeyedQueue{name} {state}{where}{mode}, {active} active {{{', '.join(shown)}}}>"

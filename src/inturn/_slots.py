@@ -16,8 +16,7 @@ from collections.abc import Hashable
 from typing import TYPE_CHECKING, final
 
 from ._checks import missed
-from ._line import Gate, Held, Places, Waiter, resolve
-from ._tasks import in_loop_of as _soon
+from ._line import Gate, Held, Places, Waiter, wake
 
 if TYPE_CHECKING:
     from ._registry import Registry
@@ -104,9 +103,7 @@ class Slots(Places):
     def needs(self, key: Hashable, me: object) -> bool:
         """Whether work submitted now for key would take a running slot as soon as it starts.
 
-        Not if the submitter (me) runs in a slot itself (work submitting more
-        work never waits on itself), nor if the work will wait in its key's
-        line, as data, behind whoever holds the key.
+        Not behind a busy key, nor if me, the submitter, runs in a slot (see KeyedQueue.submit).
         """
         if me in self.holders:
             return False
@@ -126,14 +123,13 @@ class Slots(Places):
             if self.needs(key, None):
                 still.append((producer, key))
             else:
-                _soon(producer, resolve, producer)
+                wake(producer)
         self.producers = still
 
     async def backpressure(
         self, key: Hashable, me: object, loop: asyncio.AbstractEventLoop
     ) -> None:
-        """submit()'s wait, FIFO among producers, while every slot is busy, or promised to
-        work submitted but not started yet, and the work needs one (``me``: see :meth:`needs`).
+        """submit()'s wait for a running slot, FIFO among producers (see KeyedQueue.submit).
 
         Each wait checks again under the guard: a slot freed in another
         thread after a check without it would wake nobody.

@@ -85,9 +85,7 @@ class Tally:
         self.cancelled = 0
         self.waited = 0.0  # seconds from submission to start, summed
         self.held = 0.0  # seconds from start to end, summed
-        # Told of each turn, on an observed queue (see KeyedQueue.observe), whose
-        # turns are then all timed; the plain paths count a turn inline, and
-        # are not taken while it is set.
+        # told of each turn; while set, no turn takes the plain paths (see Registry.observe)
         self.observer: Observer | None = None
 
     def started(self, waited: float) -> None:
@@ -113,14 +111,11 @@ class Tally:
             _tell(self.observer, "ended", held, error, cut, FUNCTION.get())
 
     def missed(self, error: BaseException) -> None:
-        """Count a turn that was never reached: timed out, cancelled or failed while waiting.
-
-        Work refused at once (QueueFull) was never queued: the observer hears of it, uncounted.
-        """
+        """Count a turn that was never reached: timed out, cancelled or failed while waiting."""
         if isinstance(error, TimeoutError):
             self.timed_out += 1
         elif isinstance(error, QueueFull):
-            pass
+            pass  # refused at once, never queued: uncounted (see QueueStats), but reported
         elif isinstance(error, Exception):
             self.failed += 1
         else:

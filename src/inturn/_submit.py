@@ -1,10 +1,8 @@
 """submit(): work queued as data in its key's line, its Handle, producers' backpressure.
 
-On every queue, a submission joins its key's line at the call (see
-``KeyedQueue.submit``): holding a free key, its task starts; behind a busy key
-it waits as data (its :class:`Handle`: the function, its arguments, the
-context), costing no task, so the tasks alive stay bounded by the running slots
-and backpressure.
+A submission joins its key's line at the call and, behind a busy key, waits
+there as data, its :class:`Handle` (see ``KeyedQueue.submit``): so the tasks
+alive stay bounded by the running slots and backpressure.
 
 NOTE: the hand-off (``Registry.leave``) makes a waiting Handle the line's holder
 before its task exists, as it does a waiter future; the task, scheduled in the
@@ -38,7 +36,6 @@ from collections.abc import AsyncGenerator, Callable, Generator, Hashable
 from time import monotonic as _monotonic
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, final
 
-from ._checks import missed
 from ._describe import describe
 from ._errors import QueueClosed, QueueFull
 from ._line import Deferred, Gate, held_by
@@ -97,8 +94,6 @@ class Handle(Deferred, Generic[R]):
     was never retrieved".
     """
 
-    # NOTE: while the work waits in its key's line, this object is the
-    # line's waiter (done() once it left); its task exists only from its turn.
     __slots__ = (
         "_args",
         "_awaited",
@@ -288,7 +283,7 @@ class Handle(Deferred, Generic[R]):
         with queue.registry.mode.guard():
             if held_by(queue.registry.lines.get(self.key), self):
                 return  # handed the key just now: its task takes the rest of the time
-            future.set_exception(missed(f"the turn for key {describe(self.key)}", timeout))
+            future.set_exception(queue.registry.too_late(self.key, timeout))
         self._leave_line(future.exception())  # type: ignore[arg-type]  # (read: retrieved)
 
     def handed(self, shared: bool) -> bool:
