@@ -575,7 +575,7 @@ class KeyedQueue:
         :raises TypeError: at decoration, a spec has the wrong type, a key
             or anything but a ``def`` is passed by position (a key or a key
             function goes in ``key=``), a plain ``def`` is decorated with
-            ``coalesce=True``, a ``max_hold``, or for a queue with a backend.
+            ``coalesce=True`` or a ``max_hold``.
         :raises ValueError: at decoration, a template names a parameter the
             function does not have.
         """
