@@ -62,19 +62,15 @@ class Place(Protocol):
         Return the line joined (for settle and abandon). Raise if it is
         refused (closed, full, or no time to wait).
         """
-        ...
 
     def settle(self, key: Hashable, line: Any, waiter: Waiter, holder: object) -> bool:
         """Make holder the holder of the place handed to waiter; False if it was not handed."""
-        ...
 
     def abandon(self, key: Hashable, line: Any, waiter: Waiter) -> None:
         """Take waiter out of line (passing on a place handed to it meanwhile)."""
-        ...
 
     def too_late(self, key: Hashable, limit: float | None) -> TimeoutError:
         """The error of a place not reached within limit."""
-        ...
 
 
 def _answer(steps: Steps, error: BaseException | None) -> tuple[int, Any] | None:
