@@ -424,10 +424,8 @@ class Registry:
     def watch(self, key: Hashable, loop: asyncio.AbstractEventLoop) -> asyncio.Future[Any] | None:
         """A future of the outcome of key's holder (see KeyedQueue.current). Under the guard."""
         line = self.lines.get(key)
-        if line is None or type(line) is Gate:
-            return None  # (several holders: no one outcome to watch)
-        if isinstance(line, Deferred):
-            return None  # submitted work holds the key, its task not started yet
+        if line is None or type(line) is Gate or isinstance(line, Deferred):
+            return None  # (several holders: no one outcome; or submitted work, its task unstarted)
         if type(line) is not Line:
             line = self.lines[key] = Line(line)
         elif not isinstance(line.holder, asyncio.Task | ThreadHolder):
