@@ -74,10 +74,9 @@ class _BackendLoop:
                 # (in a forked child, the parent's loop has no thread: it is left as it is)
                 loop = asyncio.new_event_loop()
                 started = threading.Event()
-                thread = threading.Thread(
+                threading.Thread(
                     target=_serve, args=(loop, started), name="inturn-backend-loop", daemon=True
-                )
-                thread.start()
+                ).start()
                 started.wait()
                 self._loop, self._pid = loop, os.getpid()
                 logger.debug(

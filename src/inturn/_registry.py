@@ -10,8 +10,6 @@ and pops a bare holder on the mode's ``fast_loop`` exactly as
 
 Every verb takes the lock of a shared mode itself (see ``_threads``), but
 those marked "under the guard", whose callers make several changes at once.
-Takes answer True (taken now), False (must wait) or ``HELD`` (held by the
-caller already).
 """
 
 from __future__ import annotations
@@ -235,11 +233,8 @@ class Registry:
         return line
 
     def settle(self, key: Hashable, line: Line | Gate, waiter: Waiter, holder: object) -> bool:
-        """Make holder the holder of key's turn handed to waiter; False if it was not handed.
-
-        A Line's needs no lock: once handed, its holder is the waiter's to
-        change (the hander may still hold the lock, waking other waiters).
-        """
+        """As Place.settle. A Line's needs no lock: once handed, its holder is the waiter's to
+        change (the hander may still hold the lock, waking other waiters)."""
         if type(line) is Gate:
             with self.mode.guard():
                 if waiter not in line.holders:
@@ -252,12 +247,9 @@ class Registry:
         return True
 
     def abandon(self, key: Hashable, line: Line | Gate, waiter: Waiter) -> None:
-        """Take a waiter that was interrupted (cancelled, timed out) out of the line it joined.
-
-        ``line`` is the object the waiter joined: by now it may have left the
-        lines (its holder left and no live waiter remained), and a new line
-        may even stand for the same key.
-        """
+        """As Place.abandon. ``line`` is the object the waiter joined: by now it may have left
+        the lines (its holder left and no live waiter remained), and a new line may even stand
+        for the same key."""
         if self.mode.shared:
             with self.mode.lock or self.mode.locked():
                 self._abandon(key, line, waiter)
@@ -317,7 +309,7 @@ class Registry:
     def finish(
         self, key: Hashable, holder: object, error: BaseException | None, result: Any
     ) -> None:
-        """End an untimed turn on one key (see release) and count it."""
+        """End an untimed turn on one key (see _release) and count it."""
         if self.mode.shared:
             with self.mode.lock or self.mode.locked():
                 if (line := self.lines.pop(key)) is not holder:  # (_release, as below)
@@ -456,10 +448,8 @@ class Registry:
         return holders, waiting
 
     def mark(self, finish: Any) -> bool:
-        """Put a drain mark at the tail of every active line; False if there is none.
-
-        ``finish`` is called once every mark is reached. Under the guard.
-        """
+        """Put a drain mark (see Drain) at the tail of every active line; False if there is
+        none. Under the guard."""
         lines = self.lines
         if not lines:
             return False
