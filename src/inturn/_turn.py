@@ -5,8 +5,7 @@ yield only waits; ``_drive`` performs them for a task or a thread):
 ``_taking`` takes each key's line of this process in the global order
 (with a backend, then its grant, or all the keys on the turn's session:
 see ``_shared``), then a running slot; ``_ending`` gives them back, newest
-first. A take answers True (taken now), False (wait for it) or HELD (held
-by this holder already: a reentrant turn takes nothing).
+first. A key its holder holds already is not taken again (see Held).
 
 The registry's fast verb ``try_take`` is called first: an uncontended turn
 on one key of an untimed in-process queue yields no wait and makes no steps.
@@ -239,14 +238,12 @@ class Turn:
     def _enter_now(self, holder: object, lined: bool = False) -> object:
         """Who takes this turn; the turn taken at once by the registry's fast verb, if it can be.
 
-        ``holder``: a thread's, or the task when the caller knows it; None:
-        the current task, whose loop is then settled in the thread mode;
-        ``lined``: holder holds the key's line already (submitted work). A
-        turn alone (untimed, one key, in process: no steps, nothing allocated)
-        is taken by the fast verb if its key is free or held by holder already
-        (``_holder`` is set), else ``_path`` is ``_ALONE`` and the caller
-        waits in the key's line alone (see wait_alone). Any other turn
-        (``_STEPS``) is taken by its steps (see _start).
+        ``holder``: a thread's, or the task when the caller knows it; None: the
+        current task, whose loop is then settled in the thread mode; ``lined``:
+        see _taking. A turn alone (untimed, one key, in process: no steps,
+        nothing allocated) is taken by the fast verb if its key is free or held
+        by holder already (``_holder`` is set), else it is ``_ALONE`` (the caller
+        waits in the key's line alone: see wait_alone); any other, ``_STEPS``.
         """
         registry = self._registry
         if holder is None:
@@ -371,8 +368,7 @@ class Turn:
         """Take the turn for holder by its steps, as far as they go without a wait.
 
         None once it is held; else the steps and their first wait. ``since``:
-        when it was asked for (0: now); ``lined``: holder holds its keys'
-        lines already (submitted work).
+        when it was asked for (0: now); ``lined``: see _taking.
         """
         registry = self._registry
         self._since = since or (_monotonic() if registry.timed else 0.0)
