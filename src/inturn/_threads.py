@@ -10,10 +10,6 @@ their places across the switch. Loops that follow each other in one thread
 insert (``run()``'s licensed inline path): the solo loop, while the queue
 allows it (open, in process, one holder per key, no flow control, no
 observer), else None.
-
-A backend that prefers one event loop per process (``Capabilities.one_loop``)
-is served directly by one loop at a time; other loops reach it through the
-process's backend loop, as threads do (see :meth:`ThreadMode.via`).
 """
 
 from __future__ import annotations
@@ -237,14 +233,15 @@ class ThreadMode:
     def via(self, loop: asyncio.AbstractEventLoop) -> bool:
         """Whether loop's tasks reach the backend through the process's backend loop.
 
-        A backend that prefers one loop per process (each loop it serves costs
-        it connections, as Redis's sessions do) serves one loop directly at a
-        time: the first to come, for as long as it lives. Other loops at once
-        go through the backend loop, as threads do. Once _DIRECT_LOOPS direct
-        loops ended, the process runs a loop per job (``asyncio.run()`` per
-        task), and every later loop goes through the backend loop: a job's
-        loop is too short-lived to pay for a session. (So a server's loop that
-        follows one startup ``asyncio.run()`` is still served directly.)
+        A backend that prefers one loop per process (``Capabilities.one_loop``:
+        each loop it serves costs it connections, as Redis's sessions do)
+        serves one loop directly at a time: the first to come, for as long as
+        it lives. Other loops at once go through the backend loop, as threads
+        do. Once _DIRECT_LOOPS direct loops ended, the process runs a loop per
+        job (``asyncio.run()`` per task), and every later loop goes through the
+        backend loop: a job's loop is too short-lived to pay for a session. (So
+        a server's loop that follows one startup ``asyncio.run()`` is still
+        served directly.)
         """
         if not self._one_loop or self._direct is loop:
             return False
