@@ -156,7 +156,6 @@ class _Call:
         self.finished = False  # the acquire ended and _finished saw it
 
     def start(self, key: Hashable, timeout: float | None) -> None:
-        """Call the backend's acquire."""
         task = self.task = asyncio.ensure_future(self.backend.acquire(key, timeout))
         task.add_done_callback(self._finished)
 
