@@ -17,9 +17,7 @@ the steps end. What the steps raise goes to the driver's caller.
   back, or end a turn's session; they complete even if the caller is
   cancelled again meanwhile (a task) or interrupted (a thread).
 - ``INTERRUPTED, error`` (from the thread's turn, not the steps): throw error
-  in. A signal handler's exception raised in a thread outside the steps
-  (as the driver resumed them, say) leaves them suspended; so the turn
-  hands it to them this way, and they roll back and raise it.
+  in, so that steps an interrupt left suspended roll back (see unwind_sync).
 """
 
 from __future__ import annotations
