@@ -111,7 +111,6 @@ class ThreadMode:
         "_quick",
         "_settling",
         "_solo_at",
-        "_solo_thread",
         "fast_loop",
         "lock",
         "shared",
@@ -119,12 +118,11 @@ class ThreadMode:
     )
 
     def __init__(self, one_loop: bool) -> None:
-        # Solo: `solo` (running in thread `_solo_thread`) is the only user, lock-free.
-        # Shared (for good, `solo` None): every change of the lines holds `_lock`.
-        # `_arrival` serializes the decisions between them.
+        # Solo: `solo` is the only user, lock-free; `_solo_at` its thread and it, in one
+        # store (read without a lock: a consistent pair). Shared (for good, `solo` None):
+        # every change of the lines holds `_lock`. `_arrival` serializes the decisions.
         self.solo: asyncio.AbstractEventLoop | None = None
-        self._solo_thread = 0
-        self._solo_at: tuple[int, asyncio.AbstractEventLoop | None] = (0, None)  # one store
+        self._solo_at: tuple[int, asyncio.AbstractEventLoop | None] = (0, None)
         self.shared = False
         self._lock = threading.Lock()
         # The lock, once it is safe to take without settling (None meanwhile: see locked)
@@ -184,19 +182,16 @@ class ThreadMode:
         with self._arrival:
             if not self.shared:
                 here = get_ident()
-                solo = self.solo
-                if loop is not None and (
-                    solo is None or self._solo_thread == here or _gone(solo, self._solo_thread)
-                ):
+                thread, solo = self._solo_at
+                if loop is not None and (solo is None or thread == here or _gone(solo, thread)):
                     self.solo = loop
-                    self._solo_thread = here
                     self._solo_at = (here, loop)
                     self.fast_loop = loop if self._quick else None
                     return True
-                if solo is not None and self._solo_thread != here:
+                if solo is not None and thread != here:
                     # (first: a caller that sees shared must see the settling too)
                     self.lock = None
-                    self._settling = _Settling(solo, self._solo_thread)
+                    self._settling = _Settling(solo, thread)
                 self.fast_loop = self.solo = None
                 self._solo_at = (0, None)
                 self.shared = True
