@@ -22,12 +22,11 @@ Guarantees of a bridged call:
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import os
 import threading
 from collections.abc import Hashable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import TYPE_CHECKING, Any, TypeVar, cast, final
 
 from ._describe import describe
@@ -174,7 +173,7 @@ class _Call:
                 self.outcome.set_exception(error)
             else:
                 self.outcome.set_result(task.result())
-        except concurrent.futures.InvalidStateError:  # a task's wrap_future cancelled it just now
+        except InvalidStateError:  # a task's wrap_future cancelled it just now
             self._drop(task)
 
     def abandon(self) -> None:
@@ -323,5 +322,5 @@ def _settle_outcome(done: asyncio.Future[None], outcome: Future[Any] | _Answer) 
             outcome.set_exception(error)
         else:
             outcome.set_result(None)  # (a cancelled one too: the release went on alone)
-    except concurrent.futures.InvalidStateError:
+    except InvalidStateError:
         pass  # cancelled by a task's wrap_future meanwhile: the release went on all the same
