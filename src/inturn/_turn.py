@@ -548,17 +548,16 @@ async def call_in_turn(
     """
     token = None if label is None else FUNCTION.set(label)
     try:
-        here: asyncio.Task[Any] = turn._enter_now(task, lined)  # type: ignore[assignment]
-        task = here
+        holder: asyncio.Task[Any] = turn._enter_now(task, lined)  # type: ignore[assignment]
         if turn._holder is None:
             if turn._path is _ALONE:
-                await wait_alone(turn._registry, turn.keys[0], task, turn._timeout)
-                turn._held_alone(task)
+                await wait_alone(turn._registry, turn.keys[0], holder, turn._timeout)
+                turn._held_alone(holder)
             else:
-                begun = turn._start(task, since, lined)
+                begun = turn._start(holder, since, lined)
                 if begun is not None:
-                    await turn._drive(task, *begun)
-                turn._holder = task
+                    await turn._drive(holder, *begun)
+                turn._holder = holder
         try:
             result = fn(*args, **kwargs)
             if type(result) is CoroutineType or (result is not None and isawaitable(result)):
@@ -566,11 +565,11 @@ async def call_in_turn(
         except BaseException as error:
             begun = turn._leave(error, None)
             if begun is not None:
-                await turn._drive(task, *begun)
+                await turn._drive(holder, *begun)
             raise
         begun = turn._leave(None, result)
         if begun is not None:
-            await turn._drive(task, *begun)
+            await turn._drive(holder, *begun)
         return result
     finally:
         if token is not None:
