@@ -490,10 +490,8 @@ class Turn:
     def _ending(self, error: BaseException | None, result: Any) -> Steps:
         """Stop the clock, release the slot, the grants (or session), then the keys (steps).
 
-        Raises :exc:`~inturn.HoldTimeout` if max_hold cut the work;
-        :exc:`~inturn.LeaseLost` if a grant's lease ran out and the work ended
-        without an error of its own (with one, the loss is noted on that
-        error); or the backend's error if a release failed.
+        Raises :exc:`~inturn.HoldTimeout` if max_hold cut the work; else, as
+        Shared.ended decides, LeaseLost or the error of a failed release.
         """
         holder, self._holder = self._holder, None
         registry = self._registry
