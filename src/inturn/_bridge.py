@@ -248,9 +248,8 @@ async def acquire_via(
 ) -> Grant:
     """source.acquire(key, timeout) for a task of another loop, on the backend's loop.
 
-    For a backend that serves further event loops best through one (see
-    ``Capabilities.one_loop``): the task waits for the call there.
-    Cancelled or timed out, the call is given up as a thread's is.
+    (A loop the backend does not serve directly: see ThreadMode.via.) Cancelled
+    or timed out, the call is given up as a thread's is.
     """
     loop = _loop_for(backend)
     outcome: Future[Grant] = Future()
