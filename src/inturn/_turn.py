@@ -295,8 +295,7 @@ class Turn:
                 f"inturn: max_hold={self._hold:g} s cannot cut a thread's turn short "
                 "(a thread cannot be cancelled); take it from a task, or without max_hold"
             )
-        # Who takes it: this thread; inside a running event loop, only a reentrant
-        # call is possible, whose holder is the loop's task (see _task_holding).
+        # Who takes it: this thread; in a running event loop, a reentrant call's task only.
         if loop_here() is None:
             mode = self._registry.mode
             if not mode.shared:
