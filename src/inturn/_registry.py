@@ -104,8 +104,7 @@ class Registry:
         task it ran then, if any. They keep the keys they held bare or at the
         head of a line (a raw ``os.fork()`` inside a ``with keyed()`` block
         returns into it); every other holder and waiter, and every lock they
-        may have held at that instant, are the parent's. The running slots
-        are reset the same way.
+        may have held at that instant, are the parent's (the slots' too).
         """
         keep = (thread_holder(), task)
         lines = self.lines
