@@ -99,10 +99,9 @@ def line_up(
     """Join place's line for task, its time limit armed; None if task took the place at once.
 
     A task awaits the waiter in its own frame (a coroutine more per waiting
-    task would cost it some 300 bytes), then calls :func:`seated`, or
-    :func:`give_up` if the wait was interrupted. ``alone``: the registry of a
-    turn on this key alone (no steps around it), which counts the turn as
-    missed if it is not reached.
+    task would cost it some 300 bytes), then calls seated or give_up.
+    ``alone``: the registry of a turn on this key alone (no steps around
+    it), which counts the turn as missed if it is not reached.
     """
     loop = task.get_loop()
     waiter: asyncio.Future[None] = loop.create_future()
