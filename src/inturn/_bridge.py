@@ -290,8 +290,7 @@ def _end_for_thread(backend: Backend, end: Callable[[], Awaitable[None]]) -> Non
 
 def _end_into(end: Callable[[], Awaitable[None]], outcome: Future[None] | _Answer) -> None:
     """(On the backend loop.) Start end(); settle outcome once it is done."""
-    done = _end_here(end)
-    done.add_done_callback(lambda _: _settle_outcome(done, outcome))
+    _end_here(end).add_done_callback(lambda done: _settle_outcome(done, outcome))
 
 
 def release_sync(backend: Backend, source: Source, grant: Grant) -> None:
