@@ -272,8 +272,7 @@ async def drive(
                         seated(place, arg, task, queued)
         except BaseException as problem:  # thrown into the steps, which roll back
             error = problem
-        next_wait = _answer(steps, error)
-        if next_wait is None:
+        if (next_wait := _answer(steps, error)) is None:
             return
         wait = next_wait
 
@@ -314,7 +313,6 @@ def drive_sync(
                     _wait_in_sync(place, arg, me, left, limit)
         except BaseException as problem:  # thrown into the steps, which roll back
             error = problem
-        next_wait = _answer(steps, error)
-        if next_wait is None:
+        if (next_wait := _answer(steps, error)) is None:
             return
         wait = next_wait
