@@ -145,10 +145,9 @@ class ThreadMode:
         def current_task(self) -> asyncio.Task[Any] | None:
             """asyncio.current_task(), looked up directly in the solo loop's own thread.
 
-            (Before 3.12, current_task() is Python and calls getpid(): most of
-            an uncontended turn's cost. One loop runs in a thread at a time,
-            so in the solo loop's thread, a task running a step of it is this
-            caller's; else, or outside a task, ask asyncio.)
+            (Before 3.12 asyncio's is Python, most of an uncontended turn's cost:
+            see _tasks.) One loop runs in a thread at a time: in the solo loop's
+            thread, a task running a step of it is this caller's; else ask asyncio.
 
             :raises RuntimeError: no event loop runs in this thread.
             """
