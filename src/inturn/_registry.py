@@ -155,7 +155,7 @@ class Registry:
                     raise unhashable(key) from None
             raise
 
-    # -- one key's turn ----------------------------------------------------------------
+    # -- one key's turn, and counting turns --------------------------------------------
 
     def try_take(self, key: Hashable, holder: object) -> bool | Held:
         """Take key's turn for holder if it is free: True; HELD if holder holds it; else False.
@@ -385,8 +385,6 @@ class Registry:
                 line.swap(work, task)
         else:
             line.holder = task
-
-    # -- counting ---------------------------------------------------------------------
 
     def started(self, since: float) -> float:
         """Count the wait of a timed turn that was submitted at since and starts now; return now."""
