@@ -22,12 +22,11 @@ Guarantees of a bridged call:
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import os
 import threading
 from collections.abc import Hashable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import TYPE_CHECKING, Any, TypeVar, cast, final
 
 from ._describe import describe
@@ -74,10 +73,9 @@ class _BackendLoop:
                 # (in a forked child, the parent's loop has no thread: it is left as it is)
                 loop = asyncio.new_event_loop()
                 started = threading.Event()
-                thread = threading.Thread(
+                threading.Thread(
                     target=_serve, args=(loop, started), name="inturn-backend-loop", daemon=True
-                )
-                thread.start()
+                ).start()
                 started.wait()
                 self._loop, self._pid = loop, os.getpid()
                 logger.debug(
@@ -157,7 +155,6 @@ class _Call:
         self.finished = False  # the acquire ended and _finished saw it
 
     def start(self, key: Hashable, timeout: float | None) -> None:
-        """Call the backend's acquire."""
         task = self.task = asyncio.ensure_future(self.backend.acquire(key, timeout))
         task.add_done_callback(self._finished)
 
@@ -176,7 +173,7 @@ class _Call:
                 self.outcome.set_exception(error)
             else:
                 self.outcome.set_result(task.result())
-        except concurrent.futures.InvalidStateError:  # a task's wrap_future cancelled it just now
+        except InvalidStateError:  # a task's wrap_future cancelled it just now
             self._drop(task)
 
     def abandon(self) -> None:
@@ -251,9 +248,8 @@ async def acquire_via(
 ) -> Grant:
     """source.acquire(key, timeout) for a task of another loop, on the backend's loop.
 
-    For a backend that serves further event loops best through one (see
-    ``Capabilities.one_loop``): the task waits for the call there.
-    Cancelled or timed out, the call is given up as a thread's is.
+    (A loop the backend does not serve directly: see ThreadMode.via.) Cancelled
+    or timed out, the call is given up as a thread's is.
     """
     loop = _loop_for(backend)
     outcome: Future[Grant] = Future()
@@ -294,8 +290,7 @@ def _end_for_thread(backend: Backend, end: Callable[[], Awaitable[None]]) -> Non
 
 def _end_into(end: Callable[[], Awaitable[None]], outcome: Future[None] | _Answer) -> None:
     """(On the backend loop.) Start end(); settle outcome once it is done."""
-    done = _end_here(end)
-    done.add_done_callback(lambda _: _settle_outcome(done, outcome))
+    _end_here(end).add_done_callback(lambda done: _settle_outcome(done, outcome))
 
 
 def release_sync(backend: Backend, source: Source, grant: Grant) -> None:
@@ -325,5 +320,5 @@ def _settle_outcome(done: asyncio.Future[None], outcome: Future[Any] | _Answer) 
             outcome.set_exception(error)
         else:
             outcome.set_result(None)  # (a cancelled one too: the release went on alone)
-    except concurrent.futures.InvalidStateError:
+    except InvalidStateError:
         pass  # cancelled by a task's wrap_future meanwhile: the release went on all the same

@@ -17,9 +17,7 @@ the steps end. What the steps raise goes to the driver's caller.
   back, or end a turn's session; they complete even if the caller is
   cancelled again meanwhile (a task) or interrupted (a thread).
 - ``INTERRUPTED, error`` (from the thread's turn, not the steps): throw error
-  in. A signal handler's exception raised in a thread outside the steps
-  (as the driver resumed them, say) leaves them suspended; so the turn
-  hands it to them this way, and they roll back and raise it.
+  in, so that steps an interrupt left suspended roll back (see unwind_sync).
 """
 
 from __future__ import annotations
@@ -62,19 +60,15 @@ class Place(Protocol):
         Return the line joined (for settle and abandon). Raise if it is
         refused (closed, full, or no time to wait).
         """
-        ...
 
     def settle(self, key: Hashable, line: Any, waiter: Waiter, holder: object) -> bool:
         """Make holder the holder of the place handed to waiter; False if it was not handed."""
-        ...
 
     def abandon(self, key: Hashable, line: Any, waiter: Waiter) -> None:
         """Take waiter out of line (passing on a place handed to it meanwhile)."""
-        ...
 
     def too_late(self, key: Hashable, limit: float | None) -> TimeoutError:
         """The error of a place not reached within limit."""
-        ...
 
 
 def _answer(steps: Steps, error: BaseException | None) -> tuple[int, Any] | None:
@@ -105,10 +99,9 @@ def line_up(
     """Join place's line for task, its time limit armed; None if task took the place at once.
 
     A task awaits the waiter in its own frame (a coroutine more per waiting
-    task would cost it some 300 bytes), then calls :func:`seated`, or
-    :func:`give_up` if the wait was interrupted. ``alone``: the registry of a
-    turn on this key alone (no steps around it), which counts the turn as
-    missed if it is not reached.
+    task would cost it some 300 bytes), then calls seated or give_up.
+    ``alone``: the registry of a turn on this key alone (no steps around
+    it), which counts the turn as missed if it is not reached.
     """
     loop = task.get_loop()
     waiter: asyncio.Future[None] = loop.create_future()
@@ -279,8 +272,7 @@ async def drive(
                         seated(place, arg, task, queued)
         except BaseException as problem:  # thrown into the steps, which roll back
             error = problem
-        next_wait = _answer(steps, error)
-        if next_wait is None:
+        if (next_wait := _answer(steps, error)) is None:
             return
         wait = next_wait
 
@@ -321,7 +313,6 @@ def drive_sync(
                     _wait_in_sync(place, arg, me, left, limit)
         except BaseException as problem:  # thrown into the steps, which roll back
             error = problem
-        next_wait = _answer(steps, error)
-        if next_wait is None:
+        if (next_wait := _answer(steps, error)) is None:
             return
         wait = next_wait

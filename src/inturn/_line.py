@@ -103,10 +103,7 @@ Waiter = asyncio.Future[None] | ThreadWaiter | Deferred
 
 
 def hand(waiter: Waiter, shared: bool) -> bool:
-    """Hand a place to waiter (given it already); False if it can never take it.
-
-    ``shared``: the waiter may live in another thread or loop (see wake).
-    """
+    """Hand a place to waiter (given it already; ``shared``: see wake); False if it never can."""
     if shared:
         return wake(waiter)
     if isinstance(waiter, Deferred):  # work waiting as data: its task starts

@@ -10,8 +10,6 @@ and pops a bare holder on the mode's ``fast_loop`` exactly as
 
 Every verb takes the lock of a shared mode itself (see ``_threads``), but
 those marked "under the guard", whose callers make several changes at once.
-Takes answer True (taken now), False (must wait) or ``HELD`` (held by the
-caller already).
 """
 
 from __future__ import annotations
@@ -106,8 +104,7 @@ class Registry:
         task it ran then, if any. They keep the keys they held bare or at the
         head of a line (a raw ``os.fork()`` inside a ``with keyed()`` block
         returns into it); every other holder and waiter, and every lock they
-        may have held at that instant, are the parent's. The running slots
-        are reset the same way.
+        may have held at that instant, are the parent's (the slots' too).
         """
         keep = (thread_holder(), task)
         lines = self.lines
@@ -158,7 +155,7 @@ class Registry:
                     raise unhashable(key) from None
             raise
 
-    # -- one key's turn ----------------------------------------------------------------
+    # -- one key's turn, and counting turns --------------------------------------------
 
     def try_take(self, key: Hashable, holder: object) -> bool | Held:
         """Take key's turn for holder if it is free: True; HELD if holder holds it; else False.
@@ -235,11 +232,8 @@ class Registry:
         return line
 
     def settle(self, key: Hashable, line: Line | Gate, waiter: Waiter, holder: object) -> bool:
-        """Make holder the holder of key's turn handed to waiter; False if it was not handed.
-
-        A Line's needs no lock: once handed, its holder is the waiter's to
-        change (the hander may still hold the lock, waking other waiters).
-        """
+        """As Place.settle. A Line's needs no lock: once handed, its holder is the waiter's to
+        change (the hander may still hold the lock, waking other waiters)."""
         if type(line) is Gate:
             with self.mode.guard():
                 if waiter not in line.holders:
@@ -252,12 +246,9 @@ class Registry:
         return True
 
     def abandon(self, key: Hashable, line: Line | Gate, waiter: Waiter) -> None:
-        """Take a waiter that was interrupted (cancelled, timed out) out of the line it joined.
-
-        ``line`` is the object the waiter joined: by now it may have left the
-        lines (its holder left and no live waiter remained), and a new line
-        may even stand for the same key.
-        """
+        """As Place.abandon. ``line`` is the object the waiter joined: by now it may have left
+        the lines (its holder left and no live waiter remained), and a new line may even stand
+        for the same key."""
         if self.mode.shared:
             with self.mode.lock or self.mode.locked():
                 self._abandon(key, line, waiter)
@@ -317,7 +308,7 @@ class Registry:
     def finish(
         self, key: Hashable, holder: object, error: BaseException | None, result: Any
     ) -> None:
-        """End an untimed turn on one key (see release) and count it."""
+        """End an untimed turn on one key (see _release) and count it."""
         if self.mode.shared:
             with self.mode.lock or self.mode.locked():
                 if (line := self.lines.pop(key)) is not holder:  # (_release, as below)
@@ -395,8 +386,6 @@ class Registry:
         else:
             line.holder = task
 
-    # -- counting ---------------------------------------------------------------------
-
     def started(self, since: float) -> float:
         """Count the wait of a timed turn that was submitted at since and starts now; return now."""
         now = _monotonic()
@@ -424,10 +413,8 @@ class Registry:
     def watch(self, key: Hashable, loop: asyncio.AbstractEventLoop) -> asyncio.Future[Any] | None:
         """A future of the outcome of key's holder (see KeyedQueue.current). Under the guard."""
         line = self.lines.get(key)
-        if line is None or type(line) is Gate:
-            return None  # (several holders: no one outcome to watch)
-        if isinstance(line, Deferred):
-            return None  # submitted work holds the key, its task not started yet
+        if line is None or type(line) is Gate or isinstance(line, Deferred):
+            return None  # (several holders: no one outcome; or submitted work, its task unstarted)
         if type(line) is not Line:
             line = self.lines[key] = Line(line)
         elif not isinstance(line.holder, asyncio.Task | ThreadHolder):
@@ -458,10 +445,8 @@ class Registry:
         return holders, waiting
 
     def mark(self, finish: Any) -> bool:
-        """Put a drain mark at the tail of every active line; False if there is none.
-
-        ``finish`` is called once every mark is reached. Under the guard.
-        """
+        """Put a drain mark (see Drain) at the tail of every active line; False if there is
+        none. Under the guard."""
         lines = self.lines
         if not lines:
             return False

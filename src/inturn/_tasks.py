@@ -38,7 +38,6 @@ else:  # pragma: no cover - depends on the interpreter
         _get: Callable[[object], asyncio.Task[Any] | None] = _current_tasks.get,
         _loop: Callable[[], asyncio.AbstractEventLoop] = asyncio.get_running_loop,
     ) -> asyncio.Task[Any] | None:
-        """Return the task running in this thread's event loop, or None."""
         return _get(_loop())
 
 

@@ -10,10 +10,6 @@ their places across the switch. Loops that follow each other in one thread
 insert (``run()``'s licensed inline path): the solo loop, while the queue
 allows it (open, in process, one holder per key, no flow control, no
 observer), else None.
-
-A backend that prefers one event loop per process (``Capabilities.one_loop``)
-is served directly by one loop at a time; other loops reach it through the
-process's backend loop, as threads do (see :meth:`ThreadMode.via`).
 """
 
 from __future__ import annotations
@@ -115,7 +111,6 @@ class ThreadMode:
         "_quick",
         "_settling",
         "_solo_at",
-        "_solo_thread",
         "fast_loop",
         "lock",
         "shared",
@@ -123,12 +118,11 @@ class ThreadMode:
     )
 
     def __init__(self, one_loop: bool) -> None:
-        # Solo: `solo` (running in thread `_solo_thread`) is the only user, lock-free.
-        # Shared (for good, `solo` None): every change of the lines holds `_lock`.
-        # `_arrival` serializes the decisions between them.
+        # Solo: `solo` is the only user, lock-free; `_solo_at` its thread and it, in one
+        # store (read without a lock: a consistent pair). Shared (for good, `solo` None):
+        # every change of the lines holds `_lock`. `_arrival` serializes the decisions.
         self.solo: asyncio.AbstractEventLoop | None = None
-        self._solo_thread = 0
-        self._solo_at: tuple[int, asyncio.AbstractEventLoop | None] = (0, None)  # one store
+        self._solo_at: tuple[int, asyncio.AbstractEventLoop | None] = (0, None)
         self.shared = False
         self._lock = threading.Lock()
         # The lock, once it is safe to take without settling (None meanwhile: see locked)
@@ -151,10 +145,9 @@ class ThreadMode:
         def current_task(self) -> asyncio.Task[Any] | None:
             """asyncio.current_task(), looked up directly in the solo loop's own thread.
 
-            (Before 3.12, current_task() is Python and calls getpid(): most of
-            an uncontended turn's cost. One loop runs in a thread at a time,
-            so in the solo loop's thread, a task running a step of it is this
-            caller's; else, or outside a task, ask asyncio.)
+            (Before 3.12 asyncio's is Python, most of an uncontended turn's cost:
+            see _tasks.) One loop runs in a thread at a time: in the solo loop's
+            thread, a task running a step of it is this caller's; else ask asyncio.
 
             :raises RuntimeError: no event loop runs in this thread.
             """
@@ -188,19 +181,16 @@ class ThreadMode:
         with self._arrival:
             if not self.shared:
                 here = get_ident()
-                solo = self.solo
-                if loop is not None and (
-                    solo is None or self._solo_thread == here or _gone(solo, self._solo_thread)
-                ):
+                thread, solo = self._solo_at
+                if loop is not None and (solo is None or thread == here or _gone(solo, thread)):
                     self.solo = loop
-                    self._solo_thread = here
                     self._solo_at = (here, loop)
                     self.fast_loop = loop if self._quick else None
                     return True
-                if solo is not None and self._solo_thread != here:
+                if solo is not None and thread != here:
                     # (first: a caller that sees shared must see the settling too)
                     self.lock = None
-                    self._settling = _Settling(solo, self._solo_thread)
+                    self._settling = _Settling(solo, thread)
                 self.fast_loop = self.solo = None
                 self._solo_at = (0, None)
                 self.shared = True
@@ -237,14 +227,15 @@ class ThreadMode:
     def via(self, loop: asyncio.AbstractEventLoop) -> bool:
         """Whether loop's tasks reach the backend through the process's backend loop.
 
-        A backend that prefers one loop per process (each loop it serves costs
-        it connections, as Redis's sessions do) serves one loop directly at a
-        time: the first to come, for as long as it lives. Other loops at once
-        go through the backend loop, as threads do. Once _DIRECT_LOOPS direct
-        loops ended, the process runs a loop per job (``asyncio.run()`` per
-        task), and every later loop goes through the backend loop: a job's
-        loop is too short-lived to pay for a session. (So a server's loop that
-        follows one startup ``asyncio.run()`` is still served directly.)
+        A backend that prefers one loop per process (``Capabilities.one_loop``:
+        each loop it serves costs it connections, as Redis's sessions do)
+        serves one loop directly at a time: the first to come, for as long as
+        it lives. Other loops at once go through the backend loop, as threads
+        do. Once _DIRECT_LOOPS direct loops ended, the process runs a loop per
+        job (``asyncio.run()`` per task), and every later loop goes through the
+        backend loop: a job's loop is too short-lived to pay for a session. (So
+        a server's loop that follows one startup ``asyncio.run()`` is still
+        served directly.)
         """
         if not self._one_loop or self._direct is loop:
             return False

@@ -5,8 +5,7 @@ yield only waits; ``_drive`` performs them for a task or a thread):
 ``_taking`` takes each key's line of this process in the global order
 (with a backend, then its grant, or all the keys on the turn's session:
 see ``_shared``), then a running slot; ``_ending`` gives them back, newest
-first. A take answers True (taken now), False (wait for it) or HELD (held
-by this holder already: a reentrant turn takes nothing).
+first. A key its holder holds already is not taken again (see Held).
 
 The registry's fast verb ``try_take`` is called first: an uncontended turn
 on one key of an untimed in-process queue yields no wait and makes no steps.
@@ -239,14 +238,12 @@ class Turn:
     def _enter_now(self, holder: object, lined: bool = False) -> object:
         """Who takes this turn; the turn taken at once by the registry's fast verb, if it can be.
 
-        ``holder``: a thread's, or the task when the caller knows it; None:
-        the current task, whose loop is then settled in the thread mode;
-        ``lined``: holder holds the key's line already (submitted work). A
-        turn alone (untimed, one key, in process: no steps, nothing allocated)
-        is taken by the fast verb if its key is free or held by holder already
-        (``_holder`` is set), else ``_path`` is ``_ALONE`` and the caller
-        waits in the key's line alone (see wait_alone). Any other turn
-        (``_STEPS``) is taken by its steps (see _start).
+        ``holder``: a thread's, or the task when the caller knows it; None: the
+        current task, whose loop is then settled in the thread mode; ``lined``:
+        see _taking. A turn alone (untimed, one key, in process: no steps,
+        nothing allocated) is taken by the fast verb if its key is free or held
+        by holder already (``_holder`` is set), else it is ``_ALONE`` (the caller
+        waits in the key's line alone: see wait_alone); any other, ``_STEPS``.
         """
         registry = self._registry
         if holder is None:
@@ -298,8 +295,7 @@ class Turn:
                 f"inturn: max_hold={self._hold:g} s cannot cut a thread's turn short "
                 "(a thread cannot be cancelled); take it from a task, or without max_hold"
             )
-        # Who takes it: this thread; inside a running event loop, only a reentrant
-        # call is possible, whose holder is the loop's task (see _task_holding).
+        # Who takes it: this thread; in a running event loop, a reentrant call's task only.
         if loop_here() is None:
             mode = self._registry.mode
             if not mode.shared:
@@ -371,8 +367,7 @@ class Turn:
         """Take the turn for holder by its steps, as far as they go without a wait.
 
         None once it is held; else the steps and their first wait. ``since``:
-        when it was asked for (0: now); ``lined``: holder holds its keys'
-        lines already (submitted work).
+        when it was asked for (0: now); ``lined``: see _taking.
         """
         registry = self._registry
         self._since = since or (_monotonic() if registry.timed else 0.0)
@@ -494,10 +489,8 @@ class Turn:
     def _ending(self, error: BaseException | None, result: Any) -> Steps:
         """Stop the clock, release the slot, the grants (or session), then the keys (steps).
 
-        Raises :exc:`~inturn.HoldTimeout` if max_hold cut the work;
-        :exc:`~inturn.LeaseLost` if a grant's lease ran out and the work ended
-        without an error of its own (with one, the loss is noted on that
-        error); or the backend's error if a release failed.
+        Raises :exc:`~inturn.HoldTimeout` if max_hold cut the work; else, as
+        Shared.ended decides, LeaseLost or the error of a failed release.
         """
         holder, self._holder = self._holder, None
         registry = self._registry
@@ -552,17 +545,16 @@ async def call_in_turn(
     """
     token = None if label is None else FUNCTION.set(label)
     try:
-        here: asyncio.Task[Any] = turn._enter_now(task, lined)  # type: ignore[assignment]
-        task = here
+        holder: asyncio.Task[Any] = turn._enter_now(task, lined)  # type: ignore[assignment]
         if turn._holder is None:
             if turn._path is _ALONE:
-                await wait_alone(turn._registry, turn.keys[0], task, turn._timeout)
-                turn._held_alone(task)
+                await wait_alone(turn._registry, turn.keys[0], holder, turn._timeout)
+                turn._held_alone(holder)
             else:
-                begun = turn._start(task, since, lined)
+                begun = turn._start(holder, since, lined)
                 if begun is not None:
-                    await turn._drive(task, *begun)
-                turn._holder = task
+                    await turn._drive(holder, *begun)
+                turn._holder = holder
         try:
             result = fn(*args, **kwargs)
             if type(result) is CoroutineType or (result is not None and isawaitable(result)):
@@ -570,11 +562,11 @@ async def call_in_turn(
         except BaseException as error:
             begun = turn._leave(error, None)
             if begun is not None:
-                await turn._drive(task, *begun)
+                await turn._drive(holder, *begun)
             raise
         begun = turn._leave(None, result)
         if begun is not None:
-            await turn._drive(task, *begun)
+            await turn._drive(holder, *begun)
         return result
     finally:
         if token is not None:
