@@ -91,6 +91,8 @@ class _Side(asyncio.Protocol):
         self.due: deque[tuple[float, bytes | None]] = deque()
         self.timer: asyncio.TimerHandle | None = None
         self.closed = False
+        #: What was read before the peer's socket opened, to be written once it has.
+        self.early: list[bytes] = []
 
     # What the other side read, to be written here.
 
@@ -139,6 +141,8 @@ class _Side(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.peer is not None:
             self.peer.later(data)
+        else:  # (before 3.11, a transport reads even if paused in connection_made)
+            self.early.append(data)
 
     def eof_received(self) -> bool:
         if self.peer is not None:
@@ -189,6 +193,9 @@ class _Client(_Side):
         if self.closed:  # the client left while the upstream was opening
             upstream.close()
             return
+        for chunk in self.early:
+            upstream.later(chunk)
+        self.early.clear()
         assert self.transport is not None
         self.transport.resume_reading()
 
