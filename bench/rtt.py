@@ -2,8 +2,8 @@
 
     python -m bench.rtt [--repeats N] [--quick] [--seconds S] [--json out.json]
 
-(5 repeats of 1.5 s runs: about 4 minutes on 2 cores; --quick: 1 repeat of
-0.4 s runs, about 20 s.)
+(5 repeats of 1.5 s runs: about 7 minutes on 2 cores; --quick: 1 repeat of
+0.4 s runs, about 30 s.)
 
 The Redis backend carries its connections one of two ways: taken over (it
 writes redis-py's transport and parses the replies itself) or through
@@ -24,7 +24,10 @@ workers, one fresh interpreter each, the wire mode in its environment):
 - (n2) one process, uncontended ``with queue.keyed(key)`` from its main
   thread, no event loop in the caller (multiproc's (s4)); reference:
   redis-py's ``r.lock(name, timeout=10, blocking_timeout=60)``;
-- (n3) 4 processes on one key, ``async with`` (multiproc's (r1), 4 workers).
+- (n3) 4 processes on one key, ``async with`` (multiproc's (r1), 4 workers);
+- (n4) and (n5): 8 processes on one key, ``async with``, with nothing and
+  with 1 ms (``asyncio.sleep``) outside the lock: multiproc's (r1) and (r2),
+  where 8 processes share 2 cores, so what each turn costs the CPU counts.
 
 Each repeat runs every contender of every scenario once, at every round
 trip, in a rotated order; the numbers are the medians of the repeats, and
@@ -95,6 +98,16 @@ SCENARIOS: tuple[tuple[Scenario, tuple[Entry, ...]], ...] = (
     ),
     (
         Scenario("n3", "4 processes on one key, async with", 0.0, kind="redis", workers=4),
+        _inturn("inturn-redis"),
+    ),
+    (
+        Scenario("n4", "8 processes on one key, async with", 0.0, kind="redis", workers=8),
+        _inturn("inturn-redis"),
+    ),
+    (
+        Scenario(
+            "n5", "8 processes on one key, 1 ms outside, async with", 0.001, kind="redis", workers=8
+        ),
         _inturn("inturn-redis"),
     ),
 )
@@ -273,9 +286,9 @@ def report(result: dict[str, Any]) -> str:
             f"| {link['set_ms']:.3f} |"
         )
     lines += [
-        "\nµs per turn (turns per second), median; n3: turns of the key, all processes together."
-        " Ratio: takeover / public turns per second (above 1: the takeover is faster), and the"
-        " range of the repeats' paired ratios.\n",
+        "\nµs per turn (turns per second), median; n3 to n5: turns of the key, all processes"
+        " together. Ratio: takeover / public turns per second (above 1: the takeover is"
+        " faster), and the range of the repeats' paired ratios.\n",
         "| scenario | round trip | takeover | public | takeover / public | repeats' ratios "
         "| reference |",
         "|---|---|---:|---:|---:|---:|---:|",
