@@ -43,6 +43,11 @@ METRICS: dict[str, str] = {
     "fairness": "ops of the worker with fewest divided by those of the one with most",
     "longest_wait_ms": "the longest wait of any op, grant minus arrival, in ms",
     "lost_updates": "ops whose counter increment was lost: ops minus the counter's final value",
+    "cpu_us_per_op": (
+        "CPU time of the worker processes per op, in µs (user and system, every thread, from "
+        "the go to the last op): what a turn costs the client machine, steadier than wall "
+        "time on a shared one (a server's own CPU is not counted)"
+    ),
 }
 
 
@@ -137,4 +142,5 @@ def measure_run(
         "fairness": fairness(ops, len(records)),
         "longest_wait_ms": max(op.grant - op.arrival for op in ops) / 1e6,
         "lost_updates": float(len(ops) - counter),
+        "cpu_us_per_op": sum(sum(record.get("cpu_ns", ())) for record in records) / len(ops) / 1e3,
     }

@@ -24,7 +24,7 @@ The conversation with the parent (bench/multiproc.py), over stdin/stdout:
    the others;
 5. it tears its contender down and prints one JSON line of its records:
    ``arrivals``, ``grants`` and ``releases``, one entry per turn, in
-   nanoseconds.
+   nanoseconds, and ``cpu_ns``: the process's CPU time over its turns.
 
 The critical section is a read-modify-write of a decimal counter in the
 file ``counter`` of the workdir (read it, write it back plus one), with
@@ -130,6 +130,7 @@ def run_sync(contender: SyncContender, config: dict[str, Any], go: Callable[[], 
         releases: list[int] = []
         now, hold, sleep = time.monotonic_ns, contender.hold, time.sleep
         deadline = go()
+        cpu = time.process_time_ns()
         while (arrival := now()) < deadline:
             with hold(key):
                 grant = now()
@@ -140,11 +141,12 @@ def run_sync(contender: SyncContender, config: dict[str, Any], go: Callable[[], 
             releases.append(release)
             if outside:
                 sleep(outside)
+        cpu = time.process_time_ns() - cpu
         os.close(fd)
         wait_for_all()
     finally:
         contender.teardown()
-    return {"arrivals": arrivals, "grants": grants, "releases": releases}
+    return {"arrivals": arrivals, "grants": grants, "releases": releases, "cpu_ns": [cpu]}
 
 
 async def run_async(
@@ -170,6 +172,7 @@ async def run_async(
         releases: list[int] = []
         now, hold, sleep = time.monotonic_ns, contender.hold, asyncio.sleep
         deadline = go()  # blocks the loop, which has nothing else to do yet
+        cpu = time.process_time_ns()
         while (arrival := now()) < deadline:
             async with hold(key):
                 grant = now()
@@ -180,11 +183,12 @@ async def run_async(
             releases.append(release)
             if outside:
                 await sleep(outside)
+        cpu = time.process_time_ns() - cpu
         os.close(fd)
         wait_for_all()  # blocks the loop: nothing of this worker's is in line any more
     finally:
         await contender.teardown()
-    return {"arrivals": arrivals, "grants": grants, "releases": releases}
+    return {"arrivals": arrivals, "grants": grants, "releases": releases, "cpu_ns": [cpu]}
 
 
 def main(argv: list[str]) -> int:

@@ -481,6 +481,7 @@ ROWS: dict[str, tuple[str, str]] = {
     "fairness": ("fairness (min/max ops per worker)", "{:.2f}"),
     "longest_wait_ms": ("longest wait (ms)", "{:,.1f}"),
     "lost_updates": ("lost updates", "{:.0f}"),
+    "cpu_us_per_op": ("client CPU per op (µs)", "{:,.1f}"),
 }
 
 
