@@ -268,6 +268,11 @@ class Settings:
 Log = Callable[[str], None]
 
 
+def log(message: str) -> None:
+    """The benchmark's progress, on stderr (the tables go to stdout)."""
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
 def worker_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """A worker's environment: this one's, extra, and the bench package and PYTHONPATH's
     entries on its path (made absolute: workers run in ROOT, not in this directory)."""
@@ -678,9 +683,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [name for name in settings.contenders if name not in CONTENDERS]
     if unknown:
         parser.error(f"unknown contenders: {', '.join(unknown)}")
-
-    def log(message: str) -> None:
-        print(f"[bench] {message}", file=sys.stderr, flush=True)
 
     started = time.perf_counter()
     result = measure(settings, log)

@@ -57,7 +57,7 @@ if __package__ in (None, ""):  # run as a script: python bench/rtt.py
 
 from .delay_proxy import Delayed, delayed, ping_ms
 from .mp_servers import redis_server
-from .multiproc import ROOT, Scenario, Settings, machine, run_once, worker_env
+from .multiproc import ROOT, Log, Scenario, Settings, log, machine, run_once, worker_env
 from .targets import check, ratio
 
 #: The round trips, in ms; 0 is loopback, direct to the server (no proxy).
@@ -179,7 +179,7 @@ def wire_check(url: str, wire: str) -> dict[str, Any]:
 # The run.
 
 
-def measure(settings: Settings, log: Any, pings: int = 300) -> dict[str, Any]:
+def measure(settings: Settings, log: Log, pings: int = 300) -> dict[str, Any]:
     """Every scenario's contenders at every round trip, interleaved; medians and ratios."""
     runs: dict[str, dict[str, dict[str, list[dict[str, float]]]]] = defaultdict(
         lambda: defaultdict(lambda: defaultdict(list))
@@ -357,9 +357,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if options.seconds is not None:
         settings.seconds = options.seconds
-
-    def log(message: str) -> None:
-        print(f"[bench] {message}", file=sys.stderr, flush=True)
 
     started = time.perf_counter()
     result = measure(settings, log, pings=100 if options.quick else 300)
