@@ -37,7 +37,11 @@ GROUPS = {
 }
 #: The Redis backend's tests (and the conformance suite's Redis servers); the
 #: cluster's need redis-py 8.0, so they run with the newest only.
-REDIS_TESTS = ("tests/test_redis_backend.py", "tests/test_redis_faults.py")
+REDIS_TESTS = (
+    "tests/test_redis_backend.py",
+    "tests/test_redis_faults.py",
+    "tests/test_redis_threads.py",
+)
 CONFORMANCE = "tests/test_backend_conformance.py"
 
 

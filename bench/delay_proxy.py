@@ -293,6 +293,14 @@ class Delayed:
     ping_ms: float = 0.0
     #: PING through the proxy at a delay of 0: its own cost, in ms (median).
     zero_ms: float = 0.0
+    #: Tells the proxy another round trip, in ms (uncalibrated): see retime().
+    _set_rtt: Callable[[float], None] | None = None
+
+    def retime(self, rtt_ms: float) -> None:
+        """Have the proxy add rtt_ms (as told, uncalibrated) from now on, to every connection."""
+        assert self._set_rtt is not None
+        self._set_rtt(rtt_ms)
+        self.set_ms = rtt_ms
 
     @property
     def achieved_ms(self) -> float:
@@ -386,7 +394,7 @@ def delayed(
     proxy = _ProxyProcess(_upstream(url))
     try:
         through = _via(url, proxy.address)
-        result = Delayed(through, rtt_ms)
+        result = Delayed(through, rtt_ms, _set_rtt=proxy.set_rtt)
         result.direct_ms = ping_ms(url, pings)
         if calibrate:
             proxy.set_rtt(0.0)

@@ -49,7 +49,7 @@ logger = logging.getLogger("inturn.bridge")
 _GRACE = 5.0
 
 #: What a thread or a task waits on for an end on the backend loop (see _end_there).
-_O = TypeVar("_O", "Future[None]", "_Answer")
+_O = TypeVar("_O", "Future[None]", "Answer")
 
 
 @final
@@ -95,8 +95,17 @@ def _serve(loop: asyncio.AbstractEventLoop, started: threading.Event) -> None:
 _LOOP = _BackendLoop()
 
 
+def backend_loop() -> asyncio.AbstractEventLoop:
+    """This process's backend loop (started at the first call; a forked child makes its own).
+
+    For a blocking backend whose threads still need a loop for what goes on
+    between their calls (the Redis backend's subscription and heartbeat).
+    """
+    return _LOOP.get()
+
+
 @final
-class _Answer:
+class Answer:
     """What a thread waits for from the backend loop: an outcome, behind a plain lock.
 
     Not a concurrent.futures.Future: its waits take a threading.Condition,
@@ -105,26 +114,33 @@ class _Answer:
     leave its lock taken, and the backend loop would block for good the
     next time it touched the future. A thread blocks on a C lock here
     instead, which an interrupt never leaves half taken. Set once, on the
-    backend loop (as much of a Future as _Call and _settle_outcome use).
+    backend loop (as much of a Future as _Call, _settle_outcome and the
+    Redis backend's thread waiters use).
     """
 
-    __slots__ = ("_error", "_set", "_value")
+    __slots__ = ("_done", "_error", "_set", "_value")
 
     def __init__(self) -> None:
         self._set = threading.Lock()
         self._set.acquire()  # (released once the outcome is set)
         self._value: Any = None
         self._error: BaseException | None = None
+        self._done = False
 
     def cancelled(self) -> bool:
         return False  # (a thread gives up by _Call.abandon instead)
 
+    def done(self) -> bool:
+        return self._done
+
     def set_result(self, value: Any) -> None:
         self._value = value
+        self._done = True
         self._set.release()
 
     def set_exception(self, error: BaseException) -> None:
         self._error = error
+        self._done = True
         self._set.release()
 
     def wait(self, timeout: float | None) -> bool:
@@ -147,9 +163,9 @@ class _Call:
 
     __slots__ = ("abandoned", "backend", "finished", "outcome", "task")
 
-    def __init__(self, backend: Source, outcome: Future[Grant] | _Answer) -> None:
+    def __init__(self, backend: Source, outcome: Future[Grant] | Answer) -> None:
         self.backend = backend
-        self.outcome = outcome  # a thread's _Answer, or a Future for a task's wrap_future
+        self.outcome = outcome  # a thread's Answer, or a Future for a task's wrap_future
         self.task: asyncio.Task[Grant] | None = None
         self.abandoned = False  # the thread gave up
         self.finished = False  # the acquire ended and _finished saw it
@@ -225,8 +241,18 @@ def acquire_sync(backend: Backend, source: Source, key: Hashable, timeout: float
     """
     if backend.capabilities.blocking:
         return cast("BlockingBackend | BlockingTurnSession", source).acquire_sync(key, timeout)
+    return acquire_there(backend, source, key, timeout)
+
+
+def acquire_there(backend: Backend, source: Source, key: Hashable, timeout: float | None) -> Grant:
+    """source.acquire(key, timeout) on the backend's loop, for this thread, blocking it.
+
+    What acquire_sync does for a backend that does not block threads; a
+    blocking one may call it too, for a turn it cannot take natively (the
+    Redis backend's first, which sets up its subscription on that loop).
+    """
     loop = _loop_for(backend)
-    answer = _Answer()
+    answer = Answer()
     call = _Call(source, answer)
     try:
         loop.call_soon_threadsafe(call.start, key, timeout)
@@ -275,7 +301,7 @@ def close_via(
 
 
 def _end_there(backend: Backend, end: Callable[[], Awaitable[None]], outcome: _O) -> _O:
-    """Start end() on the backend's loop; outcome (a task's Future, a thread's _Answer)
+    """Start end() on the backend's loop; outcome (a task's Future, a thread's Answer)
     is settled once it is done."""
     _loop_for(backend).call_soon_threadsafe(_end_into, end, outcome)
     return outcome
@@ -283,12 +309,12 @@ def _end_there(backend: Backend, end: Callable[[], Awaitable[None]], outcome: _O
 
 def _end_for_thread(backend: Backend, end: Callable[[], Awaitable[None]]) -> None:
     """Run end() on the backend's loop; return once it is done (its error raised)."""
-    answer = _end_there(backend, end, _Answer())
+    answer = _end_there(backend, end, Answer())
     answer.wait(None)  # (the end completes by itself: see release_sync)
     answer.result()
 
 
-def _end_into(end: Callable[[], Awaitable[None]], outcome: Future[None] | _Answer) -> None:
+def _end_into(end: Callable[[], Awaitable[None]], outcome: Future[None] | Answer) -> None:
     """(On the backend loop.) Start end(); settle outcome once it is done."""
     _end_here(end).add_done_callback(lambda done: _settle_outcome(done, outcome))
 
@@ -314,7 +340,7 @@ def close_sync(backend: Backend, session: TurnSession, error: BaseException | No
     _end_for_thread(backend, lambda: session.close(error))
 
 
-def _settle_outcome(done: asyncio.Future[None], outcome: Future[Any] | _Answer) -> None:
+def _settle_outcome(done: asyncio.Future[None], outcome: Future[Any] | Answer) -> None:
     try:
         if not done.cancelled() and (error := done.exception()) is not None:
             outcome.set_exception(error)

@@ -87,27 +87,34 @@ class Calls:
 
     def enqueue(self, member: Member, member_id: str) -> Call:
         """Call the enqueue script for member: join its line, or take the key if free."""
-        info = f"{self._info} {int(time.time() * 1000)}".encode()
-        given = portable_name(member.key)
         if self.link is not None:
-            return self.link.call(
-                ENQUEUE,
-                member.packed
-                + bulk(member_id.encode())
-                + self._tails[0]
-                + bulk(info)
-                + bulk(given),
-            )
+            return self.link.call(ENQUEUE, self.enqueue_rest(member, member_id))
         config = self.config
-        args = (member_id, config.lease_ms, config.ttl_ms, config.channels, info, given)
-        return self._cluster_call(ENQUEUE, member.names, args)
+        info = f"{self._info} {int(time.time() * 1000)}".encode()
+        args = (member_id, config.lease_ms, config.ttl_ms, config.channels, info)
+        return self._cluster_call(ENQUEUE, member.names, (*args, portable_name(member.key)))
+
+    def enqueue_rest(self, member: Member, member_id: str) -> bytes:
+        """The enqueue's keys and arguments, packed (for a Link, or a thread's own connection)."""
+        info = f"{self._info} {int(time.time() * 1000)}".encode()
+        return (
+            member.packed
+            + bulk(member_id.encode())
+            + self._tails[0]
+            + bulk(info)
+            + bulk(portable_name(member.key))
+        )
 
     def leave(self, member: Member, member_id: str) -> Call:
         """Call the leave script for member (after the share's earlier calls, on a Link)."""
         if self.link is not None:
-            return self.link.call(LEAVE, member.packed + bulk(member_id.encode()) + self._tails[1])
+            return self.link.call(LEAVE, self.leave_rest(member, member_id))
         config = self.config
         return self._cluster_call(LEAVE, member.names, (member_id, config.ttl_ms, config.channels))
+
+    def leave_rest(self, member: Member, member_id: str) -> bytes:
+        """The leave's keys and arguments, packed (for a Link, or a thread's own connection)."""
+        return member.packed + bulk(member_id.encode()) + self._tails[1]
 
     def renew(self, member: Member, member_id: str) -> Call:
         """Call the renew script for member: extend its lease (and learn whether it holds)."""

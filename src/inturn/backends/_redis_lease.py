@@ -13,6 +13,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any, Protocol
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -40,8 +41,22 @@ def _named(members: Iterable[Member]) -> str:
     return ", ".join(keys[:_NAMED]) + (f" and {more} more" if more > 0 else "")
 
 
+class Waiting(Protocol):
+    """What a waiter's grant is handed to, on its share's loop: a task's Future, or what a
+    thread blocks on (``_bridge.Answer``)."""
+
+    def done(self) -> bool: ...
+    def set_result(self, token: Any) -> None: ...
+    def set_exception(self, error: BaseException) -> None: ...
+
+
 class Member:
-    """One of this share's members of a line: a waiter, then a holder."""
+    """One of this share's members of a line: a waiter, then a holder.
+
+    A thread's member (see ``_redis_threads``) is added and removed by the
+    thread; everything else about it happens on the share's loop, which
+    reads ``members`` in one call (a copy) wherever it could meet a thread's change.
+    """
 
     __slots__ = ("expires", "held", "joined", "key", "lost", "names", "packed", "waiting")
 
@@ -50,7 +65,7 @@ class Member:
         key: Hashable,
         names: Sequence[str],
         packed: bytes,
-        waiting: asyncio.Future[int] | None,
+        waiting: Waiting | None,
     ) -> None:
         self.key = key
         self.names = names
@@ -117,7 +132,7 @@ class Leases:
 
         What the old server granted may be gone; server and was are the run_ids.
         """
-        held = [member for member in self.members.values() if member.held]
+        held = [member for member in list(self.members.values()) if member.held]
         logger.warning(
             "inturn: Redis is another server now (run_id %s, was %s); the %d turn(s) "
             "held count as having lost their lease: keys %s",
@@ -152,7 +167,7 @@ class Leases:
 
     async def _renew_all(self, limit: float) -> None:
         """Renew every member's lease; hand out grants, and mark what Redis no longer has."""
-        members = [(key, member) for key, member in self.members.items() if member.joined]
+        members = [(key, member) for key, member in list(self.members.items()) if member.joined]
         calls = [self._renew(member, member_id) for member_id, member in members]
         futures = [call.future for call in calls]
         if not futures:
@@ -163,6 +178,8 @@ class Leases:
         problem: BaseException | None = None
         now = time.monotonic()
         for (member_id, member), call in zip(members, calls, strict=True):
+            if self.members.get(member_id) is not member:
+                continue  # released meanwhile (a thread's leave may overtake this renewal)
             future = call.future
             error: BaseException | None
             if future not in done:
@@ -196,7 +213,7 @@ class Leases:
         why = describe(problem)
         if why != self._failing:
             self._failing = why
-            members = self.members.values()
+            members = list(self.members.values())
             logger.warning(
                 "inturn: could not renew leases in Redis: %s; turns held: keys %s; waiting: %d",
                 why,

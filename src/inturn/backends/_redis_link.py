@@ -20,26 +20,13 @@ from redis.exceptions import NoScriptError, ResponseError
 from .._errors import BackendUnavailable
 from .._tasks import abandon_task
 from ._redis_errors import demoted
-from ._redis_scripts import HELLO, SCRIPTS, Script
+from ._redis_scripts import HEADS, HELLO, SCRIPTS, Script
 from ._redis_wire import Carrier, connect, fail
-from ._resp import Push, bulk, command
+from ._resp import Push, command
 
 logger = logging.getLogger("inturn.redis")
 
 
-def _heads(verb: bytes, script: Script) -> bytes:
-    """A script call's command up to its keys: the verb, the SHA or body, the count of keys."""
-    name = script.sha if verb == b"EVALSHA" else script.body
-    return (
-        b"*%d\r\n" % (3 + script.keys + script.args)
-        + bulk(verb)
-        + bulk(name)
-        + bulk(b"%d" % script.keys)
-    )
-
-
-#: By script number: its call by SHA; then (number + len(SCRIPTS)) with its body.
-_HEADS = tuple(_heads(b"EVALSHA", s) for s in SCRIPTS) + tuple(_heads(b"EVAL", s) for s in SCRIPTS)
 #: Loads every script: sent first on every connection (its replies go to no call).
 _LOADS = b"".join(command(b"SCRIPT", b"LOAD", s.body) for s in SCRIPTS)
 
@@ -50,7 +37,7 @@ class Call:
     __slots__ = ("future", "rest", "script", "sent")
 
     def __init__(self, script: int, rest: bytes, future: asyncio.Future[Any]) -> None:
-        #: The script's number (its head in _HEADS), or -1 for a plain command in rest.
+        #: The script's number (its head in HEADS), or -1 for a plain command in rest.
         self.script = script
         self.rest = rest
         self.future = future
@@ -58,7 +45,7 @@ class Call:
         self.sent: float | None = None
 
     def packed(self) -> bytes:
-        return self.rest if self.script < 0 else _HEADS[self.script] + self.rest
+        return self.rest if self.script < 0 else HEADS[self.script] + self.rest
 
 
 class Link:
@@ -145,7 +132,7 @@ class Link:
             self._sent.append(call)
             call.sent = time.monotonic()
             script = call.script  # (call.packed(), inlined: this is every turn's path)
-            carrier.write(call.rest if script < 0 else _HEADS[script] + call.rest)
+            carrier.write(call.rest if script < 0 else HEADS[script] + call.rest)
         else:
             self._outbox.append(call)
             self.open()

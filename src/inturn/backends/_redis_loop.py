@@ -13,6 +13,7 @@ This module starts and closes a share, and takes and gives back its turns.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -33,7 +34,7 @@ from .._tasks import abandon_task, retrieve
 from ._redis_calls import Calls, Config
 from ._redis_errors import UNREACHABLE, demoted, describe, unavailable
 from ._redis_inbox import Inbox
-from ._redis_lease import Leases, Member
+from ._redis_lease import Leases, Member, Waiting
 from ._redis_link import Call
 
 #: What this backend logs: only what is rare (here: a release Redis did not take), never a
@@ -275,9 +276,11 @@ class LoopShare:
         members = self.leases.members
         for member_id, member in list(members.items()):
             if not member.held:  # waiting: (on a Link, the leave goes after its enqueue)
-                if member.waiting is not None and not member.waiting.done():
-                    member.waiting.set_exception(closed)
-                    retrieve(member.waiting)  # (its acquire may fail before it awaits this)
+                waiting = member.waiting
+                if waiting is not None and not waiting.done():
+                    waiting.set_exception(closed)
+                    if isinstance(waiting, asyncio.Future):  # (its acquire may fail first)
+                        retrieve(waiting)
                 del members[member_id]
                 self.calls.leave(member, member_id).future.add_done_callback(retrieve)
         if self._cleanups:  # places given up just now: let them leave their lines
@@ -320,53 +323,78 @@ class LoopShare:
             or lost the place; the turn was not taken.
         """
         loop = self.loop
-        lease = self.config.lease
         began = loop.time()
         if not self.ready:
             await self._start_for(key, timeout)
         else:
             self.leases.run()  # (again, if it ended)
-        # Redis answers the enqueue by the caller's deadline if that comes
-        # first, but gets one round trip from now (after a start), up to a
-        # tenth of the lease, however short the timeout (0: a try-lock); else
-        # within about a lease: the heartbeat drops a link that leaves a call
-        # unanswered longer (a cluster's calls get a timer of their own)
-        deadline = late = None
-        if timeout is not None:
-            deadline = began + timeout
-            if timeout < lease:
-                late = max(deadline, loop.time() + lease / 10)
-        member_id = f"{self.id}/{next(self.counter)}"
-        member = Member(key, names, self.calls.pack(names), loop.create_future())
-        members = self.leases.members
-        members[member_id] = member
+        deadline, late = self.bounds(timeout, began, loop.time())
+        member_id, member = self.join(key, names, loop.create_future())
         enqueue = self.calls.enqueue(member, member_id)
         try:
             token = await self._granted(member, enqueue, late, deadline)
+            return self.hold(member_id, member, token)
         except BaseException:
             # Cancelled, timed out, or Redis failed: give the place up. The
             # call to leave goes after the enqueue (even one still in flight);
             # if the key was just granted, leaving passes it on.
-            members.pop(member_id, None)
+            self.leases.members.pop(member_id, None)
             self._detach(self.calls.leave_after(enqueue, member, member_id))
             raise
+
+    # The steps of a turn, written once: its two drivers are acquire() above (a
+    # task) and _redis_threads.Blocking (a thread, on a connection of its own).
+
+    def bounds(self, timeout: float | None, began: float, now: float) -> tuple[float | None, ...]:
+        """(deadline, late): by when the turn, and Redis's answer to the enqueue, must come.
+
+        Redis answers the enqueue by the caller's deadline if that comes
+        first, but gets one round trip from now (after a start), up to a
+        tenth of the lease, however short the timeout (0: a try-lock); else
+        (late None) within about a lease: the heartbeat drops a link that
+        leaves a call unanswered longer (a cluster's calls get a timer of
+        their own; a thread's connection, a socket timeout).
+        """
+        if timeout is None:
+            return None, None
+        deadline = began + timeout
+        lease = self.config.lease
+        return deadline, (max(deadline, now + lease / 10) if timeout < lease else None)
+
+    def join(self, key: Hashable, names: Sequence[str], waiting: Waiting) -> tuple[str, Member]:
+        """A new member of key's line, kept by the heartbeat, its grant handed to waiting."""
+        member_id = f"{self.id}/{next(self.counter)}"
+        member = Member(key, names, self.calls.pack(names), waiting)
+        self.leases.members[member_id] = member
+        return member_id, member
+
+    def enqueued(self, member: Member, sent: float, reply: Any) -> int | None:
+        """Redis answered member's enqueue (written at monotonic ``sent``): its token if the
+        key was free, else None (it waits for its grant)."""
+        state, value = reply
+        member.joined = True
+        member.expires = sent + self.config.lease
+        return int(value) if state == 1 else None
+
+    def hold(self, member_id: str, member: Member, token: int) -> RedisGrant:
+        """member was granted the key with token: its grant (see _still_valid)."""
+        _still_valid(member)
         member.waiting = None
         member.held = True
-        return RedisGrant(key, token, member_id, self, member)
+        return RedisGrant(member.key, token, member_id, self, member)
 
     async def _granted(
         self, member: Member, enqueue: Call, late: float | None, deadline: float | None
     ) -> int:
         """Await the enqueue's answer (by ``late``), then the grant (by ``deadline``): its token."""
         loop = self.loop
-        lease = self.config.lease
         timer = None
         if late is not None:
-            timer = loop.call_at(late, _expire, enqueue.future, _late(member.key))
+            timer = loop.call_at(late, _expire, enqueue.future, late_for(member.key))
         elif self.calls.link is None:
-            timer = loop.call_later(lease, _expire, enqueue.future, self._silent)
+            timer = loop.call_later(self.config.lease, _expire, enqueue.future, self._silent)
         try:
-            state, value = await enqueue.future
+            reply = await enqueue.future
         except TimeoutError:  # (an OSError: not Redis unreachable, but the deadline)
             raise
         except (*UNREACHABLE, ResponseError) as error:
@@ -374,14 +402,10 @@ class LoopShare:
         finally:
             if timer is not None:
                 timer.cancel()
-        member.joined = True
-        member.expires = (enqueue.sent or time.monotonic()) + lease
-        if state == 1:
-            token = int(value)
-        else:
-            assert member.waiting is not None
+        token = self.enqueued(member, enqueue.sent or time.monotonic(), reply)
+        if token is None:
+            assert isinstance(member.waiting, asyncio.Future)
             token = await _wait(member.waiting, deadline, member.key)
-        _still_valid(member)
         return token
 
     def release(self, grant: RedisGrant) -> asyncio.Future[None]:
@@ -394,59 +418,70 @@ class LoopShare:
         In a forked child, a turn its parent was granted ends here alone (see
         :meth:`_inherited`).
         """
-        if self.forks != _forks:
-            return self._inherited(grant)
+        ending = self.ending(grant)
+        if ending is None:
+            return _finished(self.loop)
+        member_id, member = ending
         done = self.loop.create_future()
-        member_id = grant._member
-        member = self.leases.members.pop(member_id, None)
-        if member is None:
-            done.set_result(None)  # released already, or Redis no longer had it (lost)
-            return done
         leave = self.calls.leave(member, member_id).future
 
         def answered(leave: asyncio.Future[Any]) -> None:
             error = leave.exception()
-            if error is None:
-                if leave.result() == 0:
-                    if not member.lost:
-                        logger.warning(
-                            "inturn: Redis no longer had the turn on key %s at its release: "
-                            "its lease ran out, or Redis lost it; another process may have "
-                            "held the key meanwhile",
-                            show(member.key),
-                        )
-                    member.lost = True
-            else:
-                if demoted(error):  # a failover: what this server granted may be gone
-                    member.lost = True
-                logger.warning(
-                    "inturn: could not release %s in Redis: %s; it frees itself within %g s",
-                    show(member.key),
-                    error if isinstance(error, BackendUnavailable) else describe(error),
-                    self.config.lease,
-                )
+            self.left(member, None if error is not None else leave.result(), error)
             if not done.done():  # (its awaiter may have cancelled it: the release goes on)
                 done.set_result(None)
 
         leave.add_done_callback(answered)
         return done
 
-    def _inherited(self, grant: RedisGrant) -> asyncio.Future[None]:
-        """(In a forked child.) End a turn the parent was granted, without a word to Redis.
+    def left(self, member: Member, status: Any, error: BaseException | None) -> None:
+        """Redis answered member's release (the leave script's status, or an error): log what
+        went wrong, and mark the member lost if Redis no longer had it."""
+        if error is None:
+            if status == 0:
+                if not member.lost:
+                    logger.warning(
+                        "inturn: Redis no longer had the turn on key %s at its release: "
+                        "its lease ran out, or Redis lost it; another process may have "
+                        "held the key meanwhile",
+                        show(member.key),
+                    )
+                member.lost = True
+            return
+        if demoted(error):  # a failover: what this server granted may be gone
+            member.lost = True
+        logger.warning(
+            "inturn: could not release %s in Redis: %s; it frees itself within %g s",
+            show(member.key),
+            error if isinstance(error, BackendUnavailable) else describe(error),
+            self.config.lease,
+        )
 
-        The member, its lease and the connections are the parent's: it still
-        holds the key, and renews it, until it leaves the turn itself. The
-        child only forgets its copy (and waits behind the parent, as any
-        other process, if it takes the key again). The future is done already.
+    def ending(self, grant: RedisGrant) -> tuple[str, Member] | None:
+        """Take grant's member off the heartbeat: (its id, it) for the leave to write, or None.
+
+        None: released already, or Redis no longer had it (lost); or, in a
+        forked child, a turn the parent was granted: the member, its lease and
+        the connections are the parent's, which holds the key and renews it
+        until it leaves the turn itself. The child only forgets its copy (and
+        waits behind the parent, as any other process, if it takes the key again).
         """
-        self.leases.members.pop(grant._member, None)
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # a task forked: asyncio disowns the child's copy of its loop
-            loop = self.loop
-        done = loop.create_future()
-        done.set_result(None)
-        return done
+        member_id = grant._member
+        member = self.leases.members.pop(member_id, None)
+        if member is None or self.forks != _forks:
+            return None
+        return member_id, member
+
+    def leave_soon(self, member: Member, member_id: str) -> None:
+        """(From any thread.) Write member's leave on this share's own connection, soon.
+
+        For a thread's place whose connection broke (see _redis_threads).
+        """
+        with contextlib.suppress(RuntimeError):  # (its loop closed: the lease runs out)
+            self.loop.call_soon_threadsafe(self._leave_now, member, member_id)
+
+    def _leave_now(self, member: Member, member_id: str) -> None:
+        self.calls.leave(member, member_id).future.add_done_callback(retrieve)
 
     def _detach(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -481,6 +516,18 @@ class LoopShare:
             self.inbox.ping()
 
 
+def _finished(loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
+    """A future done already, of the running loop (in a forked child of a task: of loop,
+    as asyncio disowns the child's copy of its running loop)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    done = loop.create_future()
+    done.set_result(None)
+    return done
+
+
 def _still_valid(member: Member) -> None:
     """Check a member just granted still has its lease.
 
@@ -502,7 +549,9 @@ def _expire(future: asyncio.Future[Any], error: Callable[[], BaseException]) -> 
         future.set_exception(error())
 
 
-def _late(key: Hashable) -> Callable[[], BaseException]:
+def late_for(key: Hashable) -> Callable[[], BaseException]:
+    """What makes the TimeoutError of a turn on key that was not reached in time."""
+
     def error() -> BaseException:
         return missed(f"the turn for key {show(key)}", None)
 
@@ -522,7 +571,7 @@ async def _wait(waiting: asyncio.Future[int], deadline: float | None, key: Hasha
     """Await the grant's token, or fail with TimeoutError at deadline."""
     if deadline is None:
         return await waiting
-    timer = asyncio.get_running_loop().call_at(deadline, _expire, waiting, _late(key))
+    timer = asyncio.get_running_loop().call_at(deadline, _expire, waiting, late_for(key))
     try:
         return await waiting
     finally:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 from typing import Final
 
+from ._resp import bulk
+
 # KEYS: line, q, lease, info. Shared by every script: the clock, dropping
 # expired members, granting a free key to the head, and deleting or
 # refreshing the line's keys.
@@ -171,3 +173,22 @@ HELLO: Final = Script(3, _HELLO, 0, 1)
 LOOK: Final = Script(4, _LOOK, 4, 0)
 #: Every script, by number.
 SCRIPTS: Final = (ENQUEUE, LEAVE, RENEW, HELLO, LOOK)
+
+
+def _head(verb: bytes, script: Script) -> bytes:
+    """A script call's command up to its keys: the verb, the SHA or body, the count of keys."""
+    name = script.sha if verb == b"EVALSHA" else script.body
+    return (
+        b"*%d\r\n" % (3 + script.keys + script.args)
+        + bulk(verb)
+        + bulk(name)
+        + bulk(b"%d" % script.keys)
+    )
+
+
+#: By script number: its call by SHA; then (number + len(SCRIPTS)) with its body (EVAL,
+#: which loads it: for a server whose scripts were flushed). A call is its head, then
+#: its keys and arguments packed (``Calls``).
+HEADS: Final = tuple(_head(b"EVALSHA", s) for s in SCRIPTS) + tuple(
+    _head(b"EVAL", s) for s in SCRIPTS
+)

@@ -56,6 +56,7 @@ import weakref
 from collections.abc import Hashable
 from typing import Any, Final, final
 
+from .._bridge import acquire_there, backend_loop, release_sync
 from .._describe import describe as show
 from .._errors import BackendUnavailable
 from .._order import order_portable, portable_key, portable_name
@@ -73,6 +74,7 @@ except ImportError as error:  # pragma: no cover - depends on the install
 from ._redis_calls import Config
 from ._redis_errors import UNREACHABLE, describe
 from ._redis_loop import LoopShare, RedisGrant, owner
+from ._redis_threads import Blocking, sync_connector
 
 __all__ = ("HolderInfo", "LineInfo", "RedisBackend", "RedisGrant", "WaiterInfo")
 
@@ -167,6 +169,8 @@ class RedisBackend:
         "_namespace",
         "_owns_client",
         "_shares",
+        "_threads",
+        "capabilities",
     )
 
     def __init__(
@@ -205,6 +209,15 @@ class RedisBackend:
         self._shares: dict[asyncio.AbstractEventLoop, LoopShare] = {}
         self._current: LoopShare | None = None  # the last one used: most calls come from it
         self._lock = threading.Lock()  # held to change _shares
+        connector = sync_connector(client, float(lease))
+        #: Threads' own blocking connections (None: the client's kind has none; see below).
+        self._threads = None if connector is None else Blocking(connector)
+        #: Each event loop it serves costs a share (connections, a subscription, a
+        #: heartbeat): a queue serves its first loop directly, and every other one
+        #: through one loop of the process (see Capabilities). Threads block on
+        #: connections of their own (one round trip per call), but with a Sentinel
+        #: or cluster client, or a connection class of the user's, go through that loop.
+        self.capabilities: Final = Capabilities(blocking=self._threads is not None, one_loop=True)
         _BACKENDS.add(self)
 
     @classmethod
@@ -254,6 +267,10 @@ class RedisBackend:
         share = self._current
         if share is not None and share.loop is loop and not share.closing:
             return share
+        return self._share_on(loop)
+
+    def _share_on(self, loop: asyncio.AbstractEventLoop) -> LoopShare:
+        """This process's share on loop (made on its first use), now the current one."""
         with self._lock:
             share = self._shares.get(loop)
             if share is None or share.closing:
@@ -269,11 +286,6 @@ class RedisBackend:
                 share = self._shares[loop] = LoopShare(self._config, loop)
             self._current = share
         return share
-
-    #: Each event loop it serves costs a share (connections, a subscription,
-    #: a heartbeat): a queue serves its first loop directly, and every other
-    #: one, like its threads, through one loop of the process (see Capabilities).
-    capabilities: Final = Capabilities(one_loop=True)
 
     def thread_loop(self) -> asyncio.AbstractEventLoop | None:
         """The event loop threads' calls must run on: a cluster client's, once it has one.
@@ -292,8 +304,10 @@ class RedisBackend:
 
     def _forked(self) -> None:
         """In a forked child: forget the parent's shares; the next call starts afresh."""
-        _INHERITED.append(self._shares)
+        _INHERITED.append((self._shares, self._threads))
         self._shares = {}
+        if self._threads is not None:
+            self._threads = self._threads.forked()
         self._current = None
         self._lock = threading.Lock()
 
@@ -319,6 +333,8 @@ class RedisBackend:
                 await asyncio.wait((asyncio.wrap_future(closing),), timeout=share.config.lease)
             # (else a loop that waits to run again in a thread that lives: it closes
             # its share when it shuts down)
+        if self._threads is not None:
+            self._threads.close()
         if self._owns_client:
             await self._client.aclose()
 
@@ -352,11 +368,49 @@ class RedisBackend:
         awaiter. It never fails: a release Redis did not take is logged (the
         key frees itself within the lease).
         """
+        return self._owner(grant).release(grant)  # type: ignore[arg-type]
+
+    def _owner(self, grant: Grant) -> LoopShare:
+        """The share that granted grant, which this backend made."""
         if isinstance(grant, RedisGrant):
             share = owner(grant)
             if share.config is self._config:
-                return share.release(grant)
+                return share
         raise TypeError(f"inturn: {self!r} cannot release {show(grant)}, which it did not grant")
+
+    def acquire_sync(self, key: Hashable, timeout: float | None) -> RedisGrant:
+        """As :meth:`acquire`, for a thread: its calls block on a connection of its own.
+
+        Each call is one round trip from the thread (no event loop in
+        between); the wait for a busy key blocks on the grant, which this
+        process's subscription hands over. The subscription and the
+        heartbeat run on one event loop of the process (a daemon thread,
+        ``inturn-backend-loop``), which a thread's first turn sets up (as
+        an event loop's first turn does).
+
+        An exception that a signal handler raises while the thread waits
+        (``KeyboardInterrupt``; ``SystemExit`` from a server's handler)
+        propagates, and the place is given up, as at a timeout.
+
+        :raises TimeoutError: as :meth:`acquire`.
+        :raises ~inturn.BackendUnavailable: as :meth:`acquire`.
+        """
+        threads = self._threads
+        if threads is not None:
+            share = self._share_on(backend_loop())
+            if share.ready:
+                return threads.acquire(share, key, self._names(key), timeout)
+        # (its first: the share starts there)
+        return acquire_there(self, self, key, timeout)  # type: ignore[return-value]
+
+    def release_sync(self, grant: Grant) -> None:
+        """As :meth:`release`, for a thread: returns once Redis answered (or failed, logged)."""
+        threads = self._threads
+        share = self._owner(grant)
+        if threads is not None:
+            threads.release(share, grant)  # type: ignore[arg-type]
+        else:
+            release_sync(self, self, grant)
 
     # -- looking at the lines --------------------------------------------------------------
 

@@ -1,0 +1,189 @@
+"""A thread's Redis turn on a blocking connection of its own (issue 30).
+
+Each call of a thread's turn (the enqueue, the leave) is one round trip from
+the thread itself; only what goes on between calls (the subscription that
+hands a waiter its grant, the heartbeat) runs on the process's backend loop.
+The Redis suites run this file with the oldest redis-py the package allows,
+and with the public-API carriers (see dev.py), so the sync connections made
+from an async client's settings are tried with both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+from bench.delay_proxy import delayed
+
+from inturn import KeyedQueue
+from inturn._bridge import backend_loop
+from inturn.backends.redis import RedisBackend
+from redis_checks import keys_left
+
+from helpers import PATIENCE
+
+
+@pytest.fixture
+def backend(redis_url: str, namespace: str) -> Iterator[RedisBackend]:
+    made = RedisBackend.from_url(redis_url, namespace=namespace)
+    try:
+        yield made
+    finally:
+        asyncio.run(made.aclose())
+
+
+def test_clients_with_a_sync_twin_block_threads_natively(
+    redis_url: str, redis_urls: dict[str, str]
+) -> None:
+    assert RedisBackend.from_url(redis_url).capabilities.blocking
+    unix = RedisBackend(aioredis.Redis(unix_socket_path="/nonexistent.sock"))
+    assert unix.capabilities.blocking
+
+    class Custom(aioredis.Connection):
+        pass
+
+    custom = aioredis.Redis(connection_pool=aioredis.ConnectionPool(connection_class=Custom))
+    assert not RedisBackend(custom).capabilities.blocking  # (through the backend loop)
+    if "redis-cluster" in redis_urls and redis.__version__ >= "8":
+        from redis.asyncio.cluster import RedisCluster
+
+        cluster = RedisCluster.from_url(redis_urls["redis-cluster"])
+        assert not RedisBackend(cluster).capabilities.blocking
+
+
+def test_a_threads_turn_makes_no_hop_to_the_backend_loop(backend: RedisBackend) -> None:
+    """Once its first turn set things up, a thread's free turn is its own two round trips:
+    it is taken and given back while the backend loop cannot run at all."""
+    queue = KeyedQueue(backend=backend)
+    assert queue.run_sync("first", lambda: 1) == 1
+    loop = backend_loop()
+    frozen, thaw = threading.Event(), threading.Event()
+    loop.call_soon_threadsafe(lambda: (frozen.set(), thaw.wait(PATIENCE)))
+    assert frozen.wait(PATIENCE)
+    try:
+        ran = []
+        with queue.keyed("free", timeout=5):
+            ran.append(1)
+        assert _turn(queue, "free", 2, 5) == 2
+        assert ran == [1]
+    finally:
+        thaw.set()
+
+
+def test_a_waiting_thread_is_woken_by_the_grant(backend: RedisBackend, redis_url: str) -> None:
+    """A thread behind another process's holder gets the key when it is released (push)."""
+    queue = KeyedQueue(backend=backend)
+    other = RedisBackend.from_url(redis_url, namespace=backend.namespace)
+    held, release, order = threading.Event(), threading.Event(), []
+
+    def hold() -> None:
+        with KeyedQueue(backend=other).keyed("k"):
+            held.set()
+            release.wait(PATIENCE)
+            order.append("holder")
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(PATIENCE)
+    waiter = threading.Thread(target=lambda: queue.run_sync("k", order.append, "waiter"))
+    waiter.start()
+    line = asyncio.run(_line_of(backend, 2))
+    assert line == 1  # the waiter is in Redis's line, behind the holder
+    release.set()
+    holder.join(PATIENCE)
+    waiter.join(PATIENCE)
+    assert order == ["holder", "waiter"]
+    asyncio.run(other.aclose())
+
+
+async def _line_of(backend: RedisBackend, members: int) -> int:
+    """The number of waiters once key k's line has this many members (holder and waiters)."""
+    deadline = time.monotonic() + PATIENCE
+    while time.monotonic() < deadline:
+        for line in await backend.lines():
+            if line.holder is not None and 1 + len(line.waiters) == members:
+                return len(line.waiters)
+        await asyncio.sleep(0.01)  # (polls Redis for a state, not an ordering)
+    raise AssertionError(f"the line never had {members} members")
+
+
+def test_connections_redis_closed_while_idle_are_replaced(
+    backend: RedisBackend, redis_url: str
+) -> None:
+    """A pooled connection that Redis closed (its idle timeout, CLIENT KILL) is not used."""
+    queue = KeyedQueue(backend=backend)
+    assert queue.run_sync("k", lambda: 1) == 1
+    admin = redis.Redis.from_url(redis_url)
+    try:
+        killed = admin.client_kill_filter(_type="normal", skipme=True)
+        assert killed >= 1
+        assert _turn(queue, "k", 2, 5) == 2
+    finally:
+        admin.close()
+
+
+def test_scripts_flushed_from_redis_are_sent_again_from_a_thread(
+    backend: RedisBackend, redis_url: str
+) -> None:
+    queue = KeyedQueue(backend=backend)
+    assert queue.run_sync("k", lambda: 1) == 1
+    admin = redis.Redis.from_url(redis_url)
+    try:
+        admin.script_flush()
+        assert _turn(queue, "k", 2, 5) == 2
+        assert _turn(queue, "k", 3, 5) == 3
+    finally:
+        admin.close()
+
+
+def test_a_late_answer_to_a_threads_enqueue_still_leaves_the_line(
+    redis_url: str, namespace: str
+) -> None:
+    """A try-lock whose enqueue Redis answers late ends by its own clock (a tenth of the
+    lease), and its leave is written behind the enqueue: the line empties well within
+    the lease, not when the lease runs out."""
+    lease = 8.0
+    with delayed(redis_url, 0, calibrate=False, pings=1) as slow:
+        backend = RedisBackend.from_url(slow.url, namespace=namespace, lease=lease)
+        queue = KeyedQueue(backend=backend)
+        assert queue.run_sync("warm", lambda: 1) == 1  # the share starts
+        slow.retime(2000)  # each way 1 s: answers come after the try-lock's 0.8 s
+        began = time.monotonic()
+        with pytest.raises(TimeoutError):
+            _turn(queue, "k", 2, 0)
+        assert time.monotonic() - began < lease / 2
+        assert _keys_until(redis_url, namespace, bool, began + lease / 2), "never enqueued"
+        left = _keys_until(redis_url, namespace, lambda keys: not keys, began + lease / 2)
+        assert left == [], f"the line was left for the lease to clear: {left}"
+        asyncio.run(backend.aclose())
+
+
+def _keys_until(url: str, namespace: str, wanted: Any, deadline: float) -> list[str]:
+    """Redis keys of namespace, once wanted(keys) holds or at monotonic deadline."""
+    while True:
+        keys = asyncio.run(keys_left(url, namespace))
+        if wanted(keys) or time.monotonic() >= deadline:
+            return keys
+        time.sleep(0.05)  # (polls Redis for a state, not an ordering)
+
+
+def _turn(queue: KeyedQueue, key: str, value: int, timeout: float) -> int:
+    """value, returned from a thread's turn on key with timeout."""
+    with queue.keyed(key, timeout=timeout):
+        return value
+
+
+def test_a_threads_turn_without_a_server_is_backend_unavailable(namespace: str) -> None:
+    backend = RedisBackend.from_url("redis://127.0.0.1:1/0", namespace=namespace, lease=1)
+    queue = KeyedQueue(backend=backend)
+    ran: list[Any] = []
+    with pytest.raises(Exception, match="could not be reached") as caught:
+        queue.run_sync("k", ran.append, 1)
+    assert "did not run" in str(caught.value)
+    assert ran == []
