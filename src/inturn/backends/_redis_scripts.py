@@ -61,6 +61,15 @@ _ENQUEUE = (
     _PRELUDE
     + """
 local member, lease_ms, ttl, channels = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+if redis.call('EXISTS', line, q) == 0 then
+  -- the line starts anew (its keys come and go together): the key is free
+  local token = string.format('%.0f', now_us)
+  redis.call('HSET', line, 'seq', 1, 'holder', member, 'token', token, 'since', now, 'key', ARGV[6])
+  redis.call('ZADD', lease, now + lease_ms, member)
+  redis.call('HSET', info, member, ARGV[5])
+  finish(ttl)
+  return {1, token}
+end
 purge()
 if redis.call('HGET', line, 'holder') ~= member then
   local seq = redis.call('HINCRBY', line, 'seq', 1)
@@ -85,6 +94,12 @@ _LEAVE = (
     _PRELUDE
     + """
 local member, ttl, channels = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+if redis.call('HGET', line, 'holder') == member and redis.call('EXISTS', q) == 0
+    and tonumber(redis.call('ZSCORE', lease, member) or 0) > now then
+  -- the holder leaves, its lease good, nobody waits: the line ends
+  redis.call('DEL', line, lease, info)
+  return 1
+end
 purge()
 local status = 0
 if redis.call('HGET', line, 'holder') == member then
