@@ -21,10 +21,11 @@ import redis
 import redis.asyncio as aioredis
 from bench.delay_proxy import delayed
 
-from inturn import KeyedQueue
+from inturn import KeyedQueue, LeaseLost
 from inturn._bridge import backend_loop
 from inturn.backends.redis import RedisBackend
 from redis_checks import keys_left
+from servers import Server
 
 from helpers import PATIENCE
 
@@ -187,3 +188,27 @@ def test_a_threads_turn_without_a_server_is_backend_unavailable(namespace: str) 
         queue.run_sync("k", ran.append, 1)
     assert "did not run" in str(caught.value)
     assert ran == []
+
+
+def test_a_restart_that_loses_a_threads_line_is_a_lost_lease_and_turns_go_on(
+    own_redis: Server, namespace: str
+) -> None:
+    """Redis restarted empty while a thread holds a key: its release finds the turn gone
+    (LeaseLost, after the work ran), on a new connection; the next turns go on."""
+    backend = RedisBackend.from_url(own_redis.url, namespace=namespace)
+    queue = KeyedQueue(backend=backend)
+    try:
+        assert _turn(queue, "k", 1, 5) == 1
+        ran: list[int] = []
+
+        def restart() -> None:
+            own_redis.stop(kill=True)
+            own_redis.start()  # empty: the line, and this lease, are gone
+            ran.append(1)
+
+        with pytest.raises(LeaseLost, match="'k'"):
+            queue.run_sync("k", restart)
+        assert ran == [1]
+        assert _turn(queue, "k", 2, 5) == 2
+    finally:
+        asyncio.run(backend.aclose())

@@ -416,7 +416,7 @@ class LoopShare:
         It never fails: a release Redis did not take is logged (the key frees
         itself within the lease), and a lease found gone marks the member lost.
         In a forked child, a turn its parent was granted ends here alone (see
-        :meth:`_inherited`).
+        :meth:`ending`).
         """
         ending = self.ending(grant)
         if ending is None:

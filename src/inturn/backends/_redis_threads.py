@@ -155,7 +155,8 @@ class Blocking:
             self._idle.append(pooled)
             pooled = None
             if token is None:
-                if not waiting.wait(None if deadline is None else deadline - time.monotonic()):
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not waiting.wait(left):
                     raise late_for(key)()  # noqa: TRY301 - given up below, as any failure
                 token = int(waiting.result())
             return share.hold(member_id, member, token)

@@ -41,7 +41,11 @@ forked child starts afresh (a turn it inherited ends in it alone); a share
 ends with its event loop. The connections are made by redis-py
 (``pool.make_connection()``: TLS, AUTH, HELLO, Sentinel discovery stay
 redis-py's) and then read and written by this process (``_redis_wire``;
-the calls ride ``_redis_link``, the subscription ``_redis_inbox``).
+the calls ride ``_redis_link``, the subscription ``_redis_inbox``). A
+thread writes its own calls, each one round trip on a blocking connection
+(redis-py's sync ``Connection``, made with the client's settings;
+``_redis_threads``), and is handed a busy key's grant by the share of the
+process's backend loop, which keeps its subscription and heartbeat.
 """
 
 from __future__ import annotations
@@ -139,6 +143,14 @@ class RedisBackend:
       ``os.fork()`` stays the parent's: the child's copy ends in the child
       without a word to Redis (nor is it renewed there), and the parent
       keeps the key until it leaves the turn itself.
+    - Threads: a thread's turn (``acquire_sync``) is its own round trips to
+      Redis, on a connection no other thread uses meanwhile, with the same
+      scripts, leases, grants and errors as a task's; the subscription and
+      heartbeat that serve threads run on one backend thread per process.
+      With a Sentinel or cluster client, or a connection class of the
+      user's (which this backend cannot make a blocking twin of), threads'
+      calls run on that thread's event loop instead
+      (``capabilities.blocking`` is then False).
 
     Not guaranteed: exclusion across a Redis failover or restart that loses
     the line's data. The holders learn it (their leases count as lost, so
