@@ -343,11 +343,11 @@ class RedisPyLockLease(RedisPyLock):
 
 class RedisPyAsyncLock(AsyncContender):
     """redis-py's asyncio lock as production code takes it: ``async with r.lock(name,
-    timeout=..., blocking_timeout=...):`` on a ``redis.asyncio.Redis``. Measured by
-    bench/rtt.py alone (uncontended), so it is of no scenario of bench/multiproc.py."""
+    timeout=..., blocking_timeout=...):`` on a ``redis.asyncio.Redis``: what an async
+    turn replaces (r1 to r3, and bench/rtt.py)."""
 
     name = "redis-py-async-lock"
-    kinds = ("rtt",)
+    kinds = ("redis", "rtt")
 
     def available(self) -> str | None:
         return _missing("redis")
@@ -589,6 +589,7 @@ DEFAULT: tuple[str, ...] = (
     "inturn-redis-sync",
     "redis-py-lock",
     "redis-py-lock-lease",
+    "redis-py-async-lock",
     "python-redis-lock",
     "pottery",
     "inturn-postgres",

@@ -206,7 +206,7 @@ SCENARIOS = (
         0.0,
         **_REDIS,
         workers=1,
-        min_ops=(("redis-py-lock", 0.95),),
+        min_ops=(("redis-py-lock", 0.95), ("redis-py-async-lock", 0.95)),
     ),
     Scenario(
         "p1",
@@ -225,8 +225,24 @@ SCENARIOS = (
     Scenario("p3", "one key on PostgreSQL, uncontended", 0.0, **_POSTGRES, workers=1),
     Scenario("s1", "one key, sync turns", 0.0, **_SYNC_FILE, workers=SYNC_WORKERS),
     Scenario("s2", "one key, sync turns, uncontended", 0.0, **_SYNC_FILE, workers=1),
-    Scenario("s3", "one key on Redis, sync turns", 0.0, **_SYNC_REDIS, workers=SYNC_WORKERS),
-    Scenario("s4", "one key on Redis, sync turns, uncontended", 0.0, **_SYNC_REDIS, workers=1),
+    Scenario(
+        "s3",
+        "one key on Redis, sync turns",
+        0.0,
+        **_SYNC_REDIS,
+        workers=SYNC_WORKERS,
+        min_ops=(("redis-py-lock-lease", 1.2),),
+        min_order_pct=99.0,
+        min_fairness=0.95,
+    ),
+    Scenario(
+        "s4",
+        "one key on Redis, sync turns, uncontended",
+        0.0,
+        **_SYNC_REDIS,
+        workers=1,
+        min_ops=(("redis-py-lock-lease", 1.0),),
+    ),
     Scenario(
         "s5", "one key on PostgreSQL, sync turns", 0.0, **_SYNC_POSTGRES, workers=SYNC_WORKERS
     ),
