@@ -286,7 +286,10 @@ class Blocking:
         made.result()
 
     def forked(self) -> Blocking:
-        """(In a forked child.) A pool of its own: the connections here are the parent's."""
+        """(In a forked child.) A pool of its own; the child's copies of the parent's idle
+        connections are closed (their sockets only: redis-py shuts a connection down only
+        in the process that made it, so the parent's go on)."""
+        self.close()
         return Blocking(self._make)
 
     def close(self) -> None:

@@ -316,7 +316,7 @@ class RedisBackend:
 
     def _forked(self) -> None:
         """In a forked child: forget the parent's shares; the next call starts afresh."""
-        _INHERITED.append((self._shares, self._threads))
+        _INHERITED.append(self._shares)
         self._shares = {}
         if self._threads is not None:
             self._threads = self._threads.forked()
