@@ -98,7 +98,7 @@ def sync_connector(client: Any, lease: float) -> Callable[[], Any] | None:
 
 
 class _Pooled:
-    """One blocking connection, and how many leaves' replies it still owes (see _Blocking)."""
+    """One blocking connection, and how many leaves' replies it still owes (see Blocking)."""
 
     __slots__ = ("connection", "owed")
 
@@ -226,8 +226,8 @@ class Blocking:
             pooled = self._take(share.loop)
             status = _call(pooled.connection, LEAVE, share.calls.leave_rest(member, member_id))
         except Exception as error:
-            if isinstance(error, ResponseError):  # (refused: the connection is whole)
-                self._idle.append(pooled)  # type: ignore[arg-type]
+            if pooled is not None and isinstance(error, ResponseError):  # (refused: it is whole)
+                self._idle.append(pooled)
             share.left(member, None, error)
             return
         except BaseException:  # interrupted: the release goes on, on the share's connection
