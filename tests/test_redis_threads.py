@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,7 +22,7 @@ import redis
 import redis.asyncio as aioredis
 from bench.delay_proxy import delayed
 
-from inturn import KeyedQueue, LeaseLost
+from inturn import BackendUnavailable, KeyedQueue, LeaseLost
 from inturn._bridge import backend_loop
 from inturn.backends.redis import RedisBackend
 from redis_checks import keys_left
@@ -212,3 +213,37 @@ def test_a_restart_that_loses_a_threads_line_is_a_lost_lease_and_turns_go_on(
         assert _turn(queue, "k", 2, 5) == 2
     finally:
         asyncio.run(backend.aclose())
+
+
+@pytest.mark.parametrize("refusal", ["permission", "memory"])
+def test_a_refusal_after_the_start_reaches_a_thread_named(
+    own_redis: Server, namespace: str, refusal: str
+) -> None:
+    """Redis refuses a thread's enqueue on the thread's own connection: the turn is not
+    taken, the work does not run, and the error names the cause (as a task's does)."""
+    admin = redis.Redis.from_url(own_redis.url)
+    user = f"u{uuid.uuid4().hex[:8]}"
+    admin.acl_setuser(
+        user, enabled=True, passwords=["+pw"], keys=["*"], channels=["*"], commands=["+@all"]
+    )
+    url = own_redis.url.replace("redis://", f"redis://{user}:pw@")
+    backend = RedisBackend.from_url(url, namespace=namespace)
+    queue = KeyedQueue(backend=backend)
+    ran: list[int] = []
+    try:
+        assert _turn(queue, "warm", 1, 5) == 1  # started; the thread has its connection
+        if refusal == "permission":
+            admin.acl_setuser(user, commands=["-evalsha"])
+        else:
+            admin.config_set("maxmemory-policy", "noeviction")
+            admin.config_set("maxmemory", 1)
+        named = "lacks a permission" if refusal == "permission" else "out of memory"
+        with pytest.raises(BackendUnavailable, match=named) as caught:
+            queue.run_sync("k", ran.append, 1)
+        assert "did not run" in str(caught.value)
+        assert ran == []
+    finally:
+        admin.config_set("maxmemory", 0)
+        admin.acl_setuser(user, commands=["+@all"])
+        asyncio.run(backend.aclose())
+        admin.close()
