@@ -23,7 +23,9 @@ workers, one fresh interpreter each, the wire mode in its environment):
   reference: redis-py's asyncio ``Lock``, ``timeout=10, blocking_timeout=60``;
 - (n2) one process, uncontended ``with queue.keyed(key)`` from its main
   thread, no event loop in the caller (multiproc's (s4)); reference:
-  redis-py's ``r.lock(name, timeout=10, blocking_timeout=60)``;
+  redis-py's ``r.lock(name, timeout=10, blocking_timeout=60)``. A thread's
+  calls no longer ride the takeover (see UNWIRED): both wire modes take the
+  same path, and n2 is out of the rule;
 - (n3) 4 processes on one key, ``async with`` (multiproc's (r1), 4 workers);
 - (n4) and (n5): 8 processes on one key, ``async with``, with nothing and
   with 1 ms (``asyncio.sleep``) outside the lock: multiproc's (r1) and (r2),
@@ -111,6 +113,11 @@ SCENARIOS: tuple[tuple[Scenario, tuple[Entry, ...]], ...] = (
         _inturn("inturn-redis"),
     ),
 )
+#: Scenarios whose turns do not ride the takeover: a thread's calls block on connections of
+#: their own (redis-py's sync Connection) since issue 30; only the subscription that hands a
+#: busy key's grant over does, which an uncontended turn never needs. They are measured
+#: against their reference, and left out of the rule.
+UNWIRED = frozenset({"n2"})
 #: What each scenario's reference is, for the table.
 REFERENCES = {"n1": "redis-py asyncio Lock", "n2": "redis-py r.lock(...)"}
 
@@ -319,7 +326,7 @@ def report(result: dict[str, Any]) -> str:
     )
     for scenario, _ in SCENARIOS:
         values = result["medians"].get(rtt_label(KEEP_AT), {}).get(scenario.name, {})
-        if TAKEOVER in values and PUBLIC in values:
+        if TAKEOVER in values and PUBLIC in values and scenario.name not in UNWIRED:
             quotient = ratio(values[TAKEOVER]["ops_per_s"], values[PUBLIC]["ops_per_s"])
             verdict = "PASS" if check(quotient, KEEP_FACTOR, at_most=False) else "MISS"
             lines.append(
