@@ -36,8 +36,10 @@ own FIFO and hand-off, which inturn's PostgresBackend is held to.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import importlib
+from collections.abc import Iterator
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -341,6 +343,58 @@ class RedisPyLockLease(RedisPyLock):
         return self.client.lock(key, timeout=LEASE, blocking_timeout=WAIT)
 
 
+#: FifoFloor's scripts. KEYS: the key's ticket counter, the ticket served now.
+#: Take: draw a ticket; (1, n) if it is served now, else (0, n) and BLPOP "<counter>:n".
+_FLOOR_TAKE = """
+local n = redis.call('INCR', KEYS[1])
+redis.call('SET', KEYS[2], n, 'NX')
+if tonumber(redis.call('GET', KEYS[2])) == n then return {1, n} end
+return {0, n}
+"""
+#: Release: serve the next ticket, waking its BLPOP if it was drawn; the last one out
+#: deletes the counters.
+_FLOOR_GIVE = """
+local s = redis.call('INCR', KEYS[2])
+if s > tonumber(redis.call('GET', KEYS[1]) or '0') then
+  redis.call('DEL', KEYS[1], KEYS[2])
+else
+  redis.call('LPUSH', KEYS[1] .. ':' .. s, 1)
+end
+return s
+"""
+
+
+class FifoFloor(_RedisClient):
+    """Not a lock to use: the least a fair hand-off costs on Redis, for the sync scenarios.
+
+    A ticket lock: a turn draws a ticket (one script), and if it is not
+    served at once blocks in ``BLPOP`` on its ticket's list; a release serves
+    the next ticket and pushes to its list, so Redis wakes the next process
+    itself: no subscription, no thread, no lease, no fencing, no crash
+    safety (a holder that dies blocks the key for good). inturn's sync turn
+    keeps arrival order too; this is what keeping it costs at the least.
+    """
+
+    name = "redis-fifo-floor"
+    kinds = ("sync-redis",)
+
+    def setup(self, run: Run) -> None:
+        super().setup(run)
+        self.take = self.client.register_script(_FLOOR_TAKE)
+        self.give = self.client.register_script(_FLOOR_GIVE)
+
+    @contextlib.contextmanager
+    def hold(self, key: str) -> Iterator[None]:
+        counter, served = f"floor:{key}", f"floor:{key}:served"
+        held, ticket = self.take(keys=(counter, served))
+        if not held and self.client.blpop([f"{counter}:{ticket}"], timeout=WAIT) is None:
+            raise TimeoutError(f"ticket {ticket} was not served within {WAIT:g} s")
+        try:
+            yield
+        finally:
+            self.give(keys=(counter, served))
+
+
 class RedisPyAsyncLock(AsyncContender):
     """redis-py's asyncio lock as production code takes it: ``async with r.lock(name,
     timeout=..., blocking_timeout=...):`` on a ``redis.asyncio.Redis``: what an async
@@ -548,6 +602,7 @@ CONTENDERS: dict[str, type[Contender]] = {
         InturnRedisSync,
         RedisPyLock,
         RedisPyLockLease,
+        FifoFloor,
         RedisPyAsyncLock,
         PythonRedisLock,
         Pottery,
@@ -589,6 +644,7 @@ DEFAULT: tuple[str, ...] = (
     "inturn-redis-sync",
     "redis-py-lock",
     "redis-py-lock-lease",
+    "redis-fifo-floor",
     "redis-py-async-lock",
     "python-redis-lock",
     "pottery",

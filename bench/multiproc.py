@@ -155,7 +155,7 @@ _SYNC_FILE: dict[str, Any] = {
 _SYNC_REDIS: dict[str, Any] = {
     "kind": "sync-redis",
     "subject": "inturn-redis-sync",
-    "ratios": ("redis-py-lock-lease", "inturn-redis"),
+    "ratios": ("redis-py-lock-lease", "inturn-redis", "redis-fifo-floor"),
 }
 _POSTGRES: dict[str, Any] = {
     "kind": "postgres",
