@@ -330,6 +330,7 @@ def test_only_sync_selects_the_sync_scenarios_and_their_contenders() -> None:
         "inturn-redis",
         "inturn-redis-sync",
         "redis-py-lock-lease",
+        "redis-fifo-floor",
     ]
     assert multiproc._of_kind(names, "sync-postgres") == [
         "inturn-postgres",
@@ -338,6 +339,7 @@ def test_only_sync_selects_the_sync_scenarios_and_their_contenders() -> None:
     ]
     assert "inturn-file-sync" not in multiproc._of_kind(names, "file")
     assert "redis-py-lock-lease" not in multiproc._of_kind(names, "redis")
+    assert "redis-py-async-lock" in multiproc._of_kind(names, "redis")
     assert "pg-advisory-lock-sync" not in multiproc._of_kind(names, "postgres")
 
 
