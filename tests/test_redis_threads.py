@@ -21,12 +21,13 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 from bench.delay_proxy import delayed
+from redis.asyncio.sentinel import Sentinel
 
-from inturn import BackendUnavailable, KeyedQueue, LeaseLost
+from inturn import BackendUnavailable, KeyedQueue, LeaseLost, current_turn
 from inturn._bridge import backend_loop
 from inturn.backends.redis import RedisBackend
 from redis_checks import keys_left
-from servers import Server
+from servers import SentinelSetup, Server
 
 from helpers import PATIENCE
 
@@ -52,6 +53,8 @@ def test_clients_with_a_sync_twin_block_threads_natively(
 
     custom = aioredis.Redis(connection_pool=aioredis.ConnectionPool(connection_class=Custom))
     assert not RedisBackend(custom).capabilities.blocking  # (through the backend loop)
+    replica = Sentinel([("127.0.0.1", 1)]).slave_for("mymaster")
+    assert not RedisBackend(replica).capabilities.blocking
     if "redis-cluster" in redis_urls and redis.__version__ >= "8":
         from redis.asyncio.cluster import RedisCluster
 
@@ -247,3 +250,36 @@ def test_a_refusal_after_the_start_reaches_a_thread_named(
         admin.acl_setuser(user, commands=["+@all"])
         asyncio.run(backend.aclose())
         admin.close()
+
+
+def test_a_sentinel_clients_threads_block_natively_and_ride_a_failover(
+    sentinel_setup: SentinelSetup, namespace: str
+) -> None:
+    """Threads' connections on a Sentinel client go to the master its sync twin discovers:
+    a failover is a lost lease for the thread that held the key (LeaseLost, after the work
+    ran), and the next turn goes on, on the new master."""
+    sentinel = Sentinel([("127.0.0.1", sentinel_setup.port)])
+    client = sentinel.master_for(SentinelSetup.NAME)
+    backend = RedisBackend(client, namespace=namespace, lease=2, owns_client=True)
+    # (threads' turns, so the share and its discovery of the master live on the backend loop)
+    assert backend.capabilities.blocking
+    queue = KeyedQueue(backend=backend)
+    try:
+        assert _turn(queue, "k", 1, 5) == 1
+        assert _turn(queue, "k", 2, 5) == 2  # (its own connection, to the master)
+
+        def fail_over() -> None:
+            sentinel_setup.fail_over()
+            turn = current_turn()
+            deadline = time.monotonic() + PATIENCE
+            while not turn.lease_lost and time.monotonic() < deadline:
+                time.sleep(0.05)  # (polls a state: the heartbeat learns the server changed)
+
+        with pytest.raises(LeaseLost, match="'k'"):
+            queue.run_sync("k", fail_over)
+        assert _turn(queue, "k", 3, PATIENCE) == 3
+    finally:
+        asyncio.run(backend.aclose())
+        # (the sentinels' clients discovered the master on the backend loop: closed there)
+        for each in sentinel.sentinels:
+            asyncio.run_coroutine_threadsafe(each.aclose(), backend_loop()).result(PATIENCE)

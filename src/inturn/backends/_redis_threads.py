@@ -12,14 +12,17 @@ heartbeat, the greeting.
 The connections are redis-py's sync ``Connection`` (or its SSL or Unix
 socket kind), made with the async client's settings (TLS, AUTH, HELLO,
 SELECT: redis-py sets them up), written with ``send_packed_command`` and
-read with ``read_response``: its public API. A client this module cannot
-mirror (Sentinel, a cluster, a connection class of the user's) has none:
-its threads take their turns through the backend loop (``_bridge``).
+read with ``read_response``: its public API; on a Sentinel client, made by
+a sync twin of its Sentinel (which discovers the master at each connect).
+A client this module cannot mirror (a cluster, a replica's, a connection
+class of the user's) has none: its threads take their turns through the
+backend loop (``_bridge``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import logging
@@ -30,10 +33,11 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import redis.connection
+import redis.sentinel
 from redis.exceptions import NoScriptError, ResponseError
 
 from .._bridge import Answer
-from ._redis_errors import UNREACHABLE, unavailable
+from ._redis_errors import UNREACHABLE, demoted, unavailable
 from ._redis_lease import Member
 from ._redis_loop import LoopShare, RedisGrant, late_for
 from ._redis_scripts import ENQUEUE, HEADS, LEAVE, SCRIPTS, Script
@@ -69,32 +73,65 @@ _SETTINGS = frozenset(
 def sync_connector(client: Any, lease: float) -> Callable[[], Any] | None:
     """What makes a blocking connection set up as client's are, or None if none can be.
 
-    Reads are bounded by the lease (or the client's shorter socket timeout),
-    as the event loop's connection is dropped after a lease without an answer.
+    A client of redis-py's ``Sentinel(...).master_for(...)`` gets connections
+    to the master its sync twin discovers (at each connect). Reads are
+    bounded by the lease (or the client's shorter socket timeout), as the
+    event loop's connection is dropped after a lease without an answer.
     """
     if not isinstance(client, aioredis.Redis):
         return None
-    kind = client.connection_pool.connection_class
+    pool = client.connection_pool
+    kind = pool.connection_class
+    if kind.__module__ == "redis.asyncio.sentinel":
+        return _sentinel_twin(pool, lease)
     mirror = getattr(redis.connection, kind.__name__, None)
     if kind.__module__ != "redis.asyncio.connection" or not isinstance(mirror, type):
-        return None  # a Sentinel's, or a class of the user's: through the backend loop
+        return None  # a class of the user's: through the backend loop
+    return functools.partial(mirror, **_mirrored(pool.connection_kwargs, mirror, lease))
+
+
+def _sentinel_twin(pool: Any, lease: float) -> Callable[[], Any] | None:
+    """A sync Sentinel's connection maker for the master pool serves (None: a replica's)."""
+    if not getattr(pool, "is_master", False):
+        return None
+    manager = pool.sentinel_manager
+    addresses = []
+    for sentinel in manager.sentinels:
+        settings = sentinel.connection_pool.connection_kwargs
+        if "host" not in settings:
+            return None
+        addresses.append((settings["host"], settings.get("port", 26379)))
+    make_twin: Any = redis.sentinel.Sentinel  # (untyped)
+    twin = make_twin(
+        addresses,
+        min_other_sentinels=manager.min_other_sentinels,
+        sentinel_kwargs=_mirrored(manager.sentinel_kwargs, redis.connection.Connection, lease),
+        ssl="SSL" in pool.connection_class.__name__,
+        **_mirrored(pool.connection_kwargs, redis.sentinel.SentinelManagedConnection, lease),
+    )
+    return twin.master_for(pool.service_name).connection_pool.make_connection  # type: ignore[no-any-return]
+
+
+def _mirrored(given: dict[str, Any], mirror: type, lease: float) -> dict[str, Any]:
+    """The settings of given (an async connection's) that mirror, a sync class, takes."""
     inits = [vars(cls)["__init__"] for cls in mirror.__mro__ if "__init__" in vars(cls)]
     accepted = {name for init in inits for name in inspect.signature(init).parameters}
     settings = {
         name: value
-        for name, value in client.connection_pool.connection_kwargs.items()
+        for name, value in given.items()
         if (name in _SETTINGS or name.startswith("ssl_")) and name in accepted
     }
     for name in ("socket_timeout", "socket_connect_timeout"):
-        given = settings.get(name)
-        settings[name] = lease if given is None else min(given, lease)
+        value = settings.get(name)
+        settings[name] = lease if value is None else min(value, lease)
     if "driver_info" in accepted and "driver_info" not in settings:
         # (redis-py 8 looks its version up in the installed metadata for every connection
         # made without it: milliseconds, which a thread's first call would pay)
-        info = getattr(mirror(**settings), "driver_info", None)
-        if info is not None:
-            settings["driver_info"] = info
-    return functools.partial(mirror, **settings)
+        with contextlib.suppress(Exception):
+            info = getattr(mirror(**settings), "driver_info", None)
+            if info is not None:
+                settings["driver_info"] = info
+    return settings
 
 
 class _Pooled:
@@ -188,7 +225,7 @@ class Blocking:
         if isinstance(error, TimeoutError):  # (the connection is whole: the answer is late)
             self._owe(pooled, share, member, member_id)
         elif isinstance(error, ResponseError):  # refused: it did not run
-            self._idle.append(pooled)
+            self._give(pooled, error)
         else:  # interrupted, or broken: whether it ran is unknown
             pooled.connection.disconnect()
             share.leave_soon(member, member_id)
@@ -227,7 +264,7 @@ class Blocking:
             status = _call(pooled.connection, LEAVE, share.calls.leave_rest(member, member_id))
         except Exception as error:
             if pooled is not None and isinstance(error, ResponseError):  # (refused: it is whole)
-                self._idle.append(pooled)
+                self._give(pooled, error)
             share.left(member, None, error)
             return
         except BaseException:  # interrupted: the release goes on, on the share's connection
@@ -235,6 +272,15 @@ class Blocking:
             raise
         self._idle.append(pooled)
         share.left(member, status, None)
+
+    def _give(self, pooled: _Pooled, refusal: ResponseError) -> None:
+        """Give pooled back after Redis refused a call on it, unless the refusal says the
+        server is a replica now (a failover): then drop it, so that the next call connects
+        to the master, wherever it is now (as the share's Link does)."""
+        if demoted(refusal):
+            pooled.connection.disconnect()
+        else:
+            self._idle.append(pooled)
 
     def _take(self, loop: asyncio.AbstractEventLoop) -> _Pooled:
         """An idle connection, its owed replies read and nothing else pending (or a new one).

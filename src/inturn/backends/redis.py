@@ -147,10 +147,11 @@ class RedisBackend:
       Redis, on a connection no other thread uses meanwhile, with the same
       scripts, leases, grants and errors as a task's; the subscription and
       heartbeat that serve threads run on one backend thread per process.
-      With a Sentinel or cluster client, or a connection class of the
-      user's (which this backend cannot make a blocking twin of), threads'
-      calls run on that thread's event loop instead
-      (``capabilities.blocking`` is then False).
+      On a Sentinel client, threads' connections go to the master a sync
+      twin of its Sentinel discovers. With a cluster client, a replica's, or
+      a connection class of the user's (which this backend cannot make a
+      blocking twin of), threads' calls run on that thread's event loop
+      instead (``capabilities.blocking`` is then False).
 
     Not guaranteed: exclusion across a Redis failover or restart that loses
     the line's data. The holders learn it (their leases count as lost, so
@@ -227,8 +228,8 @@ class RedisBackend:
         #: Each event loop it serves costs a share (connections, a subscription, a
         #: heartbeat): a queue serves its first loop directly, and every other one
         #: through one loop of the process (see Capabilities). Threads block on
-        #: connections of their own (one round trip per call), but with a Sentinel
-        #: or cluster client, or a connection class of the user's, go through that loop.
+        #: connections of their own (one round trip per call), but with a cluster
+        #: client, a replica's, or a connection class of the user's, go through that loop.
         self.capabilities: Final = Capabilities(blocking=self._threads is not None, one_loop=True)
         _BACKENDS.add(self)
 
