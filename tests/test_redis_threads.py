@@ -81,8 +81,13 @@ def test_a_threads_turn_makes_no_hop_to_the_backend_loop(backend: RedisBackend) 
         thaw.set()
 
 
-def test_a_waiting_thread_is_woken_by_the_grant(backend: RedisBackend, redis_url: str) -> None:
-    """A thread behind another process's holder gets the key when it is released (push)."""
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_a_waiting_thread_is_woken_by_the_grant(
+    redis_url: str, namespace: str, protocol: int
+) -> None:
+    """A thread behind another process's holder gets the key when it is released (push),
+    whichever protocol the client speaks (its connections' replies parse alike)."""
+    backend = RedisBackend.from_url(redis_url, namespace=namespace, protocol=protocol)
     queue = KeyedQueue(backend=backend)
     other = RedisBackend.from_url(redis_url, namespace=backend.namespace)
     held, release, order = threading.Event(), threading.Event(), []
@@ -104,7 +109,9 @@ def test_a_waiting_thread_is_woken_by_the_grant(backend: RedisBackend, redis_url
     holder.join(PATIENCE)
     waiter.join(PATIENCE)
     assert order == ["holder", "waiter"]
+    assert queue.run_sync("k", lambda: "free") == "free"
     asyncio.run(other.aclose())
+    asyncio.run(backend.aclose())
 
 
 async def _line_of(backend: RedisBackend, members: int) -> int:
