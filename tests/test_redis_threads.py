@@ -290,3 +290,25 @@ def test_a_sentinel_clients_threads_block_natively_and_ride_a_failover(
         # (the sentinels' clients discovered the master on the backend loop: closed there)
         for each in sentinel.sentinels:
             asyncio.run_coroutine_threadsafe(each.aclose(), backend_loop()).result(PATIENCE)
+
+
+def test_a_threads_turn_held_past_its_lease_is_renewed_and_stays_its_own(
+    redis_url: str, namespace: str
+) -> None:
+    """The heartbeat renews a thread's lease as a task's: held for three leases, the key is
+    still the thread's (another process's try-lock fails), and the turn ends without loss."""
+    lease = 0.5
+    backend = RedisBackend.from_url(redis_url, namespace=namespace, lease=lease)
+    other = RedisBackend.from_url(redis_url, namespace=namespace, lease=lease)
+    queue, rival = KeyedQueue(backend=backend), KeyedQueue(backend=other)
+    try:
+        assert _turn(queue, "warm", 1, 5) == 1  # (the share and its heartbeat run)
+        assert _turn(rival, "warm", 1, 5) == 1  # (so its try-lock below asks Redis)
+        with queue.keyed("k") as turn:
+            threading.Event().wait(3 * lease)  # outlast the lease: only renewals keep it
+            with pytest.raises(TimeoutError):
+                _turn(rival, "k", 2, 0)
+            assert not turn.lease_lost
+    finally:
+        asyncio.run(backend.aclose())
+        asyncio.run(other.aclose())
