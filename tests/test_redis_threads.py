@@ -154,6 +154,7 @@ def test_scripts_flushed_from_redis_are_sent_again_from_a_thread(
         admin.close()
 
 
+@pytest.mark.server  # (faults: the newest Python runs them)
 def test_a_late_answer_to_a_threads_enqueue_still_leaves_the_line(
     redis_url: str, namespace: str
 ) -> None:
@@ -201,6 +202,7 @@ def test_a_threads_turn_without_a_server_is_backend_unavailable(namespace: str) 
     assert ran == []
 
 
+@pytest.mark.server  # (faults: the newest Python runs them)
 def test_a_restart_that_loses_a_threads_line_is_a_lost_lease_and_turns_go_on(
     own_redis: Server, namespace: str
 ) -> None:
@@ -259,6 +261,7 @@ def test_a_refusal_after_the_start_reaches_a_thread_named(
         admin.close()
 
 
+@pytest.mark.server  # (faults: the newest Python runs them)
 def test_a_sentinel_clients_threads_block_natively_and_ride_a_failover(
     sentinel_setup: SentinelSetup, namespace: str
 ) -> None:
@@ -292,6 +295,7 @@ def test_a_sentinel_clients_threads_block_natively_and_ride_a_failover(
             asyncio.run_coroutine_threadsafe(each.aclose(), backend_loop()).result(PATIENCE)
 
 
+@pytest.mark.server  # (faults: the newest Python runs them)
 def test_a_threads_turn_held_past_its_lease_is_renewed_and_stays_its_own(
     redis_url: str, namespace: str
 ) -> None:
