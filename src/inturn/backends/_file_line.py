@@ -38,6 +38,7 @@ from ._linefile import (
     pipe_name,
     read_records,
     record_of,
+    records_in,
     ticket_of,
 )
 from ._tickets import (
@@ -258,14 +259,21 @@ def _join(
                 continue
             _check_regular(where, line, info)
             # The mark first, then the FIFO: a crash between leaves a mark, not a stray FIFO.
-            os.write(line_fd, joining(ticket, name if info.st_size == 0 else None))
+            mark = joining(ticket, name if info.st_size == 0 else None)
+            os.write(line_fd, mark)
             marked = True
             os.mkfifo(pipe, 0o600, dir_fd=where.fd)
             made = True
             fd = open_tracked(pipe, _OPEN_TICKET, where.fd)
-            os.write(line_fd, joined(ticket))  # one append: atomic
+            record = joined(ticket)
+            os.write(line_fd, record)  # one append: atomic
             end = os.lseek(line_fd, 0, os.SEEK_CUR)
-            records = read_records(line_fd)
+            if info.st_size == 0 and end == len(mark) + len(record):
+                # Nobody else wrote in it since it was empty (its appends would
+                # be before the end): it holds this join's records, and no more.
+                records = records_in(mark + record)
+            else:
+                records = read_records(line_fd)
             place = Place(where, digest, ticket, fd, (info.st_dev, info.st_ino), end)
             # Last: an interrupt before it leaves the line file open for the clean-up below.
             # Its close lets go of its lock (no other descriptor shares it: see _file_fds).
