@@ -526,11 +526,10 @@ def test_a_lone_turn_makes_two_files_and_locks_its_line_file_twice(
     grant = backend.acquire_sync("k", PATIENCE)
     backend.release_sync(grant)
     made = sorted(calls.of(threading.get_ident()))
-    assert made == sorted(
-        ["open", "flock sh", "fstat", "write", "mkfifo", "open", "write", "lseek", "close"]
-        + ["open", "fstat", "pread", "fstat", "write", "close", "unlink"]
-        + ["flock ex", "fstat", "pread", "unlink", "close"]
-    ), made
+    joins = ["open", "flock sh", "fstat", "write", "mkfifo", "open", "write", "lseek", "close"]
+    hands_on = ["open", "fstat", "pread", "fstat", "write", "close", "unlink"]
+    tidies = ["flock ex", "fstat", "pread", "unlink", "close"]
+    assert made == sorted([*joins, *hands_on, *tidies]), made
     assert files(backend.directory) == []
 
 

@@ -401,7 +401,7 @@ def deleted(place: Place) -> bool:
 def _own_line(
     where: Directory, digest: str, ticket: str, line: _Identity
 ) -> tuple[int, os.stat_result | None, bool, list[str] | None]:
-    """Open digest's line file, which ticket is in: (fd, its stat, whether it was replaced, records).
+    """Open digest's line file, which ticket is in: (fd, its stat, whether replaced, records).
 
     Replaced: the file at its name is not the one ticket queued in (the
     identity line), or does not list ticket (a file made anew may get the
@@ -422,13 +422,13 @@ def _own_line(
         return -1, info, (info.st_dev, info.st_ino) != line, None
     try:
         info = os.fstat(fd)
-        if (info.st_dev, info.st_ino) != line:
-            return fd, info, True, None
-        listed, records = _lists(fd, ticket)
-        return fd, info, not listed, records
+        listed, records = (
+            (False, None) if (info.st_dev, info.st_ino) != line else _lists(fd, ticket)
+        )
     except BaseException:
         close_tracked(fd)
         raise
+    return fd, info, not listed, records
 
 
 def _lists(fd: int, ticket: str) -> tuple[bool, list[str] | None]:

@@ -221,7 +221,7 @@ def _tidy(
 def _sweep(
     where: Directory, digest: str, own: str, fd: int, gone: set[str], held: bool, long: bool
 ) -> bool:
-    """Under line file fd's exclusive lock, drop gone (see _compact); whether it was busy (_tidy)."""
+    """Drop gone (see _compact) under line file fd's exclusive lock; whether it was busy (_tidy)."""
     if not (flock_soon if long else flock_now)(fd, fcntl.LOCK_EX):
         # Taken by one queueing behind own (it tidies after its turn),
         # or by a tidier that may have seen own still in line.
