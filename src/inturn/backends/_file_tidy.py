@@ -8,6 +8,12 @@ line file if nobody is left in it, or writes the tickets still in line
 over the old records and cuts the file to them (``_linefile.py`` tells
 why a compaction cut short reads back right).
 
+A releasing holder starts from the records it read as it left: if they
+list nobody behind it, it goes to the exclusive lock at once (its reading
+there decides, as after the shared look); if the newest one behind it is
+still in line, that one tidies after its turn, and the holder takes no
+lock at all.
+
 A tidy never waits for the lock: another process that holds it is
 joining (and tidies after its turn) or tidying. Only a process that left
 the line last, and that a tidier may have seen still in it, tries again
