@@ -459,3 +459,124 @@ def test_a_released_grant_is_released_once(backend: FileBackend) -> None:
     backend.release_sync(grant)  # nothing more to do
     assert "released" in repr(grant)
     assert files(backend.directory) == []
+
+
+# -- what a turn asks of the kernel ------------------------------------------------------
+
+
+class Calls:
+    """Stands in for os and fcntl inside the file backend's modules: records each call made.
+
+    Each as (thread id, name, flock's mode or None); the calls themselves are the real ones.
+    """
+
+    MODULES = ("file", "_file_fds", "_file_line", "_file_locks", "_file_tidy", "_linefile")
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import importlib
+
+        self.made: list[tuple[int, str, int | None]] = []
+        for name in self.MODULES:
+            module = importlib.import_module(f"inturn.backends.{name}")
+            for real in ("os", "fcntl"):
+                if hasattr(module, real):
+                    monkeypatch.setattr(module, real, _Recorded(getattr(module, real), self))
+
+    def of(self, thread: int) -> list[str]:
+        """The names of the calls thread made, flock's with its mode (sh, ex, un)."""
+        import fcntl
+
+        modes = {fcntl.LOCK_SH: "sh", fcntl.LOCK_EX: "ex", fcntl.LOCK_UN: "un"}
+        return [
+            name if mode is None else f"flock {modes[mode & ~fcntl.LOCK_NB]}"
+            for who, name, mode in self.made
+            if who == thread
+        ]
+
+
+class _Recorded:
+    def __init__(self, module: Any, calls: Calls) -> None:
+        self._module = module
+        self._calls = calls
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(self._module, name)
+        if not callable(real) or isinstance(real, type) or name == "fspath":
+            return real
+        made = self._calls.made
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            mode = args[1] if name == "flock" else None
+            made.append((threading.get_ident(), name, mode))
+            return real(*args, **kwargs)
+
+        return call
+
+
+def test_a_lone_turn_makes_two_files_and_locks_its_line_file_twice(
+    backend: FileBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its line file and its ticket, made and deleted; the line file locked
+    # shared to join it, exclusive to delete it; read back once, as it
+    # leaves (to check that it still lists the ticket) and once under the
+    # exclusive lock; no system call for the ticket's name.
+    grant = backend.acquire_sync("warm", PATIENCE)  # (the directory is made)
+    backend.release_sync(grant)
+    calls = Calls(monkeypatch)
+    grant = backend.acquire_sync("k", PATIENCE)
+    backend.release_sync(grant)
+    made = sorted(calls.of(threading.get_ident()))
+    joins = ["open", "flock sh", "fstat", "write", "mkfifo", "open", "write", "lseek", "close"]
+    hands_on = ["open", "fstat", "pread", "fstat", "write", "close", "unlink"]
+    tidies = ["flock ex", "fstat", "pread", "unlink", "close"]
+    assert made == sorted([*joins, *hands_on, *tidies]), made
+    assert files(backend.directory) == []
+
+
+def test_a_release_with_someone_in_line_behind_it_takes_no_lock(
+    backend: FileBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Whoever is behind tidies after its turn: the release reads the line
+    # file, sees it, hands the key on, and leaves the file to it.
+    holder = Taker(backend, "k")
+    holder.start()
+    wait_until(lambda: holder.grant is not None, "the holder took the key")
+    waiter = Taker(backend, "k")
+    waiter.start()
+    wait_until(lambda: len(backend.line("k")) == 2, "the waiter queued")
+    calls = Calls(monkeypatch)
+    holder.finish()
+    wait_until(lambda: waiter.grant is not None, "the waiter took the key")
+    released = calls.of(holder.ident or 0)
+    assert "write" in released  # (its hand-off)
+    assert not [call for call in released if call.startswith("flock")], released
+    waiter.finish()
+    assert files(backend.directory) == []
+
+
+def test_tickets_need_no_system_call_and_differ_in_a_forked_child(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from inturn.backends import _linefile
+
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through the pipe
+        os.write(write, _linefile.new_ticket().encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(child, 0)
+    theirs = os.read(read, 64).decode()
+    os.close(read)
+
+    def refused(*args: object) -> None:
+        raise AssertionError("a ticket made a system call")
+
+    monkeypatch.setattr(os, "getpid", refused)
+    monkeypatch.setattr(os, "urandom", refused)
+    ours = [_linefile.new_ticket() for _ in range(3)]
+    assert theirs.split(".")[0] == str(child)
+    assert len({*ours, theirs}) == 4
+    # (Its random bits too: drawn from a seed of its own, not its parent's.)
+    assert theirs.split(".")[1] not in {ticket.split(".")[1] for ticket in ours}
+    assert all(_linefile.ticket_of(f"T{ticket}") == ticket for ticket in [*ours, theirs])
