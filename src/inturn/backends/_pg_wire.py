@@ -231,13 +231,12 @@ def _outcome(results: list[pq.abc.PGresult]) -> Outcome:
     """The rows of a statement's results, or the error of one that failed."""
     rows: Rows = []
     for result in results:
-        if result.status == _TUPLES_OK:
-            width = result.nfields
-            rows.extend(
-                tuple(result.get_value(row, column) for column in range(width))
-                for row in range(result.ntuples)
-            )
-        elif result.status != _COMMAND_OK:
+        status = result.status
+        if status == _TUPLES_OK:
+            value, columns = result.get_value, range(result.nfields)
+            for row in range(result.ntuples):
+                rows.append(tuple([value(row, column) for column in columns]))
+        elif status != _COMMAND_OK:
             return _error(result)
     return rows
 
