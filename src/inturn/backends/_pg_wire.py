@@ -169,27 +169,31 @@ def answer_sync(
     """(A thread's.) The outcome of the statement sent last on pgconn, read into results,
     waiting for it until ``until`` (monotonic); None if it did not come in time.
 
-    ``fresh``: just sent (its bytes may still wait to go out). An exception
+    ``fresh``: just sent (its bytes may still wait to go out, and its answer
+    is waited for before the socket is read: measured on loopback, it is not
+    in yet two times out of three, and a read first is then a system call
+    for nothing); else what the socket has is read first. An exception
     raised while it waits (a signal handler's) leaves the answer to come:
-    call it again, with the same results, to collect it. (What the socket
-    has is read first: on loopback, the server's answer is often in before
-    the client looks, and a poll would be a system call for nothing.)
+    call it again, with the same results, to collect it.
     """
+    fd = pgconn.socket
     if fresh:
         while pgconn.flush():  # (rare: the statement did not fit the socket's buffer)
-            _poll(pgconn.socket, select.POLLOUT, None)
-    fd = pgconn.socket
+            _poll(fd, select.POLLOUT, None)
+    read = not fresh
     while True:
-        outcome = collect(pgconn, results)
-        if outcome is not None:
-            return outcome
+        if read:
+            outcome = collect(pgconn, results)
+            if outcome is not None:
+                return outcome
         if until is None:
             _poll(fd, select.POLLIN, None)
         else:
             left = until - time.monotonic()
             if left <= 0:
-                return None
+                return None if read else collect(pgconn, results)
             _poll(fd, select.POLLIN, left)
+        read = True
 
 
 def _poll(fd: int, events: int, wait: float | None) -> None:
