@@ -129,3 +129,20 @@ def test_a_thread_interrupted_while_it_waits_for_a_slot_leaves_the_line() -> Non
     assert parked(place, 0)()
     holder.give_back()
     assert place.try_slot(Lease(0))
+
+
+def test_a_turn_interrupted_while_it_checks_a_kept_connection_gives_its_slot_back() -> None:
+    """A signal handler's exception in the check of a kept connection (Connections.kept,
+    a turn's fast verb): the slot it took is free again, not lost with the turn."""
+
+    class Interrupted:
+        @property
+        def pgconn(self) -> None:
+            raise KeyboardInterrupt("interrupted while the kept connection was checked")
+
+    place = connections(size=1)
+    place._thread_place().slots(0)
+    place._thread_place().idle.append((Interrupted(), object()))  # type: ignore[arg-type]
+    with pytest.raises(KeyboardInterrupt):
+        place.kept(0)
+    assert place.try_slot(Lease(0))

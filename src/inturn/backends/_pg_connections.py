@@ -158,7 +158,11 @@ class Connections:
             place = self._places.get(loop) or self._place(loop)
             if not place.slots(tier).try_take():
                 return None
-        kept = place.take_idle()
+        try:
+            kept = place.take_idle()
+        except BaseException:  # (a signal handler's, in the check of a kept connection)
+            place.release(tier)
+            raise
         if kept is None:
             place.release(tier)
             return None
