@@ -156,5 +156,8 @@ def order_portable(keys: Iterable[Hashable]) -> tuple[Hashable, ...]:
 
     The order of :func:`portable_name`, never ``hash()``, which is salted per process.
     """
+    if type(keys) is tuple and len(keys) == 1:  # (a turn's usual: nothing to sort)
+        portable_name(keys[0])  # (checks its kind)
+        return keys
     named = {portable_name(key): key for key in keys}
     return tuple(named[name] for name in sorted(named))

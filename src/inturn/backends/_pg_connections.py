@@ -144,6 +144,35 @@ class Connections:
             raise
         return lease
 
+    def kept(self, tier: int) -> Lease | None:
+        """(taking()'s fast verb.) A lease at once: a free slot of tier and a connection
+        kept between turns; None if either is not there now (then taking() waits for a
+        slot, or connects and readies)."""
+        loop = loop_here()
+        place: LoopPlace | ThreadPlace
+        if loop is None:
+            place = self._threads or self._thread_place()
+            if not place.slots(tier).take(0):
+                return None
+        else:
+            place = self._places.get(loop) or self._place(loop)
+            if not place.slots(tier).try_take():
+                return None
+        try:
+            kept = place.take_idle()
+        except BaseException:  # (a signal handler's, in the check of a kept connection)
+            place.release(tier)
+            raise
+        if kept is None:
+            place.release(tier)
+            return None
+        lease = Lease(tier)
+        lease.place = place
+        lease.connection, lease.ready = kept
+        if isinstance(place, LoopPlace):
+            place.active.add(lease.connection)
+        return lease
+
     # -- what the drivers do for the steps ------------------------------------------------
 
     def try_slot(self, lease: Lease) -> bool:
@@ -153,7 +182,7 @@ class Connections:
         loop = loop_here()
         if loop is None:
             place = self._thread_place()
-            taken = place.slots(lease.tier).acquire(False)
+            taken = place.slots(lease.tier).take(0)
         else:
             place = self._place(loop)
             taken = place.slots(lease.tier).try_take()
@@ -194,7 +223,7 @@ class Connections:
     def slot_sync(self, lease: Lease, until: float | None) -> bool:
         """(A thread's.) As :meth:`slot`."""
         place = self._thread_place()
-        if not place.slots(lease.tier).acquire(timeout=self._slot_wait(until)):
+        if not place.slots(lease.tier).take(self._slot_wait(until)):
             return False
         lease.place = place
         return True

@@ -221,28 +221,90 @@ class LoopPlace:
 
 
 @final
+class ThreadSlots:
+    """A tier's slots for the threads of a process: FIFO, handed on directly to the next
+    waiter (a newcomer never takes a slot a waiter was promised), under the place's lock."""
+
+    __slots__ = ("free", "lock", "size", "waiters")
+
+    def __init__(self, size: int, lock: threading.Lock) -> None:
+        self.size = size
+        self.free = size
+        self.lock = lock  # the place's
+        # the threads waiting, each as a lock it blocks on until it is released: handed on
+        self.waiters: collections.deque[threading.Lock] = collections.deque()
+
+    def take(self, wait: float | None) -> bool:
+        """Take a slot, waiting wait seconds at most for one (None: as long as it takes).
+
+        An exception raised while it waits (a signal handler's) leaves the
+        line first, and gives on a slot handed to it meanwhile.
+        """
+        with self.lock:
+            if self.free and not self.waiters:
+                self.free -= 1
+                return True
+            if wait == 0:
+                return False
+            waiter = threading.Lock()
+            waiter.acquire()
+            self.waiters.append(waiter)
+        try:
+            if waiter.acquire(True, -1 if wait is None else wait):
+                return True
+        except BaseException:
+            if not self._left(waiter):
+                self.give()
+            raise
+        return not self._left(waiter)
+
+    def _left(self, waiter: threading.Lock) -> bool:
+        """Take waiter out of the line; False if it was handed a slot already."""
+        with self.lock:
+            try:
+                self.waiters.remove(waiter)
+            except ValueError:
+                return False
+            return True
+
+    def give(self) -> None:
+        with self.lock:
+            self.given()
+
+    def given(self) -> None:
+        """give(), the place's lock held."""
+        if self.waiters:
+            self.waiters.popleft().release()  # (the slot is the waiter's now)
+        elif self.free < self.size:
+            self.free += 1
+        else:
+            raise ValueError("inturn: a connection slot was given back twice")
+
+
+@final
 class ThreadPlace:
-    """The same for the threads of this process."""
+    """The same for the threads of this process (one lock for its slots and its idle
+    connections)."""
 
     __slots__ = ("closed", "idle", "lock", "size", "tiers")
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self.tiers: list[threading.BoundedSemaphore] = []
-        self.lock = threading.Lock()  # held to add a tier, to keep a connection, and to close
+        self.tiers: list[ThreadSlots] = []
+        self.lock = threading.Lock()  # held to take or give a slot, to keep a connection, to close
         self.closed = False
         self.idle: collections.deque[tuple[psycopg.Connection[Any], Any]] = collections.deque()
 
-    def slots(self, tier: int) -> threading.BoundedSemaphore:
+    def slots(self, tier: int) -> ThreadSlots:
         tiers = self.tiers
         if len(tiers) <= tier:
             with self.lock:
                 while len(tiers) <= tier:
-                    tiers.append(threading.BoundedSemaphore(self.size))
+                    tiers.append(ThreadSlots(self.size, self.lock))
         return tiers[tier]
 
     def release(self, tier: int) -> None:
-        self.tiers[tier].release()
+        self.tiers[tier].give()
 
     def take_idle(self) -> tuple[psycopg.Connection[Any], Any] | None:
         while True:
@@ -255,16 +317,23 @@ class ThreadPlace:
             _pg_wire.discard(kept[0])
 
     def give_back(self, connection: psycopg.Connection[Any] | None, ready: Any, tier: int) -> None:
+        """Keep connection (unless it is bad, or the place closed) and give its slot back.
+
+        A connection not kept is closed before its slot is free: the threads
+        never have more than max_sessions connections of a tier open.
+        """
+        slots = self.tiers[tier]
+        if connection is not None and ready is not None and reusable(connection):
+            with self.lock:
+                if not self.closed:
+                    self.idle.append((connection, ready))
+                    slots.given()
+                    return
         try:
             if connection is not None:
-                if ready is not None and reusable(connection):
-                    with self.lock:
-                        if not self.closed:
-                            self.idle.append((connection, ready))
-                            return
                 _pg_wire.discard(connection)
         finally:
-            self.release(tier)
+            slots.give()
 
     def close(self) -> None:
         """Close the idle connections; those given back afterwards are closed at once."""

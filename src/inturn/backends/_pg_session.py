@@ -256,7 +256,10 @@ class PgSession:
         until = None if timeout is None else now() + timeout
         lease = self._lease
         if lease is None:
-            lease = self._lease = yield from connections.taking(key, timeout, until, self._tier)
+            tier = self._tier
+            lease = self._lease = None if tier is None else connections.kept(tier)  # (fast verb)
+            if lease is None:
+                lease = self._lease = yield from connections.taking(key, timeout, until, tier)
         grants = self._grants
         held = bool(grants) and lock in [grant.lock for grant in grants]
         last = self._transaction and len(grants) + 1 >= self._count

@@ -142,15 +142,17 @@ def waiting(
 ) -> tuple[bytes, list[bytes | None]]:
     """The statement that takes lock within left seconds (``timeout=0``: at once); its
     params. ``after``: the session's statement_timeout once it is done ('0': as it is)."""
-    limit = "0" if left is None or timeout == 0 else str(max(1, math.ceil(left * 1000)))
+    limit = b"0" if left is None or timeout == 0 else b"%d" % max(1, math.ceil(left * 1000))
     if after == "0":
-        return TRY if timeout == 0 else WAIT, [str(lock).encode(), limit.encode()]
-    params: list[bytes | None] = [str(lock).encode(), limit.encode(), after.encode()]
+        return TRY if timeout == 0 else WAIT, [b"%d" % lock, limit]
+    params: list[bytes | None] = [b"%d" % lock, limit, after.encode()]
     return TRY_AFTER if timeout == 0 else WAIT_AFTER, params
 
 
 def unlocking(locks: list[int]) -> list[bytes | None]:
     """The parameters of UNLOCK (and UNLOCK_SQL) for locks: one int8 array."""
+    if len(locks) == 1:  # (a turn's usual)
+        return [b"{%d}" % locks[0]]
     return [("{" + ",".join(map(str, locks)) + "}").encode()]
 
 

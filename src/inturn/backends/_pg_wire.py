@@ -169,27 +169,31 @@ def answer_sync(
     """(A thread's.) The outcome of the statement sent last on pgconn, read into results,
     waiting for it until ``until`` (monotonic); None if it did not come in time.
 
-    ``fresh``: just sent (its bytes may still wait to go out). An exception
+    ``fresh``: just sent (its bytes may still wait to go out, and its answer
+    is waited for before the socket is read: measured on loopback, it is not
+    in yet two times out of three, and a read first is then a system call
+    for nothing); else what the socket has is read first. An exception
     raised while it waits (a signal handler's) leaves the answer to come:
-    call it again, with the same results, to collect it. (What the socket
-    has is read first: on loopback, the server's answer is often in before
-    the client looks, and a poll would be a system call for nothing.)
+    call it again, with the same results, to collect it.
     """
+    fd = pgconn.socket
     if fresh:
         while pgconn.flush():  # (rare: the statement did not fit the socket's buffer)
-            _poll(pgconn.socket, select.POLLOUT, None)
-    fd = pgconn.socket
+            _poll(fd, select.POLLOUT, None)
+    read = not fresh
     while True:
-        outcome = collect(pgconn, results)
-        if outcome is not None:
-            return outcome
+        if read:
+            outcome = collect(pgconn, results)
+            if outcome is not None:
+                return outcome
         if until is None:
-            _poll(fd, select.POLLIN, None)
+            _reader(fd).poll()
         else:
             left = until - time.monotonic()
             if left <= 0:
-                return None
-            _poll(fd, select.POLLIN, left)
+                return None if read else collect(pgconn, results)
+            _reader(fd).poll(int(left * 1000) + 1)
+        read = True
 
 
 def _poll(fd: int, events: int, wait: float | None) -> None:
@@ -199,11 +203,24 @@ def _poll(fd: int, events: int, wait: float | None) -> None:
     poller.poll(None if wait is None else max(0, int(wait * 1000) + 1))
 
 
+#: A poller for each socket whose answers a thread waits for, by descriptor: making one
+#: per wait cost a turn about 2 µs of its three waits (a descriptor is one open socket,
+#: which one thread at a time uses; a later socket given the same number is polled alike).
+_READERS: dict[int, select.poll] = {}
+
+
+def _reader(fd: int) -> select.poll:
+    """The poller of fd's input (see _READERS)."""
+    poller = _READERS.get(fd)
+    if poller is None:
+        poller = _READERS[fd] = select.poll()
+        poller.register(fd, select.POLLIN)
+    return poller
+
+
 def readable(fd: int) -> bool:
     """Whether fd has something to read now (no wait)."""
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    return bool(poller.poll(0))
+    return bool(_reader(fd).poll(0))
 
 
 def discard(connection: Any, reply: Reply | None = None) -> None:
@@ -231,13 +248,12 @@ def _outcome(results: list[pq.abc.PGresult]) -> Outcome:
     """The rows of a statement's results, or the error of one that failed."""
     rows: Rows = []
     for result in results:
-        if result.status == _TUPLES_OK:
-            width = result.nfields
-            rows.extend(
-                tuple(result.get_value(row, column) for column in range(width))
-                for row in range(result.ntuples)
-            )
-        elif result.status != _COMMAND_OK:
+        status = result.status
+        if status == _TUPLES_OK:
+            value, columns = result.get_value, range(result.nfields)
+            for row in range(result.ntuples):
+                rows.append(tuple([value(row, column) for column in columns]))
+        elif status != _COMMAND_OK:
             return _error(result)
     return rows
 
