@@ -38,7 +38,6 @@ from ._linefile import (
     pipe_name,
     read_records,
     record_of,
-    records_in,
     ticket_of,
 )
 from ._tickets import (
@@ -259,24 +258,17 @@ def _join(
                 continue
             _check_regular(where, line, info)
             # The mark first, then the FIFO: a crash between leaves a mark, not a stray FIFO.
-            mark = joining(ticket, name if info.st_size == 0 else None)
-            os.write(line_fd, mark)
+            os.write(line_fd, joining(ticket, name if info.st_size == 0 else None))
             marked = True
             os.mkfifo(pipe, 0o600, dir_fd=where.fd)
             made = True
             fd = open_tracked(pipe, _OPEN_TICKET, where.fd)
-            record = joined(ticket)
-            os.write(line_fd, record)  # one append: atomic
+            os.write(line_fd, joined(ticket))  # one append: atomic
             end = os.lseek(line_fd, 0, os.SEEK_CUR)
-            if info.st_size == 0 and end == len(mark) + len(record):
-                # Nobody else wrote in it since it was empty (its appends would
-                # be before the end): it holds this join's records, and no more.
-                records = records_in(mark + record)
-            else:
-                records = read_records(line_fd)
+            records = read_records(line_fd)
+            fcntl.flock(line_fd, fcntl.LOCK_UN)
             place = Place(where, digest, ticket, fd, (info.st_dev, info.st_ino), end)
             # Last: an interrupt before it leaves the line file open for the clean-up below.
-            # Its close lets go of its lock (no other descriptor shares it: see _file_fds).
             close_tracked(line_fd)  # opened again to tidy: a turn keeps one descriptor, the ticket
         except BaseException as error:
             if fd >= 0:
@@ -350,7 +342,7 @@ def leave(place: Place, key: Hashable, token: int) -> tuple[Directory, str, str,
     line_fd = -1
     try:
         # Before the hand-off: once it is written, the next holder may tidy both away.
-        line_fd, line, replaced, records = _own_line(where, digest, ticket, place.line)
+        line_fd, line, replaced = _own_line(where, digest, ticket, place.line)
         place.lost = replaced or unlinked(fd)
         os.write(fd, hand_off(token))  # whoever waits on this ticket goes on
     except BaseException:
@@ -383,7 +375,7 @@ def leave(place: Place, key: Hashable, token: int) -> tuple[Directory, str, str,
         if line_fd >= 0:
             close_tracked(line_fd)
         return None
-    if tidy_again(where, digest, ticket, key, line_fd=line_fd, records=records):
+    if tidy_again(where, digest, ticket, key, line_fd=line_fd):
         return where, digest, ticket, key
     return None
 
@@ -392,7 +384,7 @@ def deleted(place: Place) -> bool:
     """Whether the ticket or the line file of place, still in line, was deleted or replaced."""
     if unlinked(place.fd):
         return True
-    fd, _, replaced, _ = _own_line(place.where, place.digest, place.ticket, place.line)
+    fd, _, replaced = _own_line(place.where, place.digest, place.ticket, place.line)
     if fd >= 0:
         close_tracked(fd)
     return replaced
@@ -400,54 +392,47 @@ def deleted(place: Place) -> bool:
 
 def _own_line(
     where: Directory, digest: str, ticket: str, line: _Identity
-) -> tuple[int, os.stat_result | None, bool, list[str] | None]:
-    """Open digest's line file, which ticket is in: (fd, its stat, whether replaced, records).
+) -> tuple[int, os.stat_result | None, bool]:
+    """Open digest's line file, which ticket is in: (fd, its stat, whether it was replaced).
 
     Replaced: the file at its name is not the one ticket queued in (the
     identity line), or does not list ticket (a file made anew may get the
     inode number of the one deleted, and ext4 gives it at once). fd is -1
     if there is none (deleted: replaced), or no descriptor is left (then
-    only its identity is compared, by its name). records: the file's
-    records, read to find ticket in them, if it was found (see _lists).
+    only its identity is compared, by its name).
     """
     try:
         fd = open_tracked(line_name(digest), OPEN_TIDY, where.fd)
     except FileNotFoundError:
-        return -1, None, True, None
+        return -1, None, True
     except OSError:
         try:
             info = os.stat(line_name(digest), dir_fd=where.fd, follow_symlinks=False)
         except FileNotFoundError:
-            return -1, None, True, None
-        return -1, info, (info.st_dev, info.st_ino) != line, None
+            return -1, None, True
+        return -1, info, (info.st_dev, info.st_ino) != line
     try:
         info = os.fstat(fd)
-        listed, records = (
-            (False, None) if (info.st_dev, info.st_ino) != line else _lists(fd, ticket)
-        )
+        return fd, info, (info.st_dev, info.st_ino) != line or not _lists(fd, ticket)
     except BaseException:
         close_tracked(fd)
         raise
-    return fd, info, not listed, records
 
 
-def _lists(fd: int, ticket: str) -> tuple[bool, list[str] | None]:
+def _lists(fd: int, ticket: str) -> bool:
     """Whether line file fd lists ticket (read again under the shared lock if it seems not to).
 
     Read without the lock, a compaction that writes meanwhile may tear the
     record; if a tidier holds the lock, it cannot be read again: the file,
-    the one ticket queued in, is trusted to list it still. Also returns the
-    records that listed ticket (None if none did): a hint for the tidy.
+    the one ticket queued in, is trusted to list it still.
     """
     record = record_of(ticket)
-    records = read_records(fd)
-    if record in records:
-        return True, records
+    if record in read_records(fd):
+        return True
     if not flock_now(fd, fcntl.LOCK_SH):
-        return True, None
+        return True
     try:
-        records = read_records(fd)
-        return (True, records) if record in records else (False, None)
+        return record in read_records(fd)
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
 

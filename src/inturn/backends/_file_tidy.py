@@ -8,12 +8,6 @@ line file if nobody is left in it, or writes the tickets still in line
 over the old records and cuts the file to them (``_linefile.py`` tells
 why a compaction cut short reads back right).
 
-A releasing holder starts from the records it read as it left: if they
-list nobody behind it, it goes to the exclusive lock at once (its reading
-there decides, as after the shared look); if the newest one behind it is
-still in line, that one tidies after its turn, and the holder takes no
-lock at all.
-
 A tidy never waits for the lock: another process that holds it is
 joining (and tidies after its turn) or tidying. Only a process that left
 the line last, and that a tidier may have seen still in it, tries again
@@ -159,18 +153,7 @@ def _untidy(key: Hashable, where: Directory, error: OSError) -> None:
     )
 
 
-def _newest_behind(records: list[str], own: str) -> str | None:
-    """The ticket listed last after own's first record (which records list), but own."""
-    for record in reversed(records[records.index(record_of(own)) + 1 :]):
-        ticket = ticket_of(record)
-        if ticket is not None and ticket != own:
-            return ticket
-    return None
-
-
-def _tidy(
-    where: Directory, digest: str, own: str, fd: int, held: bool, hint: list[str] | None
-) -> bool:
+def _tidy(where: Directory, digest: str, own: str, fd: int, held: bool) -> bool:
     """Drop the tickets that left from the line file, or delete it if nobody is in line.
 
     Done when no ticket behind own is in line any more, or the file grew
@@ -179,23 +162,12 @@ def _tidy(
     then (and what left stays gone). Never waits: if another process
     holds the line file's lock, it is queueing (and will tidy after its
     turn) or tidying; only a file grown long is worth a few tries.
-    hint: the file's records, read unlocked as own left (they list own,
-    which held): if they list nobody behind own, the shared lock's look
-    is skipped (the exclusive lock's reading decides, as after that look);
-    if the newest one behind own is still in line, it tidies after its
-    turn, and own does not.
 
     Return True if the lock was taken and nobody may be left behind own:
     the other process may be a tidier that saw own still in line (so left
     the file to own), and own must try again shortly (see retry).
     """
     try:
-        if hint is not None and held and len(hint) <= _COMPACT_AT:
-            newest = _newest_behind(hint, own)
-            if newest is None:
-                return _sweep(where, digest, own, fd, {own}, held, long=False)
-            if alive(where.fd, pipe_name(digest, newest)):
-                return False
         if not flock_now(fd, fcntl.LOCK_SH):
             # A tidier holds it: if anyone queued behind own, that one
             # tidies after its turn; else own tries again (read unlocked:
@@ -219,21 +191,14 @@ def _tidy(
             elif not long:
                 return False
         # Not atomic: the shared lock is let go first, so the file is read again.
-        return _sweep(where, digest, own, fd, gone, held, long)
+        if not (flock_soon if long else flock_now)(fd, fcntl.LOCK_EX):
+            # Taken by one queueing behind own (it tidies after its turn),
+            # or by a tidier that may have seen own still in line.
+            return not _behind(read_records(fd), own)
+        if not unlinked(fd):
+            _compact(where, digest, fd, own, gone, held)
     finally:
         close_tracked(fd)
-
-
-def _sweep(
-    where: Directory, digest: str, own: str, fd: int, gone: set[str], held: bool, long: bool
-) -> bool:
-    """Drop gone (see _compact) under line file fd's exclusive lock; whether it was busy (_tidy)."""
-    if not (flock_soon if long else flock_now)(fd, fcntl.LOCK_EX):
-        # Taken by one queueing behind own (it tidies after its turn),
-        # or by a tidier that may have seen own still in line.
-        return not _behind(read_records(fd), own)
-    if not unlinked(fd):
-        _compact(where, digest, fd, own, gone, held)
     return False
 
 
@@ -301,13 +266,11 @@ def tidy_again(
     key: Hashable,
     held: bool = True,
     line_fd: int = -1,
-    records: list[str] | None = None,
 ) -> bool:
     """Tidy digest's (key's) line file after own left it; whether it was busy (see _tidy).
 
-    Opened again, unless line_fd is it (records: what own read of it as it
-    left, see _tidy's hint). Best effort: an error is logged (see _untidy),
-    and the key's next turn tidies.
+    Opened again, unless line_fd is it. Best effort: an error is logged
+    (see _untidy), and the key's next turn tidies.
     """
     try:
         fd = line_fd if line_fd >= 0 else open_tracked(line_name(digest), OPEN_TIDY, where.fd)
@@ -317,7 +280,7 @@ def tidy_again(
         _untidy(key, where, error)
         return False
     try:
-        return _tidy(where, digest, own, fd, held, records if line_fd >= 0 else None)
+        return _tidy(where, digest, own, fd, held)
     except OSError as error:
         _untidy(key, where, error)
         return False

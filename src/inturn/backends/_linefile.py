@@ -25,8 +25,8 @@ read back in their order.
 from __future__ import annotations
 
 import os
-import random
 import re
+import secrets
 from dataclasses import dataclass, field
 
 _LINE = ".line"
@@ -45,30 +45,9 @@ def line_name(digest: str) -> str:
     return digest + _LINE
 
 
-class _Draw:
-    """This process's pid and a generator of random bits seeded by the system, both new in a fork.
-
-    So that a ticket costs no system call (getpid, getrandom): a process
-    whose pid is reused, and a forked child, draw from a seed of their own.
-    """
-
-    pid = 0
-    bits = random.Random()
-
-    @classmethod
-    def anew(cls) -> None:
-        cls.pid = os.getpid()
-        cls.bits = random.Random(os.urandom(16))
-
-
-_Draw.anew()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_Draw.anew)
-
-
 def new_ticket() -> str:
     """A ticket for this process: its pid and 48 random bits, unique in every line."""
-    return f"{_Draw.pid}.{_Draw.bits.getrandbits(48):012x}"
+    return f"{os.getpid()}.{secrets.token_hex(6)}"
 
 
 def pipe_name(digest: str, ticket: str) -> str:
@@ -119,12 +98,7 @@ def read_records(fd: int) -> list[str]:
         offset += len(chunk)
         if len(chunk) < _READ:  # the end (an append since is not ours to see)
             break
-    return records_in(b"".join(chunks))
-
-
-def records_in(data: bytes) -> list[str]:
-    """The complete records in data, a line file's bytes from its start."""
-    return data.decode("latin-1").split("\n")[:-1]
+    return b"".join(chunks).decode("latin-1").split("\n")[:-1]
 
 
 @dataclass
