@@ -26,7 +26,7 @@ from redis.asyncio.sentinel import Sentinel
 from inturn import BackendUnavailable, KeyedQueue, LeaseLost, current_turn
 from inturn._bridge import backend_loop
 from inturn.backends.redis import RedisBackend
-from redis_checks import keys_left
+from redis_checks import keys_left, waiting
 from servers import SentinelSetup, Server
 
 from helpers import PATIENCE
@@ -103,8 +103,7 @@ def test_a_waiting_thread_is_woken_by_the_grant(
     assert held.wait(PATIENCE)
     waiter = threading.Thread(target=lambda: queue.run_sync("k", order.append, "waiter"))
     waiter.start()
-    line = asyncio.run(_line_of(backend, 2))
-    assert line == 1  # the waiter is in Redis's line, behind the holder
+    asyncio.run(waiting(backend, 1))  # the waiter is in Redis's line, behind the holder
     release.set()
     holder.join(PATIENCE)
     waiter.join(PATIENCE)
@@ -114,40 +113,21 @@ def test_a_waiting_thread_is_woken_by_the_grant(
     asyncio.run(backend.aclose())
 
 
-async def _line_of(backend: RedisBackend, members: int) -> int:
-    """The number of waiters once key k's line has this many members (holder and waiters)."""
-    deadline = time.monotonic() + PATIENCE
-    while time.monotonic() < deadline:
-        for line in await backend.lines():
-            if line.holder is not None and 1 + len(line.waiters) == members:
-                return len(line.waiters)
-        await asyncio.sleep(0.01)  # (polls Redis for a state, not an ordering)
-    raise AssertionError(f"the line never had {members} members")
-
-
-def test_connections_redis_closed_while_idle_are_replaced(
-    backend: RedisBackend, redis_url: str
+@pytest.mark.parametrize("done", ["kill", "flush"])
+def test_what_redis_did_to_a_threads_idle_connection_is_survived(
+    backend: RedisBackend, redis_url: str, done: str
 ) -> None:
-    """A pooled connection that Redis closed (its idle timeout, CLIENT KILL) is not used."""
+    """A pooled connection that Redis closed (its idle timeout, CLIENT KILL) is not used;
+    scripts Redis flushed are sent again with their bodies."""
     queue = KeyedQueue(backend=backend)
     assert queue.run_sync("k", lambda: 1) == 1
     admin = redis.Redis.from_url(redis_url)
     try:
-        killed = admin.client_kill_filter(_type="normal", skipme=True)
-        assert killed >= 1
-        assert _turn(queue, "k", 2, 5) == 2
-    finally:
-        admin.close()
-
-
-def test_scripts_flushed_from_redis_are_sent_again_from_a_thread(
-    backend: RedisBackend, redis_url: str
-) -> None:
-    queue = KeyedQueue(backend=backend)
-    assert queue.run_sync("k", lambda: 1) == 1
-    admin = redis.Redis.from_url(redis_url)
-    try:
-        admin.script_flush()
+        if done == "kill":
+            killed = admin.client_kill_filter(_type="normal", skipme=True)
+            assert killed >= 1
+        else:
+            admin.script_flush()
         assert _turn(queue, "k", 2, 5) == 2
         assert _turn(queue, "k", 3, 5) == 3
     finally:
