@@ -183,6 +183,7 @@ class RedisBackend:
         "_owns_client",
         "_shares",
         "_threads",
+        "_threads_share",
         "capabilities",
     )
 
@@ -221,6 +222,7 @@ class RedisBackend:
         # By event loop: this process's share on it (see _redis_loop).
         self._shares: dict[asyncio.AbstractEventLoop, LoopShare] = {}
         self._current: LoopShare | None = None  # the last one used: most calls come from it
+        self._threads_share: LoopShare | None = None  # the backend loop's, for threads
         self._lock = threading.Lock()  # held to change _shares
         connector = sync_connector(client, float(lease))
         #: Threads' own blocking connections (None: the client's kind has none; see below).
@@ -280,10 +282,11 @@ class RedisBackend:
         share = self._current
         if share is not None and share.loop is loop and not share.closing:
             return share
-        return self._share_on(loop)
+        share = self._current = self._share_on(loop)
+        return share
 
     def _share_on(self, loop: asyncio.AbstractEventLoop) -> LoopShare:
-        """This process's share on loop (made on its first use), now the current one."""
+        """This process's share on loop (made on its first use)."""
         with self._lock:
             share = self._shares.get(loop)
             if share is None or share.closing:
@@ -297,7 +300,6 @@ class RedisBackend:
                         "(redis-py's cluster client does); make one backend per event loop"
                     )
                 share = self._shares[loop] = LoopShare(self._config, loop)
-            self._current = share
         return share
 
     def thread_loop(self) -> asyncio.AbstractEventLoop | None:
@@ -319,6 +321,7 @@ class RedisBackend:
         """In a forked child: forget the parent's shares; the next call starts afresh."""
         _INHERITED.append(self._shares)
         self._shares = {}
+        self._threads_share = None
         if self._threads is not None:
             self._threads = self._threads.forked()
         self._current = None
@@ -334,7 +337,7 @@ class RedisBackend:
         with self._lock:
             shares = list(self._shares.values())
             self._shares.clear()
-            self._current = None
+            self._current = self._threads_share = None
         loop = asyncio.get_running_loop()
         for share in shares:
             if share.loop is loop:
@@ -410,7 +413,9 @@ class RedisBackend:
         """
         threads = self._threads
         if threads is not None:
-            share = self._share_on(backend_loop())
+            share = self._threads_share
+            if share is None or share.closing:  # (a forked child resets it: see _forked)
+                share = self._threads_share = self._share_on(backend_loop())
             if share.ready:
                 return threads.acquire(share, key, self._names(key), timeout)
         # (its first: the share starts there)
