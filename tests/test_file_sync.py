@@ -295,8 +295,11 @@ class Interrupted(Exception):
 
 
 @pytest.fixture
-def interrupting() -> Iterator[Callable[[threading.Event], threading.Thread]]:
-    """Sends SIGUSR1, whose handler raises Interrupted, to the main thread once an event is set."""
+def interrupting(
+    collector_paused: None,
+) -> Iterator[Callable[[threading.Event], threading.Thread]]:
+    """Sends SIGUSR1, whose handler raises Interrupted, to the main thread once an event is set
+    (with the collector paused: see conftest's collector_paused)."""
 
     def handler(signum: int, frame: Any) -> None:
         raise Interrupted

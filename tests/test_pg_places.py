@@ -101,6 +101,7 @@ def test_a_thread_whose_wait_for_a_slot_runs_out_leaves_the_line() -> None:
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+@pytest.mark.usefixtures("collector_paused")
 def test_a_thread_interrupted_while_it_waits_for_a_slot_leaves_the_line() -> None:
     """A signal handler's exception in a thread waiting for a slot: it leaves the line, so
     the slot given back next is free for the next turn, not lost to a thread gone."""

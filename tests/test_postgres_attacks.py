@@ -239,6 +239,7 @@ async def test_a_wait_cancelled_after_its_grant_leaves_no_lock(
         await other.aclose()
 
 
+@pytest.mark.usefixtures("collector_paused")
 def test_a_threads_wait_interrupted_after_its_grant_leaves_no_lock(database: Database) -> None:
     # Before the fix: the main thread's granted wait is held up in nextval and
     # interrupted (SIGINT: KeyboardInterrupt); the backend cancels the statement,
@@ -374,6 +375,7 @@ async def test_a_storm_of_cancellations_leaves_no_lock(database: Database, admin
 # finalizer run by the collector too: there it can only be reported as unraisable;
 # and one that lands inside psycopg's own code may leave it a connection unclosed)
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.usefixtures("collector_paused")
 def test_a_storm_of_interrupts_of_a_waiting_thread_leaves_no_lock(database: Database) -> None:
     # Before the fix: an interrupt (a signal handler's exception) of a thread whose
     # wait is being granted makes the backend cancel the statement; a cancel that

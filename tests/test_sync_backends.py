@@ -263,6 +263,7 @@ def test_max_pending_bounds_a_threads_line(make: Make, pool: ThreadPoolExecutor)
 # -- faults --------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("collector_paused")
 def test_a_thread_interrupted_while_the_backend_holds_it_leaves_the_line(
     make: Make, pool: ThreadPoolExecutor
 ) -> None:
@@ -558,6 +559,7 @@ class InterruptingBackend:
         pass
 
 
+@pytest.mark.usefixtures("collector_paused")
 def test_a_grant_that_comes_as_its_thread_is_interrupted_is_released_once() -> None:
     main_thread_raises_on_sigint()
     backend = InterruptingBackend(threading.get_ident())

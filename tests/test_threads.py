@@ -433,6 +433,7 @@ async def test_the_task_holding_a_key_may_take_it_blocking() -> None:
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="pthread_kill")
+@pytest.mark.usefixtures("collector_paused")
 def test_an_interrupted_thread_leaves_the_line(pool: ThreadPoolExecutor) -> None:
     main_thread_raises_on_sigint()
     queue = KeyedQueue(timeout=PATIENCE)  # (a lost SIGINT fails the test, not hangs it)
