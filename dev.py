@@ -41,6 +41,7 @@ REDIS_TESTS = (
     "tests/test_redis_backend.py",
     "tests/test_redis_faults.py",
     "tests/test_redis_threads.py",
+    "tests/test_redis_acl.py",
 )
 CONFORMANCE = "tests/test_backend_conformance.py"
 

@@ -45,7 +45,16 @@ class Config:
 class Calls:
     """One loop share's script calls (and SCAN): on its Link, or through a cluster client."""
 
-    __slots__ = ("_channel", "_cluster", "_greeted", "_info", "_tails", "config", "link")
+    __slots__ = (
+        "_channel",
+        "_cluster",
+        "_greeted",
+        "_info",
+        "_probe",
+        "_tails",
+        "config",
+        "link",
+    )
 
     def __init__(
         self, config: Config, channel: str, greeted: Callable[[asyncio.Future[Any]], None]
@@ -57,8 +66,11 @@ class Calls:
         # One server: the share's pipelined connection for its calls; a cluster: its client.
         self.link: Link | None = None
         self._cluster: _ClusterCalls | None = None
+        #: The greeting's probe (see _redis_scripts): a key of the namespace's own.
+        self._probe = f"inturn:{{{config.namespace}:probe}}"
         if config.client is None:
-            self.link = Link(config.make, bulk(channel.encode()), greeted, config.lease)
+            greeting = bulk(self._probe.encode()) + bulk(channel.encode())
+            self.link = Link(config.make, greeting, greeted, config.lease)
         else:
             self._cluster = _ClusterCalls(config.client)
         # by script: its arguments after the member's id that never change, packed
@@ -77,7 +89,7 @@ class Calls:
         """Greet Redis (on one server, connecting the Link); the answer's future, also greeted's."""
         if self.link is not None:
             return self.link.open()
-        greeting = self._cluster_call(HELLO, (), (self._channel,)).future
+        greeting = self._cluster_call(HELLO, (self._probe,), (self._channel,)).future
         greeting.add_done_callback(self._greeted)
         return greeting
 

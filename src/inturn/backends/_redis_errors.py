@@ -7,6 +7,9 @@ code in the message. Both forms are read here, and nowhere else.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
+
 from redis.exceptions import (
     AuthenticationError,
     BusyLoadingError,
@@ -19,6 +22,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .._errors import BackendUnavailable
+from ._redis_scripts import called_at
 
 #: Errors that mean the server could not be reached (as opposed to a refusal). NOTE: the
 #: builtin TimeoutError (a missed deadline) is an OSError: catch it before these.
@@ -26,8 +30,8 @@ UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 
 #: What a refusal's first word means, and what to do about it.
 _REFUSALS = {
-    "NOPERM": "this Redis user lacks a permission the backend needs ({}): grant it "
-    "+evalsha +eval +script +publish +subscribe +ping, its namespace's keys and channels",
+    "NOPERM": "this Redis user lacks a permission the backend needs ({}): grant it {} "
+    "(the README's Permissions section gives the whole ACL line)",
     "WRONGPASS": "Redis refused the credentials ({}): check the username and password",
     "NOAUTH": "Redis wants credentials ({}): give a password (and username) in the URL",
     "OOM": "Redis is out of memory ({}): raise maxmemory, or free memory; an evicting "
@@ -49,20 +53,57 @@ _REFUSED_AS = (
 )
 
 
+#: What a permission refusal names, in Redis's words (a call's own NOPERM, a script's
+#: on Redis 7.2 and later, the greeting's): a command, the keys, the channels.
+_NAMED = re.compile(r"run the '([^']+)' command|(of the keys)|(the channel)")
+#: Where Redis 7.0 refused a script's call: the script's SHA-1 and the line.
+_WHERE = re.compile(r"script: ([0-9a-f]{40}), on @user_script:(\d+)")
+#: The grants for a refusal of the keys, or of the channels.
+_KEYS, _CHANNELS = "the keys ~inturn:{<namespace>:*", "the channels &inturn:<namespace>:*"
+#: How a script's refusal begins: on Redis 7.0 (which names no command), and later.
+_SCRIPT_REFUSED = ("The user executing the script can't", "ACL failure in script")
+
+
 def describe(error: BaseException) -> str:
     """What an error from Redis means, in words that name it and its fix."""
     text = str(error) or type(error).__name__
     word = text.split(" ", 1)[0]
+    if (
+        word == "NOPERM"
+        or isinstance(error, NoPermissionError)
+        or any(begun in text for begun in _SCRIPT_REFUSED)
+    ):
+        return _REFUSALS["NOPERM"].format(text, _grants(text))
     if word in _REFUSALS:
         return _REFUSALS[word].format(text)
     for kind, word in _REFUSED_AS:
         if isinstance(error, kind):
             return _REFUSALS[word].format(text)
-    if "can't run this command" in text:  # from a script: PUBLISH, the only one it may lack
-        return _REFUSALS["NOPERM"].format(f"{text} Its scripts PUBLISH grants")
     if isinstance(error, ResponseError):
         return f"Redis answered with an error ({text})"
     return f"Redis could not be reached ({text})"
+
+
+def _grants(text: str) -> str:
+    """The grants a permission refusal's text asks for, from its words (see _NAMED), or
+    from the script line it names (Redis 7.0's)."""
+    grants: list[str] = []
+    for command, keys, _ in _NAMED.findall(text):
+        grants.append(f"+{command.lower()}" if command else _KEYS if keys else _CHANNELS)
+    if not grants and (where := _WHERE.search(text)):
+        grants = [f"+{name.lower()}" for name in called_at(where[1], int(where[2]))]
+    if not grants:
+        return "what its ACL LOG says it was refused"
+    return " ".join(dict.fromkeys(grants))
+
+
+def refused(reply: Sequence[bytes | str]) -> NoPermissionError | None:
+    """The error for what the greeting found this user may not do (its reply after the
+    run_id, in Redis's words); None when nothing."""
+    if not reply:
+        return None
+    said = "; ".join(w.decode() if isinstance(w, bytes) else w for w in reply)
+    return NoPermissionError(f"this user has {said}")
 
 
 def unavailable(error: BaseException) -> BackendUnavailable:

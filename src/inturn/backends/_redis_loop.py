@@ -32,7 +32,7 @@ from .._describe import describe as show
 from .._errors import BackendUnavailable
 from .._tasks import abandon_task, retrieve
 from ._redis_calls import Calls, Config
-from ._redis_errors import UNREACHABLE, demoted, describe, unavailable
+from ._redis_errors import UNREACHABLE, demoted, describe, refused, unavailable
 from ._redis_inbox import Inbox
 from ._redis_lease import Leases, Member, Waiting
 from ._redis_link import Call
@@ -233,7 +233,8 @@ class LoopShare:
                 self.calls.link.drop(f"no answer to the greeting within {lease:g} s")
             greeting.add_done_callback(retrieve)
             raise RedisTimeoutError(f"no answer to the greeting within {lease:g} s")
-        greeting.result()
+        if (error := refused(greeting.result()[1:])) is not None:
+            raise error
 
     async def guard(self) -> None:
         """Have this share closed when its event loop shuts down (once; see _guard)."""
@@ -500,8 +501,8 @@ class LoopShare:
         """A connection's greeting was answered: with the server's run_id, or a refusal."""
         if greeting.cancelled() or greeting.exception() is not None:
             return  # the caller that waits for it learns why; a later call fails the same way
-        reply = greeting.result()
-        server = reply.decode() if isinstance(reply, bytes) else str(reply or "")
+        server = greeting.result()[0]  # (then what the user may not do: see start)
+        server = server.decode() if isinstance(server, bytes) else str(server or "")
         if not server:
             return
         if self.server is not None and server != self.server:

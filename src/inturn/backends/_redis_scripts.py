@@ -8,6 +8,7 @@ Every change to a line is one of these scripts, so it is atomic.
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import Final
 
 from ._resp import bulk
@@ -142,16 +143,60 @@ return {2, 0}
 )
 
 
-# ARGV: this process's channel. No KEYS. Checks, once per connection, that
-# this user may run scripts that publish (a grant is published from a
-# script), and returns the server's run_id: another one means Redis was
-# restarted or failed over, and every lease it held may be gone ('' where
-# this user may not call INFO).
+# KEYS: the probe, a key of the namespace's that it never leaves behind. ARGV:
+# this process's channel. Once per connection, tries each command the other
+# scripts call, so that a permission this user lacks is named at the first
+# call, not when a rare path (a lapsed lease) needs it. Returns {run_id,
+# refused...}: the server's run_id ('' where this user may not call INFO;
+# another one means Redis was restarted or failed over, and every lease it held
+# may be gone), then what the user may not do, in Redis 7.2's words (a command
+# refused for another reason, READONLY or OOM, is the calls' to report).
 _HELLO = """
-redis.call('PUBLISH', ARGV[1], '')
+local probe = KEYS[1]
+local reply, seen = {''}, {}
+local function try(...)
+  local r = redis.pcall(...)
+  if type(r) ~= 'table' or not r.err then return end
+  local e = r.err
+  if not (e:find('ACL', 1, true) or e:find('user executing', 1, true)
+          or e:find('permission', 1, true)) then return end
+  local what
+  if e:find('the channel', 1, true) then
+    what = 'no permissions to access one of the channels'
+  elseif e:find('of the keys', 1, true) then
+    what = 'no permissions to access one of the keys'
+  else
+    what = "no permissions to run the '" .. string.lower((...)) .. "' command"
+  end
+  if not seen[what] then
+    seen[what] = true
+    reply[#reply + 1] = what
+  end
+end
+try('PUBLISH', ARGV[1], '')
+try('TIME')
+try('EXISTS', probe)
+try('HSET', probe, 'f', '1')
+try('PEXPIRE', probe, 60000)
+try('HSETNX', probe, 'f', '1')
+try('HINCRBY', probe, 'n', 1)
+try('HGET', probe, 'f')
+try('HEXISTS', probe, 'f')
+try('HGETALL', probe)
+try('HDEL', probe, 'f', 'n')
+try('DEL', probe)
+try('ZADD', probe, 0, 'm')
+try('PEXPIRE', probe, 60000)
+try('ZSCORE', probe, 'm')
+try('ZRANK', probe, 'm')
+try('ZRANGE', probe, 0, 0)
+try('ZRANGEBYSCORE', probe, '-inf', 0)
+try('ZCARD', probe)
+try('ZREM', probe, 'm')
+try('DEL', probe)
 local info = redis.pcall('INFO', 'server')
-if type(info) ~= 'string' then return '' end
-return string.match(info, 'run_id:(%x+)') or ''
+if type(info) == 'string' then reply[1] = string.match(info, 'run_id:(%x+)') or '' end
+return reply
 """
 
 # KEYS: line, q, lease, info. Changes nothing: the line as it is now, for
@@ -184,7 +229,7 @@ class Script:
 ENQUEUE: Final = Script(0, _ENQUEUE, 4, 6)
 LEAVE: Final = Script(1, _LEAVE, 4, 3)
 RENEW: Final = Script(2, _RENEW, 4, 4)
-HELLO: Final = Script(3, _HELLO, 0, 1)
+HELLO: Final = Script(3, _HELLO, 1, 1)
 LOOK: Final = Script(4, _LOOK, 4, 0)
 #: Every script, by number.
 SCRIPTS: Final = (ENQUEUE, LEAVE, RENEW, HELLO, LOOK)
@@ -207,3 +252,19 @@ def _head(verb: bytes, script: Script) -> bytes:
 HEADS: Final = tuple(_head(b"EVALSHA", s) for s in SCRIPTS) + tuple(
     _head(b"EVAL", s) for s in SCRIPTS
 )
+
+
+#: A command called in a script: redis.call('NAME' or redis.pcall('NAME.
+_CALLED = re.compile(r"redis\.p?call\('([A-Z]+)'")
+#: Every command the scripts call (the greeting tries each, INFO aside).
+CALLED: Final = frozenset(_CALLED.findall("".join(s.body.decode() for s in SCRIPTS)))
+
+
+def called_at(sha: str, line: int) -> list[str]:
+    """The commands that line ``line`` (from 1) of the script whose SHA-1 is ``sha`` calls,
+    in order; [] for a script or line not known here."""
+    for script in SCRIPTS:
+        if script.sha.decode() == sha:
+            lines = script.body.decode().splitlines()
+            return _CALLED.findall(lines[line - 1]) if 0 < line <= len(lines) else []
+    return []
