@@ -1,8 +1,11 @@
-"""The package itself: its errors' public names."""
+"""The package itself: its errors' public names, its version."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import pickle
+import subprocess
+import sys
 import traceback
 
 import pytest
@@ -41,3 +44,20 @@ def test_an_exported_error_is_named_by_its_public_path_and_pickles(
     assert type(back) is error
     assert back.args == raised.args
 
+
+def test_importing_inturn_reads_no_package_metadata() -> None:
+    """``__version__`` is read when asked for, not at every ``import inturn``.
+
+    (Not "importlib.metadata is not imported": wrapt 2 imports it itself.)
+    """
+    code = "import inturn; print('__version__' in vars(inturn))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_the_version_is_the_installed_distribution_s() -> None:
+    assert inturn.__version__ == importlib.metadata.version("inturn")
+    assert "__version__" in dir(inturn)
+    from inturn import __version__
+
+    assert __version__ == inturn.__version__
