@@ -1,17 +1,20 @@
-"""The package itself: its errors' public names, its version."""
+"""The package itself: its errors' public names, its version, what its sdist ships."""
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import pickle
 import subprocess
 import sys
 import traceback
+from pathlib import Path
 
 import pytest
 
 import inturn
 
+ROOT = Path(__file__).resolve().parent.parent
 ERRORS = [
     value
     for value in (getattr(inturn, name) for name in inturn.__all__)
@@ -61,3 +64,19 @@ def test_the_version_is_the_installed_distribution_s() -> None:
     from inturn import __version__
 
     assert __version__ == inturn.__version__
+
+
+def test_the_sdist_ships_every_package_of_the_tree_that_the_tests_import() -> None:
+    """Tests that import ``bench`` (say) fail at collection in an sdist without it."""
+    tomllib = pytest.importorskip("tomllib")  # (Python 3.11+)
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    shipped = set(config["tool"]["hatch"]["build"]["targets"]["sdist"]["include"])
+    packages = {path.name for path in ROOT.iterdir() if (path / "__init__.py").is_file()}
+    imported: set[str] = set()
+    for test in (ROOT / "tests").rglob("*.py"):
+        for node in ast.walk(ast.parse(test.read_text(), str(test))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module.partition(".")[0])
+            elif isinstance(node, ast.Import):
+                imported.update(alias.name.partition(".")[0] for alias in node.names)
+    assert sorted((imported & packages) - shipped) == []
