@@ -271,6 +271,22 @@ def test_importing_inturn_imports_no_client_library() -> None:
     assert out.stdout.strip() == "True"  # (the check above can fail)
 
 
+def test_importing_inturn_otel_without_the_extra_says_which_to_install() -> None:
+    """Without opentelemetry-api, the ImportError names the extra (and chains the original)."""
+    code = (
+        "import sys; sys.modules['opentelemetry'] = None  # (as if not installed)\n"
+        "try:\n"
+        "    import inturn.otel\n"
+        "except ImportError as error:\n"
+        "    print(error); print(type(error.__cause__).__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    message, cause = out.stdout.splitlines()
+    assert message.startswith("inturn: ")
+    assert "pip install 'inturn[otel]'" in message
+    assert cause == "ModuleNotFoundError"
+
+
 def test_a_queue_instrumented_while_the_gauges_are_read_breaks_no_reading(reader: Any) -> None:
     """The exporter's thread reads the gauges while instrument() runs in another thread.
 

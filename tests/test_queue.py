@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+import inturn
 from inturn import KeyedQueue
 
 from helpers import settle
@@ -84,6 +85,25 @@ async def test_unhashable_key_is_a_type_error_that_names_it(queue: KeyedQueue) -
         queue.keyed({"a": 1})  # at the call, before any await
     with pytest.raises(TypeError, match=r"key \{'b'\} is unhashable"):
         queue.keyed("a", {"b"})
+    assert queue.active_count == 0
+
+
+async def test_awaiting_keyed_instead_of_entering_it_says_to_use_async_with(
+    queue: KeyedQueue,
+) -> None:
+    """``await queue.keyed(...)`` is a TypeError that names ``async with``; nothing is taken."""
+    with pytest.raises(TypeError, match=r"^inturn: .*`async with queue\.keyed\(\.\.\.\)`"):
+        await queue.keyed("k")
+    with pytest.raises(TypeError, match=r"`with` in a thread"):
+        await inturn.keyed("k")
+    with pytest.raises(TypeError, match="async with"):
+        await queue.keyed("a", "b", timeout=1)  # (a turn taken by its steps)
+    assert queue.active_count == 0
+    assert inturn.default_queue.active_count == 0
+    async with queue.keyed("k") as turn:  # the turn itself is still good to enter
+        assert queue.is_active("k")
+    with pytest.raises(TypeError, match="async with"):
+        await turn  # (and after its block)
     assert queue.active_count == 0
 
 

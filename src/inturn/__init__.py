@@ -21,8 +21,6 @@ your own for separate settings (timeout, max_pending) or a separate set of lines
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-
 from ._batch import Batch as Batch
 from ._checks import UNSET as UNSET
 from ._decorator import QueuedFunction as QueuedFunction
@@ -40,10 +38,30 @@ from ._submit import Handle as Handle
 from ._turn import Turn as Turn
 from ._turn import current_turn as current_turn
 
-try:
-    __version__ = version("inturn")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree
-    __version__ = "0+unknown"
+#: The installed distribution's version, read from its metadata when first asked
+#: for: importing importlib.metadata and reading it costs more than the rest of
+#: ``import inturn`` together.
+__version__: str  # (bound by __getattr__ below)
+
+
+def __getattr__(name: str) -> str:
+    """Read ``__version__`` from the package's metadata, once, the first time it is asked for."""
+    if name != "__version__":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version("inturn")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree
+        found = "0+unknown"
+    globals()["__version__"] = found
+    return found
+
+
+def __dir__() -> list[str]:
+    """The module's names, ``__version__`` among them before it is first read."""
+    return sorted({*globals(), "__version__"})
+
 
 #: The queue behind the module-level :func:`queue_by_key`, :func:`keyed`, :func:`run`
 #: and :func:`run_sync`.

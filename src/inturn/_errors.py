@@ -1,10 +1,17 @@
-"""The errors inturn raises where no builtin (TypeError, ValueError, TimeoutError) says it."""
+"""The errors inturn raises where no builtin (TypeError, ValueError, TimeoutError) says it.
+
+Each is named by its public path, ``inturn``: a traceback says
+``inturn.QueueFull``, and pickle finds the class there (``inturn`` exports
+every one of them).
+"""
 
 from __future__ import annotations
 
 
 class InturnError(Exception):
     """Base class of every error specific to inturn."""
+
+    __module__ = "inturn"
 
 
 class QueueFull(InturnError):
@@ -14,9 +21,13 @@ class QueueFull(InturnError):
     line is disturbed.
     """
 
+    __module__ = "inturn"
+
 
 class QueueClosed(InturnError):
     """The queue was closed; the new work was not queued and never runs."""
+
+    __module__ = "inturn"
 
 
 class BackendUnavailable(InturnError):
@@ -26,6 +37,8 @@ class BackendUnavailable(InturnError):
     without its turn. The underlying error (a connection error, say) is the
     ``__cause__``.
     """
+
+    __module__ = "inturn"
 
 
 class LeaseLost(InturnError):
@@ -41,6 +54,8 @@ class LeaseLost(InturnError):
     it when the files that kept the turn were deleted under it.
     """
 
+    __module__ = "inturn"
+
 
 class HoldTimeout(InturnError, TimeoutError):
     """Work held its turn longer than its ``max_hold`` and was cancelled.
@@ -51,3 +66,5 @@ class HoldTimeout(InturnError, TimeoutError):
     from the cancellation once it had finished. The key passed to the next
     in line only then, so the two never overlapped.
     """
+
+    __module__ = "inturn"

@@ -592,7 +592,16 @@ class KeyedQueue:
     # -- looking at the lines -----------------------------------------------------
 
     def is_active(self, key: Hashable) -> bool:
-        """Whether a task or thread holds or waits for ``key``."""
+        """Whether a task or thread of this process holds or waits for ``key`` on this queue.
+
+        This process's view, also on a queue with a shared backend: a key
+        that only other processes hold or wait for is not active here. The
+        view across processes is the backend's ``lines()``
+        (:meth:`~inturn.backends.file.FileBackend.lines`,
+        :meth:`~inturn.backends.redis.RedisBackend.lines`, or ``python -m
+        inturn inspect``); :class:`~inturn.backends.postgres.PostgresBackend`
+        has none yet.
+        """
         return key in self._registry.lines
 
     @property
@@ -607,7 +616,12 @@ class KeyedQueue:
         return len(self._registry.lines)
 
     def pending(self, key: Hashable) -> int:
-        """How many tasks and threads wait for ``key``, not counting its holder(s)."""
+        """How many tasks and threads of this process wait for ``key``, not counting its holder(s).
+
+        This process's view, as :meth:`is_active`'s: with a shared backend,
+        the waiters of other processes are not counted (the backend's
+        ``lines()`` lists every process's, where it has one).
+        """
         return self._registry.pending(key)
 
     def current(self, key: Hashable) -> asyncio.Future[Any] | None:

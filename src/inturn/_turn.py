@@ -235,6 +235,15 @@ class Turn:
         if begun is not None:
             await self._drive(holder, *begun)  # type: ignore[arg-type]
 
+    if not TYPE_CHECKING:  # (to a type checker, `await queue.keyed(...)` is an error as it is)
+
+        def __await__(self) -> NoReturn:
+            """Refuse ``await queue.keyed(...)``, saying how a turn is entered instead."""
+            raise TypeError(
+                "inturn: keyed() gives a context manager, not an awaitable: write "
+                "`async with queue.keyed(...)` in a task (`with` in a thread), not `await`"
+            )
+
     def _enter_now(self, holder: object, lined: bool = False) -> object:
         """Who takes this turn; the turn taken at once by the registry's fast verb, if it can be.
 

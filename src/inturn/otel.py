@@ -49,8 +49,20 @@ import weakref
 from collections.abc import Iterable, Mapping
 from typing import final
 
-from opentelemetry import metrics
-from opentelemetry.metrics import CallbackOptions, Counter, Histogram, MeterProvider, Observation
+try:
+    from opentelemetry import metrics
+    from opentelemetry.metrics import (
+        CallbackOptions,
+        Counter,
+        Histogram,
+        MeterProvider,
+        Observation,
+    )
+except ImportError as error:  # pragma: no cover - depends on the install (tested in a subprocess)
+    raise ImportError(
+        "inturn: inturn.otel needs the OpenTelemetry API (opentelemetry-api>=1.30), "
+        "which could not be imported: pip install 'inturn[otel]'"
+    ) from error
 
 from . import KeyedQueue, LeaseLost, QueueFull, __version__, default_queue
 from ._describe import describe

@@ -184,5 +184,6 @@ async def mistakes_type_checkers_catch() -> None:
     await queue.run("k", lambda a: a, 1, 2)  # type: ignore[call-overload]
     render("not an int")  # type: ignore[arg-type]
     await render(1)  # type: ignore[misc]
+    await queue.keyed("k")  # type: ignore[misc]  # (async with, not await)
     await queue.submit("k", take, 42)  # type: ignore[call-overload]
     queue.batch(on_error="ignore")  # type: ignore[arg-type]

@@ -1,0 +1,82 @@
+"""The package itself: its errors' public names, its version, what its sdist ships."""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import pickle
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+
+import inturn
+
+ROOT = Path(__file__).resolve().parent.parent
+ERRORS = [
+    value
+    for value in (getattr(inturn, name) for name in inturn.__all__)
+    if isinstance(value, type) and issubclass(value, BaseException)
+]
+
+
+def test_every_exported_error_is_checked() -> None:
+    assert {error.__name__ for error in ERRORS} >= {
+        "InturnError",
+        "QueueFull",
+        "QueueClosed",
+        "BackendUnavailable",
+        "LeaseLost",
+        "HoldTimeout",
+    }
+
+
+@pytest.mark.parametrize("error", ERRORS, ids=lambda error: error.__name__)
+def test_an_exported_error_is_named_by_its_public_path_and_pickles(
+    error: type[BaseException],
+) -> None:
+    """A traceback says ``inturn.QueueFull``, and pickle finds the class there."""
+    assert error.__module__ == "inturn"
+    assert getattr(inturn, error.__qualname__) is error
+    raised = error("inturn: what happened; the fix")
+    (line,) = traceback.format_exception_only(type(raised), raised)
+    assert line == f"inturn.{error.__name__}: inturn: what happened; the fix\n"
+    back = pickle.loads(pickle.dumps(raised))
+    assert type(back) is error
+    assert back.args == raised.args
+
+
+def test_importing_inturn_reads_no_package_metadata() -> None:
+    """``__version__`` is read when asked for, not at every ``import inturn``.
+
+    (Not "importlib.metadata is not imported": wrapt 2 imports it itself.)
+    """
+    code = "import inturn; print('__version__' in vars(inturn))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_the_version_is_the_installed_distribution_s() -> None:
+    assert inturn.__version__ == importlib.metadata.version("inturn")
+    assert "__version__" in dir(inturn)
+    from inturn import __version__
+
+    assert __version__ == inturn.__version__
+
+
+def test_the_sdist_ships_every_package_of_the_tree_that_the_tests_import() -> None:
+    """Tests that import ``bench`` (say) fail at collection in an sdist without it."""
+    tomllib = pytest.importorskip("tomllib")  # (Python 3.11+)
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    shipped = set(config["tool"]["hatch"]["build"]["targets"]["sdist"]["include"])
+    packages = {path.name for path in ROOT.iterdir() if (path / "__init__.py").is_file()}
+    imported: set[str] = set()
+    for test in (ROOT / "tests").rglob("*.py"):
+        for node in ast.walk(ast.parse(test.read_text(), str(test))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module.partition(".")[0])
+            elif isinstance(node, ast.Import):
+                imported.update(alias.name.partition(".")[0] for alias in node.names)
+    assert sorted((imported & packages) - shipped) == []
