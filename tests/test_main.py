@@ -236,6 +236,18 @@ def test_inspect_of_a_url_without_a_scheme_says_how_to_write_it(
     assert "Traceback" not in err
 
 
+def test_inspect_of_a_url_with_another_scheme_names_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit:
+        main(["inspect", "--redis", "http://localhost:6379/0"])
+    assert exit.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("inturn: 'http' is not a Redis URL's scheme")
+    assert "redis://host:6379/0" in err
+    assert err.count("\n") == 1
+
+
 def test_inspect_without_redis_py_says_what_to_install(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
