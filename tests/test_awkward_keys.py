@@ -419,16 +419,29 @@ def _refuse(place: str, bad: object) -> None:
         otel.instrument(bad)  # type: ignore[arg-type]
     elif place == "inspect --redis":  # a URL without its scheme, a megabyte long (bad's part)
         command._open_lines(type("Options", (), {"redis": "h" * 1_000_000, "namespace": None})())
-    else:  # a URL whose scheme is a megabyte long
+    elif place == "redis url":  # a URL whose scheme is a megabyte long
         from inturn.backends.redis import RedisBackend
 
         RedisBackend.from_url("h" * 1_000_000 + "://me:secret@host/0")
+    else:  # a URL whose path is a megabyte long, that libpq cannot read
+        from inturn.backends.postgres import PostgresBackend
+
+        PostgresBackend.from_url("postgresql://me:secret@[::1/" + "h" * 1_000_000)
 
 
 @pytest.mark.parametrize("bad", HOSTILE, ids=["repr-raises", "repr-floods"])
 @pytest.mark.parametrize(
     "place",
-    ["name", "backend", "coalesce", "decorate", "instrument", "inspect --redis", "redis url"],
+    [
+        "name",
+        "backend",
+        "coalesce",
+        "decorate",
+        "instrument",
+        "inspect --redis",
+        "redis url",
+        "postgres url",
+    ],
 )
 def test_a_refusal_names_a_hostile_value_briefly(place: str, bad: object) -> None:
     """A value whose repr() raises or floods is refused with its own error, briefly named."""

@@ -78,3 +78,20 @@ def refused_redis_url(url: str, reason: str) -> ValueError:
         f"inturn: redis-py cannot read the Redis URL {show(shown)} "
         f"({_brief(hidden(reason, url))}); a right one looks like {REDIS_FORMS}"
     )
+
+
+def refused_conninfo(conninfo: str, reason: str) -> ValueError:
+    """The error for a conninfo (URL or key=value) that libpq could not read (reason: why)."""
+    scheme = _scheme(conninfo)
+    if scheme is not None and scheme not in _POSTGRES_SCHEMES:
+        problem = f"{show(scheme)} is not a PostgreSQL URL's scheme"
+    elif scheme is None and "=" not in conninfo:
+        problem = (
+            f"{show(hidden(conninfo, conninfo))} is neither a PostgreSQL URL nor a conninfo string"
+        )
+    else:
+        problem = (
+            f"libpq cannot read the {'URL' if scheme else 'conninfo string'} "
+            f"{show(hidden(conninfo, conninfo))} ({_brief(hidden(reason, conninfo))})"
+        )
+    return ValueError(f"inturn: {problem}; use {POSTGRES_FORMS}")
