@@ -10,6 +10,7 @@ from __future__ import annotations
 from redis.exceptions import (
     AuthenticationError,
     BusyLoadingError,
+    InvalidResponse,
     NoPermissionError,
     OutOfMemoryError,
     ReadOnlyError,
@@ -18,11 +19,15 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from .._describe import SHOWN
 from .._errors import BackendUnavailable
+from ._urls import REDIS_FORMS
 
-#: Errors that mean the server could not be reached (as opposed to a refusal). NOTE: the
-#: builtin TimeoutError (a missed deadline) is an OSError: catch it before these.
-UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
+#: Errors that mean the server could not be reached (as opposed to a refusal); among them
+#: InvalidResponse, redis-py's word for an answer that is not Redis's protocol (what
+#: answered is another server: HTTP, SSH, ...). NOTE: the builtin TimeoutError (a missed
+#: deadline) is an OSError: catch it before these.
+UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError, InvalidResponse)
 
 #: What a refusal's first word means, and what to do about it.
 _REFUSALS = {
@@ -62,6 +67,12 @@ def describe(error: BaseException) -> str:
         return _REFUSALS["NOPERM"].format(f"{text} Its scripts PUBLISH grants")
     if isinstance(error, ResponseError):
         return f"Redis answered with an error ({text})"
+    if isinstance(error, InvalidResponse):  # (its text: the first line of the answer)
+        brief = text if len(text) <= SHOWN else text[: SHOWN - 1] + "\N{HORIZONTAL ELLIPSIS}"
+        return (
+            f"what answered is not a Redis server ({brief}): check the URL's host and "
+            f"port, as in {REDIS_FORMS}"
+        )
     return f"Redis could not be reached ({text})"
 
 
