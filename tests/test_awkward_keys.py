@@ -417,13 +417,31 @@ def _refuse(place: str, bad: object) -> None:
         queue.queue_by_key()(bad)  # type: ignore[call-overload]
     elif place == "instrument":
         otel.instrument(bad)  # type: ignore[arg-type]
-    else:  # a --redis URL without its scheme, a megabyte long (bad's part: its length)
+    elif place == "inspect --redis":  # a URL without its scheme, a megabyte long (bad's part)
         command._open_lines(type("Options", (), {"redis": "h" * 1_000_000, "namespace": None})())
+    elif place == "redis url":  # a URL whose scheme is a megabyte long
+        from inturn.backends.redis import RedisBackend
+
+        RedisBackend.from_url("h" * 1_000_000 + "://me:secret@host/0")
+    else:  # a URL whose path is a megabyte long, that libpq cannot read
+        from inturn.backends.postgres import PostgresBackend
+
+        PostgresBackend.from_url("postgresql://me:secret@[::1/" + "h" * 1_000_000)
 
 
 @pytest.mark.parametrize("bad", HOSTILE, ids=["repr-raises", "repr-floods"])
 @pytest.mark.parametrize(
-    "place", ["name", "backend", "coalesce", "decorate", "instrument", "inspect --redis"]
+    "place",
+    [
+        "name",
+        "backend",
+        "coalesce",
+        "decorate",
+        "instrument",
+        "inspect --redis",
+        "redis url",
+        "postgres url",
+    ],
 )
 def test_a_refusal_names_a_hostile_value_briefly(place: str, bad: object) -> None:
     """A value whose repr() raises or floods is refused with its own error, briefly named."""

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import http.server
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -234,6 +239,78 @@ def test_inspect_of_a_url_without_a_scheme_says_how_to_write_it(
     err = capsys.readouterr().err
     assert "redis://localhost:6379" in err
     assert "Traceback" not in err
+
+
+def test_inspect_of_a_url_with_another_scheme_names_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit:
+        main(["inspect", "--redis", "http://localhost:6379/0"])
+    assert exit.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("inturn: 'http' is not a Redis URL's scheme")
+    assert "redis://host:6379/0" in err
+    assert err.count("\n") == 1
+
+
+class _LingeringHTTP(http.server.BaseHTTPRequestHandler):
+    """Answers as an HTTP/1.x server does (a status line), and reads all the client
+    sends before it closes (nginx's lingering close), so that the answer arrives."""
+
+    default_request_version = "HTTP/1.1"
+
+    def finish(self) -> None:
+        super().finish()
+        self.request.settimeout(PATIENCE)
+        with contextlib.suppress(OSError):
+            while self.request.recv(65536):
+                pass
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def http_port() -> Iterator[int]:
+    """The port of an HTTP server, on this host."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _LingeringHTTP)
+    serving = threading.Thread(target=server.serve_forever, daemon=True)
+    serving.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+        serving.join(PATIENCE)
+
+
+def test_inspect_of_a_port_that_answers_http_says_it_is_not_redis(
+    http_port: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit:
+        main(["inspect", "--redis", f"redis://127.0.0.1:{http_port}/0"])
+    assert exit.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("inturn: what answered is not a Redis server"), err
+    assert "HTTP/1.0 400" in err  # (what it answered)
+    assert "check the URL's host and port" in err
+    assert "redis://host:6379/0" in err
+    assert err.count("\n") == 1
+
+
+def test_inspect_of_a_port_nobody_listens_on_says_redis_could_not_be_reached(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with socket.socket() as closed:  # (a port of this host's that was free a moment ago)
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    with pytest.raises(SystemExit) as exit:
+        main(["inspect", "--redis", f"redis://127.0.0.1:{port}/0"])
+    assert exit.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("inturn: Redis could not be reached ("), err
+    assert f"127.0.0.1:{port}" in err
+    assert err.count("\n") == 1
 
 
 def test_inspect_without_redis_py_says_what_to_install(

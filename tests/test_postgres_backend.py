@@ -91,6 +91,41 @@ def test_a_pool_or_conninfo_only() -> None:
         PostgresBackend(42)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("postgress://me:secret@db/shop", "'postgress' is not a PostgreSQL URL's scheme"),
+        ("POSTGRESQL://me:secret@db/shop", "'POSTGRESQL' is not a PostgreSQL URL's scheme"),
+        ("jdbc:postgresql://db/shop", "'jdbc:postgresql' is not a PostgreSQL URL's scheme"),
+        ("localhost:5432", "'localhost:5432' is neither a PostgreSQL URL nor a conninfo string"),
+        ("host=db password=secret dbname", "cannot read the conninfo"),
+        ("postgresql://db/shop?nosuch=1", 'invalid URI query parameter: "nosuch"'),
+    ],
+)
+def test_a_wrong_url_is_refused_with_how_to_write_it(url: str, said: str) -> None:
+    """Refused at from_url, with the example of a right one, not at the first turn."""
+    with pytest.raises(ValueError, match=r"^inturn: ") as refused:
+        PostgresBackend.from_url(url)
+    message = str(refused.value)
+    assert said in message
+    assert "postgresql://user:password@host:5432/dbname" in message
+    assert "host=host port=5432 dbname=dbname user=user" in message
+    assert "secret" not in message  # (a password is never written out)
+    assert refused.value.__cause__ is None  # (nor left in psycopg's error's message)
+
+
+@pytest.mark.parametrize(
+    ("url", "where"),
+    [
+        ("postgres://db:6543/shop", "db:6543/shop"),
+        ("host=db dbname=shop", "db:5432/shop"),
+        ("", "localhost:5432/"),  # (libpq's defaults: PGHOST, PGDATABASE, ...)
+    ],
+)
+def test_every_form_libpq_reads_is_taken(url: str, where: str) -> None:
+    assert repr(PostgresBackend.from_url(url)) == f"PostgresBackend({where!r}, namespace='inturn')"
+
+
 def test_repr_names_the_server_without_credentials() -> None:
     backend = PostgresBackend.from_url("postgresql://me:secret@db.example:6543/shop", namespace="s")
     assert repr(backend) == "PostgresBackend('db.example:6543/shop', namespace='s')"

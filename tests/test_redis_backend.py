@@ -413,6 +413,30 @@ def test_bad_settings_are_refused_at_construction(redis_url: str) -> None:
         RedisBackend.from_url(redis_url, namespace="a{b}")
     with pytest.raises(ValueError, match="lease"):
         RedisBackend.from_url(redis_url, lease=0)
+    with pytest.raises(TypeError, match="a Redis URL must be a str, got b'redis://x'"):
+        RedisBackend.from_url(b"redis://x")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("localhost:6379", "'localhost:6379' is not a Redis URL; give it with its scheme"),
+        ("http://localhost:6379/0", "'http' is not a Redis URL's scheme"),
+        ("postgresql://me:secret@db/0", "'postgresql' is not a Redis URL's scheme"),
+        ("redis://localhost:port/0", "cannot read the Redis URL"),
+        ("redis://me:secret@db:99999/0", "cannot read the Redis URL"),
+    ],
+)
+def test_a_wrong_url_is_refused_with_how_to_write_it(url: str, said: str) -> None:
+    with pytest.raises(ValueError, match=r"^inturn: ") as refused:
+        RedisBackend.from_url(url)
+    message = str(refused.value)
+    assert said in message
+    assert "redis://" in message
+    assert "rediss://" in message
+    assert "unix:///" in message
+    assert "secret" not in message  # (a password is never written out)
+    assert refused.value.__cause__ is None  # (nor left in redis-py's error's message)
 
 
 async def test_one_backend_serves_an_event_loop_in_another_thread_too(

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 from . import BackendUnavailable, KeyedQueue, __version__
-from ._describe import SHOWN, describe
+from ._describe import describe
 from .backends import LineInfo
 
 __all__ = ("main",)
@@ -183,12 +183,7 @@ def _open_lines(
         from .backends.redis import RedisBackend  # (ImportError without redis-py: see main)
 
         namespace = options.namespace or "inturn"
-        if "://" not in options.redis:
-            where = options.redis if len(options.redis) <= SHOWN else "host:port"
-            raise ValueError(
-                f"inturn: {describe(options.redis)} is not a Redis URL; give it with its scheme: "
-                f"redis://{where}, rediss:// for TLS, or unix:///path/to.sock"
-            )
+        # (a wrong URL: from_url's ValueError says what is wrong and how a right one looks)
         redis = RedisBackend.from_url(options.redis, namespace=namespace)
         return redis, f"namespace {describe(namespace)}", redis.namespaces
     from .backends.file import FileBackend

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from redis.exceptions import (
     AuthenticationError,
     BusyLoadingError,
+    InvalidResponse,
     NoPermissionError,
     OutOfMemoryError,
     ReadOnlyError,
@@ -23,10 +24,13 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .._errors import BackendUnavailable
 from ._redis_scripts import called_at
+from ._urls import REDIS_FORMS, brief
 
-#: Errors that mean the server could not be reached (as opposed to a refusal). NOTE: the
-#: builtin TimeoutError (a missed deadline) is an OSError: catch it before these.
-UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
+#: Errors that mean the server could not be reached (as opposed to a refusal); among them
+#: InvalidResponse, redis-py's word for an answer that is not Redis's protocol (what
+#: answered is another server: HTTP, SSH, ...). NOTE: the builtin TimeoutError (a missed
+#: deadline) is an OSError: catch it before these.
+UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError, InvalidResponse)
 
 #: What a refusal's first word means, and what to do about it.
 _REFUSALS = {
@@ -81,6 +85,11 @@ def describe(error: BaseException) -> str:
             return _REFUSALS[word].format(text)
     if isinstance(error, ResponseError):
         return f"Redis answered with an error ({text})"
+    if isinstance(error, InvalidResponse):  # (its text: the first line of the answer)
+        return (
+            f"what answered is not a Redis server ({brief(text)}): check the URL's host and "
+            f"port, as in {REDIS_FORMS}"
+        )
     return f"Redis could not be reached ({text})"
 
 

@@ -38,6 +38,7 @@ from .._checks import check_seconds
 from ._pg_connections import Connections
 from ._pg_session import PgSession, PostgresGrant
 from ._pg_steps import Limits
+from ._urls import refused_conninfo
 
 __all__ = ("PostgresBackend", "PostgresGrant")
 
@@ -134,8 +135,9 @@ class PostgresBackend:
     Threads' turns (``with``, ``run_sync``, a decorated ``def``) wait in
     their own thread, on sync connections of the process's own.
 
-    :param pool_or_conninfo: a conninfo string or URL, or a
-        ``psycopg_pool.AsyncConnectionPool`` of your own (its event loop
+    :param pool_or_conninfo: a URL (``postgresql://user:password@host:5432/dbname``,
+        or ``postgres://``), a conninfo string (``host=... dbname=...``),
+        or a ``psycopg_pool.AsyncConnectionPool`` of your own (its event loop
         takes its connections from it, turns on their autocommit and gives
         them back at :meth:`aclose`; threads and other loops connect with
         its conninfo).
@@ -150,7 +152,10 @@ class PostgresBackend:
     :param unreachable_after: seconds without an answer from PostgreSQL after
         which the backend checks the server, or counts it as unreachable.
     :raises ValueError: a bad namespace, max_sessions, session_wait or
-        unreachable_after.
+        unreachable_after; a conninfo or URL that libpq cannot read (another
+        scheme, no ``=``, ...), refused here, not at the first turn: the
+        message says what is wrong and how a right one looks, without the
+        password.
     """
 
     __slots__ = ("__weakref__", "_connections", "_namespace", "_where")
@@ -208,7 +213,15 @@ class PostgresBackend:
         session_wait: float | None = 30.0,
         unreachable_after: float = 10.0,
     ) -> PostgresBackend:
-        """A backend on ``url`` (``postgresql://user@host:port/db?sslmode=...``)."""
+        """A backend on ``url`` (``postgresql://user@host:port/db?sslmode=...``).
+
+        ``url`` may be a conninfo string too (``host=... dbname=...``); see
+        :class:`PostgresBackend` for the other arguments. Nothing connects yet.
+
+        :raises TypeError: url is not a ``str``.
+        :raises ValueError: libpq cannot read url, or a bad setting (as
+            :class:`PostgresBackend`).
+        """
         if not isinstance(url, str):
             raise TypeError(f"inturn: url must be a str, got {show(url)}")
         return cls(
@@ -300,11 +313,16 @@ class PostgresBackend:
 
 
 def _where(conninfo: str) -> str:
-    """Where a conninfo points, without credentials: host:port/dbname."""
+    """Where a conninfo points, without credentials: host:port/dbname.
+
+    :raises ValueError: libpq cannot read conninfo (the message says why, and
+        how a right one looks).
+    """
     try:
         parts = psycopg.conninfo.conninfo_to_dict(conninfo)
-    except psycopg.ProgrammingError:
-        return "?"
+    except psycopg.ProgrammingError as error:
+        # (from None: libpq's message is in ours, password hidden; its error may show it)
+        raise refused_conninfo(conninfo, str(error).strip()) from None
     host = parts.get("host") or "localhost"
     port = parts.get("port") or 5432
     return f"{host}:{port}/{parts.get('dbname') or ''}"

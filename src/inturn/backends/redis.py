@@ -79,6 +79,7 @@ from ._redis_calls import Config
 from ._redis_errors import UNREACHABLE, describe
 from ._redis_loop import LoopShare, RedisGrant, owner
 from ._redis_threads import Blocking, sync_connector
+from ._urls import refused_redis_url
 
 __all__ = ("HolderInfo", "LineInfo", "RedisBackend", "RedisGrant", "WaiterInfo")
 
@@ -243,14 +244,22 @@ class RedisBackend:
 
         ``options`` go to ``redis.asyncio.Redis.from_url`` (``password``,
         ``ssl_ca_certs``, ``socket_timeout``, ...). The backend owns the
-        client and closes it in :meth:`aclose`.
+        client and closes it in :meth:`aclose`. Nothing connects yet: a
+        server that cannot be reached is found at the first turn.
+
+        :raises TypeError: url is not a ``str``.
+        :raises ValueError: redis-py cannot read url (no scheme, another
+            scheme, a port that is not a number, ...): the message says what
+            is wrong and how a right URL looks, without the password.
         """
-        return cls(
-            aioredis.Redis.from_url(url, **options),
-            namespace=namespace,
-            lease=lease,
-            owns_client=True,
-        )
+        if not isinstance(url, str):
+            raise TypeError(f"inturn: a Redis URL must be a str, got {show(url)}")
+        try:
+            client = aioredis.Redis.from_url(url, **options)
+        except ValueError as error:
+            # (from None: redis-py's message is in ours, but its error may show the password)
+            raise refused_redis_url(url, str(error)) from None
+        return cls(client, namespace=namespace, lease=lease, owns_client=True)
 
     @property
     def namespace(self) -> str:
