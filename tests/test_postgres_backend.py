@@ -263,3 +263,63 @@ async def test_a_waiter_waits_in_the_servers_lock_queue_without_polling(
         assert await state() == first
     await backend.release(grant)
     await backend.release(await waiter)
+
+
+async def names_of_sessions_holding(admin: Any, lock: int) -> list[str]:
+    """The application_name of each session that holds the advisory lock ``lock``."""
+    cursor = await admin.execute(
+        "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a USING (pid)"
+        " WHERE l.locktype = 'advisory' AND l.granted"
+        " AND l.classid = %s AND l.objid = %s AND l.objsubid = 1",
+        lock_parts(lock),
+    )
+    return [row[0] for row in await cursor.fetchall()]
+
+
+@pytest.mark.parametrize("shape", ["task", "thread"])
+async def test_a_turns_session_is_named_for_operators(
+    postgres_url: str, admin: Any, shape: str
+) -> None:
+    # pg_stat_activity shows "inturn <namespace>" for the sessions that hold turns
+    namespace = f"t-{uuid.uuid4().hex[:12]}"
+    backend = PostgresBackend.from_url(postgres_url, namespace=namespace)
+    queue = KeyedQueue(backend=backend)
+    lock = lock_id(namespace, "k")
+    try:
+        if shape == "task":
+            async with queue.keyed("k"):
+                names = await names_of_sessions_holding(admin, lock)
+        else:
+
+            def in_a_thread() -> list[str]:
+                with queue.keyed("k"):
+                    return asyncio.run(names_of_sessions_holding_now(postgres_url, lock))
+
+            names = await asyncio.to_thread(in_a_thread)
+    finally:
+        await backend.aclose()
+    assert names == [f"inturn {namespace}"]
+
+
+async def names_of_sessions_holding_now(url: str, lock: int) -> list[str]:
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as session:
+        return await names_of_sessions_holding(session, lock)
+
+
+@pytest.mark.parametrize("where", ["url", "environment"])
+async def test_an_application_name_of_the_users_is_kept(
+    postgres_url: str, admin: Any, where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    namespace = f"t-{uuid.uuid4().hex[:12]}"
+    url = postgres_url
+    if where == "url":
+        url += ("&" if "?" in url else "?") + "application_name=billing"
+    else:
+        monkeypatch.setenv("PGAPPNAME", "billing")
+    backend = PostgresBackend.from_url(url, namespace=namespace)
+    try:
+        async with KeyedQueue(backend=backend).keyed("k"):
+            names = await names_of_sessions_holding(admin, lock_id(namespace, "k"))
+    finally:
+        await backend.aclose()
+    assert names == ["billing"]

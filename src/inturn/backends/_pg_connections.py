@@ -84,8 +84,11 @@ class Connections:
         "ready",
     )
 
-    def __init__(self, source: Any, size: int, limits: Limits, owner: str) -> None:
-        """source: a conninfo, or a ``psycopg_pool.AsyncConnectionPool`` of the caller's."""
+    def __init__(
+        self, source: Any, size: int, limits: Limits, owner: str, name: str = "inturn"
+    ) -> None:
+        """source: a conninfo, or a ``psycopg_pool.AsyncConnectionPool`` of the caller's;
+        name: the ``application_name`` of the connections it makes (see _named)."""
         self._kwargs: dict[str, Any] = {"autocommit": True}
         if isinstance(source, str):
             self._conninfo: str | None = source
@@ -96,6 +99,7 @@ class Connections:
             if isinstance(source.kwargs, dict):
                 self._kwargs = {**source.kwargs, "autocommit": True}
             self._given = source
+        self._kwargs = _named(self._conninfo, self._kwargs, name)
         self._size = size
         self.limits = limits
         self.owner = owner  # the backend, as its logs name it
@@ -426,3 +430,18 @@ class Connections:
         self._given_loop = None
         self._lock = threading.Lock()
         self.generation += 1
+
+
+#: The longest application_name PostgreSQL keeps (NAMEDATALEN - 1 bytes; it cuts longer).
+_NAME_BYTES = 63
+
+
+def _named(conninfo: str | None, kwargs: dict[str, Any], name: str) -> dict[str, Any]:
+    """kwargs, with ``application_name`` name (cut to what PostgreSQL keeps), unless the
+    conninfo, the kwargs (a pool's) or the environment (``PGAPPNAME``) give one."""
+    if "application_name" in kwargs or os.environ.get("PGAPPNAME"):
+        return kwargs
+    if conninfo is not None and psycopg.conninfo.conninfo_to_dict(conninfo).get("application_name"):
+        return kwargs
+    cut = name.encode()[:_NAME_BYTES].decode(errors="ignore")
+    return {**kwargs, "application_name": cut}

@@ -135,6 +135,10 @@ class PostgresBackend:
     Threads' turns (``with``, ``run_sync``, a decorated ``def``) wait in
     their own thread, on sync connections of the process's own.
 
+    The connections it opens have ``application_name`` ``inturn
+    <namespace>`` (in ``pg_stat_activity``), unless the conninfo, a pool's
+    kwargs or ``PGAPPNAME`` names them otherwise.
+
     :param pool_or_conninfo: a URL (``postgresql://user:password@host:5432/dbname``,
         or ``postgres://``), a conninfo string (``host=... dbname=...``),
         or a ``psycopg_pool.AsyncConnectionPool`` of your own (its event loop
@@ -201,7 +205,9 @@ class PostgresBackend:
             )
         self._namespace = namespace
         limits = Limits(session_wait, after)
-        self._connections = Connections(pool_or_conninfo, max_sessions, limits, repr(self))
+        self._connections = Connections(
+            pool_or_conninfo, max_sessions, limits, repr(self), f"inturn {namespace}"
+        )
 
     @classmethod
     def from_url(
