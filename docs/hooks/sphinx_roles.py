@@ -11,7 +11,10 @@ helper or ``asyncio.Future``, stays plain code and never fails the build), and
 each ``::`` block as a fenced Python block.
 
 It also gives the module-level shortcuts (``inturn.run = default_queue.run``),
-which have no docstring of their own, one line that points at the method.
+which have no docstring of their own, one line that points at the method; and
+an attribute documented by ``#:`` comment lines above it (the house style, as
+Sphinx reads it; griffe reads only a string after it) those lines as its
+docstring: without one, mkdocstrings leaves it out (``Turn.token`` was).
 """
 
 from __future__ import annotations
@@ -22,7 +25,13 @@ from typing import Any
 import griffe
 
 #: Modules whose public names (``__all__``) the API reference shows.
-PUBLIC = ("inturn", "inturn.backends", "inturn.backends.file", "inturn.backends.redis")
+PUBLIC = (
+    "inturn",
+    "inturn.backends",
+    "inturn.backends.file",
+    "inturn.backends.redis",
+    "inturn.backends.postgres",
+)
 ROLE = re.compile(r":(?P<role>[a-z]+):`(?P<target>[^`]+)`")
 CALLABLE_ROLES = {"meth", "func"}
 
@@ -133,6 +142,41 @@ def _shortcut_docstrings(pkg: griffe.Module) -> None:
             )
 
 
+def _comment_above(lines: list[str], lineno: int) -> list[str]:
+    """The ``#:`` lines right above line ``lineno`` (1-based), without their ``#:``."""
+    comment: list[str] = []
+    i = lineno - 2
+    while i >= 0 and lines[i].strip().startswith("#:"):
+        comment.insert(0, lines[i].strip()[2:].strip())
+        i -= 1
+    return comment
+
+
+def _comment_docstrings(cls: griffe.Class) -> None:
+    """Give attributes documented by ``#:`` lines above them (as Sphinx reads them) those lines.
+
+    An attribute declared in the class body (``token: int``, under ``#:``
+    lines) and set in ``__init__`` is placed by griffe at the assignment: its
+    declaration is looked for in the class body too.
+    """
+    try:
+        lines = cls.lines_collection[cls.filepath]  # type: ignore[index]
+    except KeyError:
+        return
+    body = range(cls.lineno or 0, cls.endlineno or 0)
+    for name, member in cls.members.items():
+        if member.is_alias or not member.is_attribute or member.docstring is not None:
+            continue
+        declared = re.compile(rf"\s*{re.escape(name)}\s*[:=]")
+        places = [member.lineno] if member.lineno else []
+        places += [i + 1 for i in body if i < len(lines) and declared.match(lines[i])]
+        for lineno in places:
+            comment = _comment_above(lines, lineno)
+            if comment:
+                member.docstring = griffe.Docstring("\n".join(comment), parent=member)
+                break
+
+
 class SphinxRoles(griffe.Extension):
     def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
         if pkg.path != "inturn":
@@ -145,6 +189,8 @@ class SphinxRoles(griffe.Extension):
             if id(obj) in seen:
                 return
             seen.add(id(obj))
+            if obj.is_class:
+                _comment_docstrings(obj)
             if obj.docstring is not None:
                 value = _literal_blocks(obj.docstring.value)
                 obj.docstring.value = _roles(value, obj, names)

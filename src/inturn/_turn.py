@@ -127,10 +127,10 @@ class Turn:
     _since: float
     _clock: Clock | None
     _shared: Shared | None
-    #: A fencing token, set on entry: larger than the token of every turn
-    #: granted earlier on the same key, so a downstream store can refuse a
-    #: write that carries an older one. With several keys, the token of the
-    #: first (see :attr:`tokens` for each).
+    #: A fencing token, set on entry: larger than every earlier turn's on the same key.
+    #: Send it with the turn's writes to a store that keeps the largest it has seen,
+    #: so a holder whose turn was lost (:attr:`lease_lost`) and writes late is refused.
+    #: With several keys, the token of the first (see :attr:`tokens` for each).
     token: int
 
     def __init__(

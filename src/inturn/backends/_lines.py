@@ -16,6 +16,7 @@ class HolderInfo:
 
     #: Its host's name; None on the file backend (every process is on this host).
     host: str | None
+    #: Its process id (on its host).
     pid: int
     #: Seconds since it was granted the key.
     held_for: float
@@ -31,6 +32,7 @@ class WaiterInfo:
 
     #: Its host's name; None on the file backend.
     host: str | None
+    #: Its process id (on its host).
     pid: int
     #: Seconds since it joined the line.
     waiting_for: float
@@ -46,4 +48,5 @@ class LineInfo:
     key: str | bytes | int
     #: None while the key is being handed over.
     holder: HolderInfo | None
+    #: The line's waiters, in turn order.
     waiters: tuple[WaiterInfo, ...]

@@ -67,6 +67,7 @@ class PostgresGrant:
     __slots__ = ("key", "lock", "lost", "session", "token")
 
     def __init__(self, key: Hashable, token: int, lock: int, session: PgSession) -> None:
+        #: The key held.
         self.key = key
         #: From the sequence ``inturn_token``, drawn after the grant: larger than
         #: every earlier grant's, of this key and every other.

@@ -304,7 +304,7 @@ class FileBackend:
         return grant
 
     #: Threads block in the kernel on their tickets (see Capabilities).
-    capabilities: Final = Capabilities(blocking=True)
+    capabilities: Final[Capabilities] = Capabilities(blocking=True)
 
     def thread_loop(self) -> None:
         """None: a thread's turn blocks in the kernel, on no event loop."""

@@ -168,7 +168,7 @@ class PostgresBackend:
     #: its own (a queue serves its first loop directly, and every other one
     #: through one loop); a turn's keys are held on one connection, and
     #: ``keyed(..., transaction=True)`` is served (see :class:`PostgresBackend`).
-    capabilities: Final = Capabilities(
+    capabilities: Final[Capabilities] = Capabilities(
         blocking=True, one_loop=True, sessions=True, transactions=True
     )
 

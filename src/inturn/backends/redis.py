@@ -233,7 +233,9 @@ class RedisBackend:
         #: through one loop of the process (see Capabilities). Threads block on
         #: connections of their own (one round trip per call), but with a cluster
         #: client, a replica's, or a connection class of the user's, go through that loop.
-        self.capabilities: Final = Capabilities(blocking=self._threads is not None, one_loop=True)
+        self.capabilities: Final[Capabilities] = Capabilities(
+            blocking=self._threads is not None, one_loop=True
+        )
         _BACKENDS.add(self)
 
     @classmethod
