@@ -10,6 +10,8 @@ showed it as text (issue 31). These tests catch that without building the site.
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -127,3 +129,27 @@ def test_table_headers_hold_no_long_code() -> None:
                     if len(code) > LONGEST_HEADER_CODE
                 ]
     assert not long, "put it in a row of the table instead:\n" + "\n".join(long)
+
+
+def _python_block_after(page: Path, heading: str) -> str:
+    """The first ```python block of page after the line heading."""
+    text = page.read_text().split(f"\n{heading}\n", 1)[1]
+    return text.split("```python\n", 1)[1].split("\n```", 1)[0]
+
+
+def test_the_migration_pages_fencing_program_runs_as_pasted(tmp_path: Path) -> None:
+    # (a complete program: the page says what it prints, and that is checked here)
+    program = tmp_path / "fencing.py"
+    program.write_text(
+        _python_block_after(
+            ROOT / "docs" / "migrating.md", "## Fencing a store's writes with `turn.token`"
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, str(program)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "left: 5",
+        "a write with the stale token 1 was refused",
+    ]
