@@ -139,17 +139,25 @@ def _python_block_after(page: Path, heading: str) -> str:
 
 def test_the_migration_pages_fencing_program_runs_as_pasted(tmp_path: Path) -> None:
     # (a complete program: the page says what it prints, and that is checked here)
-    program = tmp_path / "fencing.py"
-    program.write_text(
-        _python_block_after(
-            ROOT / "docs" / "migrating.md", "## Fencing a store's writes with `turn.token`"
-        )
-    )
-    done = subprocess.run(
-        [sys.executable, str(program)], capture_output=True, text=True, timeout=60
-    )
+    heading = "## Fencing a store's writes with `turn.token`"
+    program = _python_block_after(ROOT / "docs" / "migrating.md", heading)
+    assert _run(program, tmp_path) == ["left: 5", "a write with the stale token 1 was refused"]
+
+
+def _run(program: str, tmp_path: Path) -> list[str]:
+    """What program prints, run as a script of its own."""
+    script = tmp_path / "program.py"
+    script.write_text(program)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == [
-        "left: 5",
-        "a write with the stale token 1 was refused",
-    ]
+    return done.stdout.splitlines()
+
+
+def test_the_readmes_first_example_runs_as_pasted_and_loses_updates_without_inturn(
+    tmp_path: Path,
+) -> None:
+    example = _python_block_after(ROOT / "README.md", "## A first example")
+    assert _run(example, tmp_path) == ["5"]
+    decorator = '@queue_by_key(key="stock-{product_id}")\n'
+    assert decorator in example
+    assert _run(example.replace(decorator, ""), tmp_path) == ["9"]  # what the text says

@@ -32,7 +32,7 @@ FENCE = re.compile(r"^(```|~~~)")
 ANCHORS = {
     "#a-fork-inside-a-turn": "backends.md#a-fork-inside-a-turn",
     "#deploying": "deploying.md",
-    "#quick-start": "getting-started.md#quick-start",
+    "#development": "getting-started.md#development",
 }
 
 
