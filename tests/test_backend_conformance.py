@@ -504,7 +504,7 @@ async def test_timeout_zero_takes_a_free_key_and_refuses_a_busy_one(queue: Keyed
     gate = asyncio.Event()
     holder = asyncio.create_task(queue.run("k", gate.wait))
     await settle(lambda: queue.is_active("k"))
-    with pytest.raises(TimeoutError, match="not free"):
+    with pytest.raises(TimeoutError, match=r"at once \(timeout=0\): it needed its place in"):
         async with queue.keyed("k", timeout=0):
             pytest.fail("the block ran without its turn")
     assert queue.pending("k") == 0

@@ -40,7 +40,7 @@ from typing import Any, final
 
 import psycopg
 
-from .._checks import missed
+from .._checks import Waited, missed
 from .._describe import describe as show
 from .._errors import BackendUnavailable
 from .._tasks import loop_here
@@ -363,13 +363,14 @@ class Connections:
         self, key: Hashable, timeout: float | None, until: float | None, tier: int
     ) -> Exception:
         """TimeoutError if the turn's own time ran out; else the session_wait's refusal."""
-        if until is not None and now() >= until:
-            return missed(f"the turn for key {show(key)} (a connection)", timeout)
         level = f" at nesting level {tier}" if tier else ""
         if self._given is not None and loop_here() is self._given_loop:
             size, where = f"max_size={self._given.max_size}", "of your pool"
         else:
             size, where = f"max_sessions={self._size}", "of this event loop or thread"
+        if until is not None and now() >= until:
+            detail, fix = f" (all {size} {where}{level} held by turns)", size.split("=")[0]
+            return missed((key,), Waited.CONNECTION, timeout, detail, f"Raise {fix}")
         return BackendUnavailable(
             f"inturn: no connection of {self.owner} came free for key {show(key)} within "
             f"session_wait={self.limits.session_wait:g} s: all {size} {where}{level} are "
@@ -384,10 +385,14 @@ class Connections:
         self, key: Hashable, timeout: float | None, until: float | None, error: Exception
     ) -> Exception:
         """TimeoutError if the turn's own time ran out first; else BackendUnavailable."""
+        pooled = type(error).__name__ == "PoolTimeout"  # (psycopg_pool's: the server is fine)
         if until is not None and now() >= self.ready.late(timeout, until) - 1e-3:
-            return missed(f"the turn for key {show(key)} (a connection)", timeout or None)
+            if pooled:
+                detail = f" (all max_size={self._given.max_size} of your pool held)"
+                return missed((key,), Waited.CONNECTION, timeout, detail, "Raise its max_size")
+            return missed((key,), Waited.ANSWER, timeout, " from PostgreSQL (connecting)")
         reason = said(error) if isinstance(error, psycopg.Error) else (str(error) or "timed out")
-        if type(error).__name__ == "PoolTimeout":  # (psycopg_pool's: the server is fine)
+        if pooled:
             failure = BackendUnavailable(
                 f"inturn: no connection of your pool (max_size={self._given.max_size}) came "
                 f"free for key {show(key)} ({reason}); the work did not run. Every turn that "
