@@ -70,6 +70,11 @@ class Waited(enum.Enum):
     ANSWER = ("an answer", "Check the network and the server")
 
 
+#: Where missed() keeps its parts on the error it makes, for restated(): plain strings, so
+#: the error pickles as it did, and keeps no key alive.
+_PARTS: Final = "_inturn_missed"
+
+
 def missed(
     keys: tuple[Hashable, ...],
     waited: Waited,
@@ -82,7 +87,8 @@ def missed(
     ``keys``: the turn's keys waited for; ``detail`` follows waited's words
     (`` (the key was busy, ...)``, `` from Redis``); ``fix`` replaces waited's
     fix. ``limit`` is the limit that ran out (0: the call would not wait, and
-    waited was not there at once), or None where it is not known.
+    waited was not there at once), or None where it is not known; a driver
+    puts its caller's in (see restated): a backend knows only the time left.
     Built only once the time ran out: nothing is spent on a turn that is reached.
     """
     turn = f"key {describe(keys[0])}" if len(keys) == 1 else f"keys {describe(keys)}"
@@ -93,7 +99,19 @@ def missed(
         words + detail,
         f"; the work did not run. {fix}" if fix else "; the work did not run",
     )
-    return TimeoutError(_wording(*parts, limit))
+    error = TimeoutError(_wording(*parts, limit))
+    vars(error)[_PARTS] = parts
+    return error
+
+
+def restated(error: BaseException, limit: float | None) -> BaseException:
+    """error; if missed() made it, worded with limit, the caller's (not the time left)."""
+    if limit is not None and isinstance(error, TimeoutError):
+        parts = vars(error).get(_PARTS)
+        if parts is not None:
+            turn, words, ran = parts
+            error.args = (_wording(turn, words, ran, limit),)
+    return error
 
 
 def _wording(turn: str, words: str, ran: str, limit: float | None) -> str:

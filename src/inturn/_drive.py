@@ -20,7 +20,8 @@ the steps end. What the steps raise goes to the driver's caller.
   in, so that steps an interrupt left suspended roll back (see unwind_sync).
 
 A wait whose time ran out raises the TimeoutError of ``_checks.missed``,
-naming what it waited for.
+naming what it waited for; the driver words it with the caller's limit
+(``restated``), as a backend is given only the time left.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from time import monotonic as _monotonic
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from ._bridge import acquire_sync, acquire_via, close_sync, close_via, release_sync, release_via
-from ._checks import Deadline
+from ._checks import Deadline, restated
 from ._line import ThreadWaiter
 from ._tasks import retrieve
 
@@ -276,7 +277,7 @@ async def drive(
                             raise
                         seated(place, arg, task, queued)
         except BaseException as problem:  # thrown into the steps, which roll back
-            error = problem
+            error = restated(problem, limit)  # (a backend's miss knows only the time left)
         if (next_wait := _answer(steps, error)) is None:
             return
         wait = next_wait
@@ -317,7 +318,7 @@ def drive_sync(
                     assert place is not None
                     _wait_in_sync(place, arg, me, left, limit)
         except BaseException as problem:  # thrown into the steps, which roll back
-            error = problem
+            error = restated(problem, limit)  # (a backend's miss knows only the time left)
         if (next_wait := _answer(steps, error)) is None:
             return
         wait = next_wait
