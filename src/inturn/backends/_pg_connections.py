@@ -54,6 +54,9 @@ from ._pg_steps import CONNECT, SLOT, Limits, Op, now, said
 _INHERITED: list[object] = []
 _ALL: weakref.WeakSet[Connections] = weakref.WeakSet()
 
+#: The fix a turn's TimeoutError names when it waited for a connection of the user's pool.
+_YOUR_POOL = "Raise your pool's max_size"
+
 
 def _after_fork_in_child() -> None:
     for connections in list(_ALL):
@@ -364,13 +367,14 @@ class Connections:
     ) -> Exception:
         """TimeoutError if the turn's own time ran out; else the session_wait's refusal."""
         level = f" at nesting level {tier}" if tier else ""
+        fix = None  # (Waited.CONNECTION's: raise max_sessions)
         if self._given is not None and loop_here() is self._given_loop:
-            size, where = f"max_size={self._given.max_size}", "of your pool"
+            size, where, fix = f"max_size={self._given.max_size}", "of your pool", _YOUR_POOL
         else:
             size, where = f"max_sessions={self._size}", "of this event loop or thread"
         if until is not None and now() >= until:
-            detail, fix = f" (all {size} {where}{level} held by turns)", size.split("=")[0]
-            return missed((key,), Waited.CONNECTION, timeout, detail, f"Raise {fix}")
+            detail = f" (all {size} {where}{level} held by turns)"
+            return missed((key,), Waited.CONNECTION, timeout, detail, fix)
         return BackendUnavailable(
             f"inturn: no connection of {self.owner} came free for key {show(key)} within "
             f"session_wait={self.limits.session_wait:g} s: all {size} {where}{level} are "
@@ -388,8 +392,8 @@ class Connections:
         pooled = type(error).__name__ == "PoolTimeout"  # (psycopg_pool's: the server is fine)
         if until is not None and now() >= self.ready.late(timeout, until) - 1e-3:
             if pooled:
-                detail = f" (all max_size={self._given.max_size} of your pool held)"
-                return missed((key,), Waited.CONNECTION, timeout, detail, "Raise its max_size")
+                detail = f" (all max_size={self._given.max_size} of your pool in use)"
+                return missed((key,), Waited.CONNECTION, timeout, detail, _YOUR_POOL)
             return missed((key,), Waited.ANSWER, timeout, " from PostgreSQL (connecting)")
         reason = said(error) if isinstance(error, psycopg.Error) else (str(error) or "timed out")
         if pooled:
