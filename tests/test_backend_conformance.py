@@ -24,7 +24,7 @@ from inturn import KeyedQueue, QueueClosed, QueueFull
 from inturn.backends import Backend
 from inturn.backends.file import FileBackend
 
-from helpers import QueueFactory, Recorder, checkpoints, settle, unavailable
+from helpers import PATIENCE, QueueFactory, Recorder, checkpoints, settle, unavailable
 
 if sys.version_info < (3, 11):
     from exceptiongroup import ExceptionGroup
@@ -504,12 +504,44 @@ async def test_timeout_zero_takes_a_free_key_and_refuses_a_busy_one(queue: Keyed
     gate = asyncio.Event()
     holder = asyncio.create_task(queue.run("k", gate.wait))
     await settle(lambda: queue.is_active("k"))
-    with pytest.raises(TimeoutError, match="not free"):
+    with pytest.raises(TimeoutError, match=r"at once \(timeout=0\): it needed its place in"):
         async with queue.keyed("k", timeout=0):
             pytest.fail("the block ran without its turn")
     assert queue.pending("k") == 0
     gate.set()
     await holder
+
+
+async def test_a_timeout_in_the_backends_line_names_it_and_the_callers_limit(
+    backend: Backend | None, make_queue: QueueFactory
+) -> None:
+    # Issue 31: two queues on one backend (two processes, as the backend sees them);
+    # the second's turn on a key the first holds waits in the backend's line, which
+    # is given only the time left. Before: "not reached in time" (file, Redis), or
+    # "within 0.299... s" (PostgreSQL), and no word of what it waited for.
+    if backend is None:
+        pytest.skip("in-process queues share no line")
+    holder_queue, queue = make_queue(), make_queue(timeout=0.3)
+    await queue.run("warm-up", lambda: None)  # (connected: the wait is the line's)
+    gate = asyncio.Event()
+    holding = asyncio.Event()
+
+    async def hold() -> None:
+        holding.set()
+        await gate.wait()
+
+    holder = asyncio.create_task(holder_queue.run("k", hold))
+    await asyncio.wait_for(holding.wait(), PATIENCE)
+    try:
+        with pytest.raises(TimeoutError) as late:
+            await queue.run("k", pytest.fail, "ran without its turn")
+    finally:
+        gate.set()
+    await holder
+    assert str(late.value) == (
+        "inturn: the turn for key 'k' was not reached within 0.3 s: it was waiting for its "
+        "place in the key's line; the work did not run"
+    )
 
 
 async def test_explicit_none_overrides_the_queue_timeout(make_queue: QueueFactory) -> None:

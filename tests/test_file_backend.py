@@ -127,7 +127,8 @@ async def test_a_timeout_on_a_later_key_names_the_callers_limit(backend: FileBac
     gate.set()
     await holder
     assert str(missed.value) == (
-        "inturn: the turn for key 'b' was not reached within 0.05 s; the work did not run"
+        "inturn: the turn for key 'b' was not reached within 0.05 s: it was waiting for its "
+        "place in the key's line (the key was busy, no other turn waiting); the work did not run"
     )
     assert files(backend.directory) == []
 

@@ -440,6 +440,65 @@ async def test_a_turn_nested_in_a_plain_turn_of_the_same_holder_opens_no_connect
 
 
 @pytest.mark.parametrize("mode", MODES)
+async def test_a_timeout_waiting_for_a_connection_names_the_pool_and_the_callers_limit(
+    site: Site, mode: str
+) -> None:
+    # Issue 31: max_sessions=1 held by a turn on another key; a turn on a key nobody
+    # holds runs out of time (before session_wait) waiting for a connection. Before:
+    # "the turn for key 'order-2' (a connection) was not reached within 0.299... s",
+    # the time left once it reached the backend, and no word of max_sessions.
+    queue = site.queue(max_sessions=1)  # (session_wait: 30 s)
+    loop = asyncio.get_running_loop()
+    entered = asyncio.Event()
+    leave, leave_async = threading.Event(), asyncio.Event()
+    ran: list[str] = []
+
+    async def hold_in_task() -> None:
+        async with queue.keyed("order-1"):
+            entered.set()
+            await leave_async.wait()
+
+    def hold_in_thread() -> None:
+        with queue.keyed("order-1"):
+            loop.call_soon_threadsafe(entered.set)
+            leave.wait(PATIENCE)
+
+    async def other_in_task() -> None:
+        async with queue.keyed("order-2", timeout=0.3):
+            ran.append("other")
+
+    def other_in_thread() -> None:
+        with queue.keyed("order-2", timeout=0.3):
+            ran.append("other")
+
+    # (a task's and a thread's turns draw from different connections: both in mode)
+    if mode == "task":
+        holder, other_turn = asyncio.ensure_future(hold_in_task()), other_in_task
+    else:
+        holder, other_turn = asyncio.ensure_future(in_thread(hold_in_thread)), None
+    try:
+        await asyncio.wait_for(entered.wait(), PATIENCE)
+        other = asyncio.ensure_future(
+            other_turn() if other_turn is not None else in_thread(other_in_thread)
+        )
+        await asyncio.wait((other,), timeout=0.3 + SLACK)
+    finally:
+        leave.set()
+        leave_async.set()
+        await asyncio.wait_for(holder, PATIENCE)
+    await asyncio.wait((other,), timeout=PATIENCE)
+    error = other.exception() if other.done() else None
+    assert ran == []
+    assert isinstance(error, TimeoutError), repr(error)
+    where = "this event loop or thread"
+    assert str(error) == (
+        "inturn: the turn for key 'order-2' was not reached within 0.3 s: it was waiting for "
+        f"a connection of the pool (all max_sessions=1 of {where} held by turns); the work "
+        "did not run. Raise max_sessions"
+    )
+
+
+@pytest.mark.parametrize("mode", MODES)
 async def test_a_wait_for_a_connection_past_session_wait_raises_backend_unavailable(
     site: Site, mode: str
 ) -> None:

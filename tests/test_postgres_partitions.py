@@ -300,6 +300,14 @@ async def net(postgres_url: str) -> AsyncIterator[Net]:
 # -- 3. a timeout, whatever the network does ---------------------------------------------
 
 
+#: A turn with timeout=2.0 whose wait PostgreSQL did not answer (before issue 31: "the turn
+#: for key 'k' (no answer from PostgreSQL) was not reached within 1.99... s", the time left).
+_NO_ANSWER = (
+    "inturn: the turn for key 'k' was not reached within 2 s: it was waiting for an answer "
+    "from PostgreSQL; the work did not run. Check the network and the server"
+)
+
+
 @pytest.mark.parametrize("mode", MODES)
 async def test_a_timed_wait_through_a_partition_ends_in_time_and_its_work_never_runs(
     net: Net, mode: str
@@ -328,6 +336,7 @@ async def test_a_timed_wait_through_a_partition_ends_in_time_and_its_work_never_
     }
     expected = {"ended in time": True, "raised TimeoutError": True, "work ran": False}
     assert outcome == expected, f"{took(seconds, bound)}; in the end: {turn.error!r}"
+    assert str(turn.error) == _NO_ANSWER  # (issue 31: the cause, and the limit given)
     assert await net.locks_left("p") == []
 
 
@@ -354,6 +363,7 @@ async def test_a_timed_wait_for_a_free_key_through_a_partition_ends_in_time(
     }
     expected = {"ended in time": True, "raised TimeoutError": True, "work ran": False}
     assert outcome == expected, f"{took(seconds, bound)}; in the end: {turn.error!r}"
+    assert str(turn.error) == _NO_ANSWER  # (issue 31: the cause, and the limit given)
     assert await net.locks_left("p") == []
     async with other.keyed("k", timeout=PROMPTLY):  # what reached the server late let go
         pass

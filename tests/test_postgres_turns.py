@@ -534,6 +534,41 @@ async def test_a_pool_of_your_own_serves_its_loop_and_gets_its_connections_back(
         await pool.close()
 
 
+async def test_a_timeout_waiting_for_a_connection_of_your_pool_names_its_max_size(
+    postgres_url: str,
+) -> None:
+    # Issue 31: a pool of your own with max_size=1 held by a turn on another key.
+    from psycopg_pool import AsyncConnectionPool
+
+    pool = AsyncConnectionPool(postgres_url, min_size=1, max_size=1, open=False)
+    await pool.open(wait=True)
+    backend = PostgresBackend(pool, namespace=f"t-{uuid.uuid4().hex[:12]}")
+    queue = KeyedQueue(backend=backend)
+    entered, leave = asyncio.Event(), asyncio.Event()
+
+    async def hold() -> None:
+        entered.set()
+        await leave.wait()
+
+    holder = asyncio.create_task(queue.run("a", hold))
+    try:
+        await asyncio.wait_for(entered.wait(), PATIENCE)
+        with pytest.raises(TimeoutError) as late:
+            async with queue.keyed("b", timeout=0.3):
+                pytest.fail("the block ran without a connection")
+        leave.set()
+        await asyncio.wait_for(holder, PATIENCE)
+    finally:
+        leave.set()
+        await backend.aclose()
+        await pool.close()
+    assert str(late.value) == (
+        "inturn: the turn for key 'b' was not reached within 0.3 s: it was waiting for a "
+        "connection of the pool (all max_size=1 of your pool held by turns); the work did "
+        "not run. Raise your pool's max_size"
+    )
+
+
 async def test_missing_privileges_are_named_and_the_work_does_not_run(own_postgres: Any) -> None:
     """A user who may not make the sequence of tokens, then one who may not use it."""
     async with await psycopg.AsyncConnection.connect(own_postgres.url, autocommit=True) as admin:

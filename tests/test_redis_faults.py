@@ -175,16 +175,45 @@ async def test_a_timeout_covers_connecting_and_enqueueing(
     queue = KeyedQueue(backend=make_backend(url=proxy.url), timeout=0.5)
     proxy.freeze()  # a partition: nothing comes back, not even the connection's greeting
     ran: list[str] = []
-    with pytest.raises(TimeoutError):
+    with pytest.raises(TimeoutError, match=r"0\.5 s: it was waiting for an answer from Redis \("):
         await within(0.5, queue.run("k", ran.append, "ran"))
     assert ran == []
     proxy.thaw()  # connected now, and then the partition: the enqueue gets no answer
     await queue.run("warm", lambda: None)
     proxy.freeze()
-    with pytest.raises(TimeoutError):
+    with pytest.raises(TimeoutError, match=r"0\.5 s: it was waiting for an answer from Redis;"):
         await within(0.5, queue.run("k", ran.append, "ran"))
     assert ran == []
     proxy.thaw()
+
+
+@pytest.mark.parametrize("mode", ["task", "thread"])
+async def test_a_timeout_on_a_redis_that_does_not_answer_names_it_and_the_callers_limit(
+    make_backend: BackendFactory, proxy: Proxy, mode: str
+) -> None:
+    # Issue 31: a key nobody holds, and Redis does not answer the enqueue (a
+    # partition). Before: "the turn for key 'k' was not reached in time", as if
+    # the key were busy, and without the timeout given.
+    queue = KeyedQueue(backend=make_backend(url=proxy.url), timeout=0.3)
+
+    def turn(key: str, fn: Any, *args: Any) -> Any:
+        if mode == "task":
+            return queue.run(key, fn, *args)
+        return asyncio.to_thread(queue.run_sync, key, fn, *args)
+
+    await turn("warm", lambda: None)  # connected (and a thread's connection made): then
+    proxy.freeze()
+    ran: list[str] = []
+    try:
+        with pytest.raises(TimeoutError) as late:
+            await within(0.3, turn("k", ran.append, "ran"))
+    finally:
+        proxy.thaw()
+    assert ran == []
+    assert str(late.value) == (
+        "inturn: the turn for key 'k' was not reached within 0.3 s: it was waiting for an "
+        "answer from Redis; the work did not run. Check the network and the server"
+    )
 
 
 async def test_without_a_timeout_an_unreachable_redis_ends_the_wait_within_a_lease(
@@ -899,7 +928,11 @@ async def test_a_try_lock_on_an_unreachable_redis_ends_within_seconds_and_says_w
     proxy.freeze()
     ran: list[str] = []
     try:
-        with pytest.raises(TimeoutError, match=r"connecting to Redis took over 3 s.*did not run"):
+        with pytest.raises(
+            TimeoutError,
+            match=r"at once \(timeout=0\): it needed an answer from Redis \(connecting took over "
+            r"3 s\); the work did not run",
+        ):
             await within(3.0, queue.run("k", ran.append, "ran"))
     finally:
         proxy.thaw()

@@ -210,7 +210,8 @@ async def test_a_waiting_submission_times_out_with_the_queue_s_timeout(tasks: Ta
     with pytest.raises(TimeoutError) as missed:
         await late
     assert str(missed.value) == (
-        "inturn: the turn for key 'k' was not reached within 0.05 s; the work did not run"
+        "inturn: the turn for key 'k' was not reached within 0.05 s: it was waiting for its "
+        "place in the key's line (the key was busy, no other turn waiting); the work did not run"
     )
     assert queue.pending("k") == 0
     gate.set()

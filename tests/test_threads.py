@@ -300,7 +300,11 @@ def test_a_thread_times_out_and_its_work_never_runs(pool: ThreadPoolExecutor) ->
     queue = KeyedQueue(timeout=0.05)
     ran: list[str] = []
     with queue.keyed("k", timeout=None):  # this thread holds k; the others wait
-        with pytest.raises(TimeoutError, match=r"'k' was not reached within 0\.05 s"):
+        with pytest.raises(
+            TimeoutError,
+            match=r"'k' was not reached within 0\.05 s: it was waiting for its place in the "
+            r"key's line \(the key was busy, no other turn waiting\); the work did not run$",
+        ):
             pool.submit(queue.run_sync, "k", ran.append, "late").result()
         assert queue.pending("k") == 0
 
@@ -310,13 +314,43 @@ def test_a_thread_times_out_and_its_work_never_runs(pool: ThreadPoolExecutor) ->
 
         with pytest.raises(
             TimeoutError,
-            match=r"'k' was not reached at once \(timeout=0\), as it was not free; the work",
+            match=r"'k' was not reached at once \(timeout=0\): it needed its place in the key's",
         ):
             pool.submit(at_once).result()
     assert ran == []
     pool.submit(queue.run_sync, "k", ran.append, "after").result()  # the line still works
     assert ran == ["after"]
     assert queue.active_count == 0
+
+
+def test_a_threads_turn_that_ran_out_waiting_for_a_running_slot_says_so(
+    pool: ThreadPoolExecutor,
+) -> None:
+    # Issue 31: a thread's turn (its own driver) on a key nobody holds, max_running
+    # full with another key: it names the slot, the fix and the queue's timeout.
+    # Before: "a running slot (max_running=1) was not reached within 0.3 s".
+    queue = KeyedQueue(max_running=1, timeout=0.3)
+    entered, leave = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        entered.set()
+        leave.wait(PATIENCE)
+
+    holder = pool.submit(queue.run_sync, "busy", hold)
+    assert entered.wait(PATIENCE)
+    ran: list[str] = []
+    try:
+        with pytest.raises(TimeoutError) as late:
+            pool.submit(queue.run_sync, "free", ran.append, "free").result()
+    finally:
+        leave.set()
+    holder.result()
+    assert ran == []
+    assert str(late.value) == (
+        "inturn: the turn for key 'free' was not reached within 0.3 s: it was waiting for a "
+        "running slot (all max_running=1 busy, no other turn waiting); the work did not run. "
+        "Raise max_running"
+    )
 
 
 def test_max_pending_counts_threads(pool: ThreadPoolExecutor) -> None:
@@ -385,7 +419,9 @@ def test_a_thread_timing_out_on_a_later_key_releases_the_earlier(
             pass
 
     with queue.keyed("b"):
-        with pytest.raises(TimeoutError, match=r"'b' was not reached at once \(timeout=0\)"):
+        with pytest.raises(
+            TimeoutError, match=r"'b' was not reached at once \(timeout=0\): it needed its place"
+        ):
             pool.submit(both).result()
         assert not queue.is_active("a")
 

@@ -29,6 +29,7 @@ from collections.abc import Hashable
 from concurrent.futures import Future, InvalidStateError
 from typing import TYPE_CHECKING, Any, TypeVar, cast, final
 
+from ._checks import Waited, missed
 from ._describe import describe
 from ._tasks import retrieve
 
@@ -257,10 +258,8 @@ def acquire_there(backend: Backend, source: Source, key: Hashable, timeout: floa
     try:
         loop.call_soon_threadsafe(call.start, key, timeout)
         if not answer.wait(None if timeout is None else timeout + _GRACE):
-            raise TimeoutError(  # noqa: TRY301 - given up below, as any failure
-                f"inturn: the backend did not answer within {timeout:g} s (and {_GRACE:g} s "
-                f"more) for key {describe(key)}; the turn was not taken"
-            )
+            detail = f" from the backend's event loop, {_GRACE:g} s past the limit"
+            raise missed((key,), Waited.ANSWER, timeout, detail, "")  # noqa: TRY301 - given up below
         grant: Grant = answer.result()
     except BaseException:
         # Timed out, interrupted, or refused by the backend: nothing may stay held.

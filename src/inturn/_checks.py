@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import enum
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Final, final
 
 from ._describe import describe
@@ -60,19 +61,74 @@ def check_count(name: str, value: int | None, none: bool, least: int = 1) -> int
     return value
 
 
-def missed(what: str, timeout: float | None) -> TimeoutError:
-    """The one wording of every wait that ran out: what was not reached, and that nothing ran.
+class Waited(enum.Enum):
+    """What a turn was waiting for when its time ran out (see missed): its words, and the fix."""
 
-    timeout is the limit that ran out (0: the call would not wait, and it
-    was not free), or None where the limit is not known to the caller.
+    LINE = ("its place in the key's line", "")
+    SLOT = ("a running slot", "Raise max_running")
+    CONNECTION = ("a connection of the pool", "Raise max_sessions")
+    ANSWER = ("an answer", "Check the network and the server")
+
+
+#: Where missed() keeps its parts on the error it makes, for restated(): plain strings, so
+#: the error pickles as it did, and keeps no key alive.
+_PARTS: Final = "_inturn_missed"
+
+
+def missed(
+    keys: tuple[Hashable, ...],
+    waited: Waited,
+    limit: float | None,
+    detail: str = "",
+    fix: str | None = None,
+) -> TimeoutError:
+    """The one wording of every turn whose time ran out: what it waited for, and that nothing ran.
+
+    ``keys``: the turn's keys waited for; ``detail`` follows waited's words
+    (`` (the key was busy, ...)``, `` from Redis``); ``fix`` replaces waited's
+    fix. ``limit`` is the limit that ran out (0: the call would not wait, and
+    waited was not there at once), or None where it is not known; a driver
+    puts its caller's in (see restated): a backend knows only the time left.
+    Built only once the time ran out: nothing is spent on a turn that is reached.
     """
-    if timeout is None:
-        within = "in time"
-    elif timeout <= 0:
-        within = "at once (timeout=0), as it was not free"
+    turn = f"key {describe(keys[0])}" if len(keys) == 1 else f"keys {describe(keys)}"
+    words, default = waited.value
+    fix = default if fix is None else fix
+    parts = (
+        turn,
+        words + detail,
+        f"; the work did not run. {fix}" if fix else "; the work did not run",
+    )
+    error = TimeoutError(_wording(*parts, limit))
+    vars(error)[_PARTS] = parts
+    return error
+
+
+def restated(error: BaseException, limit: float | None) -> BaseException:
+    """error; if missed() made it, worded with limit, the caller's (not the time left)."""
+    if limit is not None and isinstance(error, TimeoutError):
+        parts = vars(error).get(_PARTS)
+        if parts is not None:
+            turn, words, ran = parts
+            error.args = (_wording(turn, words, ran, limit),)
+    return error
+
+
+def _wording(turn: str, words: str, ran: str, limit: float | None) -> str:
+    if limit is None:
+        within, verb = "in time", "it was waiting for"
+    elif limit <= 0:
+        within, verb = "at once (timeout=0)", "it needed"
     else:
-        within = f"within {timeout:g} s"
-    return TimeoutError(f"inturn: {what} was not reached {within}; the work did not run")
+        within, verb = f"within {limit:g} s", "it was waiting for"
+    return f"inturn: the turn for {turn} was not reached {within}: {verb} {words}{ran}"
+
+
+def others(waiting: int) -> str:
+    """How many other turns waited too, for missed()'s detail."""
+    if not waiting:
+        return "no other turn waiting"
+    return f"{waiting} other turn{'s' if waiting != 1 else ''} waiting"
 
 
 @final

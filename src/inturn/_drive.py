@@ -6,9 +6,9 @@ them (a wait's answer is None), or throws in what interrupted it, until
 the steps end. What the steps raise goes to the driver's caller.
 
 - ``LINE, key``: wait in key's line of this process for the holder (the
-  registry); ``SLOT, None``: wait for a running slot (max_running). Both
-  end holding the place, or raise (a TimeoutError naming the caller's
-  limit, or what interrupted the wait), having left the line.
+  registry); ``SLOT, keys``: wait for a running slot (max_running) for the
+  turn on keys. Both end holding the place, or raise (a TimeoutError, or
+  what interrupted the wait), having left the line.
 - ``GRANT, (source, key, grants)``: the backend's turn on key, from the
   backend or a turn's session: the driver appends the Grant to grants
   (the steps' list) as it gets it, before anything else can run: so an
@@ -18,6 +18,10 @@ the steps end. What the steps raise goes to the driver's caller.
   cancelled again meanwhile (a task) or interrupted (a thread).
 - ``INTERRUPTED, error`` (from the thread's turn, not the steps): throw error
   in, so that steps an interrupt left suspended roll back (see unwind_sync).
+
+A wait whose time ran out raises the TimeoutError of ``_checks.missed``,
+naming what it waited for; the driver words it with the caller's limit
+(``restated``), as a backend is given only the time left.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from time import monotonic as _monotonic
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from ._bridge import acquire_sync, acquire_via, close_sync, close_via, release_sync, release_via
-from ._checks import Deadline
+from ._checks import Deadline, restated
 from ._line import ThreadWaiter
 from ._tasks import retrieve
 
@@ -67,8 +71,9 @@ class Place(Protocol):
     def abandon(self, key: Hashable, line: Any, waiter: Waiter) -> None:
         """Take waiter out of line (passing on a place handed to it meanwhile)."""
 
-    def too_late(self, key: Hashable, limit: float | None) -> TimeoutError:
-        """The error of a place not reached within limit."""
+    def too_late(self, key: Hashable, limit: float | None, queued: bool) -> TimeoutError:
+        """The error of a place not reached within limit (see _checks.missed); ``queued``:
+        the waiter is in line still (counted among its waiters)."""
 
 
 def _answer(steps: Steps, error: BaseException | None) -> tuple[int, Any] | None:
@@ -81,7 +86,7 @@ def _answer(steps: Steps, error: BaseException | None) -> tuple[int, Any] | None
 
 def _expire(waiter: asyncio.Future[None], place: Place, key: Hashable, limit: float | None) -> None:
     if not waiter.done():
-        waiter.set_exception(place.too_late(key, limit))
+        waiter.set_exception(place.too_late(key, limit, True))
 
 
 #: A task's place in a line, while it waits: the line, the waiter, its time limit's timer.
@@ -158,8 +163,9 @@ def _wait_in_sync(
             place.abandon(key, line, waiter)  # (passes on a turn handed to it)
             raise
         if not settled:  # timed out (and not handed just then)
+            late = place.too_late(key, limit, True)  # (while it is in line: see Place.too_late)
             place.abandon(key, line, waiter)
-            raise place.too_late(key, limit)  # noqa: TRY301 - counted below, as every miss
+            raise late  # noqa: TRY301 - counted below, as every miss
     except BaseException as error:
         if alone is not None:
             alone.missed(error)
@@ -271,7 +277,7 @@ async def drive(
                             raise
                         seated(place, arg, task, queued)
         except BaseException as problem:  # thrown into the steps, which roll back
-            error = problem
+            error = restated(problem, limit)  # (a backend's miss knows only the time left)
         if (next_wait := _answer(steps, error)) is None:
             return
         wait = next_wait
@@ -312,7 +318,7 @@ def drive_sync(
                     assert place is not None
                     _wait_in_sync(place, arg, me, left, limit)
         except BaseException as problem:  # thrown into the steps, which roll back
-            error = problem
+            error = restated(problem, limit)  # (a backend's miss knows only the time left)
         if (next_wait := _answer(steps, error)) is None:
             return
         wait = next_wait

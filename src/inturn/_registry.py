@@ -20,7 +20,7 @@ from collections.abc import Hashable, Sequence
 from time import monotonic as _monotonic
 from typing import TYPE_CHECKING, Any, final
 
-from ._checks import missed
+from ._checks import Waited, missed, others
 from ._describe import describe
 from ._errors import QueueClosed, QueueFull
 from ._line import HELD, Deferred, Drain, Gate, Held, Line, Waiter, hand, held_by
@@ -226,7 +226,7 @@ class Registry:
                 f"(max_pending={self.max_pending}); the work was not queued"
             )
         if timeout is not None and timeout <= 0:
-            raise self.too_late(key, 0)
+            raise self.too_late(key, 0, False)
         line.waiters.append(waiter)
         line.waiting += 1
         return line
@@ -269,9 +269,11 @@ class Registry:
             line.waiting -= 1
             line.compact()
 
-    def too_late(self, key: Hashable, limit: float | None) -> TimeoutError:
+    def too_late(self, key: Hashable, limit: float | None, queued: bool) -> TimeoutError:
         """The error of key's turn not reached within limit (see _drive.Place)."""
-        return missed(f"the turn for key {describe(key)}", limit)
+        line = self.lines.get(key)
+        waiting = line.waiting - queued if type(line) is Line or type(line) is Gate else 0
+        return missed((key,), Waited.LINE, limit, f" (the key was busy, {others(waiting)})")
 
     def release_all(
         self, keys: Sequence[Hashable], holder: object, error: BaseException | None, result: Any

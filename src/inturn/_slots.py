@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, final
+from typing import TYPE_CHECKING, cast, final
 
-from ._checks import missed
+from ._checks import Waited, missed, others
 from ._line import Gate, Held, Places, Waiter, wake
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ class Slots(Places):
             if self._try_take(holder) is not False:
                 return None
             if timeout is not None and timeout <= 0:
-                raise self.too_late(key, 0)
+                raise self.too_late(key, 0, False)
             self.waiters.append(waiter)
             self.waiting += 1
             return self
@@ -85,9 +85,11 @@ class Slots(Places):
         with self.registry.mode.guard():
             self.drop(waiter, self.registry.mode.shared)
 
-    def too_late(self, key: Hashable, limit: float | None) -> TimeoutError:
-        """The error of a slot not reached within limit."""
-        return missed(f"a running slot (max_running={self.size})", limit)
+    def too_late(self, key: Hashable, limit: float | None, queued: bool) -> TimeoutError:
+        """The error of a slot not reached within limit for the turn on keys ``key`` (a tuple)."""
+        waiting = others(self.waiting - queued)
+        detail = f" (all max_running={self.size} busy, {waiting})"
+        return missed(cast("tuple[Hashable, ...]", key), Waited.SLOT, limit, detail)
 
     def vacate(self, holder: object) -> None:
         """End holder's running slot, handing it to the next in the slot line."""

@@ -283,7 +283,7 @@ class Handle(Deferred, Generic[R]):
         with queue.registry.mode.guard():
             if held_by(queue.registry.lines.get(self.key), self):
                 return  # handed the key just now: its task takes the rest of the time
-            future.set_exception(queue.registry.too_late(self.key, timeout))
+            future.set_exception(queue.registry.too_late(self.key, timeout, True))
         self._leave_line(future.exception())  # type: ignore[arg-type]  # (read: retrieved)
 
     def handed(self, shared: bool) -> bool:

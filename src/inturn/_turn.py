@@ -69,7 +69,7 @@ def current_turn() -> Turn | None:
     return None if shared is None else cast("Turn", shared.turn)
 
 
-_SLOT = (SLOT, None)
+_SLOT: Final = object()  # (_taking waits for a running slot: see _untaking)
 _NO_KEY: Final = object()  # (_taking waits for no key or slot: see _untaking)
 
 
@@ -453,7 +453,7 @@ class Turn:
                 got = slots.try_take(holder)
                 if got is False:
                     waited = _SLOT
-                    yield _SLOT  # (one tuple for every turn)
+                    yield SLOT, self.keys  # (the keys: for the error if it is not reached)
                     waited = _NO_KEY
                 self._slot = got is not HELD
             self._taken = taken

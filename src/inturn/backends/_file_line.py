@@ -10,6 +10,7 @@ loop) or drive_blocking (a thread) waits and sends the answer. Leaving
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import hashlib
 import logging
@@ -22,7 +23,7 @@ from collections.abc import Callable, Generator, Hashable
 from pathlib import Path
 from typing import NamedTuple, TypeVar, final
 
-from .._checks import missed
+from .._checks import Waited, missed
 from .._describe import describe
 from .._order import portable_name
 from ._directory import Directory
@@ -145,19 +146,16 @@ G = TypeVar("G")
 _Taking = Generator[_Locked | _Left, bytes, G]
 
 
-def _missed(key: Hashable) -> TimeoutError:
-    return missed(f"the turn for key {describe(key)}", None)
-
-
-async def drive(steps: _Taking[G], key: Hashable, deadline: float | None) -> G:
-    """Run the steps of key's turn to their end in the event loop; deadline is on its clock.
+async def drive(steps: _Taking[G], key: Hashable, timeout: float | None) -> G:
+    """Run the steps of key's turn to their end in the event loop, within timeout.
 
     An error (a missed deadline, a cancellation) leaves steps to the caller
     to close: the ticket then leaves the line.
     """
+    deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
 
     def expired() -> TimeoutError:
-        return _missed(key)
+        return missed((key,), Waited.LINE, timeout)
 
     try:
         wait = next(steps)
@@ -172,11 +170,12 @@ async def drive(steps: _Taking[G], key: Hashable, deadline: float | None) -> G:
         return took
 
 
-def drive_blocking(steps: _Taking[G], key: Hashable, deadline: float | None) -> G:
-    """As drive, blocking this thread while it waits; deadline is on time.monotonic()."""
+def drive_blocking(steps: _Taking[G], key: Hashable, timeout: float | None) -> G:
+    """As drive, blocking this thread while it waits."""
+    deadline = None if timeout is None else time.monotonic() + timeout
 
     def expired() -> TimeoutError:
-        return _missed(key)
+        return missed((key,), Waited.LINE, timeout)
 
     try:
         wait = next(steps)

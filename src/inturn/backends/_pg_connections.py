@@ -40,7 +40,7 @@ from typing import Any, final
 
 import psycopg
 
-from .._checks import missed
+from .._checks import Waited, missed
 from .._describe import describe as show
 from .._errors import BackendUnavailable
 from .._tasks import loop_here
@@ -53,6 +53,9 @@ from ._pg_steps import CONNECT, SLOT, Limits, Op, now, said
 #: (closing one would end the parent's session), so they are kept from the collector.
 _INHERITED: list[object] = []
 _ALL: weakref.WeakSet[Connections] = weakref.WeakSet()
+
+#: The fix a turn's TimeoutError names when it waited for a connection of the user's pool.
+_YOUR_POOL = "Raise your pool's max_size"
 
 
 def _after_fork_in_child() -> None:
@@ -363,13 +366,15 @@ class Connections:
         self, key: Hashable, timeout: float | None, until: float | None, tier: int
     ) -> Exception:
         """TimeoutError if the turn's own time ran out; else the session_wait's refusal."""
-        if until is not None and now() >= until:
-            return missed(f"the turn for key {show(key)} (a connection)", timeout)
         level = f" at nesting level {tier}" if tier else ""
+        fix = None  # (Waited.CONNECTION's: raise max_sessions)
         if self._given is not None and loop_here() is self._given_loop:
-            size, where = f"max_size={self._given.max_size}", "of your pool"
+            size, where, fix = f"max_size={self._given.max_size}", "of your pool", _YOUR_POOL
         else:
             size, where = f"max_sessions={self._size}", "of this event loop or thread"
+        if until is not None and now() >= until:
+            detail = f" (all {size} {where}{level} held by turns)"
+            return missed((key,), Waited.CONNECTION, timeout, detail, fix)
         return BackendUnavailable(
             f"inturn: no connection of {self.owner} came free for key {show(key)} within "
             f"session_wait={self.limits.session_wait:g} s: all {size} {where}{level} are "
@@ -384,10 +389,14 @@ class Connections:
         self, key: Hashable, timeout: float | None, until: float | None, error: Exception
     ) -> Exception:
         """TimeoutError if the turn's own time ran out first; else BackendUnavailable."""
+        pooled = type(error).__name__ == "PoolTimeout"  # (psycopg_pool's: the server is fine)
         if until is not None and now() >= self.ready.late(timeout, until) - 1e-3:
-            return missed(f"the turn for key {show(key)} (a connection)", timeout or None)
+            if pooled:
+                detail = f" (all max_size={self._given.max_size} of your pool in use)"
+                return missed((key,), Waited.CONNECTION, timeout, detail, _YOUR_POOL)
+            return missed((key,), Waited.ANSWER, timeout, " from PostgreSQL (connecting)")
         reason = said(error) if isinstance(error, psycopg.Error) else (str(error) or "timed out")
-        if type(error).__name__ == "PoolTimeout":  # (psycopg_pool's: the server is fine)
+        if pooled:
             failure = BackendUnavailable(
                 f"inturn: no connection of your pool (max_size={self._given.max_size}) came "
                 f"free for key {show(key)} ({reason}); the work did not run. Every turn that "

@@ -18,7 +18,7 @@ from typing import Any, final
 import psycopg
 from psycopg import errors
 
-from .._checks import missed
+from .._checks import Waited, missed
 from .._describe import describe as show
 from .._errors import BackendUnavailable
 from . import _pg_sql, _pg_wire
@@ -129,9 +129,8 @@ class Readiness:
         if answer is None or lost(answer):
             yield (CLOSE, connection)
             if answer is None and until is not None and now() >= self.late(timeout, until):
-                # (timeout=0: "at once, as it was not free" would not be the reason)
-                what = f"the turn for key {show(key)} (a connection readied)"
-                raise missed(what, timeout or None)
+                detail = " from PostgreSQL (readying a new connection)"
+                raise missed((key,), Waited.ANSWER, timeout, detail)
             why = (
                 f"no answer within {self.limits.unreachable_after:g} s"
                 if answer is None

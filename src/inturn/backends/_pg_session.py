@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Final, final
 import psycopg
 from psycopg import errors
 
-from .._checks import missed
+from .._checks import Waited, missed
 from .._describe import describe as show
 from .._errors import BackendUnavailable
 from . import _pg_sql
@@ -269,7 +269,7 @@ class PgSession:
             answer = yield from self._again(key, lock, timeout, until, held, last, answer)
         if not answer:  # timeout=0, and the key was busy
             lease.unsure = None
-            raise missed(f"the turn for key {show(key)}", timeout)
+            raise missed((key,), Waited.LINE, timeout)
         grant = PostgresGrant(key, self._token(key, answer, timeout), lock, self)
         grants.append(grant)
         lease.unsure = None
@@ -397,12 +397,9 @@ class PgSession:
     ) -> Exception:
         """Why a wait did not take its lock (the lock is not kept: see waiting())."""
         if isinstance(answer, errors.LockNotAvailable):
-            return missed(f"the turn for key {show(key)}", timeout)
+            return missed((key,), Waited.LINE, timeout)
         if answer is None and until is not None and now() >= until:
-            # (no answer came: timeout=0's "at once, as it was not free" is not the reason)
-            return missed(
-                f"the turn for key {show(key)} (no answer from PostgreSQL)", timeout or None
-            )
+            return missed((key,), Waited.ANSWER, timeout, " from PostgreSQL")
         if answer is None:
             wait = self._limits_wait()
             return BackendUnavailable(
@@ -429,7 +426,7 @@ class PgSession:
     def _token(self, key: Hashable, rows: Rows, timeout: float | None) -> int:
         """The token of a granted wait (its rows); checks that the server session is the same."""
         if not rows:  # timeout=0, and the key was busy
-            raise missed(f"the turn for key {show(key)}", timeout)
+            raise missed((key,), Waited.LINE, timeout)
         token, pid = int(rows[0][0] or 0), int(rows[0][1] or 0)
         if self._pid and pid != self._pid:
             logger.error("inturn: %s", _MOVED)

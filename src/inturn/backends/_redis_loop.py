@@ -27,7 +27,7 @@ from typing import Any, Final
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .._checks import missed
+from .._checks import Waited, missed
 from .._describe import describe as show
 from .._errors import BackendUnavailable
 from .._tasks import abandon_task, retrieve
@@ -189,7 +189,7 @@ class LoopShare:
             await self.start(self.loop.time() + lease, self._silent)
         else:
             bound = max(timeout, min(_SETTING_UP, lease / 2))
-            await self.start(self.loop.time() + bound, _slow_start(key, bound))
+            await self.start(self.loop.time() + bound, _slow_start(key, bound, timeout))
 
     def _silent(self) -> BaseException:
         return unavailable(
@@ -333,7 +333,7 @@ class LoopShare:
         member_id, member = self.join(key, names, loop.create_future())
         enqueue = self.calls.enqueue(member, member_id)
         try:
-            token = await self._granted(member, enqueue, late, deadline)
+            token = await self._granted(member, enqueue, late, deadline, timeout)
             return self.hold(member_id, member, token)
         except BaseException:
             # Cancelled, timed out, or Redis failed: give the place up. The
@@ -385,13 +385,19 @@ class LoopShare:
         return RedisGrant(member.key, token, member_id, self, member)
 
     async def _granted(
-        self, member: Member, enqueue: Call, late: float | None, deadline: float | None
+        self,
+        member: Member,
+        enqueue: Call,
+        late: float | None,
+        deadline: float | None,
+        timeout: float | None,
     ) -> int:
         """Await the enqueue's answer (by ``late``), then the grant (by ``deadline``): its token."""
         loop = self.loop
         timer = None
         if late is not None:
-            timer = loop.call_at(late, _expire, enqueue.future, late_for(member.key))
+            unanswered = late_for(member.key, timeout, Waited.ANSWER)
+            timer = loop.call_at(late, _expire, enqueue.future, unanswered)
         elif self.calls.link is None:
             timer = loop.call_later(self.config.lease, _expire, enqueue.future, self._silent)
         try:
@@ -406,7 +412,7 @@ class LoopShare:
         token = self.enqueued(member, enqueue.sent or time.monotonic(), reply)
         if token is None:
             assert isinstance(member.waiting, asyncio.Future)
-            token = await _wait(member.waiting, deadline, member.key)
+            token = await _wait(member.waiting, deadline, member.key, timeout)
         return token
 
     def release(self, grant: RedisGrant) -> asyncio.Future[None]:
@@ -550,29 +556,33 @@ def _expire(future: asyncio.Future[Any], error: Callable[[], BaseException]) -> 
         future.set_exception(error())
 
 
-def late_for(key: Hashable) -> Callable[[], BaseException]:
-    """What makes the TimeoutError of a turn on key that was not reached in time."""
+def late_for(key: Hashable, timeout: float | None, waited: Waited) -> Callable[[], BaseException]:
+    """What makes the TimeoutError of a turn on key not reached within timeout: waited is its
+    place in Redis's line (the grant), or an answer from Redis (the enqueue's)."""
 
     def error() -> BaseException:
-        return missed(f"the turn for key {show(key)}", None)
+        detail = " from Redis" if waited is Waited.ANSWER else ""
+        return missed((key,), waited, timeout, detail)
 
     return error
 
 
-def _slow_start(key: Hashable, bound: float) -> Callable[[], BaseException]:
+def _slow_start(key: Hashable, bound: float, timeout: float) -> Callable[[], BaseException]:
     def error() -> BaseException:
-        return missed(
-            f"the turn for key {show(key)} (connecting to Redis took over {bound:g} s)", None
-        )
+        detail = f" from Redis (connecting took over {bound:g} s)"
+        return missed((key,), Waited.ANSWER, timeout, detail)
 
     return error
 
 
-async def _wait(waiting: asyncio.Future[int], deadline: float | None, key: Hashable) -> int:
+async def _wait(
+    waiting: asyncio.Future[int], deadline: float | None, key: Hashable, timeout: float | None
+) -> int:
     """Await the grant's token, or fail with TimeoutError at deadline."""
     if deadline is None:
         return await waiting
-    timer = asyncio.get_running_loop().call_at(deadline, _expire, waiting, late_for(key))
+    late = late_for(key, timeout, Waited.LINE)
+    timer = asyncio.get_running_loop().call_at(deadline, _expire, waiting, late)
     try:
         return await waiting
     finally:

@@ -37,6 +37,7 @@ import redis.sentinel
 from redis.exceptions import NoScriptError, ResponseError
 
 from .._bridge import Answer
+from .._checks import Waited
 from ._redis_errors import UNREACHABLE, demoted, unavailable
 from ._redis_lease import Member
 from ._redis_loop import LoopShare, RedisGrant, late_for
@@ -186,7 +187,7 @@ class Blocking:
             pending = True
             reply = _call(pooled.connection, ENQUEUE, rest, late)
             if reply is _LATE:
-                raise late_for(key)()  # noqa: TRY301 - given up below, as any failure
+                raise late_for(key, timeout, Waited.ANSWER)()  # noqa: TRY301 - given up below, as any failure
             pending = False
             token = share.enqueued(member, sent, reply)
             self._idle.append(pooled)
@@ -194,7 +195,7 @@ class Blocking:
             if token is None:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 if not waiting.wait(left):
-                    raise late_for(key)()  # noqa: TRY301 - given up below, as any failure
+                    raise late_for(key, timeout, Waited.LINE)()  # noqa: TRY301 - given up below, as any failure
                 token = int(waiting.result())
             return share.hold(member_id, member, token)
         except BaseException as error:

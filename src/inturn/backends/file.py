@@ -82,7 +82,6 @@ import logging
 import os
 import sys
 import tempfile
-import time
 from collections.abc import Awaitable, Hashable
 from pathlib import Path
 from typing import Final, final
@@ -292,10 +291,9 @@ class FileBackend:
             cause: the OSError); nothing of the turn stays.
         """
         loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
         steps = taking(self._home, key, FileGrant)
         try:
-            grant = await drive(steps, key, deadline)
+            grant = await drive(steps, key, timeout)
         except BaseException as error:
             steps.close()  # leave the line (see _file_line.taking)
             self._not_taken(key, error)
@@ -328,10 +326,9 @@ class FileBackend:
             this process's ticket left the line.
         :raises ~inturn.BackendUnavailable: as :meth:`acquire`.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
         steps = taking(self._home, key, FileGrant)
         try:
-            return drive_blocking(steps, key, deadline)
+            return drive_blocking(steps, key, timeout)
         except BaseException as error:
             steps.close()  # leave the line (see _file_line.taking)
             self._not_taken(key, error)
