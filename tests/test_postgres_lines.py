@@ -1,4 +1,4 @@
-"""PostgresBackend.lines(), against a real server.
+"""PostgresBackend.lines() and ``python -m inturn inspect --postgres``, against a real server.
 
 What pg_locks shows, named: each line's key as the user gave it, its holder
 and its waiters in the server's queue order, with the client's host and
@@ -10,6 +10,7 @@ session waits in ``pg_locks``), polled with a deadline, never from sleeps.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import socket
@@ -24,6 +25,7 @@ import pytest
 psycopg = pytest.importorskip("psycopg")
 
 from inturn import BackendUnavailable, KeyedQueue  # noqa: E402
+from inturn.__main__ import main  # noqa: E402
 from inturn.backends import LineInfo, _pg_sql  # noqa: E402
 from inturn.backends.postgres import PostgresBackend  # noqa: E402
 from processes import Worker  # noqa: E402
@@ -283,6 +285,14 @@ async def test_a_record_held_up_by_a_lock_on_the_table_gives_up_and_the_turn_goe
     assert "its turns go on" in record.getMessage()
 
 
+def readme_sql() -> str:
+    """The README's SQL for an owner (its one ``sql`` block), as written."""
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    [block] = [part.split("```", 1)[0] for part in text.split("```sql\n")[1:]]
+    assert block.count(" TO app;") == 2
+    return block
+
+
 @pytest.fixture
 async def plain(postgres_url: str, admin: Any) -> AsyncIterator[tuple[str, str]]:
     """A database of this test's own, and the URL of a user with no CREATE in it (as
@@ -321,13 +331,10 @@ async def test_a_user_who_may_not_make_the_tables_is_told_what_an_owner_runs(
             await backend.lines()
     finally:
         await backend.aclose()
-    # what the message says, run by the owner: the user's keys are shown
+    # what the README says an owner runs, run as written: the user's keys are shown
     async with await psycopg.AsyncConnection.connect(owner_url, autocommit=True) as owner:
         user = url.split("//", 1)[1].split("@", 1)[0]
-        await owner.execute(
-            _pg_sql.TABLES
-            + f" GRANT SELECT, INSERT, UPDATE, DELETE ON inturn_keys, inturn_sessions TO {user}"
-        )
+        await owner.execute(readme_sql().replace(" TO app;", f" TO {user};"))
     backend = PostgresBackend.from_url(url, namespace="shop")
     try:
         async with KeyedQueue(backend=backend).keyed("k"):
@@ -337,3 +344,69 @@ async def test_a_user_who_may_not_make_the_tables_is_told_what_an_owner_runs(
         assert line.holder.pid == os.getpid()
     finally:
         await backend.aclose()
+
+
+# -- python -m inturn inspect --postgres -------------------------------------------------
+
+
+async def test_inspect_postgres_shows_the_lines_as_json_for_scripts(
+    postgres_url: str, namespace: str, backend: PostgresBackend, capsys: pytest.CaptureFixture[str]
+) -> None:
+    command = ["inspect", "--postgres", postgres_url, "--namespace", namespace]
+    loop = asyncio.get_running_loop()
+    async with KeyedQueue(backend=backend).keyed("hot"):
+        assert await loop.run_in_executor(None, main, command) == 0
+        text = capsys.readouterr().out
+        assert await loop.run_in_executor(None, main, [*command, "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+    assert text.startswith(f"namespace {namespace!r}: 1 active line\n  'hot'\n")
+    assert f"held by {socket.gethostname()} pid {os.getpid()} (server pid " in text
+    assert report["where"] == f"namespace {namespace!r}"
+    [line] = report["lines"]
+    assert line["key"] == "'hot'"
+    assert line["holder"]["pid"] == os.getpid()
+    assert line["holder"]["host"] == socket.gethostname()
+    assert isinstance(line["holder"]["server_pid"], int)
+    assert line["waiters"] == []
+
+
+async def test_inspect_postgres_of_an_empty_namespace_names_those_with_lines(
+    postgres_url: str, namespace: str, backend: PostgresBackend, capsys: pytest.CaptureFixture[str]
+) -> None:
+    command = ["inspect", "--postgres", postgres_url, "--namespace", "shpo"]
+    loop = asyncio.get_running_loop()
+    async with KeyedQueue(backend=backend).keyed("k"):
+        assert await loop.run_in_executor(None, main, command) == 0
+        text = capsys.readouterr().out
+        assert await loop.run_in_executor(None, main, [*command, "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+    assert text.startswith("namespace 'shpo': no active lines; namespaces with lines: ")
+    assert repr(namespace) in text
+    assert namespace in report["namespaces_with_lines"]
+    assert report["lines"] == []
+
+
+def test_inspect_postgres_of_a_wrong_url_says_how_to_write_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit:
+        main(["inspect", "--postgres", "localhost:5432"])
+    assert exit.value.code == 1
+    err = capsys.readouterr().err
+    assert "postgresql://" in err
+    assert "Traceback" not in err
+
+
+def test_inspect_postgres_of_a_port_nobody_listens_on_says_so(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with socket.socket() as closed:  # (a port of this host's that was free a moment ago)
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    with pytest.raises(SystemExit) as exit:
+        main(["inspect", "--postgres", f"postgresql://postgres@127.0.0.1:{port}/postgres"])
+    assert exit.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("inturn: PostgreSQL could not be asked for its lines ("), err
+    assert f"127.0.0.1:{port}" in err
+    assert err.count("\n") == 1
