@@ -239,6 +239,21 @@ async def test_a_process_records_a_key_once_not_per_turn(
         assert await backend.lines() == []
 
 
+async def test_a_record_leaves_the_sessions_settings_as_they_were(
+    backend: PostgresBackend,
+) -> None:
+    # (a record waits 250 ms at most for a row lock, and does not wait for its WAL to
+    # be flushed: for its own transaction only, never for the work's)
+    async with KeyedQueue(backend=backend).keyed("new", transaction=True) as turn:
+        cursor = await turn.connection.execute(
+            "SELECT name, setting, reset_val FROM pg_settings"
+            " WHERE name IN ('lock_timeout', 'synchronous_commit') ORDER BY 1"
+        )
+        found = await cursor.fetchall()
+    assert [name for name, _, _ in found] == ["lock_timeout", "synchronous_commit"]
+    assert [setting for _, setting, _ in found] == [reset for _, _, reset in found]
+
+
 async def test_rows_nobody_needs_are_tidied_by_the_next_process_that_records_a_key(
     postgres_url: str, admin: Any, namespace: str, backend: PostgresBackend
 ) -> None:

@@ -197,6 +197,11 @@ _ADVISORY: Final = (
 )
 _LOCK_ID: Final = "((l.classid::int8 << 32) | l.objid::int8)"
 
+#: A record's transaction does not wait for its WAL to reach the disk (or a synchronous
+#: standby): one lost in a crash costs lines() a name until it is recorded again, never a
+#: turn, and a turn on a new key costs no disk flush.
+_NO_FLUSH: Final = "set_config('synchronous_commit', 'off', true)"
+
 #: Rows nobody needs: keys not recorded for 2 * RECORD_EVERY and not locked now (any
 #: process that uses a key records it again within RECORD_EVERY), sessions that ended.
 _TIDY: Final = (
@@ -213,7 +218,7 @@ def recording_session(host: str, pid: int) -> str:
     host: letters, digits and ``._:-`` only (see _pg_lines.this_host).
     """
     return (
-        f"INSERT INTO {SESSIONS} (pid, started, host, client_pid)"
+        f"SELECT {_NO_FLUSH}; INSERT INTO {SESSIONS} (pid, started, host, client_pid)"
         f" SELECT pid, backend_start, '{host}', {pid:d} FROM pg_stat_activity"
         " WHERE pid = pg_backend_pid() ON CONFLICT (pid) DO UPDATE SET"
         " started = excluded.started, host = excluded.host, client_pid = excluded.client_pid;"
@@ -230,7 +235,7 @@ def recording_key(namespace: str, lock: int, name: bytes, tidy: bool) -> bytes:
     per RECORD_EVERY / 2 whoever records it; ``tidy``: :data:`_TIDY` too. Simple protocol,
     one transaction (namespace: letters, digits and ``_.:-`` only, as PostgresBackend checks)."""
     return (
-        f"SELECT set_config('lock_timeout', '{_RECORD_WAIT}', true);"
+        f"SELECT set_config('lock_timeout', '{_RECORD_WAIT}', true), {_NO_FLUSH};"
         f" INSERT INTO {KEYS} (namespace, lock_id, name)"
         f" VALUES ('{namespace}', {lock:d}, decode('{name.hex()}', 'hex'))"
         " ON CONFLICT (namespace, lock_id) DO UPDATE SET seen = now()"
