@@ -203,6 +203,32 @@ async def test_a_namespace_shows_its_own_lines_only(
         await other.aclose()
 
 
+@pytest.mark.parametrize("conninfo", ["a string", "a function"])
+async def test_a_pool_of_your_own_shows_its_lines(
+    postgres_url: str, namespace: str, conninfo: str
+) -> None:
+    from psycopg_pool import AsyncConnectionPool
+
+    async def made() -> str:
+        return postgres_url
+
+    # (a string: lines() connects with it; a function: lines() takes one of the pool's)
+    given = postgres_url if conninfo == "a string" else made
+    pool = AsyncConnectionPool(given, min_size=1, max_size=3, open=False)
+    await pool.open(wait=True)
+    backend = PostgresBackend(pool, namespace=namespace)
+    try:
+        async with KeyedQueue(backend=backend).keyed(b"k"):
+            [line] = await backend.lines()
+        assert line.key == b"k"
+        assert line.holder is not None
+        assert line.holder.pid == os.getpid()
+        await backend.aclose()
+        assert pool.get_stats()["pool_available"] == pool.get_stats()["pool_size"]
+    finally:
+        await pool.close()
+
+
 async def test_a_killed_holder_leaves_the_lines_as_its_session_ends(
     postgres_url: str, namespace: str, backend: PostgresBackend, workers: list[Worker]
 ) -> None:
