@@ -326,12 +326,12 @@ class PostgresBackend:
         """A snapshot of every line of this namespace on the server: holder and waiters in order.
 
         For operators (``python -m inturn inspect --postgres``) and tests. One
-        statement reads ``pg_locks`` and ``pg_stat_activity`` (each a
-        consistent snapshot of the server's state) with the keys and the
-        clients the backend recorded (the tables ``inturn_keys`` and
-        ``inturn_sessions``), on a connection of its own, at the time of the
-        call; the answer may be stale by the time it returns. Sorted by key;
-        each key as the user gave it.
+        statement, on a connection of its own, reads ``pg_locks`` (a
+        consistent snapshot of the server's lock table) and
+        ``pg_stat_activity`` with the keys and the clients the backend
+        recorded (the tables ``inturn_keys`` and ``inturn_sessions``); the
+        answer may be stale by the time it returns. Sorted by key; each key
+        as the user gave it.
 
         - The holder is the session that holds the key's advisory lock; the
           waiters are in the order of the server's lock queue (the sessions
@@ -352,8 +352,8 @@ class PostgresBackend:
           log; another app's advisory locks; another namespace's). Two keys
           that share a lock id share a line, shown under the key recorded first.
 
-        Needs SELECT on the tables (and a server process that shows them in
-        the ``search_path``).
+        Needs SELECT on the tables, found through the ``search_path`` as the
+        backend made them.
 
         :raises ~inturn.BackendUnavailable: PostgreSQL could not be reached in
             ``unreachable_after``, or refused; the tables are not there yet (no
