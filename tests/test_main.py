@@ -1,4 +1,5 @@
-"""python -m inturn: the demo, and inspect for the Redis and the file backends."""
+"""python -m inturn: the demo, and inspect for the Redis and the file backends (PostgreSQL:
+test_postgres_lines.py)."""
 
 from __future__ import annotations
 
@@ -187,15 +188,22 @@ def test_format_lines_shows_what_each_backend_knows() -> None:
     lines = [
         LineInfo("a", HolderInfo("web-1", 10, 1.25, 77, 9.5), (WaiterInfo("web-2", 11, 0.5, 8.0),)),
         LineInfo(b"b", None, (WaiterInfo(None, 12, 2.0),)),
+        # PostgreSQL: the server's pid too, and a client it could not record
+        LineInfo(
+            7, HolderInfo(None, 0, 3.0, server_pid=812), (WaiterInfo("db", 13, 1.0, None, 9),)
+        ),
     ]
     assert format_lines(lines, "namespace 'ns'") == (
-        "namespace 'ns': 2 active lines\n"
+        "namespace 'ns': 3 active lines\n"
         "  'a'\n"
         "    held by web-1 pid 10 for 1.2 s, token 77, lease 9.5 s left\n"
         "    1. web-2 pid 11 waiting 0.5 s, lease 8.0 s left\n"
         "  b'b'\n"
         "    held by nobody (being handed over)\n"
-        "    1. pid 12 waiting 2.0 s"
+        "    1. pid 12 waiting 2.0 s\n"
+        "  7\n"
+        "    held by pid ? (server pid 812) for 3.0 s\n"
+        "    1. db pid 13 (server pid 9) waiting 1.0 s"
     )
     assert format_lines([], "directory '/x'") == "directory '/x': no active lines"
     assert show_key("1") == "'1'"
@@ -207,9 +215,9 @@ def test_format_lines_shows_what_each_backend_knows() -> None:
 @pytest.mark.parametrize(
     ("arguments", "complaint"),
     [
-        ([], "one of the arguments --redis --dir is required"),
+        ([], "one of the arguments --redis --postgres --dir is required"),
         (["--redis", "redis://x", "--dir", "/x"], "not allowed with argument"),
-        (["--dir", "/x", "--namespace", "n"], "--namespace goes with --redis"),
+        (["--dir", "/x", "--namespace", "n"], "--namespace goes with --redis or --postgres"),
     ],
 )
 def test_inspect_takes_one_place(

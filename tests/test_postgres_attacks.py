@@ -605,7 +605,8 @@ async def test_concurrent_first_turns_on_a_fresh_database_all_succeed(
         for n in range(2):
             backends = [database.backend(max_sessions=1) for _ in range(width)]
             try:
-                await dba.execute("DROP SCHEMA public")  # (empty: the sequence was dropped)
+                # (empty: the sequence and the tables of lines() were dropped)
+                await dba.execute("DROP SCHEMA public")
                 turns = [
                     asyncio.create_task(KeyedQueue(backend=backend).run(f"k{i}", lambda i=i: i))
                     for i, backend in enumerate(backends)
@@ -633,6 +634,7 @@ async def test_concurrent_first_turns_on_a_fresh_database_all_succeed(
                 for backend in backends:
                     await backend.aclose()
             await admin.execute("DROP SEQUENCE inturn_token")
+            await admin.execute("DROP TABLE IF EXISTS inturn_keys, inturn_sessions")
 
 
 # -- 8. a holder cancelled while its unlock is in flight -------------------------------------

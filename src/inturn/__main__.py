@@ -1,10 +1,12 @@
-"""The command line: ``python -m inturn demo``, ``inspect`` (Redis, a directory), ``--version``.
+"""The command line: ``python -m inturn demo``, ``inspect`` (Redis, PostgreSQL, a directory),
+``--version``.
 
 ::
 
     python -m inturn --version
     python -m inturn demo
     python -m inturn inspect --redis URL [--namespace NAME] [--watch] [--json]
+    python -m inturn inspect --postgres URL [--namespace NAME] [--watch] [--json]
     python -m inturn inspect --dir PATH [--watch] [--json]
 """
 
@@ -71,8 +73,9 @@ def show_key(key: str | bytes | int) -> str:
     return describe(key, 120)
 
 
-def _who(host: str | None, pid: int) -> str:
-    return f"pid {pid}" if host is None else f"{host} pid {pid}"
+def _who(host: str | None, pid: int, server_pid: int | None) -> str:
+    who = f"pid {pid or '?'}" if host is None else f"{host} pid {pid or '?'}"
+    return who if server_pid is None else f"{who} (server pid {server_pid})"
 
 
 def _lease(left: float | None) -> str:
@@ -85,8 +88,10 @@ def format_lines(
     """Render a backend's ``lines()`` for people: one block per key, holder then waiters.
 
     where names the place of the lines (``namespace 'shop'``); elsewhere, with
-    no lines, the other places that have some (Redis's namespaces). A host,
-    token or lease is shown where the backend knows it (Redis).
+    no lines, the other places that have some (Redis's and PostgreSQL's
+    namespaces). A host, token or lease is shown where the backend knows it
+    (Redis), a server's process id too (PostgreSQL), and a process id it
+    does not know as ``?``.
     """
     if not lines:
         if elsewhere is None:
@@ -102,19 +107,19 @@ def format_lines(
             h = line.holder
             token = "" if h.token is None else f", token {h.token}"
             out.append(
-                f"    held by {_who(h.host, h.pid)} for {h.held_for:.1f} s{token}"
+                f"    held by {_who(h.host, h.pid, h.server_pid)} for {h.held_for:.1f} s{token}"
                 f"{_lease(h.lease_left)}"
             )
         for place, w in enumerate(line.waiters, 1):
             out.append(
-                f"    {place}. {_who(w.host, w.pid)} waiting {w.waiting_for:.1f} s"
+                f"    {place}. {_who(w.host, w.pid, w.server_pid)} waiting {w.waiting_for:.1f} s"
                 f"{_lease(w.lease_left)}"
             )
     return "\n".join(out)
 
 
 class _Lines(Protocol):
-    """A backend that can show its lines (RedisBackend, FileBackend)."""
+    """A backend that can show its lines (RedisBackend, PostgresBackend, FileBackend)."""
 
     async def lines(self) -> list[LineInfo]: ...
 
@@ -128,7 +133,7 @@ def json_lines(
 
     ``{"where": ..., "lines": [{"key": ..., "holder": {...} or null, "waiters":
     [...]}]}``, holders and waiters as ``HolderInfo`` and ``WaiterInfo``; with
-    no lines on Redis, ``"namespaces_with_lines"`` too.
+    no lines on Redis or PostgreSQL, ``"namespaces_with_lines"`` too.
     """
     extra = {} if elsewhere is None else {"namespaces_with_lines": list(elsewhere)}
     return json.dumps(
@@ -156,7 +161,7 @@ async def inspect_lines(
 ) -> None:
     """Print the live lines of backend (as JSON with as_json); with watch, every watch seconds.
 
-    namespaces: where else lines are, to name when there are none here (Redis).
+    namespaces: where else lines are, to name when there are none here (Redis, PostgreSQL).
     """
     render = json_lines if as_json else format_lines
     try:
@@ -186,6 +191,12 @@ def _open_lines(
         # (a wrong URL: from_url's ValueError says what is wrong and how a right one looks)
         redis = RedisBackend.from_url(options.redis, namespace=namespace)
         return redis, f"namespace {describe(namespace)}", redis.namespaces
+    if options.postgres is not None:
+        from .backends.postgres import PostgresBackend  # (ImportError without psycopg)
+
+        namespace = options.namespace or "inturn"
+        postgres = PostgresBackend.from_url(options.postgres, namespace=namespace)
+        return postgres, f"namespace {describe(namespace)}", postgres.namespaces
     from .backends.file import FileBackend
 
     if not os.path.isdir(options.dir):
@@ -203,15 +214,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_demo.add_argument("--keys", type=int, default=4, help="counters (default 4)")
     inspect = commands.add_parser(
         "inspect",
-        help="show who holds and who waits for each key: in a Redis namespace, "
-        "or in a file backend's directory",
+        help="show who holds and who waits for each key: in a Redis or PostgreSQL "
+        "namespace, or in a file backend's directory",
     )
     where = inspect.add_mutually_exclusive_group(required=True)
     where.add_argument(
         "--redis", metavar="URL", help="a Redis backend's server: redis://host:port/db"
     )
+    where.add_argument(
+        "--postgres",
+        metavar="URL",
+        help="a PostgreSQL backend's database: postgresql://user@host:5432/dbname",
+    )
     where.add_argument("--dir", metavar="PATH", help="a file backend's directory, as given to it")
-    inspect.add_argument("--namespace", help="the Redis backend's namespace (default: inturn)")
+    inspect.add_argument(
+        "--namespace", help="the Redis or PostgreSQL backend's namespace (default: inturn)"
+    )
     inspect.add_argument(
         "--watch",
         type=float,
@@ -227,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = parser.parse_args(argv)
     if options.command == "inspect":
         if options.dir is not None and options.namespace is not None:
-            parser.error("--namespace goes with --redis")
+            parser.error("--namespace goes with --redis or --postgres")
         try:
             backend, place, others = _open_lines(options)
             asyncio.run(inspect_lines(backend, place, options.watch, options.json, others))

@@ -12,9 +12,10 @@ This package holds what every backend has in common: the :class:`Backend`
 protocol and the :class:`Capabilities` a backend declares, the
 :class:`Grant` it hands out for one key, :class:`BlockingBackend` (threads
 block in it), :class:`SessionBackend` and the :class:`TurnSession` that holds
-a turn's keys on one connection, the in-process :class:`LocalBackend`, and the snapshots
-of shared lines that ``lines()`` of the Redis and the file backends returns
-(:class:`LineInfo`, :class:`HolderInfo`, :class:`WaiterInfo`). Each backend
+a turn's keys on one connection, the in-process :class:`LocalBackend`, and the
+snapshots of shared lines that ``lines()`` of the Redis, the file and the
+PostgreSQL backends returns (:class:`LineInfo`, :class:`HolderInfo`,
+:class:`WaiterInfo`). Each backend
 that shares lines lives in a public module of its own
 (``inturn.backends.file``, ``.redis``, ``.postgres``), imported only by
 those who use it.

@@ -1,8 +1,8 @@
 """Snapshots of shared lines, for people: who holds each key, and who waits for it, in order.
 
-What ``lines()`` of a backend that shares lines returns (the Redis and the
-file backends), and what ``python -m inturn inspect`` shows. A field that a
-backend does not know is ``None``.
+What ``lines()`` of a backend that shares lines returns (the Redis, the
+file and the PostgreSQL backends), and what ``python -m inturn inspect``
+shows. A field that a backend does not know is ``None``.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from dataclasses import dataclass
 class HolderInfo:
     """Who holds a line's key."""
 
-    #: Its host's name; None on the file backend (every process is on this host).
+    #: Its host's name; None on the file backend (every process is on this host), and
+    #: where the backend could not record it (PostgreSQL).
     host: str | None
-    #: Its process id (on its host).
+    #: Its process id; 0 where the backend could not record it (PostgreSQL).
     pid: int
     #: Seconds since it was granted the key.
     held_for: float
@@ -24,20 +25,26 @@ class HolderInfo:
     token: int | None = None
     #: Seconds until its lease runs out unless renewed, where there is a lease (Redis).
     lease_left: float | None = None
+    #: The server process of the session that holds the key (PostgreSQL), as
+    #: ``pg_stat_activity`` and ``pg_terminate_backend()`` know it.
+    server_pid: int | None = None
 
 
 @dataclass(frozen=True)
 class WaiterInfo:
     """One waiter of a line, in turn order."""
 
-    #: Its host's name; None on the file backend.
+    #: Its host's name; None on the file backend, and where the backend could not
+    #: record it (PostgreSQL).
     host: str | None
-    #: Its process id (on its host).
+    #: Its process id; 0 where the backend could not record it (PostgreSQL).
     pid: int
     #: Seconds since it joined the line.
     waiting_for: float
     #: Seconds until its lease runs out unless renewed, where there is a lease (Redis).
     lease_left: float | None = None
+    #: The server process of the session that waits (PostgreSQL).
+    server_pid: int | None = None
 
 
 @dataclass(frozen=True)

@@ -307,6 +307,30 @@ class Connections:
             _pg_wire.discard(checking)
         return alive(answer)
 
+    async def rows(self, sql: str, params: list[Any]) -> list[tuple[Any, ...]]:
+        """(lines()'s.) The rows of one statement, asked on a connection of its own (one of
+        the caller's pool, if it has no conninfo), within unreachable_after.
+
+        :raises psycopg.Error: as the connection or the server said.
+        :raises TimeoutError: no answer within unreachable_after.
+        """
+        wait = self.limits.unreachable_after
+        if self._conninfo is None:
+
+            async def asking() -> list[tuple[Any, ...]]:
+                async with self._given.connection(timeout=wait) as connection:
+                    return await (await connection.execute(sql, params)).fetchall()  # type: ignore[no-any-return]
+
+        else:
+            conninfo = self._conninfo
+
+            async def asking() -> list[tuple[Any, ...]]:
+                kwargs = {**self._kwargs, "connect_timeout": max(2, math.ceil(wait))}
+                async with await psycopg.AsyncConnection.connect(conninfo, **kwargs) as connection:
+                    return await (await connection.execute(sql, params)).fetchall()
+
+        return await asyncio.wait_for(asking(), wait)
+
     # -- places ---------------------------------------------------------------------------
 
     def _place(self, loop: asyncio.AbstractEventLoop | None = None) -> LoopPlace:

@@ -1,10 +1,12 @@
 """Readying a PostgresBackend's connection: once per connection, before its first wait.
 
 Written once as steps (:mod:`._pg_steps`), for both kinds of connection:
-autocommit on, the sequence of fencing tokens made on first use (a race
-with another session making it at the same moment is no error), then, in
-one round trip, the session's settings and the backend's statements
-(:func:`._pg_sql.prepare`). Bounded by the turn's time and
+autocommit on, the sequence of fencing tokens and the tables of lines()
+(:mod:`._pg_lines`) made on first use (a race with another session making
+them at the same moment is no error; a user who may not make the tables
+is told so in the log, and its turns go on), then, in one round trip, the
+record of the session's client, the session's settings and the backend's
+statements (:func:`._pg_sql.prepare`). Bounded by the turn's time and
 ``unreachable_after``: a connection that does not answer in time, or
 whose caller is interrupted meanwhile, is closed.
 """
@@ -12,7 +14,7 @@ whose caller is interrupted meanwhile, is closed.
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator, Hashable
+from collections.abc import Callable, Generator, Hashable
 from typing import Any, final
 
 import psycopg
@@ -22,6 +24,7 @@ from .._checks import Waited, missed
 from .._describe import describe as show
 from .._errors import BackendUnavailable
 from . import _pg_sql, _pg_wire
+from ._pg_lines import Names
 from ._pg_steps import ASK, AUTOCOMMIT, CLOSE, Limits, Op, lost, now, said
 
 #: The backend's logger, under the core's "inturn".
@@ -43,17 +46,19 @@ class Ready:
 class Readiness:
     """Which connections of a backend are readied, and the steps that ready one."""
 
-    __slots__ = ("_pooled", "_sequence_ready", "limits", "owner")
+    __slots__ = ("_made", "_pooled", "limits", "names", "owner")
 
     def __init__(self, limits: Limits, owner: str) -> None:
         self.limits = limits
         self.owner = owner  # the backend, as its logs name it
-        self._sequence_ready = False
+        self._made = False  # whether the sequence and the tables were found or made
         self._pooled = False  # a pooler was seen between the backend and the server
+        #: What this process recorded for lines() (see _pg_lines).
+        self.names = Names(owner)
 
     def sequence_gone(self) -> None:
         """The sequence of tokens vanished (a restore): make it again at the next ready."""
-        self._sequence_ready = False
+        self._made = False
 
     def until(self, timeout: float | None, until: float | None) -> float:
         """Connecting and readying: the turn's time left, at most unreachable_after.
@@ -78,34 +83,58 @@ class Readiness:
         """
         if not connection.autocommit:  # a pool of the caller's
             yield (AUTOCOMMIT, connection, True)
-        bound = self.until(timeout, until)
-
-        def ask(sql: bytes, params: list[bytes | None] | None = None) -> Any:
-            return self._asking(connection, sql, params, bound, key, timeout, until)
-
-        for _ in range(2):
-            if not self._sequence_ready:
-                found = yield from ask(_pg_sql.FIND_SEQUENCE, [_pg_sql.SEQUENCE.encode()])
-                if not (isinstance(found, list) and found and found[0][0] == b"t"):
+        ask = self.asking(connection, key, timeout, until)
+        names = self.names
+        for _ in range(3):
+            if not self._made:
+                found = yield from ask(_pg_sql.FIND)
+                row = found[0] if isinstance(found, list) and found else (None, None)
+                if row[0] != b"t":
                     made = yield from ask(_pg_sql.MAKE_SEQUENCE)
                     self._refused(made)
-                self._sequence_ready = True
-            rows = yield from ask(_pg_sql.prepare(connection.info.server_version))
+                if row[1] != b"t" and names.on:
+                    names.made((yield from ask(_pg_sql.MAKE_TABLES)))
+                self._made = True
+            version = connection.info.server_version
+            rows = yield from ask(_pg_sql.prepare(version, names.session()))
             if isinstance(rows, errors.DuplicatePreparedStatement):  # (by another backend)
                 ours = yield from ask(_pg_sql.PREPARED)
                 if isinstance(ours, list) and ours:
                     yield from ask(b";".join(row[0] or b"" for row in ours))
                 continue
-            if isinstance(rows, errors.UndefinedTable):  # the sequence is gone (a restore)
-                self._sequence_ready = False
+            if isinstance(rows, errors.UndefinedTable):  # the sequence or a table is gone
+                self._made = False
+                continue
+            if names.refused_session(rows):  # (recording is off now: readied without it)
                 continue
             if not isinstance(rows, list):
                 raise self._failed_ready(key, rows)
             return self._readied(connection, rows)
         raise BackendUnavailable(
             f"inturn: {self.owner} could not ready a connection for key {show(key)} "
-            "(its statements or its sequence vanished twice); the work did not run"
+            "(its statements, its sequence or its tables vanished again and again); "
+            "the work did not run"
         )
+
+    def asking(
+        self,
+        connection: Any,
+        key: Hashable,
+        timeout: float | None,
+        until: float | None,
+        turns: bool = False,
+    ) -> Callable[..., Generator[Op, Any, Any]]:
+        """ask(sql, params=None): the steps of one statement that readies connection for
+        key, bounded by until() (see _asking); ``turns``: by the turn's own time if it has
+        one, as its wait is (a statement of the turn's, on a connection that answered)."""
+        bound = self.late(timeout, until) if turns and until is not None else None
+        if bound is None:
+            bound = self.until(timeout, until)
+
+        def ask(sql: bytes, params: list[bytes | None] | None = None) -> Any:
+            return self._asking(connection, sql, params, bound, key, timeout, until)
+
+        return ask
 
     def _asking(
         self,

@@ -261,6 +261,10 @@ class PgSession:
             lease = self._lease = None if tier is None else connections.kept(tier)  # (fast verb)
             if lease is None:
                 lease = self._lease = yield from connections.taking(key, timeout, until, tier)
+        names = connections.ready.names
+        if names.due(lock):  # (once per key per process: see _pg_lines)
+            ask = connections.ready.asking(lease.connection, key, timeout, until, turns=True)
+            yield from names.recording(key, lock, self._namespace, ask)
         grants = self._grants
         held = bool(grants) and lock in [grant.lock for grant in grants]
         last = self._transaction and len(grants) + 1 >= self._count

@@ -26,9 +26,27 @@ from ._pg_keys import lock_parts
 
 #: The sequence that fencing tokens are drawn from (in the search_path's first schema).
 SEQUENCE: Final = "inturn_token"
+#: The tables that let lines() name what pg_locks shows (beside the sequence): the key of
+#: each lock id a process took (its portable name), and the client of each server
+#: session the backend readied (see _pg_lines).
+KEYS: Final = "inturn_keys"
+SESSIONS: Final = "inturn_sessions"
 
-FIND_SEQUENCE: Final = b"SELECT to_regclass($1) IS NOT NULL"
+#: Whether the sequence is there; whether the tables are.
+FIND: Final = (
+    f"SELECT to_regclass('{SEQUENCE}') IS NOT NULL,"
+    f" to_regclass('{KEYS}') IS NOT NULL AND to_regclass('{SESSIONS}') IS NOT NULL"
+).encode()
 MAKE_SEQUENCE: Final = f"CREATE SEQUENCE IF NOT EXISTS {SEQUENCE} AS bigint".encode()
+#: The tables, as an owner makes them (also what a user who may not is told to run).
+TABLES: Final = (
+    f"CREATE TABLE IF NOT EXISTS {KEYS} (namespace text NOT NULL, lock_id int8 NOT NULL,"
+    " name bytea NOT NULL, seen timestamptz NOT NULL DEFAULT now(),"
+    " PRIMARY KEY (namespace, lock_id));"
+    f" CREATE TABLE IF NOT EXISTS {SESSIONS} (pid int4 PRIMARY KEY, started timestamptz,"
+    " host text NOT NULL, client_pid int4 NOT NULL);"
+)
+MAKE_TABLES: Final = TABLES.encode()
 
 #: How often a waiting session checks that its client is still there (PostgreSQL 14+).
 _CHECK_INTERVAL: Final = "1s"
@@ -117,10 +135,13 @@ PREPARED: Final = (
 PROBE: Final = b"SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND state = 'active'"
 
 
-def prepare(server_version: int) -> bytes:
-    """The script that readies a session: its settings, the statements (first row: _WHO)."""
+def prepare(server_version: int, record: str = "") -> bytes:
+    """The script that readies a session: its settings, the statements (first row: _WHO);
+    ``record``: :func:`recording_session`'s statement, or ''."""
     check = _CHECK if server_version >= 140000 else ""
-    return (_WHO + _SETTINGS + check + _WAIT + _WAIT_AFTER + _TRY + _TRY_AFTER + _UNLOCK).encode()
+    return (
+        _WHO + record + _SETTINGS + check + _WAIT + _WAIT_AFTER + _TRY + _TRY_AFTER + _UNLOCK
+    ).encode()
 
 
 def resetting(locks: list[int], server_version: int) -> bytes:
@@ -160,3 +181,89 @@ def undoing(lock: int) -> list[bytes | None]:
     """The parameters of UNDO for lock: its id, and how pg_locks shows it."""
     classid, objid = lock_parts(lock)
     return [str(lock).encode(), str(classid).encode(), str(objid).encode()]
+
+
+# -- what lines() reads, and what the backend records for it (see _pg_lines) ---------------
+
+#: Seconds between two records of one key by one process (the row's ``seen``): a row not
+#: seen for twice as long, whose lock nobody holds or waits for, is tidied away.
+RECORD_EVERY: Final = 3600
+
+#: A row of pg_locks (``l``) that is an advisory lock of this database taken with one
+#: int8, and that int8 (see _pg_keys.lock_parts).
+_ADVISORY: Final = (
+    "l.locktype = 'advisory' AND l.objsubid = 1 AND l.pid IS NOT NULL"
+    " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+)
+_LOCK_ID: Final = "((l.classid::int8 << 32) | l.objid::int8)"
+
+#: A record's transaction does not wait for its WAL to reach the disk (or a synchronous
+#: standby): one lost in a crash costs lines() a name until it is recorded again, never a
+#: turn, and a turn on a new key costs no disk flush.
+_NO_FLUSH: Final = "set_config('synchronous_commit', 'off', true)"
+
+#: Rows nobody needs: keys not recorded for 2 * RECORD_EVERY and not locked now (any
+#: process that uses a key records it again within RECORD_EVERY), sessions that ended.
+_TIDY: Final = (
+    f"; DELETE FROM {KEYS} WHERE seen < now() - interval '{2 * RECORD_EVERY} seconds'"
+    f" AND lock_id NOT IN (SELECT {_LOCK_ID} FROM pg_locks l WHERE {_ADVISORY})"
+    f"; DELETE FROM {SESSIONS} WHERE pid NOT IN"
+    " (SELECT pid FROM pg_stat_activity WHERE pid IS NOT NULL)"
+)
+
+
+def recording_session(host: str, pid: int) -> str:
+    """The statement that records the client (host, process id) of the session it runs in.
+
+    host: letters, digits and ``._:-`` only (see _pg_lines.this_host).
+    """
+    return (
+        f"SELECT {_NO_FLUSH}; INSERT INTO {SESSIONS} (pid, started, host, client_pid)"
+        f" SELECT pid, backend_start, '{host}', {pid:d} FROM pg_stat_activity"
+        " WHERE pid = pg_backend_pid() ON CONFLICT (pid) DO UPDATE SET"
+        " started = excluded.started, host = excluded.host, client_pid = excluded.client_pid;"
+    )
+
+
+#: How long recording a key may wait for a row lock (another process's record or tidy):
+#: past it, it gives up (and tries again later); the turn goes on.
+_RECORD_WAIT: Final = "250ms"
+
+
+def recording_key(namespace: str, lock: int, name: bytes, tidy: bool) -> bytes:
+    """The statements that record the key whose portable name is name (its lock: lock), once
+    per RECORD_EVERY / 2 whoever records it; ``tidy``: :data:`_TIDY` too. Simple protocol,
+    one transaction (namespace: letters, digits and ``_.:-`` only, as PostgresBackend checks)."""
+    return (
+        f"SELECT set_config('lock_timeout', '{_RECORD_WAIT}', true), {_NO_FLUSH};"
+        f" INSERT INTO {KEYS} (namespace, lock_id, name)"
+        f" VALUES ('{namespace}', {lock:d}, decode('{name.hex()}', 'hex'))"
+        " ON CONFLICT (namespace, lock_id) DO UPDATE SET seen = now()"
+        f" WHERE {KEYS}.seen < now() - interval '{RECORD_EVERY // 2} seconds'"
+        + (_TIDY if tidy else "")
+    ).encode()
+
+
+#: lines() of namespace %s: each lock id with a recorded key, and each session in its
+#: line (psycopg's execute): the lock, the key's portable name, granted, the server
+#: session, its client's host and pid (NULL if not recorded), seconds since it waits or
+#: holds (NULL if this role may not see the session's times), and for a waiter, how many
+#: sessions are ahead of it in the server's queue (the holder, then waiters).
+LINES: Final = (
+    f"SELECT k.lock_id, k.name, l.granted, l.pid, s.host, s.client_pid,"
+    " extract(epoch FROM now() - CASE WHEN NOT l.granted THEN a.query_start"
+    " WHEN a.state = 'idle' THEN a.state_change"
+    " ELSE coalesce(a.xact_start, a.query_start) END)::float8,"
+    " CASE WHEN NOT l.granted THEN cardinality(pg_blocking_pids(l.pid)) END"
+    f" FROM pg_locks l JOIN {KEYS} k ON k.namespace = %s AND k.lock_id = {_LOCK_ID}"
+    " LEFT JOIN pg_stat_activity a ON a.pid = l.pid"
+    f" LEFT JOIN {SESSIONS} s ON s.pid = l.pid"
+    " AND (a.backend_start IS NULL OR s.started = a.backend_start)"
+    f" WHERE {_ADVISORY}"
+)
+
+#: The namespaces whose keys someone holds or waits for now (psycopg's execute).
+NAMESPACES: Final = (
+    f"SELECT DISTINCT k.namespace FROM pg_locks l JOIN {KEYS} k ON k.lock_id = {_LOCK_ID}"
+    f" WHERE {_ADVISORY} ORDER BY 1"
+)

@@ -35,6 +35,8 @@ except ImportError:  # pragma: no cover - depends on the install
     AsyncConnectionPool = None  # type: ignore[assignment, misc]
 
 from .._checks import check_seconds
+from . import _pg_lines
+from ._lines import LineInfo
 from ._pg_connections import Connections
 from ._pg_session import PgSession, PostgresGrant
 from ._pg_steps import Limits
@@ -131,6 +133,20 @@ class PostgresBackend:
     EXISTS``), which needs the CREATE privilege on the first schema of the
     ``search_path``; without it, make it once as an owner and ``GRANT USAGE``
     on it.
+
+    Beside it, two tables let :meth:`lines` name what ``pg_locks`` shows (a
+    lock id is a digest, a server pid not the client's): ``inturn_keys``, a
+    key's name by namespace and lock id, written by a process before its
+    first wait for the key and then at most once an hour while it uses it
+    (not per turn: one round trip per new key per process), and
+    ``inturn_sessions``, the client's host and process id of each session,
+    written in the round trip that readies a connection. A process deletes
+    the rows nobody needs (keys unused for two hours and not locked,
+    sessions that ended) once an hour, with a key it records. They are made
+    on first use as the sequence is, and need SELECT, INSERT, UPDATE and
+    DELETE: a user who may not make or write them is told once in the log
+    (``inturn.postgres``) what an owner runs, and its turns go on, unseen by
+    :meth:`lines`.
 
     Threads' turns (``with``, ``run_sync``, a decorated ``def``) wait in
     their own thread, on sync connections of the process's own.
@@ -305,6 +321,55 @@ class PostgresBackend:
                 f"inturn: {self!r} cannot release {show(grant)}, which it did not grant"
             )
         return grant.session
+
+    async def lines(self) -> list[LineInfo]:
+        """A snapshot of every line of this namespace on the server: holder and waiters in order.
+
+        For operators (``python -m inturn inspect --postgres``) and tests. One
+        statement, on a connection of its own, reads ``pg_locks`` (a
+        consistent snapshot of the server's lock table) and
+        ``pg_stat_activity`` with the keys and the clients the backend
+        recorded (the tables ``inturn_keys`` and ``inturn_sessions``); the
+        answer may be stale by the time it returns. Sorted by key; each key
+        as the user gave it.
+
+        - The holder is the session that holds the key's advisory lock; the
+          waiters are in the order of the server's lock queue (the sessions
+          ahead of each, by ``pg_blocking_pids``), the order they will get it.
+        - ``pid`` and ``host`` are the client's, as its process recorded them
+          (0 and None if it could not); ``server_pid`` is the server's
+          process of the session (for ``pg_terminate_backend``). No token:
+          it is drawn per turn and not recorded.
+        - ``waiting_for`` counts from when the waiting statement began.
+          ``held_for`` counts from when the holder's session last finished a
+          statement, which for a turn's usual is the grant of its last key
+          (a turn on several keys held its first ones longer); while a
+          ``transaction=True`` turn's work runs, from when its transaction
+          began. Times need the role of the sessions, a superuser or
+          ``pg_read_all_stats``: others see 0.
+        - Left out: a lock no process of this namespace recorded a key for
+          (a process that may not write the tables, which says so in its
+          log; another app's advisory locks; another namespace's). Two keys
+          that share a lock id share a line, shown under the key recorded first.
+
+        Needs SELECT on the tables, found through the ``search_path`` as the
+        backend made them.
+
+        :raises ~inturn.BackendUnavailable: PostgreSQL could not be reached in
+            ``unreachable_after``, or refused; the tables are not there yet (no
+            process made them: the message says what an owner runs).
+        """
+        return await _pg_lines.snapshot(self._connections, self._namespace)
+
+    async def namespaces(self) -> list[str]:
+        """The namespaces whose keys someone holds or waits for now on the server, sorted.
+
+        For operators: ``python -m inturn inspect`` names them when the
+        namespace it was given has none (a misspelt one, say).
+
+        :raises ~inturn.BackendUnavailable: as :meth:`lines`.
+        """
+        return await _pg_lines.namespaces(self._connections)
 
     async def aclose(self) -> None:
         """Close the connections the backend keeps: their sessions end, and their locks with them.
