@@ -216,14 +216,13 @@ class Net:
         self.attempts.append(made)
         return made
 
-    async def warm(self, queue: KeyedQueue, mode: str) -> None:
-        """One turn in mode (a task, or a thread), so that a connection is kept for the next."""
+    async def warm(self, queue: KeyedQueue, mode: str, key: str = "warm-up") -> None:
+        """One turn on key in mode (a task, or a thread), so that a connection is kept for
+        the next (and key's name recorded: its next turn's first statement is its wait)."""
         if mode == "task":
-            await asyncio.wait_for(queue.run("warm-up", lambda: None), PATIENCE)
+            await asyncio.wait_for(queue.run(key, lambda: None), PATIENCE)
         else:
-            await asyncio.wait_for(
-                asyncio.to_thread(queue.run_sync, "warm-up", lambda: None), PATIENCE
-            )
+            await asyncio.wait_for(asyncio.to_thread(queue.run_sync, key, lambda: None), PATIENCE)
 
     async def hold(self, key: str) -> Attempt:
         """A task holds key through a backend that reaches the server straight, until let go."""
@@ -319,7 +318,7 @@ async def test_a_timed_wait_through_a_partition_ends_in_time_and_its_work_never_
     # server with its lock_timeout still whole, got the key when the holder let go,
     # and the work ran.
     queue = net.queue("p", unreachable_after=UNREACHABLE)
-    await net.warm(queue, mode)  # the turn's connection is a kept one
+    await net.warm(queue, mode, "k")  # the turn's connection is a kept one
     holder = await net.hold("k")
     began = time.monotonic()
     net.proxy.freeze()
@@ -348,7 +347,7 @@ async def test_a_timed_wait_for_a_free_key_through_a_partition_ends_in_time(
     # the moment it reached the server, and the work ran after the thaw.
     queue = net.queue("p", unreachable_after=UNREACHABLE)
     other = net.queue("other", proxied=False)
-    await net.warm(queue, mode)
+    await net.warm(queue, mode, "k")
     began = time.monotonic()
     net.proxy.freeze()  # before the wait statement is sent
     turn = net.attempt(mode, queue, "k", timeout=2.0)
@@ -367,6 +366,35 @@ async def test_a_timed_wait_for_a_free_key_through_a_partition_ends_in_time(
     assert await net.locks_left("p") == []
     async with other.keyed("k", timeout=PROMPTLY):  # what reached the server late let go
         pass
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_first_turn_on_a_key_through_a_partition_ends_in_time_naming_its_step(
+    net: Net, mode: str
+) -> None:
+    # A process's first turn on a key records the key's name (for lines()) before it
+    # waits: a partition there is bounded by the turn's timeout as the wait is, and
+    # the error says which step had no answer.
+    queue = net.queue("p", unreachable_after=UNREACHABLE)
+    await net.warm(queue, mode)  # (a kept connection; "k" is new to this process)
+    began = time.monotonic()
+    net.proxy.freeze()
+    turn = net.attempt(mode, queue, "k", timeout=2.0)
+    bound = 2.0 + margin(mode) + SLACK
+    seconds = await turn.ends_within(bound, began)
+    await net.healed()
+    await turn.finish()
+    outcome = {
+        "ended in time": seconds is not None,
+        "raised TimeoutError": isinstance(turn.error, TimeoutError),
+        "work ran": turn.ran,
+    }
+    expected = {"ended in time": True, "raised TimeoutError": True, "work ran": False}
+    assert outcome == expected, f"{took(seconds, bound)}; in the end: {turn.error!r}"
+    assert str(turn.error) == _NO_ANSWER.replace(
+        "from PostgreSQL;", "from PostgreSQL (recording the key's name);"
+    )
+    assert await net.locks_left("p") == []
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -123,16 +123,18 @@ class Readiness:
         timeout: float | None,
         until: float | None,
         turns: bool = False,
+        doing: str = "readying a new connection",
     ) -> Callable[..., Generator[Op, Any, Any]]:
         """ask(sql, params=None): the steps of one statement that readies connection for
         key, bounded by until() (see _asking); ``turns``: by the turn's own time if it has
-        one, as its wait is (a statement of the turn's, on a connection that answered)."""
+        one, as its wait is (a statement of the turn's, on a connection that answered);
+        ``doing``: what the statement does, as an error about it says."""
         bound = self.late(timeout, until) if turns and until is not None else None
         if bound is None:
             bound = self.until(timeout, until)
 
         def ask(sql: bytes, params: list[bytes | None] | None = None) -> Any:
-            return self._asking(connection, sql, params, bound, key, timeout, until)
+            return self._asking(connection, sql, params, bound, key, timeout, until, doing)
 
         return ask
 
@@ -145,6 +147,7 @@ class Readiness:
         key: Hashable,
         timeout: float | None,
         until: float | None,
+        doing: str,
     ) -> Generator[Op, Any, Any]:
         """One statement that readies connection: its outcome; a connection that does not
         answer by bound, or was interrupted meanwhile, is closed."""
@@ -158,15 +161,14 @@ class Readiness:
         if answer is None or lost(answer):
             yield (CLOSE, connection)
             if answer is None and until is not None and now() >= self.late(timeout, until):
-                detail = " from PostgreSQL (readying a new connection)"
-                raise missed((key,), Waited.ANSWER, timeout, detail)
+                raise missed((key,), Waited.ANSWER, timeout, f" from PostgreSQL ({doing})")
             why = (
                 f"no answer within {self.limits.unreachable_after:g} s"
                 if answer is None
                 else said(answer)
             )
             raise BackendUnavailable(
-                f"inturn: PostgreSQL did not ready a connection for key {show(key)} ({why}) "
+                f"inturn: PostgreSQL failed {doing} for key {show(key)} ({why}) "
                 f"through {self.owner}; the work did not run"
             )
         return answer

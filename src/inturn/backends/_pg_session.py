@@ -263,7 +263,9 @@ class PgSession:
                 lease = self._lease = yield from connections.taking(key, timeout, until, tier)
         names = connections.ready.names
         if names.due(lock):  # (once per key per process: see _pg_lines)
-            ask = connections.ready.asking(lease.connection, key, timeout, until, turns=True)
+            ask = connections.ready.asking(
+                lease.connection, key, timeout, until, True, "recording the key's name"
+            )
             yield from names.recording(key, lock, self._namespace, ask)
         grants = self._grants
         held = bool(grants) and lock in [grant.lock for grant in grants]
