@@ -27,7 +27,12 @@ def describe(value: object, limit: int = SHOWN) -> str:
         shown = _shown(value, limit)
     except Exception:  # even its type's name failed
         shown = f"<object at {id(value):#x}>"
-    return shown if len(shown) <= limit else shown[: limit - 1] + "\N{HORIZONTAL ELLIPSIS}"
+    return cut(shown, limit)
+
+
+def cut(text: str, limit: int = SHOWN) -> str:
+    """text, cut short to limit characters with an ellipsis (a message must not flood)."""
+    return text if len(text) <= limit else text[: limit - 1] + "\N{HORIZONTAL ELLIPSIS}"
 
 
 def _shown(value: object, limit: int) -> str:
@@ -66,5 +71,4 @@ def function_name(function: object) -> str:
         name = None
     if not isinstance(name, str):
         return describe(function)
-    shown = f"{name}()"
-    return shown if len(shown) <= SHOWN else shown[: SHOWN - 1] + "\N{HORIZONTAL ELLIPSIS}"
+    return cut(f"{name}()")

@@ -22,9 +22,10 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from .._describe import cut
 from .._errors import BackendUnavailable
 from ._redis_scripts import called_at
-from ._urls import REDIS_FORMS, brief
+from ._urls import REDIS_FORMS
 
 #: Errors that mean the server could not be reached (as opposed to a refusal); among them
 #: InvalidResponse, redis-py's word for an answer that is not Redis's protocol (what
@@ -87,7 +88,7 @@ def describe(error: BaseException) -> str:
         return f"Redis answered with an error ({text})"
     if isinstance(error, InvalidResponse):  # (its text: the first line of the answer)
         return (
-            f"what answered is not a Redis server ({brief(text)}): check the URL's host and "
+            f"what answered is not a Redis server ({cut(text)}): check the URL's host and "
             f"port, as in {REDIS_FORMS}"
         )
     return f"Redis could not be reached ({text})"

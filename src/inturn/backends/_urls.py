@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Final
 
-from .._describe import SHOWN
+from .._describe import SHOWN, cut
 from .._describe import describe as show
 
 #: How a right Redis URL looks.
@@ -51,11 +51,6 @@ def hidden(text: str, source: str) -> str:
     return text
 
 
-def brief(text: str) -> str:
-    """text, cut short to SHOWN characters (a library's message may repeat a long value)."""
-    return text if len(text) <= SHOWN else text[: SHOWN - 1] + "\N{HORIZONTAL ELLIPSIS}"
-
-
 def _scheme(url: str) -> str | None:
     """url's scheme, if it is written ``scheme://...``; else None."""
     match = _SCHEME.match(url)
@@ -76,7 +71,7 @@ def refused_redis_url(url: str, reason: str) -> ValueError:
         return ValueError(f"inturn: {show(scheme)} is not a Redis URL's scheme; use {REDIS_FORMS}")
     return ValueError(
         f"inturn: redis-py cannot read the Redis URL {show(shown)} "
-        f"({brief(hidden(reason, url))}); a right one looks like {REDIS_FORMS}"
+        f"({cut(hidden(reason, url))}); a right one looks like {REDIS_FORMS}"
     )
 
 
@@ -92,6 +87,6 @@ def refused_conninfo(conninfo: str, reason: str) -> ValueError:
     else:
         problem = (
             f"libpq cannot read the {'URL' if scheme else 'conninfo string'} "
-            f"{show(hidden(conninfo, conninfo))} ({brief(hidden(reason, conninfo))})"
+            f"{show(hidden(conninfo, conninfo))} ({cut(hidden(reason, conninfo))})"
         )
     return ValueError(f"inturn: {problem}; use {POSTGRES_FORMS}")
