@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +26,7 @@ from inturn.__main__ import format_lines, main, show_key
 from inturn.backends import HolderInfo, LineInfo, WaiterInfo
 from inturn.backends.file import FileBackend
 from processes import Worker, until
+from servers import free_port
 
 from helpers import PATIENCE, holding
 
@@ -309,9 +309,7 @@ def test_inspect_of_a_port_that_answers_http_says_it_is_not_redis(
 def test_inspect_of_a_port_nobody_listens_on_says_redis_could_not_be_reached(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    with socket.socket() as closed:  # (a port of this host's that was free a moment ago)
-        closed.bind(("127.0.0.1", 0))
-        port = closed.getsockname()[1]
+    port = free_port()  # (nobody listens on it)
     with pytest.raises(SystemExit) as exit:
         main(["inspect", "--redis", f"redis://127.0.0.1:{port}/0"])
     assert exit.value.code == 1

@@ -29,6 +29,7 @@ from inturn.__main__ import main  # noqa: E402
 from inturn.backends import LineInfo, _pg_sql  # noqa: E402
 from inturn.backends.postgres import PostgresBackend  # noqa: E402
 from processes import Worker  # noqa: E402
+from servers import free_port  # noqa: E402
 
 from helpers import PATIENCE  # noqa: E402
 
@@ -441,9 +442,7 @@ def test_inspect_postgres_of_a_wrong_url_says_how_to_write_it(
 def test_inspect_postgres_of_a_port_nobody_listens_on_says_so(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    with socket.socket() as closed:  # (a port of this host's that was free a moment ago)
-        closed.bind(("127.0.0.1", 0))
-        port = closed.getsockname()[1]
+    port = free_port()  # (nobody listens on it)
     with pytest.raises(SystemExit) as exit:
         main(["inspect", "--postgres", f"postgresql://postgres@127.0.0.1:{port}/postgres"])
     assert exit.value.code == 1
