@@ -439,15 +439,11 @@ async def test_a_turn_nested_in_a_plain_turn_of_the_same_holder_opens_no_connect
 # -- any other wait for a connection --------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", MODES)
-async def test_a_timeout_waiting_for_a_connection_names_the_pool_and_the_callers_limit(
-    site: Site, mode: str
-) -> None:
-    # Issue 31: max_sessions=1 held by a turn on another key; a turn on a key nobody
-    # holds runs out of time (before session_wait) waiting for a connection. Before:
-    # "the turn for key 'order-2' (a connection) was not reached within 0.299... s",
-    # the time left once it reached the backend, and no word of max_sessions.
-    queue = site.queue(max_sessions=1)  # (session_wait: 30 s)
+async def second_turn_while_one_holds(
+    queue: KeyedQueue, mode: str, bound: float, **options: Any
+) -> tuple[BaseException | None, float | None, list[str]]:
+    """A turn on "order-2" (keyed(**options)) while another holds "order-1", both in mode:
+    its error (None if it ran), how long it took if it ended within bound s, what ran."""
     loop = asyncio.get_running_loop()
     entered = asyncio.Event()
     leave, leave_async = threading.Event(), asyncio.Event()
@@ -464,30 +460,44 @@ async def test_a_timeout_waiting_for_a_connection_names_the_pool_and_the_callers
             leave.wait(PATIENCE)
 
     async def other_in_task() -> None:
-        async with queue.keyed("order-2", timeout=0.3):
+        async with queue.keyed("order-2", **options):
             ran.append("other")
 
     def other_in_thread() -> None:
-        with queue.keyed("order-2", timeout=0.3):
+        with queue.keyed("order-2", **options):
             ran.append("other")
 
-    # (a task's and a thread's turns draw from different connections: both in mode)
+    # (a task's and a thread's turns may draw from different connections: both in mode)
     if mode == "task":
         holder, other_turn = asyncio.ensure_future(hold_in_task()), other_in_task
     else:
         holder, other_turn = asyncio.ensure_future(in_thread(hold_in_thread)), None
     try:
         await asyncio.wait_for(entered.wait(), PATIENCE)
+        began = time.monotonic()
         other = asyncio.ensure_future(
             other_turn() if other_turn is not None else in_thread(other_in_thread)
         )
-        await asyncio.wait((other,), timeout=0.3 + SLACK)
+        await asyncio.wait((other,), timeout=bound)
+        took = time.monotonic() - began if other.done() else None
     finally:
         leave.set()
         leave_async.set()
         await asyncio.wait_for(holder, PATIENCE)
     await asyncio.wait((other,), timeout=PATIENCE)
-    error = other.exception() if other.done() else None
+    return (other.exception() if other.done() else None), took, ran
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_timeout_waiting_for_a_connection_names_the_pool_and_the_callers_limit(
+    site: Site, mode: str
+) -> None:
+    # Issue 31: max_sessions=1 held by a turn on another key; a turn on a key nobody
+    # holds runs out of time (before session_wait) waiting for a connection. Before:
+    # "the turn for key 'order-2' (a connection) was not reached within 0.299... s",
+    # the time left once it reached the backend, and no word of max_sessions.
+    queue = site.queue(max_sessions=1)  # (session_wait: 30 s)
+    error, _, ran = await second_turn_while_one_holds(queue, mode, 0.3 + SLACK, timeout=0.3)
     assert ran == []
     assert isinstance(error, TimeoutError), repr(error)
     where = "this event loop or thread"
@@ -507,56 +517,14 @@ async def test_a_wait_for_a_connection_past_session_wait_raises_backend_unavaila
     # 093c37a (run without session_wait): it waited until the first turn ended
     # (here: SESSION_WAIT + SLACK later), then its work ran.
     queue = site.queue(max_sessions=1, session_wait=SESSION_WAIT)
-    loop = asyncio.get_running_loop()
-    entered = asyncio.Event()
-    leave, leave_async = threading.Event(), asyncio.Event()
-    ran: list[str] = []
-
-    async def hold_in_task() -> None:
-        async with queue.keyed("order-1"):
-            entered.set()
-            await leave_async.wait()
-
-    def hold_in_thread() -> None:
-        with queue.keyed("order-1"):
-            loop.call_soon_threadsafe(entered.set)
-            leave.wait(PATIENCE)
-
-    async def other_in_task() -> None:
-        async with queue.keyed("order-2"):
-            ran.append("other")
-
-    def other_in_thread() -> None:
-        with queue.keyed("order-2"):
-            ran.append("other")
-
-    # (a task's and a thread's turns may draw from different connections: both in mode)
-    if mode == "task":
-        holder, other_turn = asyncio.ensure_future(hold_in_task()), other_in_task
-    else:
-        holder, other_turn = asyncio.ensure_future(in_thread(hold_in_thread)), None
-    try:
-        await asyncio.wait_for(entered.wait(), PATIENCE)
-        began = time.monotonic()
-        other = asyncio.ensure_future(
-            other_turn() if other_turn is not None else in_thread(other_in_thread)
-        )
-        await asyncio.wait((other,), timeout=SESSION_WAIT + SLACK)
-        took = time.monotonic() - began
-        in_time = other.done()
-    finally:
-        leave.set()
-        leave_async.set()
-        await asyncio.wait_for(holder, PATIENCE)
-    await asyncio.wait((other,), timeout=PATIENCE)
-    error = other.exception() if other.done() else None
+    error, took, ran = await second_turn_while_one_holds(queue, mode, SESSION_WAIT + SLACK)
     outcome = {
-        "ended in time": in_time,
+        "ended in time": took is not None,
         "raised BackendUnavailable": isinstance(error, BackendUnavailable),
         "ran": ran,
     }
     expected = {"ended in time": True, "raised BackendUnavailable": True, "ran": []}
-    assert outcome == expected, f"{took:.1f} s: {error!r}"
+    assert outcome == expected, f"{took} s: {error!r}"
     assert "max_sessions" in str(error)
     assert "session_wait" in str(error)
     # the connection is free again
