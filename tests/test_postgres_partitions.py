@@ -307,6 +307,32 @@ _NO_ANSWER = (
 )
 
 
+async def timed_out_through_a_partition(
+    net: Net, mode: str, queue: KeyedQueue, holder: Attempt | None = None
+) -> str:
+    """A turn on "k" (timeout 2 s) in mode, sent once the network froze: that it ended in
+    time with a TimeoutError, its work never run (the network healed, holder let go), and
+    nothing of "p" still held. Its error's words."""
+    began = time.monotonic()
+    net.proxy.freeze()
+    turn = net.attempt(mode, queue, "k", timeout=2.0)
+    bound = 2.0 + margin(mode) + SLACK
+    seconds = await turn.ends_within(bound, began)
+    await net.healed()
+    if holder is not None:
+        holder.let_go()
+    await turn.finish()
+    outcome = {
+        "ended in time": seconds is not None,
+        "raised TimeoutError": isinstance(turn.error, TimeoutError),
+        "work ran": turn.ran,
+    }
+    expected = {"ended in time": True, "raised TimeoutError": True, "work ran": False}
+    assert outcome == expected, f"{took(seconds, bound)}; in the end: {turn.error!r}"
+    assert await net.locks_left("p") == []
+    return str(turn.error)
+
+
 @pytest.mark.parametrize("mode", MODES)
 async def test_a_timed_wait_through_a_partition_ends_in_time_and_its_work_never_runs(
     net: Net, mode: str
@@ -320,23 +346,8 @@ async def test_a_timed_wait_through_a_partition_ends_in_time_and_its_work_never_
     queue = net.queue("p", unreachable_after=UNREACHABLE)
     await net.warm(queue, mode, "k")  # the turn's connection is a kept one
     holder = await net.hold("k")
-    began = time.monotonic()
-    net.proxy.freeze()
-    turn = net.attempt(mode, queue, "k", timeout=2.0)
-    bound = 2.0 + margin(mode) + SLACK
-    seconds = await turn.ends_within(bound, began)
-    await net.healed()
-    holder.let_go()
-    await turn.finish()
-    outcome = {
-        "ended in time": seconds is not None,
-        "raised TimeoutError": isinstance(turn.error, TimeoutError),
-        "work ran": turn.ran,
-    }
-    expected = {"ended in time": True, "raised TimeoutError": True, "work ran": False}
-    assert outcome == expected, f"{took(seconds, bound)}; in the end: {turn.error!r}"
-    assert str(turn.error) == _NO_ANSWER  # (issue 31: the cause, and the limit given)
-    assert await net.locks_left("p") == []
+    said = await timed_out_through_a_partition(net, mode, queue, holder)
+    assert said == _NO_ANSWER  # (issue 31: the cause, and the limit given)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -347,23 +358,9 @@ async def test_a_timed_wait_for_a_free_key_through_a_partition_ends_in_time(
     # the moment it reached the server, and the work ran after the thaw.
     queue = net.queue("p", unreachable_after=UNREACHABLE)
     other = net.queue("other", proxied=False)
-    await net.warm(queue, mode, "k")
-    began = time.monotonic()
-    net.proxy.freeze()  # before the wait statement is sent
-    turn = net.attempt(mode, queue, "k", timeout=2.0)
-    bound = 2.0 + margin(mode) + SLACK
-    seconds = await turn.ends_within(bound, began)
-    await net.healed()
-    await turn.finish()
-    outcome = {
-        "ended in time": seconds is not None,
-        "raised TimeoutError": isinstance(turn.error, TimeoutError),
-        "work ran": turn.ran,
-    }
-    expected = {"ended in time": True, "raised TimeoutError": True, "work ran": False}
-    assert outcome == expected, f"{took(seconds, bound)}; in the end: {turn.error!r}"
-    assert str(turn.error) == _NO_ANSWER  # (issue 31: the cause, and the limit given)
-    assert await net.locks_left("p") == []
+    await net.warm(queue, mode, "k")  # (then the wait statement is the first one cut)
+    said = await timed_out_through_a_partition(net, mode, queue)
+    assert said == _NO_ANSWER  # (issue 31: the cause, and the limit given)
     async with other.keyed("k", timeout=PROMPTLY):  # what reached the server late let go
         pass
 
@@ -377,24 +374,10 @@ async def test_a_first_turn_on_a_key_through_a_partition_ends_in_time_naming_its
     # the error says which step had no answer.
     queue = net.queue("p", unreachable_after=UNREACHABLE)
     await net.warm(queue, mode)  # (a kept connection; "k" is new to this process)
-    began = time.monotonic()
-    net.proxy.freeze()
-    turn = net.attempt(mode, queue, "k", timeout=2.0)
-    bound = 2.0 + margin(mode) + SLACK
-    seconds = await turn.ends_within(bound, began)
-    await net.healed()
-    await turn.finish()
-    outcome = {
-        "ended in time": seconds is not None,
-        "raised TimeoutError": isinstance(turn.error, TimeoutError),
-        "work ran": turn.ran,
-    }
-    expected = {"ended in time": True, "raised TimeoutError": True, "work ran": False}
-    assert outcome == expected, f"{took(seconds, bound)}; in the end: {turn.error!r}"
-    assert str(turn.error) == _NO_ANSWER.replace(
+    said = await timed_out_through_a_partition(net, mode, queue)
+    assert said == _NO_ANSWER.replace(
         "from PostgreSQL;", "from PostgreSQL (recording the key's name);"
     )
-    assert await net.locks_left("p") == []
 
 
 @pytest.mark.parametrize("mode", MODES)
