@@ -31,6 +31,7 @@ from ._errors import InturnError as InturnError
 from ._errors import LeaseLost as LeaseLost
 from ._errors import QueueClosed as QueueClosed
 from ._errors import QueueFull as QueueFull
+from ._errors import Superseded as Superseded
 from ._queue import KeyedQueue as KeyedQueue
 from ._stats import Observer as Observer
 from ._stats import QueueStats as QueueStats
@@ -86,6 +87,7 @@ __all__ = (
     "QueueFull",
     "QueueStats",
     "QueuedFunction",
+    "Superseded",
     "SyncQueuedFunction",
     "Turn",
     "__version__",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable, Hashable
-from typing import Final, final
+from typing import Final, NamedTuple, final
 
 from ._describe import describe
 from .backends._base import Backend
@@ -184,3 +184,73 @@ def check_transaction(transaction: object, backend: Backend | None) -> None:
             f"inturn: keyed(..., transaction=True) needs a backend that takes turns in a "
             f"database (PostgresBackend); this queue's is {describe(backend)}"
         )
+
+
+class Policy(NamedTuple):
+    """A call's conflation settings, checked once (see KeyedQueue's ``pending``)."""
+
+    latest: bool  # pending="latest": a busy key keeps one waiting work
+    join: bool  # on_superseded="join": a replaced caller gets the newer work's outcome
+    debounce: float | None  # the quiet period, seconds
+    max_wait: float | None  # the longest a debounced work waits for quiet, seconds
+
+    @property
+    def conflates(self) -> bool:
+        """Whether a call with these settings may be replaced, or debounced."""
+        return self.latest or self.debounce is not None
+
+    def given(
+        self, pending: object, on_superseded: object, debounce: object, max_wait: object
+    ) -> Policy:
+        """These settings with those given (not UNSET) instead, checked: a decorator's."""
+        given = (pending, on_superseded, debounce, max_wait)
+        if all(setting is UNSET for setting in given):
+            return self
+        ours = (
+            "latest" if self.latest else "all",
+            "join" if self.join else "raise",
+            self.debounce,
+            self.max_wait,
+        )
+        chosen = [o if g is UNSET else g for g, o in zip(given, ours, strict=True)]
+        return check_policy(chosen[0], chosen[1], chosen[2], chosen[3])
+
+
+#: The settings of a queue that does not conflate.
+ALL: Final = Policy(False, True, None, None)
+
+
+def check_policy(
+    pending: object, on_superseded: object, debounce: object, max_wait: object, concurrency: int = 1
+) -> Policy:
+    """The Policy of these settings (a queue's, of that concurrency); ValueError or TypeError
+    naming a wrong one."""
+    if pending not in ("all", "latest") or not isinstance(pending, str):
+        raise ValueError(f'inturn: pending must be "all" or "latest", got {describe(pending)}')
+    if on_superseded not in ("join", "raise") or not isinstance(on_superseded, str):
+        raise ValueError(
+            f'inturn: on_superseded must be "join" or "raise", got {describe(on_superseded)}'
+        )
+    quiet = check_seconds("debounce", debounce, zero=False)  # type: ignore[arg-type]
+    most = check_seconds("max_wait", max_wait, zero=False)  # type: ignore[arg-type]
+    if most is not None and quiet is None:
+        raise ValueError("inturn: max_wait bounds a debounce; give debounce= too, or leave it out")
+    if most is not None and quiet is not None and most < quiet:
+        raise ValueError(f"inturn: max_wait ({most:g} s) must be at least debounce ({quiet:g} s)")
+    policy = Policy(pending == "latest", on_superseded == "join", quiet, most)
+    if policy.conflates and concurrency != 1:
+        raise ValueError(
+            "inturn: pending='latest' and debounce keep one waiting work per key, "
+            f"and concurrency={concurrency} lets several hold it; use one or the other"
+        )
+    return policy
+
+
+def no_transaction(keys: tuple[Hashable, ...]) -> RuntimeError:
+    """A transaction turn with no key of its own to take: nothing to run it on."""
+    return RuntimeError(
+        "inturn: keyed(..., transaction=True) runs its block in a transaction on the "
+        f"connection that takes its keys, and {describe(keys)} are held by the turn around "
+        "it already: ask for the transaction there, or add a key of this turn's own; the "
+        "work did not run"
+    )

@@ -26,6 +26,7 @@ from typing import (
 import wrapt
 from typing_extensions import ParamSpec
 
+from ._checks import Policy
 from ._checks import Unset as _Unset
 from ._checks import check_hold as _check_hold
 from ._checks import check_timeout as _check_timeout
@@ -52,10 +53,13 @@ class Runner(NamedTuple):
 
     #: The queue; its ``run`` takes a call's turn on one key with its settings (the hot path).
     queue: KeyedQueue
-    #: ``(keys, fn, args, kwargs, timeout, max_hold)``: several keys, or settings of the call's own.
+    #: ``(keys, fn, args, kwargs, timeout, max_hold, task, policy)``: several keys, or
+    #: settings of the call's own.
     run_keyed: Callable[..., Coroutine[Any, Any, Any]]
-    #: ``(keys, fn, args, kwargs, timeout)``: the same for a thread, blocking it.
+    #: ``(keys, fn, args, kwargs, timeout, policy)``: the same for a thread, blocking it.
     run_keyed_sync: Callable[..., Any]
+    #: The queue's conflation (pending, on_superseded, debounce, max_wait).
+    policy: Policy
 
 
 class QueuedFunction(Protocol[P, R_co]):
@@ -364,15 +368,27 @@ def decorate(
     timeout: float | _Unset | None,
     coalesce: bool,
     max_hold: float | _Unset | None,
+    policy: Policy,
 ) -> Any:
-    """Apply queue_by_key to fn, or return the decorator when fn is None."""
+    """Apply queue_by_key to fn, or return the decorator when fn is None (``policy``: its
+    conflation, checked)."""
     queue = runner.queue
     limit = queue.timeout if isinstance(timeout, _Unset) else _check_timeout(timeout)
     hold = queue.max_hold if isinstance(max_hold, _Unset) else _check_hold(max_hold)
     if not isinstance(coalesce, bool):
         raise TypeError(f"inturn: coalesce must be True or False, got {describe(coalesce)}")
+    if coalesce and policy.conflates and policy is not runner.policy:
+        raise TypeError(
+            "inturn: coalesce=True joins a call in flight, and pending='latest' or debounce "
+            "replaces a waiting call; use one or the other"
+        )
+    if keys is not None and policy.conflates and policy is not runner.policy:
+        raise TypeError(
+            "inturn: pending='latest' and debounce replace one key's waiting work; "
+            "a keys= function takes several keys at once"
+        )
     if fn is None:
-        return lambda fn: decorate(runner, fn, key, keys, limit, coalesce, hold)
+        return lambda fn: decorate(runner, fn, key, keys, limit, coalesce, hold, policy)
     kind = type(fn) if isinstance(fn, classmethod | staticmethod) else FunctionType
     target = fn.__func__ if kind is not FunctionType else fn
     if not callable(target) or isinstance(target, type):
@@ -397,10 +413,11 @@ def decorate(
 
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:
             found = extract(args, kwargs)
-            return run_keyed_sync(found if several else (found,), target, args, kwargs, limit)
+            keys = found if several else (found,)
+            return run_keyed_sync(keys, target, args, kwargs, limit, policy)
 
     else:
-        call = _async_call(runner, target, extract, several, limit, coalesce, hold)
+        call = _async_call(runner, target, extract, several, limit, coalesce, hold, policy)
     queued = type("_Queued", (_Queued,), {"__call__": call, "__module__": __name__})
     return queued(fn, kind, queue, extract)
 
@@ -413,17 +430,20 @@ def _async_call(
     limit: float | None,
     coalesce: bool,
     hold: float | None,
+    policy: Policy,
 ) -> Callable[..., Any]:
     """The __call__ of an async def's wrapper: (self, *args, **kwargs) -> the turn's coroutine."""
     queue = runner.queue
-    if several or limit != queue.timeout or hold != queue.max_hold:
-        # keys=, or a timeout or max_hold of its own: turns are taken as keyed() takes them
+    own = policy != runner.policy
+    if several or limit != queue.timeout or hold != queue.max_hold or own:
+        # keys=, or settings of its own: turns are taken as keyed() takes them
         run_keyed = runner.run_keyed
 
         def start(
             key: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
         ) -> Coroutine[Any, Any, Any]:
-            return run_keyed(key if several else (key,), target, args, kwargs, limit, hold)
+            keys = key if several else (key,)
+            return run_keyed(keys, target, args, kwargs, limit, hold, None, policy)
 
     else:
         run = runner.queue.run

@@ -68,3 +68,15 @@ class HoldTimeout(InturnError, TimeoutError):
     """
 
     __module__ = "inturn"
+
+
+class Superseded(InturnError):
+    """Newer work for the same key took this work's place; this work did not run.
+
+    Raised to a caller of a queue or function with ``pending="latest"`` and
+    ``on_superseded="raise"`` (see :class:`~inturn.KeyedQueue`), at once
+    when newer work replaced its work in the key's line. With the default
+    ``on_superseded="join"``, the caller gets the newer work's outcome instead.
+    """
+
+    __module__ = "inturn"

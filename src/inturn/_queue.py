@@ -14,10 +14,12 @@ from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeVar, final, overlo
 from ._batch import Batch
 from ._checks import (
     UNSET,
+    Policy,
     check_backend,
     check_count,
     check_hold,
     check_name,
+    check_policy,
     check_timeout,
     check_transaction,
 )
@@ -25,12 +27,13 @@ from ._checks import Unset as _Unset
 from ._describe import describe
 from ._drive import give_up, line_up, seated
 from ._keyspec import KeySpec, KeysSpec
+from ._latest import Book, run_latest, run_latest_sync
 from ._line import held_by, wake
 from ._order import unhashable
 from ._registry import Registry
 from ._slots import Slots
 from ._stats import FUNCTION, Observer, QueueStats, function_label
-from ._submit import Handle, Submissions, failures, submit, unawaited
+from ._submit import Handle, Submissions, claim, submit
 from ._tasks import current_task, loop_here, loop_of, outside_asyncio, running_loop
 from ._turn import Turn, call_in_turn, call_in_turn_sync
 from .backends._base import Backend
@@ -66,6 +69,7 @@ def _after_fork_in_child() -> None:
     task, _forking[0] = _forking[0], None
     for queue in list(_QUEUES):
         queue._registry.forked(task)
+        queue._book.forked()
         queue._submissions.handles.clear()
         queue._unclaimed.clear()
 
@@ -180,7 +184,9 @@ class KeyedQueue:
     __slots__ = (
         "__weakref__",
         "_backend",
+        "_book",
         "_max_hold",
+        "_policy",
         "_registry",
         "_submissions",
         "_timeout",
@@ -197,6 +203,10 @@ class KeyedQueue:
         concurrency: int = 1,
         max_hold: float | None = None,
         name: str | None = None,
+        pending: Literal["all", "latest"] = "all",
+        on_superseded: Literal["join", "raise"] = "join",
+        debounce: float | None = None,
+        max_wait: float | None = None,
     ) -> None:
         name = check_name(name)
         self._timeout = check_timeout(timeout)
@@ -204,6 +214,7 @@ class KeyedQueue:
         max_running = check_count("max_running", max_running, none=True)
         concurrency = check_count("concurrency", concurrency, none=False)  # type: ignore[assignment]
         self._backend = check_backend(backend, concurrency)
+        self._policy = check_policy(pending, on_superseded, debounce, max_wait, concurrency)
         self._max_hold = check_hold(max_hold)
         self._registry = Registry(
             backend=self._backend,
@@ -214,12 +225,16 @@ class KeyedQueue:
                 and max_running is None
                 and concurrency == 1
                 and self._max_hold is None
+                and self._policy.debounce is None
             ),
             name=name,
         )
+        self._book = Book(self._registry)
         self._registry.slots = None if max_running is None else Slots(max_running, self._registry)
         # submit()'s work (its handles not finished yet), and the failed ones nobody awaited
-        self._submissions = Submissions(self._registry, self._timeout, self._max_hold)
+        self._submissions = Submissions(
+            self._registry, self._timeout, self._max_hold, self._policy, self._book
+        )
         self._unclaimed: list[Handle[Any]] = []
         _QUEUES.add(self)
 
@@ -274,6 +289,8 @@ class KeyedQueue:
             lines[key] = task
         elif not callable(fn):
             raise TypeError(f"inturn: run() needs a callable, got {describe(fn)}")
+        elif self._policy.latest:  # (busy: its work may replace the one waiting)
+            return await self._run_keyed((key,), fn, args, kwargs, self._timeout, None, task)
         elif queued := line_up(registry, key, task, self._timeout, self._timeout, registry):
             try:  # (awaited in this frame: see line_up)
                 await queued[1]
@@ -306,16 +323,23 @@ class KeyedQueue:
         timeout: float | None,
         hold: float | None,
         task: asyncio.Task[Any] | None = None,
+        policy: Policy | None = None,
     ) -> Coroutine[Any, Any, Any]:
         """The coroutine that takes the turns of keys as keyed() does, calls fn, releases.
 
-        ``task``: the caller's, awaiting it at once (run(): keys are checked and ordered).
+        ``task``: the caller's, awaiting it at once (run(): keys are checked and ordered);
+        ``policy``: a decorated function's conflation (the queue's if None), for one key.
         """
         if not callable(fn):
             raise TypeError(f"inturn: run() needs a callable, got {describe(fn)}")
         if task is None:
             keys = self._registry.ordered(keys)
         registry = self._registry
+        if (policy := policy or self._policy).conflates and len(keys) == 1:
+            label = None if registry.tally.observer is None else function_label(fn)
+            return run_latest(
+                self._book, keys[0], fn, args, kwargs, task, timeout, hold, policy, label
+            )
         turn = Turn(registry, keys, timeout, hold)
         if task is not None and loop_of(task) is not registry.mode.solo:
             registry.mode.settle(loop_of(task))  # (settle's test, one call less)
@@ -363,18 +387,26 @@ class KeyedQueue:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         timeout: float | None,
+        policy: Policy | None = None,
     ) -> Any:
-        """Take the turns of keys for this thread, call fn, release: every sync call's path."""
+        """Take the turns of keys for this thread, call fn, release: every sync call's path.
+
+        ``policy``: as _run_keyed's.
+        """
         if not callable(fn):
             raise TypeError(f"inturn: run_sync() needs a callable, got {describe(fn)}")
-        turn = Turn(self._registry, self._registry.ordered(keys), timeout, self._max_hold)
-        if self._registry.tally.observer is None:
-            return call_in_turn_sync(turn, fn, args, kwargs)
-        token = FUNCTION.set(function_label(fn))
+        keys = self._registry.ordered(keys)
+        policy = policy or self._policy
+        observed = self._registry.tally.observer is not None
+        token = FUNCTION.set(function_label(fn)) if observed else None
         try:
+            if policy.conflates and len(keys) == 1 and loop_here() is None:
+                return run_latest_sync(self._book, keys[0], fn, args, kwargs, timeout, policy)
+            turn = Turn(self._registry, keys, timeout, self._max_hold)
             return call_in_turn_sync(turn, fn, args, kwargs)
         finally:
-            FUNCTION.reset(token)
+            if token is not None:
+                FUNCTION.reset(token)
 
     def keyed(
         self,
@@ -519,6 +551,10 @@ class KeyedQueue:
         timeout: float | _Unset | None = UNSET,
         coalesce: bool = False,
         max_hold: float | _Unset | None = UNSET,
+        pending: Literal["all", "latest"] | _Unset = UNSET,
+        on_superseded: Literal["join", "raise"] | _Unset = UNSET,
+        debounce: float | _Unset | None = UNSET,
+        max_wait: float | _Unset | None = UNSET,
     ) -> Decorator: ...
 
     def queue_by_key(
@@ -531,6 +567,10 @@ class KeyedQueue:
         timeout: float | _Unset | None = UNSET,
         coalesce: bool = False,
         max_hold: float | _Unset | None = UNSET,
+        pending: Literal["all", "latest"] | _Unset = UNSET,
+        on_superseded: Literal["join", "raise"] | _Unset = UNSET,
+        debounce: float | _Unset | None = UNSET,
+        max_wait: float | _Unset | None = UNSET,
     ) -> Any:
         """Decorate a function so that its calls queue by key on this queue.
 
@@ -581,13 +621,14 @@ class KeyedQueue:
         """
         from ._decorator import Runner, decorate, is_decoratable
 
-        runner = Runner(self, self._run_keyed, self._run_keyed_sync)
+        runner = Runner(self, self._run_keyed, self._run_keyed_sync, self._policy)
         if is_decoratable(fn) and (key is not None or keys is not None):
             raise TypeError(
                 "inturn: queue_by_key() takes the function to decorate, or key=/keys=, "
                 f"not both; got {describe(fn)} by position"
             )
-        return decorate(runner, fn, key, keys, timeout, coalesce, max_hold)
+        policy = self._policy.given(pending, on_superseded, debounce, max_wait)
+        return decorate(runner, fn, key, keys, timeout, coalesce, max_hold, policy)
 
     # -- looking at the lines -----------------------------------------------------
 
@@ -729,6 +770,7 @@ class KeyedQueue:
         """
         loop = running_loop("drain()")
         await asyncio.sleep(0)  # let tasks created before this call submit their work
+        self._book.flush()  # (work being debounced joins its line now)
         future = loop.create_future()
         # their tasks end just after they leave the lines: wait for that too
         submitted = self._submissions.of_loop(loop)
@@ -739,14 +781,8 @@ class KeyedQueue:
             await future
         if submitted:
             await asyncio.wait(submitted)
-        if raise_errors and self._unclaimed:
-            errors = unawaited(self._unclaimed)
-            self._unclaimed.clear()
-            if errors:
-                raise failures(
-                    f"inturn: {len(errors)} submitted work(s) failed and nobody awaited them",
-                    errors,
-                )
+        if raise_errors:
+            claim(self._unclaimed)
 
     def drain_sync(self, timeout: float | None = None) -> bool:
         """Block this thread until every caller pending or running at this call has finished.
@@ -763,6 +799,8 @@ class KeyedQueue:
                 "use `await queue.drain()`"
             )
         done = threading.Event()
+        self._registry.mode.for_threads()
+        self._book.flush()
         with self._registry.mode.for_threads():
             if not self._registry.mark(done.set):
                 return True

@@ -245,11 +245,13 @@ class Registry:
         line.holder = holder
         return True
 
-    def abandon(self, key: Hashable, line: Line | Gate, waiter: Waiter) -> None:
+    def abandon(
+        self, key: Hashable, line: Line | Gate, waiter: Waiter, guarded: bool = False
+    ) -> None:
         """As Place.abandon. ``line`` is the object the waiter joined: by now it may have left
         the lines (its holder left and no live waiter remained), and a new line may even stand
-        for the same key."""
-        if self.mode.shared:
+        for the same key. ``guarded``: the caller holds the guard already."""
+        if self.mode.shared and not guarded:
             with self.mode.lock or self.mode.locked():
                 self._abandon(key, line, waiter)
         else:
@@ -418,7 +420,7 @@ class Registry:
         if line is None or type(line) is Gate or isinstance(line, Deferred):
             return None  # (several holders: no one outcome; or submitted work, its task unstarted)
         if type(line) is not Line:
-            line = self.lines[key] = Line(line)
+            line = self.lined(key)
         elif not isinstance(line.holder, asyncio.Task | ThreadHolder):
             return None  # handed over to a waiter that has not started yet
         watcher: asyncio.Future[Any] = loop.create_future()
@@ -426,6 +428,13 @@ class Registry:
             line.watchers = []
         line.watchers.append(watcher)
         return watcher
+
+    def lined(self, key: Hashable) -> Line:
+        """Key's line, made a Line if it is a bare holder (key is held). Under the guard."""
+        line = self.lines[key]
+        if type(line) is not Line:
+            line = self.lines[key] = Line(line)
+        return line
 
     def holders(self) -> tuple[set[object], dict[Hashable, int]]:
         """Who holds a key, and how many wait for each key that has waiters. Under the guard."""

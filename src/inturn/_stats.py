@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Protocol, final
 
-from ._errors import QueueFull
+from ._errors import QueueFull, Superseded
 
 #: The function whose turn is being taken, on an observed queue: set around
 #: the turn by run(), run_sync(), a decorated function and submitted work, so
@@ -76,13 +76,23 @@ class Observer(Protocol):
 class Tally:
     """What a queue counts for stats(): how its turns ended, and their times."""
 
-    __slots__ = ("cancelled", "completed", "failed", "held", "observer", "timed_out", "waited")
+    __slots__ = (
+        "cancelled",
+        "completed",
+        "failed",
+        "held",
+        "observer",
+        "replaced",
+        "timed_out",
+        "waited",
+    )
 
     def __init__(self) -> None:
         self.completed = 0
         self.failed = 0
         self.timed_out = 0
         self.cancelled = 0
+        self.replaced = 0  # works newer work took the place of (pending="latest")
         self.waited = 0.0  # seconds from submission to start, summed
         self.held = 0.0  # seconds from start to end, summed
         # told of each turn; while set, no turn takes the plain paths (see Registry.observe)
@@ -123,6 +133,15 @@ class Tally:
         if self.observer is not None:
             _tell(self.observer, "missed", error, FUNCTION.get())
 
+    def superseded(self, count: int, error: BaseException | None) -> None:
+        """Count works that newer work replaced; ``error``: the Superseded their caller got
+        (None: they follow the newer work's outcome). Under the guard."""
+        self.replaced += count
+        if self.observer is not None:
+            told = error or Superseded("inturn: newer work took this work's place; it did not run")
+            for _ in range(count):
+                _tell(self.observer, "missed", told, FUNCTION.get())
+
     def snapshot(
         self, running: int, in_line: int, waiting: dict[Hashable, int], timed: bool
     ) -> QueueStats:
@@ -137,6 +156,7 @@ class Tally:
             cancelled=self.cancelled,
             wait_time=self.waited if timed else None,
             hold_time=self.held if timed else None,
+            superseded=self.replaced,
         )
 
 
@@ -191,3 +211,6 @@ class QueueStats:
     #: Seconds from start to end, summed over ended turns (``None`` as for
     #: ``wait_time``).
     hold_time: float | None
+    #: Works that never ran because newer work for their key took their
+    #: place (``pending="latest"``, or ``debounce``): not counted as turns.
+    superseded: int = 0

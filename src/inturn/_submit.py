@@ -36,8 +36,10 @@ from collections.abc import AsyncGenerator, Callable, Generator, Hashable
 from time import monotonic as _monotonic
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, final
 
+from ._checks import Policy
 from ._describe import describe
 from ._errors import QueueClosed, QueueFull
+from ._latest import Book, Latest, Ticket
 from ._line import Deferred, Gate, held_by
 from ._line import Line as _Line
 from ._stats import FUNCTION, function_label
@@ -61,10 +63,19 @@ R = TypeVar("R")
 class Submissions:
     """A queue's submitted work (one per queue): what submit() and its handles use of it."""
 
-    __slots__ = ("__weakref__", "handles", "max_hold", "registry", "timeout")
+    __slots__ = ("__weakref__", "book", "handles", "max_hold", "policy", "registry", "timeout")
 
-    def __init__(self, registry: Registry, timeout: float | None, max_hold: float | None) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        timeout: float | None,
+        max_hold: float | None,
+        policy: Policy,
+        book: Book,
+    ) -> None:
         self.registry = registry
+        self.policy = policy  # the queue's conflation
+        self.book = book  # the queue's Latests
         self.timeout = timeout  # the queue's
         self.max_hold = max_hold  # the queue's
         self.handles: set[Handle[Any]] = set()  # submitted, not finished yet
@@ -81,7 +92,7 @@ _STARTED = 2  # its task runs (or ran)
 
 
 @final
-class Handle(Deferred, Generic[R]):
+class Handle(Deferred, Ticket, Generic[R]):
     """Work given to :meth:`~inturn.KeyedQueue.submit`: await it for its outcome, or cancel it.
 
     ``await handle`` returns the work's result or raises its exception, as
@@ -107,6 +118,7 @@ class Handle(Deferred, Generic[R]):
         "_kwargs",
         "_line",
         "_queue",
+        "_quiet",
         "_since",
         "_stage",
         "_task",
@@ -137,8 +149,9 @@ class Handle(Deferred, Generic[R]):
         self._failed = failed  # where the handle goes if it fails and nobody awaited it
         self._batch = batch
         self._task: asyncio.Task[Any] | None = None  # the work's task, from its turn on
-        # the line it joined as data, until its task holds the key (None: it took a free key)
-        self._line: _Line | Gate | None = None
+        # the line it joined as data, until its task holds the key (None: it took a free key;
+        # a Latest: it waits in the key's Latest, see _latest)
+        self._line: _Line | Gate | Latest | None = None
         self._context: contextvars.Context | None = None  # submit()'s, while waiting as data
         self._timer: asyncio.TimerHandle | None = None  # the queue's timeout, while waiting
         self._since = 0.0  # when it was submitted (monotonic), on a queue that times turns
@@ -148,6 +161,11 @@ class Handle(Deferred, Generic[R]):
         # add_done_callback's callbacks, each with what the future calls instead (made on first use)
         self._callbacks: list[tuple[Callable[[Handle[R]], object], Callable[..., object]]] | None
         self._callbacks = None
+        # (a Ticket, while it waits in a key's Latest: see _latest)
+        self.join = True
+        self.latest: Latest | None = None
+        self.state = 0
+        self._quiet: asyncio.TimerHandle | None = None  # its Latest's debounce timer
         queue.handles.add(self)
         if batch is not None:
             batch._handles.add(self)
@@ -268,9 +286,12 @@ class Handle(Deferred, Generic[R]):
             self._stage = _UNPLACED
             if self._line is None:  # it took the free key: give it back
                 registry.release_all((self.key,), self, None, None)
+                registry.missed(error)
+            elif type(self._line) is Latest:  # (passes on the key if it was handed just now)
+                self._line.book.gave_up(self, error)
             else:  # (passes on the key if it was handed just now)
                 registry.abandon(self.key, self._line, self)
-            registry.missed(error)
+                registry.missed(error)
         self._finish(not isinstance(error, asyncio.CancelledError))
 
     def _expire(self, timeout: float) -> None:
@@ -281,6 +302,8 @@ class Handle(Deferred, Generic[R]):
             return
         queue = self._queue
         with queue.registry.mode.guard():
+            if self.latest is not None and self.state != 0:
+                return  # its Latest was handed the key (or it was answered) just now
             if held_by(queue.registry.lines.get(self.key), self):
                 return  # handed the key just now: its task takes the rest of the time
             future.set_exception(queue.registry.too_late(self.key, timeout, True))
@@ -312,6 +335,41 @@ class Handle(Deferred, Generic[R]):
             self._task = loop.create_task(_run(self), context=context)
         else:  # pragma: no cover - depends on the interpreter
             self._task = context.run(loop.create_task, _run(self))
+
+    # -- as a Ticket of a key's Latest (see _latest) ------------------------------------
+
+    def run_now(self, shared: bool) -> bool:
+        return self.handed(shared)
+
+    def answer(self, error: BaseException | None, result: Any) -> None:
+        """Its work did not run: newer work replaced it (and this is that work's outcome)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._stage = _UNPLACED
+        future = self._future
+        if future.done():
+            return
+        if error is None:
+            future.set_result(result)
+        elif isinstance(error, asyncio.CancelledError):
+            future.cancel()
+        else:
+            future.set_exception(error)
+            future.exception()  # (its own caller, or the work's, reports it: not the handle)
+        self._finish(False)
+
+    def arm(self, delay: float | None) -> None:
+        _call_soon_in(self._future.get_loop(), lambda: self._arm(delay))
+
+    def _arm(self, delay: float | None) -> None:
+        if self._quiet is not None:
+            self._quiet.cancel()
+            self._quiet = None
+        latest = self.latest
+        if delay is not None and latest is not None and not self._future.done():
+            loop = self._future.get_loop()
+            self._quiet = loop.call_later(max(delay, 0.0), latest.book.tick, latest)
 
     def _ended(self, error: BaseException | None, result: Any) -> None:
         """Give the handle the outcome of its work, from the work's task (or its refusal)."""
@@ -363,8 +421,12 @@ async def _run(handle: Handle[Any]) -> None:
     if task is None:  # an eager task runs this step inside create_task: known so, to cancel()
         task = handle._task = _current_task()
         assert task is not None
+    latest = handle._line if type(handle._line) is Latest else None
     with registry.mode.guard():
-        registry.start(handle.key, handle, task, handle._line is not None)
+        if latest is not None:
+            latest.book.start(handle, task)
+        else:
+            registry.start(handle.key, handle, task, handle._line is not None)
         handle._line = None
         if handle._counted:
             _uncount(handle, registry.slots)
@@ -375,10 +437,14 @@ async def _run(handle: Handle[Any]) -> None:
         fn, args, kwargs = handle._fn, handle._args, handle._kwargs
         result = await call_in_turn(turn, fn, args, kwargs, task, handle._since, lined=True)
     except BaseException as error:
+        if latest is not None:
+            latest.book.ended(handle, error, None)
         handle._ended(error, None)
         if isinstance(error, Exception):
             return  # it is the handle's now: the task ends quietly
         raise
+    if latest is not None:
+        latest.book.ended(handle, None, result)
     handle._ended(None, result)
 
 
@@ -410,9 +476,15 @@ async def submit(
     handle: Handle[Any] = Handle(queue, key, fn, args, kwargs, loop.create_future(), failed, batch)
     if registry.timed:
         handle._since = _monotonic()
+    policy = queue.policy
     try:
         with registry.mode.guard_for(loop):
-            line = registry.join(key, handle, handle, queue.timeout, guarded=True)  # as data
+            line: _Line | Gate | Latest | None = None
+            if policy.conflates and queue.timeout != 0:
+                handle.join = policy.join
+                line = queue.book.enter(key, handle, handle, policy, loop.time)
+            if line is None:
+                line = registry.join(key, handle, handle, queue.timeout, guarded=True)  # as data
             handle._stage = _PLACED
             handle._line = line
             if line is None and slots is not None:  # it holds the key: its task starts next
@@ -501,3 +573,13 @@ def unawaited(failed: list[Handle[Any]]) -> list[BaseException]:
     """The errors of the failed handles nobody awaited."""
     errors = [handle._future.exception() for handle in failed if not handle._awaited]
     return [error for error in errors if error is not None]
+
+
+def claim(failed: list[Handle[Any]]) -> None:
+    """Raise the errors of failed handles nobody awaited, once (``drain(raise_errors=True)``)."""
+    errors = unawaited(failed)
+    failed.clear()
+    if errors:
+        raise failures(
+            f"inturn: {len(errors)} submitted work(s) failed and nobody awaited them", errors
+        )

@@ -23,6 +23,7 @@ from time import monotonic as _monotonic
 from types import CoroutineType, MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Any, Final, NoReturn, cast, final
 
+from ._checks import no_transaction
 from ._describe import describe
 from ._drive import (
     GRANT,
@@ -297,6 +298,11 @@ class Turn:
 
     def __enter__(self) -> Turn:
         """Take the turns for this thread, blocking it while it waits (see ``KeyedQueue.keyed``)."""
+        return self._enter_sync(False, 0.0)
+
+    def _enter_sync(self, lined: bool, since: float) -> Turn:
+        """__enter__; ``lined``: this thread holds the key's line already, asked for at
+        ``since`` (conflated work handed the key: see _latest)."""
         if self._holder is not None:
             raise RuntimeError("inturn: this keyed() turn is already entered; make one per block")
         if self._hold is not None:
@@ -309,7 +315,7 @@ class Turn:
             mode = self._registry.mode
             if not mode.shared:
                 mode.arrive(None)
-            me = self._enter_now(thread_holder())
+            me = self._enter_now(thread_holder(), lined)
         else:
             me = self._enter_now(self._task_holding())
         if self._holder is None:
@@ -319,7 +325,7 @@ class Turn:
                 self.token = next(self._registry.tokens)
                 self._holder = me
             else:
-                begun = self._start(me, 0.0, False)
+                begun = self._start(me, since, lined)
                 if begun is not None:  # (in one frame with begun: see unwind_sync)
                     try:
                         drive_sync(*begun, me, self._registry, self._timeout, self._since)
@@ -446,7 +452,7 @@ class Turn:
                     shared.granted(key)  # type: ignore[union-attr]
             if shared is not None and not each:
                 if self._transaction and not taken:
-                    raise _no_transaction(self.keys)  # noqa: TRY301
+                    raise no_transaction(self.keys)  # noqa: TRY301
                 if taken or self._transaction:
                     yield from shared.on_session(backend, taken, own)  # type: ignore[arg-type]
             if slots is not None:
@@ -583,13 +589,20 @@ async def call_in_turn(
 
 
 def call_in_turn_sync(
-    turn: Turn, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    turn: Turn,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    lined: bool = False,
+    since: float = 0.0,
 ) -> Any:
     """Take turn for this thread, call fn, release turn with the outcome; return it.
 
+    ``lined``, ``since``: as call_in_turn's.
+
     :raises TypeError: fn returned a coroutine (closed, never run: a thread cannot await it).
     """
-    turn.__enter__()
+    turn._enter_sync(lined, since)
     try:
         result = fn(*args, **kwargs)
         if type(result) is CoroutineType:
@@ -606,14 +619,4 @@ def _refuse_coroutine(fn: object, result: CoroutineType[Any, Any, Any]) -> NoRet
     raise TypeError(
         f"inturn: {describe(fn)} returned a coroutine, which a thread cannot await; "
         "for async def functions use `await queue.run(...)`"
-    )
-
-
-def _no_transaction(keys: tuple[Hashable, ...]) -> RuntimeError:
-    """A transaction turn with no key of its own to take: nothing to run it on."""
-    return RuntimeError(
-        "inturn: keyed(..., transaction=True) runs its block in a transaction on the "
-        f"connection that takes its keys, and {describe(keys)} are held by the turn around "
-        "it already: ask for the transaction there, or add a key of this turn's own; the "
-        "work did not run"
     )
