@@ -24,10 +24,11 @@ from ._checks import (
     check_transaction,
 )
 from ._checks import Unset as _Unset
+from ._conflate import run_latest, run_latest_sync
 from ._describe import describe
 from ._drive import give_up, line_up, seated
 from ._keyspec import KeySpec, KeysSpec
-from ._latest import Book, run_latest, run_latest_sync
+from ._latest import Book
 from ._line import held_by, wake
 from ._order import unhashable
 from ._registry import Registry
@@ -661,9 +662,12 @@ class KeyedQueue:
 
         This process's view, as :meth:`is_active`'s: with a shared backend,
         the waiters of other processes are not counted (the backend's
-        ``lines()`` lists every process's, where it has one).
+        ``lines()`` lists every process's, where it has one). With
+        ``pending="latest"`` or ``debounce``, every caller still waiting
+        counts, also those whose work was replaced (they wait for the newer
+        work's outcome).
         """
-        return self._registry.pending(key)
+        return self._registry.pending(key) + self._book.callers(key)
 
     def current(self, key: Hashable) -> asyncio.Future[Any] | None:
         """An awaitable of the outcome of ``key``'s current holder, or ``None``.

@@ -1,0 +1,237 @@
+"""The callers of a key's Latest (see _latest): a task's ticket and a thread's, and their calls.
+
+A caller whose work finds its key busy (or is debounced) waits on its ticket
+instead of in the key's line; woken with ``_RUN`` it holds the key in its
+Latest's place and takes the rest of its turn's steps (``lined``), then
+tells the book the work's outcome for its followers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Hashable
+from threading import Lock
+from time import monotonic as _monotonic
+from typing import TYPE_CHECKING, Any, Final, final
+
+from ._checks import Policy
+from ._latest import WAITING, Book, Ticket
+from ._tasks import current_task, in_loop_of
+from ._threads import thread_holder
+from ._turn import Turn, call_in_turn, call_in_turn_sync
+
+if TYPE_CHECKING:
+    from ._registry import Registry
+
+#: What a task's ticket future is given when its caller is to run its work.
+_RUN: Final = object()
+
+
+def _give(future: asyncio.Future[Any], error: BaseException | None, result: Any) -> None:
+    if future.done():  # its caller left
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
+
+
+@final
+class TaskTicket(Ticket):
+    """A task's ticket: it awaits ``future`` (``_RUN``: run its work; else its answer)."""
+
+    __slots__ = ("future", "timer")
+
+    def __init__(self, join: bool, future: asyncio.Future[Any]) -> None:
+        super().__init__(join)
+        self.future = future
+        self.timer: asyncio.TimerHandle | None = None  # the debounce's
+
+    def run_now(self, shared: bool) -> bool:
+        return in_loop_of(self.future, _give, self.future, None, _RUN)
+
+    def answer(self, error: BaseException | None, result: Any) -> None:
+        in_loop_of(self.future, _give, self.future, error, result)
+
+    def arm(self, delay: float | None) -> None:
+        in_loop_of(self.future, self._arm, delay)
+
+    def _arm(self, delay: float | None) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if delay is not None and self.state == WAITING and not self.future.done():
+            latest = self.latest
+            assert latest is not None
+            self.timer = self.future.get_loop().call_later(
+                max(delay, 0.0), latest.book.tick, latest
+            )
+
+
+@final
+class ThreadTicket(Ticket):
+    """A thread's ticket: it blocks on ``lock``, released once ``outcome`` is set (or to re-arm)."""
+
+    __slots__ = ("due", "lock", "outcome")
+
+    def __init__(self, join: bool) -> None:
+        super().__init__(join)
+        self.lock = Lock()
+        self.lock.acquire()
+        self.outcome: tuple[BaseException | None, Any] | None = None
+        self.due: float | None = None  # when to tick the debounce (monotonic)
+
+    def run_now(self, shared: bool) -> bool:
+        self.outcome = (None, _RUN)
+        self._wake()
+        return True
+
+    def answer(self, error: BaseException | None, result: Any) -> None:
+        self.outcome = (error, result)
+        self._wake()
+
+    def arm(self, delay: float | None) -> None:
+        was, self.due = self.due, None if delay is None else _monotonic() + delay
+        if self.due is not None and (was is None or self.due < was):
+            self._wake()  # (to wait with the new time)
+
+    def _wake(self) -> None:
+        if self.lock.locked():
+            try:
+                self.lock.release()
+            except RuntimeError:  # released just now: it wakes anyway
+                pass
+
+
+def _late(registry: Registry, key: Hashable, limit: float) -> TimeoutError:
+    return registry.too_late(key, limit, False)
+
+
+async def run_latest(
+    book: Book,
+    key: Hashable,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    task: asyncio.Task[Any] | None,
+    timeout: float | None,
+    hold: float | None,
+    policy: Policy,
+    label: str | None,
+) -> Any:
+    """A task's call of fn in key's turn, conflated by policy (see the module).
+
+    ``task``: the caller's, if it knows it (else the current task).
+    """
+    registry = book.registry
+    if task is None:
+        task = current_task()
+        assert task is not None
+    loop = task.get_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+    ticket = TaskTicket(policy.join, future)
+    since = _monotonic() if registry.timed else 0.0
+    with registry.mode.guard_for(loop):
+        latest = None if timeout == 0 else book.enter(key, task, ticket, policy, loop.time)
+    turn = Turn(registry, (key,), timeout, hold)
+    if latest is None:
+        return await call_in_turn(turn, fn, args, kwargs, task, label=label)
+    timer = None if timeout is None else loop.call_later(timeout, _expire, book, ticket, timeout)
+    try:
+        answer = await future
+    except BaseException as problem:
+        book.gave_up(ticket, problem)
+        raise
+    finally:
+        if timer is not None:
+            timer.cancel()
+    if answer is not _RUN:
+        return answer
+    with registry.mode.guard():
+        book.start(ticket, task)
+    error: BaseException | None = None
+    try:
+        result = await call_in_turn(turn, fn, args, kwargs, task, since, lined=True, label=label)
+    except BaseException as problem:
+        error = problem
+        raise
+    finally:
+        book.ended(ticket, error, None if error is not None else result)
+    return result
+
+
+def _expire(book: Book, ticket: TaskTicket, limit: float) -> None:
+    """A task's ticket not handed the key within its caller's timeout: its caller leaves."""
+    with book.registry.mode.guard():
+        if ticket.state != WAITING or ticket.future.done():
+            return
+        latest = ticket.latest
+        assert latest is not None
+        ticket.future.set_exception(_late(book.registry, latest.key, limit))
+
+
+def run_latest_sync(
+    book: Book,
+    key: Hashable,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    timeout: float | None,
+    policy: Policy,
+) -> Any:
+    """A thread's call of fn in key's turn, conflated by policy (see run_latest)."""
+    registry = book.registry
+    ticket = ThreadTicket(policy.join)
+    me = thread_holder()
+    since = _monotonic() if registry.timed else 0.0
+    with registry.mode.for_threads():
+        latest = None if timeout == 0 else book.enter(key, me, ticket, policy, _monotonic)
+    turn = Turn(registry, (key,), timeout, None)
+    if latest is None:
+        return call_in_turn_sync(turn, fn, args, kwargs)
+    try:
+        answer = _wait_sync(book, ticket, key, timeout)
+        if answer is not _RUN:
+            return answer
+        with registry.mode.guard():
+            book.start(ticket, me)
+    except BaseException as problem:
+        book.gave_up(ticket, problem)
+        raise
+    error: BaseException | None = None
+    result = None
+    try:
+        result = call_in_turn_sync(turn, fn, args, kwargs, lined=True, since=since)
+    except BaseException as problem:
+        error = problem
+        raise
+    finally:
+        book.ended(ticket, error, result)
+    return result
+
+
+def _wait_sync(book: Book, ticket: ThreadTicket, key: Hashable, limit: float | None) -> Any:
+    """Block until the book answers ticket, ticking its debounce when due; _RUN: run the work.
+
+    :raises TimeoutError: not handed the key within limit (the caller then leaves).
+    """
+    deadline = None if limit is None else _monotonic() + limit
+    while True:
+        times = [when for when in (deadline, ticket.due) if when is not None]
+        left = min(times) - _monotonic() if times else None
+        woken = ticket.lock.acquire(timeout=-1 if left is None else max(left, 0.0))
+        outcome = ticket.outcome
+        if outcome is not None:
+            error, result = outcome
+            if error is not None:
+                raise error
+            return result
+        if woken:
+            continue  # (re-timed: see ThreadTicket.arm)
+        now = _monotonic()
+        if deadline is not None and now >= deadline:
+            with book.registry.mode.guard():
+                if ticket.outcome is None:
+                    raise _late(book.registry, key, limit)  # type: ignore[arg-type]
+        elif ticket.due is not None and now >= ticket.due and ticket.latest is not None:
+            book.tick(ticket.latest)
