@@ -16,6 +16,8 @@ the queue's ``name=``, never by key:
 - ``inturn_queue_waiting`` (gauge): turns waiting now, for a key or a slot;
 - ``inturn_turns_total{outcome=...}`` (counter): turns that ended, by
   outcome: ``completed``, ``failed``, ``timed_out``, ``cancelled``;
+- ``inturn_superseded_total`` (counter): works that never ran because newer
+  work for their key took their place (``pending="latest"``, ``debounce``);
 - ``inturn_turn_wait_seconds_total`` and ``inturn_turn_hold_seconds_total``
   (counters): seconds waited and held, summed, for queues that time their
   turns (with ``max_running``, ``max_hold``, a backend, or observed); divide
@@ -55,6 +57,9 @@ class QueueCollector(Collector):
         turns = CounterMetricFamily(
             "inturn_turns", "Turns that ended, by outcome", labels=["queue", "outcome"]
         )
+        superseded = CounterMetricFamily(
+            "inturn_superseded", "Works replaced by newer work for their key", labels=["queue"]
+        )
         waited = CounterMetricFamily(
             "inturn_turn_wait_seconds", "Seconds turns waited, summed", labels=["queue"]
         )
@@ -68,10 +73,11 @@ class QueueCollector(Collector):
             waiting.add_metric([name], sum(stats.waiting.values()) + stats.waiting_for_slot)
             for outcome in ("completed", "failed", "timed_out", "cancelled"):
                 turns.add_metric([name, outcome], getattr(stats, outcome))
+            superseded.add_metric([name], stats.superseded)
             if stats.wait_time is not None and stats.hold_time is not None:
                 waited.add_metric([name], stats.wait_time)
                 held.add_metric([name], stats.hold_time)
-        yield from (running, waiting, turns, waited, held)
+        yield from (running, waiting, turns, superseded, waited, held)
 
 
 # --8<-- [end:collector]

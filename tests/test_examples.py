@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
-EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.py"))
+DIRECTORY = Path(__file__).parent.parent / "examples"
+EXAMPLES = sorted(DIRECTORY.glob("*.py"))
 #: Examples that need a server, each run against the session's by a test module of its own.
 NEEDS_A_SERVER = {"redis_stream_consumer": "test_redis_stream_example.py"}
 
@@ -20,6 +23,7 @@ def test_there_are_examples() -> None:
         "chat",
         "batch",
         "partitioned_batch",
+        "manifest_sync",
         *NEEDS_A_SERVER,
     }
     for module in NEEDS_A_SERVER.values():
@@ -36,3 +40,26 @@ def test_example_runs(example: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
     assert "Traceback" not in result.stderr
+
+
+def _load(stem: str) -> ModuleType:
+    """The example stem, imported as a module of its own (its main() not run)."""
+    spec = importlib.util.spec_from_file_location(f"example_{stem}", DIRECTORY / f"{stem}.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("versions", [1, 2, 3, 50])
+async def test_manifest_sync_syncs_the_running_version_and_the_latest(versions: int) -> None:
+    # the example's claim: a burst published while v1 syncs costs one more sync,
+    # of the latest, and every publisher is answered (a replaced one by that sync)
+    example = _load("manifest_sync")
+    server = example.Server()
+    answers = await example.publish(server, versions)
+    assert server.synced == sorted({1, versions})
+    assert answers == [1] + [versions] * (versions - 1)
+    assert set(server.files.values()) == {f"v{versions}"}
+    assert not example.Server.sync.queue.is_active("manifest-sync")  # nothing left in line

@@ -73,3 +73,23 @@ async def test_a_scrape_from_the_exporter_s_thread_shows_what_runs_waits_and_end
     # an untimed queue has no seconds to show, rather than a false 0
     assert ("inturn_turn_hold_seconds_total", (("queue", "unnamed"),)) not in seen
     assert seen[("inturn_queue_running", (("queue", "shop"),))] == 0
+
+
+async def test_works_replaced_by_newer_ones_are_counted_apart_from_turns() -> None:
+    docs = KeyedQueue(name="docs", pending="latest")
+    registry = CollectorRegistry()
+    registry.register(QueueCollector(docs))
+    release = asyncio.Event()
+
+    async def render(draft: int) -> int:
+        if draft == 0:
+            await release.wait()
+        return draft
+
+    calls = [asyncio.create_task(docs.run("doc-1", render, n)) for n in range(5)]
+    await asyncio.sleep(0)  # 0 renders; 1 to 4 each take the waiting one's place
+    release.set()
+    assert await asyncio.gather(*calls) == [0, 4, 4, 4, 4]
+    sample = registry.get_sample_value
+    assert sample("inturn_superseded_total", {"queue": "docs"}) == 3
+    assert sample("inturn_turns_total", {"queue": "docs", "outcome": "completed"}) == 2

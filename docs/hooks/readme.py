@@ -33,6 +33,7 @@ ANCHORS = {
     "#a-fork-inside-a-turn": "backends.md#a-fork-inside-a-turn",
     "#deploying": "deploying.md",
     "#development": "getting-started.md#development",
+    "#latest-wins-conflation-and-debounce": "latest.md",
 }
 
 
