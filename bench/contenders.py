@@ -22,7 +22,7 @@ from collections import defaultdict
 from collections.abc import Callable, Coroutine, Hashable, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import wrapt
 
@@ -213,9 +213,11 @@ class AsyncioKeyedLock(Contender):
 class InturnRun(Contender):
     name = "inturn.run"
     module: ModuleType = inturn  # the inturn measured: this tree's, or an earlier one's
+    #: The queue's options: none, the default queue (bench/turns.py times shapes with some)
+    options: ClassVar[dict[str, Any]] = {}
 
     def reset(self) -> None:
-        self.queue = self.module.KeyedQueue()
+        self.queue = self.module.KeyedQueue(**self.options)
 
     async def sequential(self, n: int) -> None:
         run = self.queue.run

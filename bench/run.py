@@ -1,7 +1,7 @@
 """Run every scenario for every contender in one process, and report ratios.
 
     python -m bench [--repeats 3] [--json bench/results.json] [--plot out.png] [--quick]
-                    [--no-threads] [--no-multiproc]
+                    [--no-threads] [--no-latest] [--no-multiproc]
 
 Contenders are interleaved (each repeat runs all of them, in a rotated
 order) and every number is the median of the repeats, so that a noisy
@@ -25,6 +25,13 @@ uncontended turn of each shape (``run``, ``keyed``, the decorator, two keys,
 ``max_hold``, an observer, ``max_running`` with a timeout, and from threads
 unless ``--no-threads``), as ratios to the hand-written lock; with
 ``--before``, also on that revision's inturn.
+
+Then, unless ``--no-latest``, scenario (w), bench/latest.py (alone:
+``python -m bench.latest``): a burst of 1,000 submissions on one busy key,
+on ``KeyedQueue()`` beside ``KeyedQueue(pending="latest")`` (issue 32) and a
+hand-written lock that skips stale callers: the works run, the time of the
+burst and the memory it holds, as ratios to ``KeyedQueue()``; and (w2), the
+uncontended turns of (u) on the latest queue over the default one.
 
 Then the targets (bench/targets.py): each PASS or MISS, SKIP when its
 contenders were not measured (the ``--before`` revision's, without it).
@@ -51,7 +58,7 @@ if __package__ in (None, ""):  # run as a script: python bench/run.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     __package__ = "bench"
 
-from . import flow, multiproc, scenarios, threads, turns
+from . import flow, latest, multiproc, scenarios, threads, turns
 from .contenders import ALL, Contender, InturnSlots, at_version
 from .targets import Rows, Target, at_most, cell, evaluate, ratio, valid
 
@@ -176,7 +183,7 @@ def _own(row: str, name: str, label: str, limit: float, **options: Any) -> Targe
 
 
 def target_table(sizes: Sizes, flow_sizes: flow.Sizes, before: str | None) -> list[Target]:
-    """Every target of the Benchmark issue and issues 17 and 29, in the order they are printed.
+    """Every target of the Benchmark issue and issues 17, 29 and 32, in the order they are printed.
 
     Targets against the inturn of ``--before`` are SKIP without it.
     """
@@ -240,6 +247,7 @@ def target_table(sizes: Sizes, flow_sizes: flow.Sizes, before: str | None) -> li
         for label in distributions
     )
     table.extend(turns.target_table())
+    table.extend(latest.target_table())
     return table
 
 
@@ -250,7 +258,7 @@ def targets(
     flow_sizes: flow.Sizes,
     before: str | None = None,
 ) -> list[tuple[str, str, str]]:
-    """(verdict, label, value) of every target, on this run's rows (in process, (g) and (u))."""
+    """(verdict, label, value) of every target, on this run's rows (in process, (g), (u), (w))."""
     return [evaluate(target, rows, measured) for target in target_table(sizes, flow_sizes, before)]
 
 
@@ -356,6 +364,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="also measure sync turns from threads (bench/threads.py)",
     )
     parser.add_argument(
+        "--latest",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also measure a burst on one busy key with pending='latest' (bench/latest.py)",
+    )
+    parser.add_argument(
         "--multiproc",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -401,10 +415,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     turn_rows = turns.derive(turn_medians)
     print(f"\n## {turns.TITLE}: {machine()}, median of {options.repeats}\n")
     print(turns.table(turn_rows, options.before))
-    print("\nTargets (the Benchmark issue's, issues 17 and 29; SKIP: not measured in this run):\n")
+    latest_result, latest_rows, latest_names = None, {}, []
+    if options.latest:
+        latest_sizes = latest.Sizes(options.quick)
+        latest_kinds = latest.kinds(options.before)
+        latest_medians = asyncio.run(
+            latest.measure(latest_sizes, options.repeats, log, latest_kinds)
+        )
+        latest_rows = latest.derive(latest_medians, latest_sizes)
+        latest_names = latest.measured(latest_medians, latest_kinds)
+        latest_result = {"medians": latest_medians, "rows": latest_rows}
+        print(f"\n## {latest.title(latest_sizes)}: {machine()}, median of {options.repeats}\n")
+        print(latest.table(latest_rows, latest_names))
+        print(f"\n{latest.uncontended_table(turn_rows)}")
+    print(
+        "\nTargets (the Benchmark issue's, issues 17, 29 and 32; SKIP: not measured in this run):\n"
+    )
     results = targets(
-        {**rows, **flow_rows, **turn_rows},
-        [*names, *flow.NAMES, *turn_medians],
+        {**rows, **flow_rows, **turn_rows, **latest_rows},
+        [*names, *flow.NAMES, *turn_medians, *latest_names],
         sizes,
         flow_sizes,
         options.before,
@@ -434,6 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "flow": {"medians": flow_medians, "rows": flow_rows},
                     "threads": thread_result,
                     "turns": {"medians": turn_medians, "rows": turn_rows},
+                    "latest": latest_result,
                     "multiproc": across,
                 },
                 indent=2,

@@ -12,6 +12,9 @@ median of the repeats. Each shape's ratio is to the hand-written lock
 measured in the same run: a dict of ``asyncio.Lock`` with a reference count
 (bench/contenders.py) for tasks, of ``threading.Lock`` (bench/threads.py)
 for threads, and for two keys the same lock taken for both, in order.
+``run``, ``keyed`` and the decorator are timed again on
+``KeyedQueue(pending="latest")`` (issue 32), each with its shape's target
+on the default queue: the option's path is only taken while a key is busy.
 
 With ``--before GIT_REF``, inturn's shapes are also timed on the inturn of
 that revision, in the same repeats; a shape that revision lacks is left out.
@@ -78,6 +81,26 @@ class InturnKeyedPair(InturnKeyed):
         for i in range(n):
             async with keyed(2 * i, 2 * i + 1):
                 await work()
+
+
+#: Issue 32's option: a key keeps at most one waiting work. Its path is only taken while
+#: the key is busy, so an uncontended turn should cost what it costs on the default queue.
+LATEST: dict[str, Any] = {"pending": "latest"}
+
+
+class InturnRunLatest(InturnRun):
+    name = "inturn.run pending=latest"
+    options = LATEST
+
+
+class InturnKeyedLatest(InturnKeyed):
+    name = "inturn.keyed pending=latest"
+    options = LATEST
+
+
+class InturnDecoratorLatest(InturnDecorator):
+    name = "@queue_by_key pending=latest"
+    options = LATEST
 
 
 class InturnMaxHold(InturnRun):
@@ -174,6 +197,20 @@ SHAPES = (
     Shape(InturnRun, "`q.run(key, fn)`", HANDWRITTEN, 0.6),
     Shape(InturnKeyed, "`async with q.keyed(key)`", HANDWRITTEN, 1.2),
     Shape(InturnDecorator, "`@queue_by_key` async function", HANDWRITTEN, 1.3),
+    # issue 32: each at its own shape's target, on the default queue
+    Shape(InturnRunLatest, '`q.run` on `KeyedQueue(pending="latest")`', HANDWRITTEN, 0.6),
+    Shape(
+        InturnKeyedLatest,
+        '`async with q.keyed(key)` on `KeyedQueue(pending="latest")`',
+        HANDWRITTEN,
+        1.2,
+    ),
+    Shape(
+        InturnDecoratorLatest,
+        '`@queue_by_key` async function on `KeyedQueue(pending="latest")`',
+        HANDWRITTEN,
+        1.3,
+    ),
     Shape(InturnMaxHold, f"`q.run` on `KeyedQueue(max_hold={LIMIT:g})`", HANDWRITTEN, 2.0),
     Shape(InturnObserved, "`q.run` on a queue observed (no-op observer)", HANDWRITTEN, 2.0),
     Shape(

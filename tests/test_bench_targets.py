@@ -12,7 +12,7 @@ import math
 from typing import Any
 
 import pytest
-from bench import flow, multiproc, run, threads, turns
+from bench import flow, latest, multiproc, run, threads, turns
 from bench.contenders import ALL
 from bench.targets import INFO, MISS, PASS, SKIP, Target, check, evaluate, ratio
 
@@ -77,6 +77,20 @@ def _flow_medians(sizes: flow.Sizes) -> dict[str, dict[str, float]]:
     }
 
 
+def _latest_medians(sizes: latest.Sizes) -> dict[str, dict[str, float]]:
+    """Plausible medians of (w): every figure positive, pending=all the dearest."""
+    names = [cls.name for cls in latest.ALL]
+    medians: dict[str, dict[str, float]] = {}
+    keys = [f"{what} {way}" for what in ("runs", "superseded", "us", "peak") for way in latest.WAYS]
+    keys += [
+        f"{what} {n}" for what in ("held", "idle", "unclaimed") for n in (sizes.small, sizes.burst)
+    ]
+    for key in keys:
+        medians[key] = {name: 2.0 + i for i, name in enumerate(names)}
+        medians[key][latest.BASELINE] = 1_001.0
+    return medians
+
+
 def _turn_medians(with_threads: bool = True) -> dict[str, float]:
     """Plausible medians of (u): each floor cheapest, every cost positive."""
     names = [cls.name for cls in turns.kinds(with_threads=with_threads)]
@@ -88,18 +102,20 @@ def _turn_medians(with_threads: bool = True) -> dict[str, float]:
 
 
 def _run(before: str | None = REF) -> tuple[dict[str, dict[str, float]], list[str], list[Target]]:
-    """A whole run's rows (in process, (g) and (u)), the contenders measured, and the targets."""
+    """A whole run's rows (in process, (g), (u), (w)), the contenders measured, and the targets."""
     sizes, flow_sizes = run.Sizes(quick=False), flow.Sizes(quick=False)
     names = [cls.name for cls in ALL]
     if before:
         names += [f"{name}@{before}" for name in ("inturn.run", "inturn.keyed", "@queue_by_key")]
     turn_medians = _turn_medians()
+    latest_sizes = latest.Sizes(quick=False)
     rows = {
         **run.derive(_medians(names, sizes), sizes),
         **flow.derive(_flow_medians(flow_sizes), flow_sizes),
         **turns.derive(turn_medians),
+        **latest.derive(_latest_medians(latest_sizes), latest_sizes),
     }
-    measured = [*names, *flow.NAMES, *turn_medians]
+    measured = [*names, *flow.NAMES, *turn_medians, *(cls.name for cls in latest.ALL)]
     return rows, measured, run.target_table(sizes, flow_sizes, before)
 
 
@@ -155,7 +171,7 @@ def test_e_is_a_ratio_of_whole_costs_so_positive() -> None:
 
 def test_every_target_misses_when_a_figure_it_reads_is_not_a_measure() -> None:
     rows, measured, table = _run()
-    assert len(table) == 33
+    assert len(table) == 42
     for target in map(_loose, table):
         verdict, _, good = evaluate(target, rows, measured)
         assert verdict == PASS, (target.label, good)
@@ -245,7 +261,7 @@ def test_threads_table_gives_ratios_of_costs_only_and_none_of_a_figure_that_is_n
     assert "x)" not in order_row  # a share, not a cost
 
 
-#: Issue 29: each shape's uncontended turn, at most this ratio to its hand-written lock.
+#: Issues 29 and 32: each shape's uncontended turn, at most this ratio to its hand-written lock.
 ISSUE_29 = {
     ("inturn.run", "handwritten"): 0.6,
     ("inturn.keyed", "handwritten"): 1.2,
@@ -256,6 +272,10 @@ ISSUE_29 = {
     ("inturn.keyed 2 keys", "handwritten 2 keys"): 2.5,
     ("thread inturn keyed", "thread handwritten"): 1.5,
     ("thread inturn keyed 2 keys", "thread handwritten 2 keys"): 2.5,
+    # issue 32: on KeyedQueue(pending="latest"), each at its own shape's target
+    ("inturn.run pending=latest", "handwritten"): 0.6,
+    ("inturn.keyed pending=latest", "handwritten"): 1.2,
+    ("@queue_by_key pending=latest", "handwritten"): 1.3,
 }
 
 
