@@ -11,10 +11,11 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from helpers import PATIENCE, checkpoints, settle, wait_until
-from virtual_time import run_virtual
 
 from inturn import InturnError, KeyedQueue, QueueFull, Superseded
+from virtual_time import run_virtual
+
+from helpers import PATIENCE, checkpoints, settle, wait_until
 
 
 class Busy:
@@ -497,7 +498,7 @@ def test_a_debounced_key_that_is_busy_waits_behind_its_holder() -> None:
     run_virtual(scenario())
 
 
-# -- threads, and threads with tasks ----------------------------------------------------------------
+# -- threads, and threads with tasks ---------------------------------------------------
 
 
 def test_threads_conflate_with_raise_in_arrival_order() -> None:
