@@ -6,6 +6,7 @@ Driven by events and loop rounds; the debounce on a virtual clock.
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -369,7 +370,7 @@ async def test_raise_fails_replaced_handles_without_failing_the_batch() -> None:
     assert busy.ran == ["holder", 2]
 
 
-async def test_cancelling_the_latest_handle_puts_the_older_back() -> None:
+async def test_a_replaced_handle_follows_the_newer_work_even_when_it_is_cancelled() -> None:
     queue = KeyedQueue(pending="latest")
     busy = Busy()
     first = await queue.submit("k", busy.work("holder"))
@@ -377,11 +378,27 @@ async def test_cancelling_the_latest_handle_puts_the_older_back() -> None:
     older = await queue.submit("k", busy.work("older"))
     newer = await queue.submit("k", busy.work("newer"))
     assert newer.cancel()
+    await checkpoints()
+    assert older.cancelled()  # it let its work go when it was replaced
+    assert not queue.pending("k")
     busy.gate.set()
-    assert await older == "older"
     await first
-    assert newer.cancelled()
-    assert busy.ran == ["holder", "older"]
+    assert busy.ran == ["holder"]
+
+
+async def test_replaced_handles_nobody_holds_cost_the_key_nothing() -> None:
+    queue = KeyedQueue(pending="latest")
+    busy = Busy()
+    first = await queue.submit("k", busy.work("holder"))
+    await settle(lambda: busy.ran == ["holder"])
+    for i in range(50):
+        await queue.submit("k", busy.work(i))  # (each handle dropped at once)
+    gc.collect()
+    assert queue.pending("k") == 1  # the newest only: the replaced ones are gone
+    busy.gate.set()
+    await first
+    await queue.drain()
+    assert busy.ran == ["holder", 49]
 
 
 def test_a_replaced_handle_times_out_from_its_own_submission() -> None:
@@ -398,7 +415,8 @@ def test_a_replaced_handle_times_out_from_its_own_submission() -> None:
             await new
         assert first.cancel()
         await checkpoints()
-        assert queue.stats().timed_out == 2
+        stats = queue.stats()
+        assert (stats.timed_out, stats.superseded) == (1, 1)  # each work counted once
         assert busy.ran == []
 
     run_virtual(scenario())

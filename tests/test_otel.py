@@ -337,3 +337,37 @@ def test_a_queue_instrumented_while_the_gauges_are_read_breaks_no_reading(reader
     for queue in queues:
         assert value(found[0], "inturn.queue.waiting", **_k({QUEUE: queue.name})) == 0
     assert value(points(memory), "inturn.queue.running", **_k({QUEUE: "late"})) == 0
+
+
+@pytest.mark.parametrize("on_superseded", ["join", "raise"])
+async def test_replaced_work_is_counted_as_superseded_by_its_own_function(
+    reader: Any, on_superseded: str
+) -> None:
+    memory, provider = reader
+    queue = KeyedQueue(name="latest", pending="latest", on_superseded=on_superseded)  # type: ignore[arg-type]
+    instrument(queue, meter_provider=provider)
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def hold() -> None:
+        started.set()
+        await release.wait()
+
+    async def older() -> str:
+        return "older"
+
+    async def newer() -> str:
+        return "newer"
+
+    holder = asyncio.create_task(queue.run("k", hold))
+    await started.wait()
+    replaced = asyncio.create_task(queue.run("k", older))
+    await asyncio.sleep(0)
+    latest = asyncio.create_task(queue.run("k", newer))
+    await asyncio.sleep(0)
+    release.set()
+    await asyncio.gather(holder, replaced, latest, return_exceptions=True)
+    assert latest.result() == "newer"
+    found = points(memory)
+    labels = _k({QUEUE: "latest", FUNCTION: f"{__name__}.{older.__qualname__}"})
+    assert value(found, "inturn.turn.superseded", **labels) == 1
+    assert "inturn.turn.errors" not in found

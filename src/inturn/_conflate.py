@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Final, final
 
 from ._checks import Policy
 from ._latest import WAITING, Book, Ticket
+from ._stats import FUNCTION
 from ._tasks import current_task, in_loop_of
 from ._threads import thread_holder
 from ._turn import Turn, call_in_turn, call_in_turn_sync
@@ -42,8 +43,8 @@ class TaskTicket(Ticket):
 
     __slots__ = ("future", "timer")
 
-    def __init__(self, join: bool, future: asyncio.Future[Any]) -> None:
-        super().__init__(join)
+    def __init__(self, join: bool, future: asyncio.Future[Any], label: str | None) -> None:
+        super().__init__(join, label)
         self.future = future
         self.timer: asyncio.TimerHandle | None = None  # the debounce's
 
@@ -74,8 +75,8 @@ class ThreadTicket(Ticket):
 
     __slots__ = ("due", "lock", "outcome")
 
-    def __init__(self, join: bool) -> None:
-        super().__init__(join)
+    def __init__(self, join: bool, label: str | None) -> None:
+        super().__init__(join, label)
         self.lock = Lock()
         self.lock.acquire()
         self.outcome: tuple[BaseException | None, Any] | None = None
@@ -129,12 +130,12 @@ async def run_latest(
         assert task is not None
     loop = task.get_loop()
     future: asyncio.Future[Any] = loop.create_future()
-    ticket = TaskTicket(policy.join, future)
+    ticket = TaskTicket(policy.join, future, label)
     since = _monotonic() if registry.timed else 0.0
     with registry.mode.guard_for(loop):
         latest = None if timeout == 0 else book.enter(key, task, ticket, policy, loop.time)
-    turn = Turn(registry, (key,), timeout, hold)
     if latest is None:
+        turn = Turn(registry, (key,), timeout, hold)
         return await call_in_turn(turn, fn, args, kwargs, task, label=label)
     timer = None if timeout is None else loop.call_later(timeout, _expire, book, ticket, timeout)
     try:
@@ -149,6 +150,7 @@ async def run_latest(
         return answer
     with registry.mode.guard():
         book.start(ticket, task)
+    turn = Turn(registry, (key,), timeout, hold)
     error: BaseException | None = None
     try:
         result = await call_in_turn(turn, fn, args, kwargs, task, since, lined=True, label=label)
@@ -163,7 +165,7 @@ async def run_latest(
 def _expire(book: Book, ticket: TaskTicket, limit: float) -> None:
     """A task's ticket not handed the key within its caller's timeout: its caller leaves."""
     with book.registry.mode.guard():
-        if ticket.state != WAITING or ticket.future.done():
+        if not book.waits(ticket) or ticket.future.done():
             return
         latest = ticket.latest
         assert latest is not None
@@ -181,14 +183,13 @@ def run_latest_sync(
 ) -> Any:
     """A thread's call of fn in key's turn, conflated by policy (see run_latest)."""
     registry = book.registry
-    ticket = ThreadTicket(policy.join)
+    ticket = ThreadTicket(policy.join, FUNCTION.get())
     me = thread_holder()
     since = _monotonic() if registry.timed else 0.0
     with registry.mode.for_threads():
         latest = None if timeout == 0 else book.enter(key, me, ticket, policy, _monotonic)
-    turn = Turn(registry, (key,), timeout, None)
     if latest is None:
-        return call_in_turn_sync(turn, fn, args, kwargs)
+        return call_in_turn_sync(Turn(registry, (key,), timeout, None), fn, args, kwargs)
     try:
         answer = _wait_sync(book, ticket, key, timeout)
         if answer is not _RUN:
@@ -198,6 +199,7 @@ def run_latest_sync(
     except BaseException as problem:
         book.gave_up(ticket, problem)
         raise
+    turn = Turn(registry, (key,), timeout, None)
     error: BaseException | None = None
     result = None
     try:

@@ -30,6 +30,7 @@ Invariants (every change under the registry's guard):
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any, Final, final
 
@@ -47,24 +48,35 @@ RUNS: Final = 1  # handed the key: its caller runs its work
 _FOLLOWS: Final = 2  # waits for the runner's outcome
 _LEFT: Final = 3  # gone (cancelled, timed out)
 _ANSWERED: Final = 4  # answered by the book: its work did not run
+_JOINED: Final = 5  # replaced, holding no work: it gets the outcome of what runs (a handle)
 
 
 class Ticket:
     """One caller's work in a key's Latest: how its caller is woken and answered."""
 
-    __slots__ = ("join", "latest", "state")
+    __slots__ = ("join", "label", "latest", "state")
 
-    def __init__(self, join: bool) -> None:
+    def __init__(self, join: bool, label: str | None) -> None:
         self.join = join  # on_superseded="join"
+        self.label = label  # its function, for an observer (see FUNCTION)
         self.latest: Latest | None = None  # the Latest it waits in
         self.state = WAITING
+
+    def replaced(self) -> bool:
+        """Newer work took this "join" caller's place: True to keep its work, which runs if
+        every newer caller gives up; False to let it go and only follow what runs (a handle,
+        which nothing else holds: so a burst of submissions costs the key no memory each)."""
+        return True
 
     def run_now(self, shared: bool) -> bool:
         """The key is this caller's: wake it to run its work; False if it never can."""
         raise NotImplementedError
 
     def answer(self, error: BaseException | None, result: Any) -> None:
-        """Give the caller its answer: its work did not run (see Book.ended, Book.supersede)."""
+        """Give the caller its answer: its work did not run (see Book.ended, Book.supersede).
+
+        Called under the guard: it must not wait for the queue, nor call user code.
+        """
         raise NotImplementedError
 
     def arm(self, delay: float | None) -> None:
@@ -82,6 +94,7 @@ class Latest(Deferred):
         "debounce",
         "first",
         "followers",
+        "joined",
         "keeps",
         "key",
         "last",
@@ -100,6 +113,8 @@ class Latest(Deferred):
         self.first = self.last = clock()  # when it opened, when its newest work came
         self.tickets: list[Ticket] = []  # live waiting callers, oldest first
         self.followers: list[Ticket] = []  # after the hand-off
+        # replaced callers that let their work go (see Ticket.replaced), held weakly
+        self.joined: weakref.WeakSet[Ticket] | None = None
         self.line: Line | None = None  # the line it joined (None: quiet)
 
     def done(self) -> bool:
@@ -139,7 +154,8 @@ class Book:
         latest = self.open.get(key)
         if latest is None:
             return 0
-        return len(latest.tickets) - (latest.line is not None and bool(latest.tickets))
+        joined = 0 if latest.joined is None else len(latest.joined)
+        return len(latest.tickets) + joined - (latest.line is not None and bool(latest.tickets))
 
     def forked(self) -> None:
         """In a forked child: the parent's waiting callers are not this process's."""
@@ -177,6 +193,8 @@ class Book:
             tickets = latest.tickets
             if tickets and not tickets[-1].join:
                 self.supersede(tickets.pop())
+            elif tickets and not tickets[-1].replaced():
+                self._join(latest, tickets.pop())
             if latest.line is None:
                 latest.last = latest.clock()
                 if tickets:
@@ -198,8 +216,24 @@ class Book:
             f"inturn: newer work for key {describe(latest.key)} took this work's place "
             "(pending='latest'); this work did not run"
         )
-        self.registry.tally.superseded(1, error)
+        self.registry.tally.superseded(error, ticket.label)
         ticket.answer(error, None)
+
+    def _join(self, latest: Latest, ticket: Ticket) -> None:
+        """A replaced caller that let its work go follows what runs (see Ticket.replaced)."""
+        ticket.state = _JOINED
+        ticket.arm(None)
+        if latest.joined is None:
+            latest.joined = weakref.WeakSet()
+        latest.joined.add(ticket)
+        self.registry.tally.superseded(None, ticket.label)
+
+    def _answer(self, latest: Latest, error: BaseException | None, result: Any) -> None:
+        """Give the outcome of latest's work (or what ended it) to the callers that joined it."""
+        joined, latest.joined = latest.joined, None
+        for ticket in [] if joined is None else list(joined):
+            ticket.state = _ANSWERED
+            ticket.answer(error, result)
 
     def _place(self, latest: Latest) -> None:
         """Put latest in its key's line; if the key is free, it is handed the key at once."""
@@ -228,8 +262,7 @@ class Book:
                 for follower in followers:
                     follower.state = _FOLLOWS
                     follower.arm(None)
-                if followers:
-                    self.registry.tally.superseded(len(followers), None)
+                    self.registry.tally.superseded(None, follower.label)
                 return True
             runner.state = _LEFT
         return False
@@ -250,39 +283,38 @@ class Book:
             try:
                 self._place(latest)
             except (QueueFull, QueueClosed) as refused:
-                refusal: BaseException | None = refused
-            else:
-                return
-        self._refuse(latest, refusal)
+                self._refuse(latest, refused)
 
     def flush(self) -> None:
         """End every quiet period now: each quiet Latest joins its line (for drain())."""
         for latest in [latest for latest in self.open.values() if latest.line is None]:
             self.tick(latest, now=True)
 
-    def _refuse(self, latest: Latest, error: BaseException | None) -> None:
-        """Answer every caller of a quiet latest that its line refused."""
-        with self.registry.mode.guard():
-            if self.open.get(latest.key) is latest:
-                del self.open[latest.key]
-            tickets, latest.tickets = latest.tickets, []
-            for ticket in tickets:
-                ticket.state = _ANSWERED
-                ticket.answer(error, None)
+    def _refuse(self, latest: Latest, error: BaseException) -> None:
+        """Answer every caller of a Latest that its line refused. Under the guard."""
+        if self.open.get(latest.key) is latest:
+            del self.open[latest.key]
+        tickets, latest.tickets = latest.tickets, []
+        for ticket in tickets:
+            ticket.state = _ANSWERED
+            ticket.answer(error, None)
+        self._answer(latest, error, None)
 
-    def leave(self, ticket: Ticket) -> None:
-        """Take a caller that gave up (cancelled, timed out) out; pass on a key it was handed.
-
-        Under the guard.
-        """
+    def leave(self, ticket: Ticket, error: BaseException) -> None:
+        """Take a caller that gave up (cancelled, timed out: error) out; pass on a key it was
+        handed. The callers that joined a Latest nobody waits for any more get error. Under
+        the guard."""
         state = ticket.state
         latest = ticket.latest
-        if latest is None or state >= _LEFT:
+        if latest is None or state in (_LEFT, _ANSWERED):
             return
         ticket.state = _LEFT
         ticket.arm(None)
         registry = self.registry
-        if state == _FOLLOWS:
+        if state == _JOINED:
+            if latest.joined is not None:
+                latest.joined.discard(ticket)
+        elif state == _FOLLOWS:
             latest.followers.remove(ticket)
         elif state == WAITING:
             tickets = latest.tickets
@@ -296,6 +328,7 @@ class Book:
                 del self.open[latest.key]
             if latest.line is not None:  # nobody waits for it: it leaves the line
                 registry.abandon(latest.key, latest.line, latest, guarded=True)
+            self._answer(latest, error, None)
         else:  # handed the key, gone before its work started: the newest follower runs
             followers = latest.followers
             while followers:
@@ -306,13 +339,22 @@ class Book:
                 runner.state = _LEFT
             assert latest.line is not None
             registry.abandon(latest.key, latest.line, latest, guarded=True)
+            self._answer(latest, error, None)
+
+    def waits(self, ticket: Ticket) -> bool:
+        """Whether ticket's caller still waits for the key's turn (its timeout runs): its work
+        waits, or it joined a Latest not handed the key yet. Under the guard."""
+        latest = ticket.latest
+        if ticket.state == _JOINED:
+            return latest is not None and bool(latest.tickets)
+        return ticket.state == WAITING
 
     def gave_up(self, ticket: Ticket, error: BaseException) -> None:
         """A caller's wait ended by error: unless the book answered it, it leaves (see leave),
         and a work that was still waiting counts as a missed turn."""
         with self.registry.mode.guard():
             waited = ticket.state <= RUNS
-            self.leave(ticket)
+            self.leave(ticket, error)
         if waited:
             self.registry.missed(error)
 
@@ -332,34 +374,37 @@ class Book:
         assert latest is not None
         with self.registry.mode.guard():
             followers, latest.followers = latest.followers, []
-            if not followers:
-                return
-            if error is not None and not isinstance(error, Exception):
-                again = self.open.get(latest.key)
-                if again is None:
-                    again = Latest(
-                        self, latest.key, Policy(latest.keeps, True, None, None), latest.clock
-                    )
-                    again.tickets = followers
-                    for follower in followers:
-                        follower.state = WAITING
-                        follower.latest = again
-                    try:
-                        self._place(again)
-                    except (QueueFull, QueueClosed) as refused:
-                        again.tickets = []
-                        for follower in followers:
-                            follower.state = _ANSWERED
-                            follower.answer(refused, None)
-                        return
-                    if again.keeps and again.tickets:
-                        self.open[latest.key] = again
-                    return
-                for follower in followers:
-                    follower.state = WAITING
-                    follower.latest = again
-                again.tickets[:0] = followers  # (older than the works waiting there)
+            if followers and error is not None and not isinstance(error, Exception):
+                self._again(latest, followers)
                 return
             for follower in followers:
                 follower.state = _ANSWERED
                 follower.answer(error, result)
+            self._answer(latest, error, result)
+
+    def _again(self, latest: Latest, followers: list[Ticket]) -> None:
+        """The followers of latest, whose runner was cancelled, wait again: in the key's open
+        Latest, older than the works there, or in a new one (see ended). Under the guard."""
+        again = self.open.get(latest.key)
+        fresh = again is None
+        if again is None:
+            again = Latest(self, latest.key, Policy(latest.keeps, True, None, None), latest.clock)
+        for follower in followers:
+            follower.state = WAITING
+            follower.latest = again
+        again.tickets[:0] = followers
+        if latest.joined:
+            if again.joined is None:
+                again.joined = weakref.WeakSet()
+            again.joined |= latest.joined
+            for ticket in latest.joined:
+                ticket.latest = again
+        if not fresh:
+            return
+        try:
+            self._place(again)
+        except (QueueFull, QueueClosed) as refused:
+            self._refuse(again, refused)
+            return
+        if again.keeps and again.tickets:
+            self.open[latest.key] = again

@@ -133,14 +133,13 @@ class Tally:
         if self.observer is not None:
             _tell(self.observer, "missed", error, FUNCTION.get())
 
-    def superseded(self, count: int, error: BaseException | None) -> None:
-        """Count works that newer work replaced; ``error``: the Superseded their caller got
-        (None: they follow the newer work's outcome). Under the guard."""
-        self.replaced += count
+    def superseded(self, error: BaseException | None, function: str | None) -> None:
+        """Count a work that newer work replaced (``function``: its own); ``error``: the
+        Superseded its caller got (None: it follows the newer work's outcome). Under the guard."""
+        self.replaced += 1
         if self.observer is not None:
             told = error or Superseded("inturn: newer work took this work's place; it did not run")
-            for _ in range(count):
-                _tell(self.observer, "missed", told, FUNCTION.get())
+            _tell(self.observer, "missed", told, function)
 
     def snapshot(
         self, running: int, in_line: int, waiting: dict[Hashable, int], timed: bool

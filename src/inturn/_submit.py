@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, final
 from ._checks import Policy
 from ._describe import describe
 from ._errors import QueueClosed, QueueFull
-from ._latest import Book, Latest, Ticket
+from ._latest import WAITING, Book, Latest, Ticket
 from ._line import Deferred, Gate, held_by
 from ._line import Line as _Line
 from ._stats import FUNCTION, function_label
@@ -106,6 +106,7 @@ class Handle(Deferred, Ticket, Generic[R]):
     """
 
     __slots__ = (
+        "__weakref__",
         "_args",
         "_awaited",
         "_batch",
@@ -154,7 +155,8 @@ class Handle(Deferred, Ticket, Generic[R]):
         self._line: _Line | Gate | Latest | None = None
         self._context: contextvars.Context | None = None  # submit()'s, while waiting as data
         self._timer: asyncio.TimerHandle | None = None  # the queue's timeout, while waiting
-        self._since = 0.0  # when it was submitted (monotonic), on a queue that times turns
+        # when it was submitted (monotonic), on a queue that times turns
+        self._since = _monotonic() if queue.registry.timed else 0.0
         self._stage = _UNPLACED
         self._counted = False  # counted in the running slots' `unplaced`
         self._awaited = False  # whether someone awaited the outcome (so got its error)
@@ -163,8 +165,9 @@ class Handle(Deferred, Ticket, Generic[R]):
         self._callbacks = None
         # (a Ticket, while it waits in a key's Latest: see _latest)
         self.join = True
+        self.label: str | None = None
         self.latest: Latest | None = None
-        self.state = 0
+        self.state = WAITING
         self._quiet: asyncio.TimerHandle | None = None  # its Latest's debounce timer
         queue.handles.add(self)
         if batch is not None:
@@ -302,7 +305,8 @@ class Handle(Deferred, Ticket, Generic[R]):
             return
         queue = self._queue
         with queue.registry.mode.guard():
-            if self.latest is not None and self.state != 0:
+            latest = self.latest
+            if latest is not None and not latest.book.waits(self):
                 return  # its Latest was handed the key (or it was answered) just now
             if held_by(queue.registry.lines.get(self.key), self):
                 return  # handed the key just now: its task takes the rest of the time
@@ -341,26 +345,28 @@ class Handle(Deferred, Ticket, Generic[R]):
     def run_now(self, shared: bool) -> bool:
         return self.handed(shared)
 
+    def replaced(self) -> bool:
+        # (its function, arguments and context go: it only follows what runs)
+        self._fn, self._args, self._kwargs, self._context = _spent, (), _NO_KWARGS, None
+        self._queue.handles.discard(self)  # (drain() waits for what it follows)
+        return False
+
     def answer(self, error: BaseException | None, result: Any) -> None:
+        # (in its loop, after the guard: _finish tells its batch, which may cancel handles)
+        _call_soon_in(self._future.get_loop(), lambda: self._answered(error, result))
+
+    def _answered(self, error: BaseException | None, result: Any) -> None:
         """Its work did not run: newer work replaced it (and this is that work's outcome)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         self._stage = _UNPLACED
-        future = self._future
-        if future.done():
-            return
-        if error is None:
-            future.set_result(result)
-        elif isinstance(error, asyncio.CancelledError):
-            future.cancel()
-        else:
-            future.set_exception(error)
-            future.exception()  # (its own caller, or the work's, reports it: not the handle)
-        self._finish(False)
+        if not self._future.done():  # (its own caller, or the work's, reports an error)
+            self._ended(error, result, reported=True)
 
     def arm(self, delay: float | None) -> None:
-        _call_soon_in(self._future.get_loop(), lambda: self._arm(delay))
+        if delay is not None or self._quiet is not None:
+            _call_soon_in(self._future.get_loop(), lambda: self._arm(delay))
 
     def _arm(self, delay: float | None) -> None:
         if self._quiet is not None:
@@ -371,8 +377,9 @@ class Handle(Deferred, Ticket, Generic[R]):
             loop = self._future.get_loop()
             self._quiet = loop.call_later(max(delay, 0.0), latest.book.tick, latest)
 
-    def _ended(self, error: BaseException | None, result: Any) -> None:
-        """Give the handle the outcome of its work, from the work's task (or its refusal)."""
+    def _ended(self, error: BaseException | None, result: Any, reported: bool = False) -> None:
+        """Give the handle the outcome of its work, from the work's task (or its refusal);
+        ``reported``: an error that is not the handle's to report (see _answered)."""
         future = self._future
         if error is None:
             future.set_result(result)
@@ -381,7 +388,7 @@ class Handle(Deferred, Ticket, Generic[R]):
         else:
             future.set_exception(error)
             future.exception()  # retrieved: it reaches the handle's awaiters, or its batch
-        self._finish(error is not None and not future.cancelled())
+        self._finish(error is not None and not future.cancelled() and not reported)
 
     def _finish(self, failed: bool) -> None:
         """Let the queue and the batch know the work has finished (failed: with an error)."""
@@ -474,14 +481,14 @@ async def submit(
         if slots.free <= slots.unplaced and slots.needs(key, me):
             await slots.backpressure(key, me, loop)
     handle: Handle[Any] = Handle(queue, key, fn, args, kwargs, loop.create_future(), failed, batch)
-    if registry.timed:
-        handle._since = _monotonic()
     policy = queue.policy
     try:
         with registry.mode.guard_for(loop):
             line: _Line | Gate | Latest | None = None
             if policy.conflates and queue.timeout != 0:
                 handle.join = policy.join
+                if registry.tally.observer is not None:
+                    handle.label = function_label(fn)
                 line = queue.book.enter(key, handle, handle, policy, loop.time)
             if line is None:
                 line = registry.join(key, handle, handle, queue.timeout, guarded=True)  # as data

@@ -23,6 +23,7 @@ Instruments, on the meter ``inturn``:
 | `inturn.turn.refused` | counter | {turn} | refused by `max_pending` (`QueueFull`) |
 | `inturn.turn.lease_lost` | counter | {turn} | the work returned, its lease lost (`LeaseLost`) |
 | `inturn.turn.errors` | counter | {turn} | the work raised, or the backend could not grant |
+| `inturn.turn.superseded` | counter | {turn} | never ran: newer work took its place |
 | `inturn.queue.waiting` | gauge | {turn} | turns waiting now, for a key or a slot |
 | `inturn.queue.running` | gauge | {turn} | work running now |
 
@@ -64,7 +65,7 @@ except ImportError as error:  # pragma: no cover - depends on the install (teste
         "which could not be imported: pip install 'inturn[otel]'"
     ) from error
 
-from . import KeyedQueue, LeaseLost, QueueFull, __version__, default_queue
+from . import KeyedQueue, LeaseLost, QueueFull, Superseded, __version__, default_queue
 from ._describe import describe
 
 __all__ = ("instrument", "uninstrument")
@@ -127,6 +128,9 @@ class _Instruments:
         )
         self.errors = turns(
             "inturn.turn.errors", "Work that raised, and turns the backend could not grant"
+        )
+        self.superseded = turns(
+            "inturn.turn.superseded", "Work that never ran: newer work for its key took its place"
         )
         #: The queues instrumented with this provider, and their attributes.
         self.queues: weakref.WeakKeyDictionary[KeyedQueue, Attributes] = weakref.WeakKeyDictionary()
@@ -201,6 +205,8 @@ class _Metrics:
         attributes = self._attributes(function)
         if isinstance(error, QueueFull):
             instruments.refused.add(1, attributes)
+        elif isinstance(error, Superseded):
+            instruments.superseded.add(1, attributes)
         elif isinstance(error, TimeoutError):
             instruments.timeouts.add(1, attributes)
         elif isinstance(error, Exception):
