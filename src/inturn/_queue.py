@@ -174,10 +174,40 @@ class KeyedQueue:
     :param name: what to call the queue in its repr, its log lines and its
         metrics (:meth:`observe`, :mod:`inturn.otel`): a short printable
         string, or ``None``.
+    :param pending: ``"all"`` (the default) runs every call in turn;
+        ``"latest"``: while a key is busy, this process keeps at most one
+        waiting work for it, and a newer call of :meth:`run`,
+        :meth:`run_sync`, :meth:`submit` or a decorated function takes the
+        waiting one's place in the line. The replaced work never runs, the
+        running work is never interrupted, and every caller is answered
+        (``on_superseded``). If the newer caller gives up (cancelled, timed
+        out) before the key's turn, the work it replaced is back in its
+        place (but a replaced :meth:`submit`'s handle lets its work go, and
+        follows what runs); if the newer work is cancelled while it runs,
+        the works it replaced wait again, the newest to run. A
+        :meth:`keyed` block, a turn on several keys, and a call with
+        ``timeout=0`` are never replaced: they wait as always. Each process
+        conflates its own calls only (see the README's "Latest wins").
+    :param on_superseded: what the caller of a replaced work gets:
+        ``"join"`` (the default), the outcome of the work that runs in its
+        place (its result, or its error); ``"raise"``,
+        :exc:`~inturn.Superseded` at once. A caller's ``timeout`` counts from
+        its own call, up to the start of its work or of the one it follows.
+    :param debounce: seconds: a call first waits, even for a free key,
+        until no newer call for its key came for that long, then joins the
+        key's line; within that quiet period the latest wins (as with
+        ``pending="latest"``, and answered by ``on_superseded``).
+        :meth:`drain` ends every quiet period at once. ``None``: none.
+    :param max_wait: seconds: the longest a debounced call waits for a quiet
+        period, from the first call of a burst, so that a key that never
+        goes quiet still runs. ``None``: as long as it takes.
     :raises ValueError: ``timeout`` or ``max_pending`` is negative,
         ``max_running`` or ``concurrency`` is below 1, ``max_hold`` is not
-        positive, ``concurrency`` is above 1 with a backend, or ``name`` is
-        empty or not printable.
+        positive, ``concurrency`` is above 1 with a backend, ``name`` is
+        empty or not printable, ``pending`` or ``on_superseded`` is not one
+        of its words, ``debounce`` or ``max_wait`` is not positive,
+        ``max_wait`` is given without ``debounce`` or is shorter than it,
+        or ``concurrency`` is above 1 with ``pending="latest"`` or ``debounce``.
     :raises TypeError: a setting has the wrong type, or ``backend`` is not a
         backend.
     """
@@ -605,20 +635,36 @@ class KeyedQueue:
             with the same key is in flight (running, or waiting for its turn)
             returns that call's result, or raises its exception, instead of
             queueing another run. If that call is cancelled, the waiting call
-            queues a run of its own. (``async def`` only.)
+            queues a run of its own. (``async def`` only.) On a queue with
+            ``pending="latest"``, coalescing decides for this function: as a
+            call in flight is joined, no call of it waits to be replaced.
         :param max_hold: the longest a call may hold its turn: it is
             cancelled then and raises :exc:`~inturn.HoldTimeout` (see the
             queue's ``max_hold``); the queue's when not given, ``None`` for
             none. (``async def`` only.)
+        :param pending: ``"latest"``: a call made while its key is busy
+            takes the place of this function's waiting call, if any (see the
+            queue's ``pending``); ``"all"``: every call runs. The queue's
+            when not given.
+        :param on_superseded: ``"join"`` or ``"raise"``: what the caller of
+            a replaced call gets (see the queue's); the queue's when not given.
+        :param debounce: seconds of quiet a call waits for before it joins
+            its key's line (see the queue's); the queue's when not given,
+            ``None`` for none.
+        :param max_wait: the longest a debounced call waits for quiet; the
+            queue's when not given, ``None`` for no bound.
         :returns: the decorated function, with ``.queue`` (this queue) and
             ``.key_of(*args, **kwargs)`` (the key, or tuple of keys, a call
             with those arguments would use).
         :raises TypeError: at decoration, a spec has the wrong type, a key
             or anything but a ``def`` is passed by position (a key or a key
             function goes in ``key=``), a plain ``def`` is decorated with
-            ``coalesce=True`` or a ``max_hold``.
+            ``coalesce=True`` or a ``max_hold``, ``coalesce=True`` is given
+            with a ``pending="latest"`` or ``debounce`` of the decorator's
+            own, or ``keys=`` is.
         :raises ValueError: at decoration, a template names a parameter the
-            function does not have.
+            function does not have, or a conflation setting is wrong (see
+            the queue's).
         """
         from ._decorator import Runner, decorate, is_decoratable
 
