@@ -363,7 +363,13 @@ class RedisBackend:
         if self._threads is not None:
             self._threads.close()
         if self._owns_client:
-            await self._client.aclose()
+            # A cluster client serves one loop: if only threads used it, the backend loop's
+            there = [s.loop for s in shares if s.loop is not loop and s.loop.is_running()]
+            if self._config.client is not None and there:
+                closing = asyncio.run_coroutine_threadsafe(self._client.aclose(), there[0])
+                await asyncio.wait((asyncio.wrap_future(closing),), timeout=self._config.lease)
+            else:
+                await self._client.aclose()
 
     # -- taking and giving back turns ------------------------------------------------
 
