@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import sys
+import threading
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -24,7 +25,15 @@ from inturn import KeyedQueue, QueueClosed, QueueFull
 from inturn.backends import Backend
 from inturn.backends.file import FileBackend
 
-from helpers import PATIENCE, QueueFactory, Recorder, checkpoints, settle, unavailable
+from helpers import (
+    PATIENCE,
+    QueueFactory,
+    Recorder,
+    checkpoints,
+    settle,
+    unavailable,
+    wait_until,
+)
 
 if sys.version_info < (3, 11):
     from exceptiongroup import ExceptionGroup
@@ -1078,3 +1087,81 @@ async def test_batch_waits_for_its_submissions_and_raises_their_errors(
     assert sorted(done) == [0, 1, 2, 4, 5]
     assert all(handle.done() for handle in handles)
     assert batch.unfinished == 0
+
+
+# -- latest wins --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("on_superseded", ["join", "raise"])
+async def test_a_burst_on_a_busy_key_runs_the_holder_and_the_latest(
+    make_queue: QueueFactory, on_superseded: str
+) -> None:
+    queue = make_queue(pending="latest", on_superseded=on_superseded)
+    ran: list[Any] = []
+    release = asyncio.Event()
+
+    async def work(name: Any) -> Any:
+        ran.append(name)
+        if name == "holder":
+            await release.wait()
+        return name
+
+    holder = asyncio.create_task(queue.run("k", work, "holder"))
+    await settle(lambda: ran == ["holder"])
+    burst = [asyncio.create_task(queue.run("k", work, i)) for i in range(10)]
+    # (each waits, or was answered with Superseded; then the submissions come)
+    await settle(lambda: queue.pending("k") + sum(t.done() for t in burst) == 10)
+    handles = [await queue.submit("k", work, i) for i in range(10, 20)]
+    await settle(lambda: queue.pending("k") + sum(t.done() for t in (*burst, *handles)) == 20)
+    release.set()
+    outcomes = await asyncio.gather(holder, *burst, *handles, return_exceptions=True)
+    assert ran == ["holder", 19]
+    if on_superseded == "join":
+        assert outcomes == ["holder", *[19] * 20]
+    else:
+        assert [type(o).__name__ for o in outcomes[1:-1]] == ["Superseded"] * 19
+        assert outcomes[-1] == 19
+    assert queue.stats().superseded == 19
+    assert not queue.is_active("k")
+
+
+async def test_threads_conflate_on_the_backend(make_queue: QueueFactory) -> None:
+    queue = make_queue(pending="latest", on_superseded="raise")
+
+    def scenario() -> None:
+        ran: list[Any] = []
+        held, release = threading.Event(), threading.Event()
+
+        def work(name: Any) -> Any:
+            ran.append(name)
+            if name == "holder":
+                held.set()
+                release.wait(PATIENCE)
+            return name
+
+        outcomes: dict[int, Any] = {}
+
+        def call(i: int) -> None:
+            try:
+                outcomes[i] = queue.run_sync("k", work, i)
+            except Exception as error:
+                outcomes[i] = type(error).__name__
+
+        holder = threading.Thread(target=queue.run_sync, args=("k", work, "holder"))
+        holder.start()
+        assert held.wait(PATIENCE)
+        callers = []
+        for i in range(3):  # each answered Superseded once the next comes
+            callers.append(threading.Thread(target=call, args=(i,)))
+            callers[-1].start()
+            if i:
+                callers[-2].join(PATIENCE)
+            else:
+                wait_until(lambda: queue.pending("k") == 1, "the first caller waits")
+        release.set()
+        for thread in (holder, *callers):
+            thread.join(PATIENCE)
+        assert ran == ["holder", 2]
+        assert outcomes == {0: "Superseded", 1: "Superseded", 2: 2}
+
+    await asyncio.to_thread(scenario)

@@ -19,6 +19,9 @@ the test drives it step by step:
 - ``try-cancel KEY``: start taking KEY in a task, cancel it after one pass
   of the event loop; print ``cancelled`` (or ``holding`` if it got the key
   that fast); then exit.
+- ``latest-burst KEY LOG N``: N calls of KEY on a ``pending="latest"`` queue,
+  each appending ``PID start I`` and ``PID end I`` to the file LOG; print
+  ``queued`` once all wait, then ``answered`` and every call's answer.
 - ``freeze-in-tidy KEY`` (file backend): take KEY and release it; the release
   tidies the line file, and this process stops itself (SIGSTOP) right after
   it takes the line file's exclusive lock; print ``released`` once it goes on.
@@ -395,6 +398,9 @@ async def main(spec: str, command: str, *args: str) -> None:
             await task
         except asyncio.CancelledError:
             say("cancelled")
+    elif command == "latest-burst":
+        key, log, n = args
+        await latest_burst(spec, key, log, int(n))
     elif command == "freeze-in-tidy":
         (key,) = args
         async with queue.keyed(key):
@@ -403,6 +409,35 @@ async def main(spec: str, command: str, *args: str) -> None:
         say("released")
     else:
         raise SystemExit(f"unknown command {command!r}")
+    await queue.aclose()
+
+
+def append(log: str, line: str) -> None:
+    """Append one line to the file log (O_APPEND: each write lands whole)."""
+    with open(log, "a") as file:
+        file.write(line + "\n")
+
+
+async def latest_burst(spec: str, key: str, log: str, n: int) -> None:
+    """``latest-burst``: N calls of KEY on a ``pending="latest"`` queue, each logging its run."""
+    queue = KeyedQueue(backend=make_backend(spec), pending="latest")
+
+    async def work(i: int) -> int:
+        append(log, f"{os.getpid()} start {i}")
+        await asyncio.sleep(0.001)
+        append(log, f"{os.getpid()} end {i}")
+        return i
+
+    calls = [asyncio.create_task(queue.run(key, work, i)) for i in range(n)]
+    for _ in range(10 * n):  # the first waits at the backend, the rest behind it
+        if queue.pending(key) == n - 1:
+            break
+        await asyncio.sleep(0)
+    else:
+        raise SystemExit(f"the burst never queued: {queue!r}")
+    say("queued")
+    answers = await asyncio.gather(*calls)
+    say("answered", *answers)
     await queue.aclose()
 
 
