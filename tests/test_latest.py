@@ -37,6 +37,19 @@ class Busy:
         return run
 
 
+class Missed(list[BaseException]):
+    """An observer that keeps the error of each turn that never started."""
+
+    def started(self, waited: float, function: str | None) -> None:
+        pass
+
+    def ended(self, held: Any, error: Any, cut: bool, function: str | None) -> None:
+        pass
+
+    def missed(self, error: BaseException, function: str | None) -> None:
+        self.append(error)
+
+
 async def hold(queue: KeyedQueue, busy: Busy, key: str = "k") -> asyncio.Task[Any]:
     """A task that holds key (until busy.gate is set)."""
     task = asyncio.create_task(queue.run(key, busy.work("holder")))
@@ -788,19 +801,8 @@ async def test_several_keys_on_a_latest_queue_wait_as_keyed_does() -> None:
 
 async def test_the_observer_hears_of_each_replaced_work() -> None:
     queue = KeyedQueue(pending="latest", on_superseded="raise")
-    heard: list[BaseException] = []
-
-    class Observer:
-        def started(self, waited: float, function: str | None) -> None:
-            pass
-
-        def ended(self, held: Any, error: Any, cut: bool, function: str | None) -> None:
-            pass
-
-        def missed(self, error: BaseException, function: str | None) -> None:
-            heard.append(error)
-
-    queue.observe(Observer())
+    heard = Missed()
+    queue.observe(heard)
     busy = Busy()
     holder = await hold(queue, busy)
     calls = [asyncio.create_task(queue.run("k", busy.work(i))) for i in range(4)]
@@ -823,3 +825,79 @@ async def test_max_running_with_latest() -> None:
     await asyncio.gather(holder, other)
     assert sorted(map(str, busy.ran)) == sorted(["holder", "4", "other"])
     assert queue.stats().running == 0
+
+
+def test_a_decorator_on_a_queue_of_several_holders_cannot_conflate() -> None:
+    queue = KeyedQueue(concurrency=2)
+    with pytest.raises(ValueError, match="concurrency=2"):
+        queue.queue_by_key(key="k", pending="latest")
+
+
+async def test_a_latest_refused_by_max_pending_is_reported() -> None:
+    queue = KeyedQueue(pending="latest", max_pending=0)
+    heard = Missed()
+    queue.observe(heard)
+    busy = Busy()
+    holder = await hold(queue, busy)
+    with pytest.raises(QueueFull):
+        await queue.run("k", busy.work(1))
+    busy.gate.set()
+    await holder
+    assert busy.ran == ["holder"]
+    assert [type(error) for error in heard] == [QueueFull]
+    assert not queue.is_active("k")
+
+
+def test_close_lets_work_being_debounced_run() -> None:
+    async def scenario() -> None:
+        queue = KeyedQueue(debounce=100.0)
+        ran = []
+
+        async def sync(version: int) -> int:
+            ran.append(version)
+            return version
+
+        calls = [asyncio.create_task(queue.run("k", sync, v)) for v in range(3)]
+        await checkpoints()
+        await queue.aclose()  # closes, then drains: the quiet period ends at once
+        assert await asyncio.gather(*calls) == [2, 2, 2]
+        assert ran == [2]
+        assert asyncio.get_running_loop().time() == 0.0
+
+    run_virtual(scenario())
+
+
+def test_a_thread_that_joined_the_running_work_waits_past_its_timeout() -> None:
+    queue = KeyedQueue(pending="latest")
+    entered = {"holder": threading.Event(), "newer": threading.Event()}
+    release = {"holder": threading.Event(), "newer": threading.Event()}
+    ran: list[Any] = []
+
+    def work(name: str) -> str:
+        ran.append(name)
+        entered[name].set()
+        release[name].wait(PATIENCE)
+        return name
+
+    holder = threading.Thread(target=queue.run_sync, args=("k", work, "holder"))
+    holder.start()
+    assert entered["holder"].wait(PATIENCE)
+    outcomes: dict[str, Any] = {}
+    hurried = queue.queue_by_key(key="k", timeout=2.0)(work)
+    older = threading.Thread(target=lambda: outcomes.__setitem__("older", hurried("older")))
+    older.start()
+    wait_until(lambda: queue.pending("k") == 1, "the older waits")
+    newer = threading.Thread(
+        target=lambda: outcomes.__setitem__("newer", queue.run_sync("k", work, "newer"))
+    )
+    newer.start()
+    wait_until(lambda: queue.pending("k") == 2, "the newer waits")
+    release["holder"].set()  # the newer runs in the older's place, well within its 2 s
+    assert entered["newer"].wait(PATIENCE)
+    older.join(2.5)  # the older's timeout passes: it follows the newer's run, and waits on
+    assert older.is_alive()
+    release["newer"].set()
+    for thread in (holder, older, newer):
+        thread.join(PATIENCE)
+    assert outcomes == {"older": "newer", "newer": "newer"}
+    assert ran == ["holder", "newer"]

@@ -200,9 +200,15 @@ class Policy(NamedTuple):
         return self.latest or self.debounce is not None
 
     def given(
-        self, pending: object, on_superseded: object, debounce: object, max_wait: object
+        self,
+        pending: object,
+        on_superseded: object,
+        debounce: object,
+        max_wait: object,
+        concurrency: int,
     ) -> Policy:
-        """These settings with those given (not UNSET) instead, checked: a decorator's."""
+        """These settings with those given (not UNSET) instead, checked: a decorator's, on a
+        queue of that concurrency."""
         given = (pending, on_superseded, debounce, max_wait)
         if all(setting is UNSET for setting in given):
             return self
@@ -213,7 +219,7 @@ class Policy(NamedTuple):
             self.max_wait,
         )
         chosen = [o if g is UNSET else g for g, o in zip(given, ours, strict=True)]
-        return check_policy(chosen[0], chosen[1], chosen[2], chosen[3])
+        return check_policy(chosen[0], chosen[1], chosen[2], chosen[3], concurrency)
 
 
 #: The settings of a queue that does not conflate.

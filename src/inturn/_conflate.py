@@ -233,7 +233,8 @@ def _wait_sync(book: Book, ticket: ThreadTicket, key: Hashable, limit: float | N
         now = _monotonic()
         if deadline is not None and now >= deadline:
             with book.registry.mode.guard():
-                if ticket.outcome is None:
+                if ticket.outcome is None and book.waits(ticket):
                     raise _late(book.registry, key, limit)  # type: ignore[arg-type]
+            deadline = None  # (it follows the work that runs: its turn came)
         elif ticket.due is not None and now >= ticket.due and ticket.latest is not None:
             book.tick(ticket.latest)

@@ -187,7 +187,11 @@ class Book:
                 return None
             latest = Latest(self, key, policy, clock)
             if policy.debounce is None:
-                self._place(latest)  # (the key is busy: it waits in the line)
+                try:
+                    self._place(latest)  # (the key is busy: it waits in the line)
+                except QueueFull as refused:
+                    registry.tally.missed(refused)  # (counted as a turn's refusal is)
+                    raise
             self.open[key] = latest
         else:
             tickets = latest.tickets
@@ -298,6 +302,8 @@ class Book:
         for ticket in tickets:
             ticket.state = _ANSWERED
             ticket.answer(error, None)
+            if not isinstance(error, QueueClosed):
+                self.registry.tally.missed(error)
         self._answer(latest, error, None)
 
     def leave(self, ticket: Ticket, error: BaseException) -> None:

@@ -308,7 +308,7 @@ class KeyedQueue:
         if (
             task is None
             or loop_of(task) is not mode.fast_loop
-            or (line is not None and held_by(line, task))
+            or (line is not None and (self._policy.latest or held_by(line, task)))
         ):
             keys = (key,) if self._backend is None else self._backend.order((key,))
             timeout, hold = self._timeout, self._max_hold
@@ -320,8 +320,6 @@ class KeyedQueue:
             lines[key] = task
         elif not callable(fn):
             raise TypeError(f"inturn: run() needs a callable, got {describe(fn)}")
-        elif self._policy.latest:  # (busy: its work may replace the one waiting)
-            return await self._run_keyed((key,), fn, args, kwargs, self._timeout, None, task)
         elif queued := line_up(registry, key, task, self._timeout, self._timeout, registry):
             try:  # (awaited in this frame: see line_up)
                 await queued[1]
@@ -674,7 +672,7 @@ class KeyedQueue:
                 "inturn: queue_by_key() takes the function to decorate, or key=/keys=, "
                 f"not both; got {describe(fn)} by position"
             )
-        policy = self._policy.given(pending, on_superseded, debounce, max_wait)
+        policy = self._policy.given(pending, on_superseded, debounce, max_wait, self.concurrency)
         return decorate(runner, fn, key, keys, timeout, coalesce, max_hold, policy)
 
     # -- looking at the lines -----------------------------------------------------
@@ -860,8 +858,10 @@ class KeyedQueue:
         """Refuse new work: every later submission raises :exc:`~inturn.QueueClosed`.
 
         Work already holding or waiting for a turn goes on, and a caller that
-        holds a key may still take it again. Closing twice is harmless.
+        holds a key may still take it again; work being debounced joins its
+        key's line now (its quiet period ends). Closing twice is harmless.
         """
+        self._book.flush()
         self._registry.close()
 
     async def aclose(self) -> None:
