@@ -10,11 +10,14 @@ been quiet for that long (or ``max_wait`` passed), then joins the line.
 
 When the line hands the key to the Latest, the newest ticket still waiting
 runs its own work, in its own task or thread (its context, its errors and
-its cancellation are its caller's, as without conflation). The others are
-its followers: each ``on_superseded="join"`` caller gets its outcome, and a
+its cancellation are its caller's, as without conflation: see ``_conflate``
+for the two callers, and ``_submit`` for a Handle). The others are its
+followers: each ``on_superseded="join"`` caller gets its outcome, and a
 ``"raise"`` one was answered with :exc:`~inturn.Superseded` when it was
 replaced. If the runner's work is cancelled (or interrupted) instead of
-finishing, its followers' works wait again, the newest of them to run.
+finishing, its followers' works wait again, the newest of them to run. A
+replaced Handle lets its work go at once and is held weakly (``joined``): it
+only follows what runs, so a burst of submissions costs the key nothing each.
 
 Invariants (every change under the registry's guard):
 

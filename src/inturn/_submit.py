@@ -103,6 +103,13 @@ class Handle(Deferred, Ticket, Generic[R]):
     :meth:`~inturn.KeyedQueue.batch`), or, outside a batch, ``await
     queue.drain(raise_errors=True)``. It is never logged as "Task exception
     was never retrieved".
+
+    With ``pending="latest"`` (or ``debounce``), a handle whose work newer
+    work replaced lets its work go at once: it gives the outcome of the work
+    that runs in its place (``on_superseded="join"``), and is cancelled if
+    that work is; or it raises :exc:`~inturn.Superseded` (``"raise"``). That
+    error is the caller's answer, not a failure: no batch or ``drain()``
+    raises it again.
     """
 
     __slots__ = (
