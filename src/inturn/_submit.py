@@ -359,7 +359,9 @@ class Handle(Deferred, Ticket, Generic[R]):
         return False
 
     def answer(self, error: BaseException | None, result: Any) -> None:
-        # (in its loop, after the guard: _finish tells its batch, which may cancel handles)
+        # (in its loop, after the guard: _finish tells its batch, which may cancel handles;
+        # out of the queue's handles now, as a burst of answers may wait a while for it)
+        self._queue.handles.discard(self)
         _call_soon_in(self._future.get_loop(), lambda: self._answered(error, result))
 
     def _answered(self, error: BaseException | None, result: Any) -> None:
