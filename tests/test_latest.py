@@ -419,6 +419,7 @@ def test_a_replaced_handle_times_out_from_its_own_submission() -> None:
         queue = KeyedQueue(pending="latest", timeout=5.0)
         busy = Busy()
         first = await queue.submit("k", asyncio.Event().wait)
+        await checkpoints()  # (it runs: a work not started yet would be replaced too)
         old = await queue.submit("k", busy.work("old"))
         await asyncio.sleep(3)
         new = await queue.submit("k", busy.work("new"))
@@ -901,3 +902,73 @@ def test_a_thread_that_joined_the_running_work_waits_past_its_timeout() -> None:
         thread.join(PATIENCE)
     assert outcomes == {"older": "newer", "newer": "newer"}
     assert ran == ["holder", "newer"]
+
+
+# -- work that holds its key but has not started is replaced too -------------------------------
+
+
+async def slot_taken(queue: KeyedQueue, busy: Busy) -> asyncio.Task[Any]:
+    """A task that holds the queue's one running slot, on another key (until busy.gate)."""
+    return await hold(queue, busy, "other")
+
+
+@pytest.mark.parametrize("on_superseded", ["join", "raise"])
+async def test_a_turn_waiting_for_a_slot_runs_the_newer_work_instead(on_superseded: str) -> None:
+    queue = KeyedQueue(pending="latest", on_superseded=on_superseded, max_running=1)  # type: ignore[arg-type]
+    busy = Busy()
+    holder = await slot_taken(queue, busy)
+    first = asyncio.create_task(
+        queue.run("k", busy.work(0))
+    )  # its key is free: it waits for a slot
+    await settle(lambda: queue.stats().waiting_for_slot == 1)
+    newer = [asyncio.create_task(queue.run("k", busy.work(i))) for i in range(1, 5)]
+    await settle(lambda: queue.pending("k") + sum(t.done() for t in newer) == 4)
+    busy.gate.set()
+    outcomes = await asyncio.gather(first, *newer, return_exceptions=True)
+    await holder
+    assert busy.ran == ["holder", 4]  # the first's turn ran the latest work, in its task
+    if on_superseded == "join":
+        assert outcomes == [4] * 5
+    else:
+        assert [type(o) for o in outcomes[:4]] == [Superseded] * 4
+        assert outcomes[4] == 4
+    stats = queue.stats()
+    assert (stats.completed, stats.superseded) == (2, 4)
+    assert not queue.is_active("k")
+
+
+async def test_a_submission_whose_task_has_not_run_yet_is_replaced() -> None:
+    queue = KeyedQueue(pending="latest")
+    busy = Busy()
+    handles = [await queue.submit("k", busy.work(i)) for i in range(3)]  # (no loop pass between)
+    assert [await handle for handle in handles] == [2, 2, 2]
+    assert busy.ran == [2]
+
+
+async def test_cancelling_a_turn_that_runs_newer_work_lets_that_work_run_again() -> None:
+    queue = KeyedQueue(pending="latest", max_running=1)
+    busy = Busy()
+    holder = await slot_taken(queue, busy)
+    started = asyncio.Event()
+
+    async def long(name: str) -> str:
+        busy.ran.append(name)
+        started.set()
+        await asyncio.Event().wait()
+        return name
+
+    first = asyncio.create_task(queue.run("k", busy.work(0)))
+    await settle(lambda: queue.stats().waiting_for_slot == 1)
+    newest = asyncio.create_task(queue.run("k", long, "newest"))
+    await settle(lambda: queue.pending("k") == 1)
+    busy.gate.set()
+    await started.wait()  # the first's turn runs the newest work
+    started.clear()
+    first.cancel()
+    await started.wait()  # the newest work runs again, in its own caller's turn
+    assert busy.ran == ["holder", "newest", "newest"]
+    newest.cancel()
+    await asyncio.gather(first, newest, holder, return_exceptions=True)
+    assert first.cancelled()
+    assert newest.cancelled()
+    assert not queue.is_active("k")

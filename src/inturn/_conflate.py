@@ -9,13 +9,13 @@ tells the book the work's outcome for its followers.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable
 from threading import Lock
 from time import monotonic as _monotonic
 from typing import TYPE_CHECKING, Any, Final, final
 
 from ._checks import Policy
-from ._latest import WAITING, Book, Ticket
+from ._latest import WAITING, Book, Latest, Ticket, Work, superseded
 from ._stats import FUNCTION
 from ._tasks import current_task, in_loop_of
 from ._threads import thread_holder
@@ -43,8 +43,10 @@ class TaskTicket(Ticket):
 
     __slots__ = ("future", "timer")
 
-    def __init__(self, join: bool, future: asyncio.Future[Any], label: str | None) -> None:
-        super().__init__(join, label)
+    def __init__(
+        self, join: bool, future: asyncio.Future[Any], label: str | None, work: Work
+    ) -> None:
+        super().__init__(join, label, work)
         self.future = future
         self.timer: asyncio.TimerHandle | None = None  # the debounce's
 
@@ -75,8 +77,8 @@ class ThreadTicket(Ticket):
 
     __slots__ = ("due", "lock", "outcome")
 
-    def __init__(self, join: bool, label: str | None) -> None:
-        super().__init__(join, label)
+    def __init__(self, join: bool, label: str | None, work: Work) -> None:
+        super().__init__(join, label, work)
         self.lock = Lock()
         self.lock.acquire()
         self.outcome: tuple[BaseException | None, Any] | None = None
@@ -108,6 +110,62 @@ def _late(registry: Registry, key: Hashable, limit: float) -> TimeoutError:
     return registry.too_late(key, limit, False)
 
 
+@final
+class Runs:
+    """What a conflating turn calls once it holds its key: its own work, or newer work.
+
+    A turn may wait after it took its key's line (for a backend's grant, a
+    running slot) while newer work joins the key's Latest behind it: that
+    work then runs in this turn instead (see Book.newer), and ``taken`` holds
+    the callers who follow it. ``mine``: the Latest this turn's caller ran
+    from, if any (its followers follow this turn too).
+    """
+
+    __slots__ = ("book", "join", "key", "label", "mine", "replaced", "swaps", "taken", "work")
+
+    def __init__(
+        self, book: Book, key: Hashable, work: Work, policy: Policy, label: str | None
+    ) -> None:
+        self.book = book
+        self.key = key
+        self.work = work
+        self.swaps = policy.latest  # (a debounce alone lets every quiet period's work run)
+        self.join = policy.join
+        self.label = label
+        self.mine: Latest | None = None
+        self.taken: Latest | None = None  # who follows this turn's outcome
+        self.replaced = False  # newer work ran in this turn
+
+    def __call__(self) -> Any:
+        registry = self.book.registry
+        with registry.mode.guard():
+            found = self.book.newer(self.key, self.mine) if self.swaps else None
+            self.taken = self.mine if found is None else found[0]
+            if found is not None:
+                self.replaced = True
+                registry.tally.superseded(None if self.join else superseded(self.key), self.label)
+        fn, args, kwargs = self.work if found is None else found[1]
+        return fn(*args, **kwargs)
+
+    async def outcome(self, turn: Awaitable[Any]) -> Any:
+        """Await the turn that calls this (see ended): this caller's outcome."""
+        try:
+            result = await turn
+        except BaseException as error:
+            return self.ended(error, None)
+        return self.ended(None, result)
+
+    def ended(self, error: BaseException | None, result: Any) -> Any:
+        """Tell the followers the turn's outcome; return this caller's (``result``)."""
+        if self.taken is not None:
+            self.book.ended(self.taken, error, result)
+        if error is not None:
+            raise error
+        if self.replaced and not self.join:
+            raise superseded(self.key)
+        return result
+
+
 async def run_latest(
     book: Book,
     key: Hashable,
@@ -130,36 +188,33 @@ async def run_latest(
         assert task is not None
     loop = task.get_loop()
     future: asyncio.Future[Any] = loop.create_future()
-    ticket = TaskTicket(policy.join, future, label)
+    ticket = TaskTicket(policy.join, future, label, (fn, args, kwargs))
     since = _monotonic() if registry.timed else 0.0
     with registry.mode.guard_for(loop):
         latest = None if timeout == 0 else book.enter(key, task, ticket, policy, loop.time)
-    if latest is None:
-        turn = Turn(registry, (key,), timeout, hold)
-        return await call_in_turn(turn, fn, args, kwargs, task, label=label)
-    timer = None if timeout is None else loop.call_later(timeout, _expire, book, ticket, timeout)
-    try:
-        answer = await future
-    except BaseException as problem:
-        book.gave_up(ticket, problem)
-        raise
-    finally:
-        if timer is not None:
-            timer.cancel()
-    if answer is not _RUN:
-        return answer
-    with registry.mode.guard():
-        book.start(ticket, task)
+    runs = Runs(book, key, (fn, args, kwargs), policy, label)
+    if latest is not None:
+        timer = (
+            None if timeout is None else loop.call_later(timeout, _expire, book, ticket, timeout)
+        )
+        try:
+            answer = await future
+        except BaseException as problem:
+            book.gave_up(ticket, problem)
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+        if answer is not _RUN:
+            return answer
+        with registry.mode.guard():
+            book.start(ticket, task)
+        runs.mine = ticket.latest  # (a new one if its Latest's runner was cancelled)
+    else:
+        since = 0.0
     turn = Turn(registry, (key,), timeout, hold)
-    error: BaseException | None = None
-    try:
-        result = await call_in_turn(turn, fn, args, kwargs, task, since, lined=True, label=label)
-    except BaseException as problem:
-        error = problem
-        raise
-    finally:
-        book.ended(ticket, error, None if error is not None else result)
-    return result
+    lined = latest is not None
+    return await runs.outcome(call_in_turn(turn, runs, (), {}, task, since, lined, label))
 
 
 def _expire(book: Book, ticket: TaskTicket, limit: float) -> None:
@@ -183,33 +238,32 @@ def run_latest_sync(
 ) -> Any:
     """A thread's call of fn in key's turn, conflated by policy (see run_latest)."""
     registry = book.registry
-    ticket = ThreadTicket(policy.join, FUNCTION.get())
+    label = FUNCTION.get()
+    ticket = ThreadTicket(policy.join, label, (fn, args, kwargs))
     me = thread_holder()
     since = _monotonic() if registry.timed else 0.0
     with registry.mode.for_threads():
         latest = None if timeout == 0 else book.enter(key, me, ticket, policy, _monotonic)
-    if latest is None:
-        return call_in_turn_sync(Turn(registry, (key,), timeout, None), fn, args, kwargs)
-    try:
-        answer = _wait_sync(book, ticket, key, timeout)
-        if answer is not _RUN:
-            return answer
-        with registry.mode.guard():
-            book.start(ticket, me)
-    except BaseException as problem:
-        book.gave_up(ticket, problem)
-        raise
+    runs = Runs(book, key, (fn, args, kwargs), policy, label)
+    if latest is not None:
+        try:
+            answer = _wait_sync(book, ticket, key, timeout)
+            if answer is not _RUN:
+                return answer
+            with registry.mode.guard():
+                book.start(ticket, me)
+        except BaseException as problem:
+            book.gave_up(ticket, problem)
+            raise
+        runs.mine = ticket.latest  # (a new one if its Latest's runner was cancelled)
+    else:
+        since = 0.0
     turn = Turn(registry, (key,), timeout, None)
-    error: BaseException | None = None
-    result = None
     try:
-        result = call_in_turn_sync(turn, fn, args, kwargs, lined=True, since=since)
-    except BaseException as problem:
-        error = problem
-        raise
-    finally:
-        book.ended(ticket, error, result)
-    return result
+        result = call_in_turn_sync(turn, runs, (), {}, lined=latest is not None, since=since)
+    except BaseException as error:
+        return runs.ended(error, None)
+    return runs.ended(None, result)
 
 
 def _wait_sync(book: Book, ticket: ThreadTicket, key: Hashable, limit: float | None) -> Any:

@@ -45,6 +45,9 @@ from ._line import Deferred, Line, held_by
 if TYPE_CHECKING:
     from ._registry import Registry
 
+#: A work: its function, arguments and keyword arguments.
+Work = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+
 # Where a ticket is (Ticket.state).
 WAITING: Final = 0  # in its Latest's tickets
 RUNS: Final = 1  # handed the key: its caller runs its work
@@ -57,11 +60,12 @@ _JOINED: Final = 5  # replaced, holding no work: it gets the outcome of what run
 class Ticket:
     """One caller's work in a key's Latest: how its caller is woken and answered."""
 
-    __slots__ = ("join", "label", "latest", "state")
+    __slots__ = ("join", "label", "latest", "state", "work")
 
-    def __init__(self, join: bool, label: str | None) -> None:
+    def __init__(self, join: bool, label: str | None, work: Work | None) -> None:
         self.join = join  # on_superseded="join"
         self.label = label  # its function, for an observer (see FUNCTION)
+        self.work = work  # what it runs, while it holds it (see Book.newer)
         self.latest: Latest | None = None  # the Latest it waits in
         self.state = WAITING
 
@@ -219,10 +223,7 @@ class Book:
         ticket.arm(None)
         latest = ticket.latest
         assert latest is not None
-        error = Superseded(
-            f"inturn: newer work for key {describe(latest.key)} took this work's place "
-            "(pending='latest'); this work did not run"
-        )
+        error = superseded(latest.key)
         self.registry.tally.superseded(error, ticket.label)
         ticket.answer(error, None)
 
@@ -373,14 +374,46 @@ class Book:
         assert latest is not None
         self.registry.start(latest.key, latest, holder, True)
 
-    def ended(self, ticket: Ticket, error: BaseException | None, result: Any) -> None:
-        """The runner's work ended: answer its followers with its outcome.
+    def newer(self, key: Hashable, mine: Latest | None) -> tuple[Latest, Work] | None:
+        """Newer work that came while a turn on key waited after taking its line (for a
+        backend's grant, a running slot): it runs in that turn instead of the turn's own.
+
+        The key's open Latest leaves the line, and every caller of it follows the
+        turn (its outcome is theirs: see ended), joining the followers of ``mine``,
+        the Latest the turn ran from, if any. Return the Latest they follow and the
+        newest work; None if no newer work waits (or it is quiet: debounce). Under
+        the guard.
+        """
+        latest = self.open.get(key)
+        if latest is None or latest.line is None or not latest.tickets:
+            return None
+        work = latest.tickets[-1].work
+        if work is None:
+            return None
+        del self.open[key]
+        followers, latest.tickets = latest.tickets, []
+        self.registry.abandon(key, latest.line, latest, guarded=True)  # (done: no ticket)
+        for follower in followers:
+            follower.state = _FOLLOWS
+            follower.arm(None)
+        for follower in followers[:-1]:
+            self.registry.tally.superseded(None, follower.label)
+        if mine is None:
+            latest.followers = followers
+            return latest, work
+        mine.followers += followers
+        if latest.joined:
+            if mine.joined is None:
+                mine.joined = weakref.WeakSet()
+            mine.joined |= latest.joined
+        return mine, work
+
+    def ended(self, latest: Latest, error: BaseException | None, result: Any) -> None:
+        """The work latest's followers follow ended: answer them with its outcome.
 
         If it was cancelled or interrupted rather than finished, the followers'
         works wait again (newest last), joining the key's open Latest, or a new one.
         """
-        latest = ticket.latest
-        assert latest is not None
         with self.registry.mode.guard():
             followers, latest.followers = latest.followers, []
             if followers and error is not None and not isinstance(error, Exception):
@@ -417,3 +450,11 @@ class Book:
             return
         if again.keeps and again.tickets:
             self.open[latest.key] = again
+
+
+def superseded(key: Hashable) -> Superseded:
+    """The error of a "raise" caller whose work newer work replaced."""
+    return Superseded(
+        f"inturn: newer work for key {describe(key)} took this work's place "
+        "(pending='latest'); this work did not run"
+    )

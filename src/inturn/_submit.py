@@ -37,9 +37,10 @@ from time import monotonic as _monotonic
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, final
 
 from ._checks import Policy
+from ._conflate import Runs
 from ._describe import describe
 from ._errors import QueueClosed, QueueFull
-from ._latest import WAITING, Book, Latest, Ticket
+from ._latest import WAITING, Book, Latest, Ticket, Work
 from ._line import Deferred, Gate, held_by
 from ._line import Line as _Line
 from ._stats import FUNCTION, function_label
@@ -175,6 +176,7 @@ class Handle(Deferred, Ticket, Generic[R]):
         self.label: str | None = None
         self.latest: Latest | None = None
         self.state = WAITING
+        self.work: Work | None = (fn, args, kwargs)  # (the same, as a Ticket's: see replaced)
         self._quiet: asyncio.TimerHandle | None = None  # its Latest's debounce timer
         queue.handles.add(self)
         if batch is not None:
@@ -355,6 +357,7 @@ class Handle(Deferred, Ticket, Generic[R]):
     def replaced(self) -> bool:
         # (its function, arguments and context go: it only follows what runs)
         self._fn, self._args, self._kwargs, self._context = _spent, (), _NO_KWARGS, None
+        self.work = None
         self._queue.handles.discard(self)  # (drain() waits for what it follows)
         return False
 
@@ -403,6 +406,7 @@ class Handle(Deferred, Ticket, Generic[R]):
         """Let the queue and the batch know the work has finished (failed: with an error)."""
         # let the work's function and arguments go, as a finished task does its frame
         self._fn, self._args, self._kwargs, self._line = _spent, (), _NO_KWARGS, None
+        self.work = None
         self._queue.handles.discard(self)
         if failed and not self._awaited:
             self._failed.append(self)
@@ -437,7 +441,7 @@ async def _run(handle: Handle[Any]) -> None:
     if task is None:  # an eager task runs this step inside create_task: known so, to cancel()
         task = handle._task = _current_task()
         assert task is not None
-    latest = handle._line if type(handle._line) is Latest else None
+    latest = handle.latest if type(handle._line) is Latest else None
     with registry.mode.guard():
         if latest is not None:
             latest.book.start(handle, task)
@@ -449,18 +453,16 @@ async def _run(handle: Handle[Any]) -> None:
     if registry.tally.observer is not None:  # (this task's context is its own)
         FUNCTION.set(function_label(handle._fn))
     turn = Turn(registry, (handle.key,), queue.timeout, queue.max_hold)
+    work = (handle._fn, handle._args, handle._kwargs)
+    runs = Runs(queue.book, handle.key, work, queue.policy, handle.label)
+    runs.mine = latest
     try:
-        fn, args, kwargs = handle._fn, handle._args, handle._kwargs
-        result = await call_in_turn(turn, fn, args, kwargs, task, handle._since, lined=True)
+        result = await runs.outcome(call_in_turn(turn, runs, (), {}, task, handle._since, True))
     except BaseException as error:
-        if latest is not None:
-            latest.book.ended(handle, error, None)
         handle._ended(error, None)
         if isinstance(error, Exception):
             return  # it is the handle's now: the task ends quietly
         raise
-    if latest is not None:
-        latest.book.ended(handle, None, result)
     handle._ended(None, result)
 
 
