@@ -178,7 +178,9 @@ class KeyedQueue:
         ``"latest"``: while a key is busy, this process keeps at most one
         waiting work for it, and a newer call of :meth:`run`,
         :meth:`run_sync`, :meth:`submit` or a decorated function takes the
-        waiting one's place in the line. The replaced work never runs, the
+        waiting one's place in the line (a work that holds the key but has
+        not started, as one waiting for a backend's grant or a running slot,
+        runs the newest work instead of its own). The replaced work never runs, the
         running work is never interrupted, and every caller is answered
         (``on_superseded``). If the newer caller gives up (cancelled, timed
         out) before the key's turn, the work it replaced is back in its
