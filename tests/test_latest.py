@@ -6,6 +6,7 @@ Driven by events and loop rounds; the debounce on a virtual clock.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import gc
 import threading
 from collections.abc import Callable
@@ -972,3 +973,50 @@ async def test_cancelling_a_turn_that_runs_newer_work_lets_that_work_run_again()
     assert first.cancelled()
     assert newest.cancelled()
     assert not queue.is_active("k")
+
+
+REQUEST: contextvars.ContextVar[str] = contextvars.ContextVar("request", default="none")
+
+
+async def test_newer_work_run_in_an_older_turn_sees_its_own_callers_context() -> None:
+    queue = KeyedQueue(pending="latest", max_running=1)
+    busy = Busy()
+    holder = await slot_taken(queue, busy)
+    seen: list[str] = []
+
+    async def work() -> str:
+        await checkpoints()
+        seen.append(REQUEST.get())
+        return REQUEST.get()
+
+    async def call(request: str) -> str:
+        REQUEST.set(request)
+        return await queue.run("k", work)
+
+    first = asyncio.create_task(call("first"))
+    await settle(lambda: queue.stats().waiting_for_slot == 1)
+    newest = asyncio.create_task(call("newest"))
+    await settle(lambda: queue.pending("k") == 1)
+    busy.gate.set()
+    assert await asyncio.gather(first, newest) == ["newest", "newest"]
+    assert seen == ["newest"]  # run once, in the first's turn, with the newest's context
+    await holder
+
+
+async def test_a_threads_turn_never_runs_a_tasks_work() -> None:
+    queue = KeyedQueue(pending="latest", max_running=1)
+    busy = Busy()
+    holder = await slot_taken(queue, busy)
+
+    def blocking() -> str:
+        busy.ran.append("thread")
+        return "thread"
+
+    thread = asyncio.create_task(asyncio.to_thread(queue.run_sync, "k", blocking))
+    await settle(lambda: queue.stats().waiting_for_slot == 1)
+    task = asyncio.create_task(queue.run("k", busy.work("task")))
+    await settle(lambda: queue.pending("k") == 1)
+    busy.gate.set()
+    assert await asyncio.gather(thread, task) == ["thread", "task"]
+    await holder
+    assert busy.ran == ["holder", "thread", "task"]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Hashable
+from contextvars import copy_context
+from inspect import iscoroutine
 from threading import Lock
 from time import monotonic as _monotonic
 from typing import TYPE_CHECKING, Any, Final, final
@@ -17,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Final, final
 from ._checks import Policy
 from ._latest import WAITING, Book, Latest, Ticket, Work, superseded
 from ._stats import FUNCTION
-from ._tasks import current_task, in_loop_of
+from ._tasks import current_task, in_context, in_loop_of
 from ._threads import thread_holder
 from ._turn import Turn, call_in_turn, call_in_turn_sync
 
@@ -46,7 +48,7 @@ class TaskTicket(Ticket):
     def __init__(
         self, join: bool, future: asyncio.Future[Any], label: str | None, work: Work
     ) -> None:
-        super().__init__(join, label, work)
+        super().__init__(join, label, work, future.get_loop())
         self.future = future
         self.timer: asyncio.TimerHandle | None = None  # the debounce's
 
@@ -78,7 +80,7 @@ class ThreadTicket(Ticket):
     __slots__ = ("due", "lock", "outcome")
 
     def __init__(self, join: bool, label: str | None, work: Work) -> None:
-        super().__init__(join, label, work)
+        super().__init__(join, label, work, None)
         self.lock = Lock()
         self.lock.acquire()
         self.outcome: tuple[BaseException | None, Any] | None = None
@@ -121,14 +123,32 @@ class Runs:
     from, if any (its followers follow this turn too).
     """
 
-    __slots__ = ("book", "join", "key", "label", "mine", "replaced", "swaps", "taken", "work")
+    __slots__ = (
+        "book",
+        "home",
+        "join",
+        "key",
+        "label",
+        "mine",
+        "replaced",
+        "swaps",
+        "taken",
+        "work",
+    )
 
     def __init__(
-        self, book: Book, key: Hashable, work: Work, policy: Policy, label: str | None
+        self,
+        book: Book,
+        key: Hashable,
+        work: Work,
+        policy: Policy,
+        label: str | None,
+        home: asyncio.AbstractEventLoop | None,
     ) -> None:
         self.book = book
         self.key = key
         self.work = work
+        self.home = home  # the turn's event loop; None: a thread's
         self.swaps = policy.latest  # (a debounce alone lets every quiet period's work run)
         self.join = policy.join
         self.label = label
@@ -139,13 +159,19 @@ class Runs:
     def __call__(self) -> Any:
         registry = self.book.registry
         with registry.mode.guard():
-            found = self.book.newer(self.key, self.mine) if self.swaps else None
+            found = self.book.newer(self.key, self.mine, self.home) if self.swaps else None
             self.taken = self.mine if found is None else found[0]
             if found is not None:
                 self.replaced = True
                 registry.tally.superseded(None if self.join else superseded(self.key), self.label)
-        fn, args, kwargs = self.work if found is None else found[1]
-        return fn(*args, **kwargs)
+        if found is None:
+            fn, args, kwargs, _ = self.work
+            return fn(*args, **kwargs)
+        fn, args, kwargs, context = found[1]  # (the newer work, in its caller's context)
+        result = fn(*args, **kwargs) if context is None else context.run(fn, *args, **kwargs)
+        if self.home is not None and context is not None and iscoroutine(result):
+            return in_context(self.home, result, context)
+        return result
 
     async def outcome(self, turn: Awaitable[Any]) -> Any:
         """Await the turn that calls this (see ended): this caller's outcome."""
@@ -188,11 +214,12 @@ async def run_latest(
         assert task is not None
     loop = task.get_loop()
     future: asyncio.Future[Any] = loop.create_future()
-    ticket = TaskTicket(policy.join, future, label, (fn, args, kwargs))
+    work = (fn, args, kwargs, copy_context())
+    ticket = TaskTicket(policy.join, future, label, work)
     since = _monotonic() if registry.timed else 0.0
     with registry.mode.guard_for(loop):
         latest = None if timeout == 0 else book.enter(key, task, ticket, policy, loop.time)
-    runs = Runs(book, key, (fn, args, kwargs), policy, label)
+    runs = Runs(book, key, work, policy, label, loop)
     if latest is not None:
         timer = (
             None if timeout is None else loop.call_later(timeout, _expire, book, ticket, timeout)
@@ -239,12 +266,13 @@ def run_latest_sync(
     """A thread's call of fn in key's turn, conflated by policy (see run_latest)."""
     registry = book.registry
     label = FUNCTION.get()
-    ticket = ThreadTicket(policy.join, label, (fn, args, kwargs))
+    work = (fn, args, kwargs, copy_context())
+    ticket = ThreadTicket(policy.join, label, work)
     me = thread_holder()
     since = _monotonic() if registry.timed else 0.0
     with registry.mode.for_threads():
         latest = None if timeout == 0 else book.enter(key, me, ticket, policy, _monotonic)
-    runs = Runs(book, key, (fn, args, kwargs), policy, label)
+    runs = Runs(book, key, work, policy, label, None)
     if latest is not None:
         try:
             answer = _wait_sync(book, ticket, key, timeout)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Hashable
+from contextvars import Context
 from typing import TYPE_CHECKING, Any, Final, final
 
 from ._checks import Policy
@@ -45,8 +46,9 @@ from ._line import Deferred, Line, held_by
 if TYPE_CHECKING:
     from ._registry import Registry
 
-#: A work: its function, arguments and keyword arguments.
-Work = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+#: A work: its function, arguments and keyword arguments, and the context (contextvars)
+#: its caller's turn would run it in (see Book.newer).
+Work = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], Context | None]
 
 # Where a ticket is (Ticket.state).
 WAITING: Final = 0  # in its Latest's tickets
@@ -60,12 +62,13 @@ _JOINED: Final = 5  # replaced, holding no work: it gets the outcome of what run
 class Ticket:
     """One caller's work in a key's Latest: how its caller is woken and answered."""
 
-    __slots__ = ("join", "label", "latest", "state", "work")
+    __slots__ = ("home", "join", "label", "latest", "state", "work")
 
-    def __init__(self, join: bool, label: str | None, work: Work | None) -> None:
+    def __init__(self, join: bool, label: str | None, work: Work | None, home: object) -> None:
         self.join = join  # on_superseded="join"
         self.label = label  # its function, for an observer (see FUNCTION)
         self.work = work  # what it runs, while it holds it (see Book.newer)
+        self.home = home  # where its work runs: its caller's event loop, None for a thread
         self.latest: Latest | None = None  # the Latest it waits in
         self.state = WAITING
 
@@ -374,21 +377,24 @@ class Book:
         assert latest is not None
         self.registry.start(latest.key, latest, holder, True)
 
-    def newer(self, key: Hashable, mine: Latest | None) -> tuple[Latest, Work] | None:
+    def newer(self, key: Hashable, mine: Latest | None, home: object) -> tuple[Latest, Work] | None:
         """Newer work that came while a turn on key waited after taking its line (for a
         backend's grant, a running slot): it runs in that turn instead of the turn's own.
 
-        The key's open Latest leaves the line, and every caller of it follows the
-        turn (its outcome is theirs: see ended), joining the followers of ``mine``,
-        the Latest the turn ran from, if any. Return the Latest they follow and the
-        newest work; None if no newer work waits (or it is quiet: debounce). Under
-        the guard.
+        Only work of the same home (the turn's event loop, or None: a thread's) is
+        taken: a task never runs a thread's blocking work, nor a thread a task's, nor
+        one loop another's. The key's open Latest leaves the line, and every caller
+        of it follows the turn (its outcome is theirs: see ended), joining the
+        followers of ``mine``, the Latest the turn ran from, if any. Return the
+        Latest they follow and the newest work; None if no such newer work waits
+        (or it is quiet: debounce). Under the guard.
         """
         latest = self.open.get(key)
         if latest is None or latest.line is None or not latest.tickets:
             return None
-        work = latest.tickets[-1].work
-        if work is None:
+        newest = latest.tickets[-1]
+        work = newest.work
+        if work is None or newest.home is not home:
             return None
         del self.open[key]
         followers, latest.tickets = latest.tickets, []

@@ -46,7 +46,7 @@ from ._line import Line as _Line
 from ._stats import FUNCTION, function_label
 from ._tasks import call_soon_in as _call_soon_in
 from ._tasks import current_task as _current_task
-from ._tasks import makes_plain_tasks, running_loop
+from ._tasks import in_context, makes_plain_tasks, running_loop
 from ._turn import Turn, call_in_turn
 
 if sys.version_info < (3, 11):  # pragma: no cover - depends on the interpreter
@@ -176,7 +176,8 @@ class Handle(Deferred, Ticket, Generic[R]):
         self.label: str | None = None
         self.latest: Latest | None = None
         self.state = WAITING
-        self.work: Work | None = (fn, args, kwargs)  # (the same, as a Ticket's: see replaced)
+        self.home = future.get_loop()  # (as a Ticket's)
+        self.work: Work | None = (fn, args, kwargs, None)  # (as a Ticket's: see replaced)
         self._quiet: asyncio.TimerHandle | None = None  # its Latest's debounce timer
         queue.handles.add(self)
         if batch is not None:
@@ -343,11 +344,7 @@ class Handle(Deferred, Ticket, Generic[R]):
             self._timer = None
         context, self._context = self._context, None
         assert context is not None
-        loop = self._future.get_loop()
-        if sys.version_info >= (3, 11):
-            self._task = loop.create_task(_run(self), context=context)
-        else:  # pragma: no cover - depends on the interpreter
-            self._task = context.run(loop.create_task, _run(self))
+        self._task = in_context(self._future.get_loop(), _run(self), context)
 
     # -- as a Ticket of a key's Latest (see _latest) ------------------------------------
 
@@ -453,8 +450,8 @@ async def _run(handle: Handle[Any]) -> None:
     if registry.tally.observer is not None:  # (this task's context is its own)
         FUNCTION.set(function_label(handle._fn))
     turn = Turn(registry, (handle.key,), queue.timeout, queue.max_hold)
-    work = (handle._fn, handle._args, handle._kwargs)
-    runs = Runs(queue.book, handle.key, work, queue.policy, handle.label)
+    work = (handle._fn, handle._args, handle._kwargs, None)
+    runs = Runs(queue.book, handle.key, work, queue.policy, handle.label, task.get_loop())
     runs.mine = latest
     try:
         result = await runs.outcome(call_in_turn(turn, runs, (), {}, task, handle._since, True))
@@ -520,6 +517,7 @@ async def submit(
             handle._task = loop.create_task(_run(handle))
         else:
             handle._context = contextvars.copy_context()
+            handle.work = (fn, args, kwargs, handle._context)
             timeout = queue.timeout
             if timeout is not None:
                 handle._timer = loop.call_later(timeout, handle._expire, timeout)

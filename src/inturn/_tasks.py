@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import operator
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from contextvars import Context
 from typing import Any
 
 #: The event loop running in this thread, or None (no error, no getpid(): in C).
@@ -62,6 +63,15 @@ def retrieve_when_closed(writer: asyncio.StreamWriter) -> None:
     closed = getattr(protocol, "_closed", None)  # (asyncio.StreamReaderProtocol's)
     if isinstance(closed, asyncio.Future):
         closed.add_done_callback(retrieve)
+
+
+def in_context(
+    loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], context: Context
+) -> asyncio.Task[Any]:
+    """A task of loop that runs coro in context (contextvars)."""
+    if sys.version_info >= (3, 11):
+        return loop.create_task(coro, context=context)
+    return context.run(loop.create_task, coro)  # pragma: no cover - depends on the interpreter
 
 
 def in_loop_of(future: asyncio.Future[Any], callback: Callable[..., None], *args: Any) -> bool:
