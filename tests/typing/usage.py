@@ -187,3 +187,28 @@ async def mistakes_type_checkers_catch() -> None:
     await queue.keyed("k")  # type: ignore[misc]  # (async with, not await)
     await queue.submit("k", take, 42)  # type: ignore[call-overload]
     queue.batch(on_error="ignore")  # type: ignore[arg-type]
+
+
+latest = KeyedQueue(pending="latest", on_superseded="raise", debounce=0.5, max_wait=5.0)
+
+
+@latest.queue_by_key(key="manifest-{server}", pending="latest", on_superseded="join")
+async def sync_manifest(server: str, version: int) -> int:
+    return version
+
+
+@inturn.queue_by_key(key="prefs-{user_id}", debounce=0.2, max_wait=None)
+def push_prefs(user_id: int) -> None:
+    pass
+
+
+async def latest_wins_is_typed() -> None:
+    assert_type(await sync_manifest("a", 3), int)
+    push_prefs(1)
+    try:
+        await latest.run("k", sync_manifest, "a", 1)
+    except inturn.Superseded as error:
+        assert_type(error, inturn.Superseded)
+    assert_type(latest.stats().superseded, int)
+    KeyedQueue(pending="newest")  # type: ignore[arg-type]
+    latest.queue_by_key(key="k", on_superseded="drop")  # type: ignore[call-overload]
