@@ -1020,3 +1020,104 @@ async def test_a_threads_turn_never_runs_a_tasks_work() -> None:
     assert await asyncio.gather(thread, task) == ["thread", "task"]
     await holder
     assert busy.ran == ["holder", "thread", "task"]
+
+
+# -- found by attacking it: the revive path and the take-over -----------------------------------
+
+
+async def test_work_waiting_again_follows_a_newer_run_instead_of_running_after_it() -> None:
+    queue = KeyedQueue(pending="latest")
+    gates = {name: asyncio.Event() for name in "ACD"}
+    ran: list[str] = []
+
+    async def work(name: str) -> str:
+        ran.append(name)
+        if name in gates:
+            await gates[name].wait()
+        return name
+
+    a = asyncio.create_task(queue.run("k", work, "A"))
+    await settle(lambda: ran == ["A"])
+    b = asyncio.create_task(queue.run("k", work, "B"))
+    c = asyncio.create_task(queue.run("k", work, "C"))  # C replaces B: B follows C
+    await settle(lambda: queue.pending("k") == 2)
+    gates["A"].set()
+    await settle(lambda: ran == ["A", "C"])
+    d = asyncio.create_task(queue.run("k", work, "D"))  # D waits behind C's run
+    await settle(lambda: queue.pending("k") == 1)  # (B follows C's run: not in line)
+    c.cancel()  # C's run is cancelled: B's work would wait again, but D is newer
+    await settle(lambda: ran == ["A", "C", "D"])
+    gates["D"].set()
+    outcomes = await asyncio.gather(a, b, c, d, return_exceptions=True)
+    assert ran == ["A", "C", "D"]  # B never runs after D: the key ends at the newest
+    assert outcomes[:2] == ["A", "D"]
+    assert isinstance(outcomes[2], asyncio.CancelledError)
+    assert outcomes[3] == "D"
+    assert not queue.is_active("k")
+
+
+async def test_drain_waits_for_work_that_waits_again() -> None:
+    queue = KeyedQueue(pending="latest")
+    gates = {name: asyncio.Event() for name in "AC"}
+    ran: list[str] = []
+
+    async def work(name: str) -> str:
+        ran.append(name)
+        if name in gates:
+            await gates[name].wait()
+        return name
+
+    a = asyncio.create_task(queue.run("k", work, "A"))
+    await settle(lambda: ran == ["A"])
+    b = asyncio.create_task(queue.run("k", work, "B"))
+    c = asyncio.create_task(queue.run("k", work, "C"))
+    await settle(lambda: queue.pending("k") == 2)
+    gates["A"].set()
+    await settle(lambda: ran == ["A", "C"])
+    drained = asyncio.create_task(queue.drain())  # B is pending at this call
+    await checkpoints()
+    c.cancel()  # B's work waits again, at the head of the line
+    await drained
+    assert b.done()
+    assert ran == ["A", "C", "B"]
+    assert await b == "B"
+    await asyncio.gather(a, c, return_exceptions=True)
+
+
+@pytest.mark.parametrize("kind", ["run", "submit"])
+async def test_cancelling_a_caller_whose_work_an_older_turn_runs(kind: str) -> None:
+    queue = KeyedQueue(pending="latest", max_running=1)
+    busy = Busy()
+    holder = await slot_taken(queue, busy)
+    first = asyncio.create_task(queue.run("k", busy.work("first")))
+    await settle(lambda: queue.stats().waiting_for_slot == 1)
+    newer: Any
+    if kind == "run":
+        newer = asyncio.create_task(queue.run("k", busy.work("newer")))
+    else:
+        newer = await queue.submit("k", busy.work("newer"))
+    await settle(lambda: queue.pending("k") == 1)
+    busy.gate.set()
+    await settle(lambda: "newer" in busy.ran)  # the first's turn runs the newer work
+    newer.cancel()  # the newer's caller leaves; the run goes on for the first
+    outcomes = await asyncio.gather(first, newer, holder, return_exceptions=True)
+    assert outcomes[0] == "newer"
+    assert isinstance(outcomes[1], asyncio.CancelledError)
+    assert busy.ran == ["holder", "newer"]
+    assert not queue.is_active("k")
+
+
+async def test_a_follower_promoted_to_run_is_not_counted_as_replaced() -> None:
+    queue = KeyedQueue(pending="latest")
+    busy = Busy()
+    holder = await hold(queue, busy)
+    older = asyncio.create_task(queue.run("k", busy.work("older")))
+    newer = asyncio.create_task(queue.run("k", busy.work("newer")))
+    await settle(lambda: queue.pending("k") == 2)
+    busy.gate.set()
+    await holder  # the key is handed to the newer, which has not started yet
+    newer.cancel()
+    assert await older == "older"  # the older runs in its place
+    await asyncio.gather(newer, return_exceptions=True)
+    stats = queue.stats()
+    assert (stats.completed, stats.cancelled, stats.superseded) == (2, 1, 0)

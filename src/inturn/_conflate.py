@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Hashable
 from contextvars import copy_context
-from inspect import iscoroutine
+from inspect import isawaitable, iscoroutine
 from threading import Lock
 from time import monotonic as _monotonic
 from typing import TYPE_CHECKING, Any, Final, final
@@ -164,14 +164,34 @@ class Runs:
             if found is not None:
                 self.replaced = True
                 registry.tally.superseded(None if self.join else superseded(self.key), self.label)
-        if found is None:
-            fn, args, kwargs, _ = self.work
-            return fn(*args, **kwargs)
-        fn, args, kwargs, context = found[1]  # (the newer work, in its caller's context)
-        result = fn(*args, **kwargs) if context is None else context.run(fn, *args, **kwargs)
-        if self.home is not None and context is not None and iscoroutine(result):
-            return in_context(self.home, result, context)
+        fn, args, kwargs, context = self.work if found is None else found[1]
+        try:
+            if found is None or context is None:
+                result = fn(*args, **kwargs)
+            else:  # (the newer work, in its caller's context)
+                result = context.run(fn, *args, **kwargs)
+                if self.home is not None and iscoroutine(result):
+                    result = in_context(self.home, result, context)
+        except BaseException as error:
+            self._revive(error)
+            raise
+        if self.home is not None and isawaitable(result):
+            return self._watched(result)
         return result
+
+    async def _watched(self, work: Awaitable[Any]) -> Any:
+        """Await the work (see _revive)."""
+        try:
+            return await work
+        except BaseException as error:
+            self._revive(error)
+            raise
+
+    def _revive(self, error: BaseException) -> None:
+        """The work was cancelled (or interrupted) while this turn holds the key: its
+        followers wait again now, ahead of what came since (see Book.revive)."""
+        if self.taken is not None and not isinstance(error, Exception):
+            self.book.revive(self.taken)
 
     async def outcome(self, turn: Awaitable[Any]) -> Any:
         """Await the turn that calls this (see ended): this caller's outcome."""
@@ -183,8 +203,9 @@ class Runs:
 
     def ended(self, error: BaseException | None, result: Any) -> Any:
         """Tell the followers the turn's outcome; return this caller's (``result``)."""
-        if self.taken is not None:
-            self.book.ended(self.taken, error, result)
+        followed = self.mine if self.taken is None else self.taken  # (mine: it never ran)
+        if followed is not None:
+            self.book.ended(followed, error, result)
         if error is not None:
             raise error
         if self.replaced and not self.join:

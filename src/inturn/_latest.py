@@ -33,6 +33,7 @@ Invariants (every change under the registry's guard):
 
 from __future__ import annotations
 
+import asyncio
 import weakref
 from collections.abc import Callable, Hashable
 from contextvars import Context
@@ -110,6 +111,7 @@ class Latest(Deferred):
         "last",
         "line",
         "max_wait",
+        "ran",
         "tickets",
     )
 
@@ -123,6 +125,7 @@ class Latest(Deferred):
         self.first = self.last = clock()  # when it opened, when its newest work came
         self.tickets: list[Ticket] = []  # live waiting callers, oldest first
         self.followers: list[Ticket] = []  # after the hand-off
+        self.ran: Ticket | None = None  # the follower whose work a turn runs (see Book.newer)
         # replaced callers that let their work go (see Ticket.replaced), held weakly
         self.joined: weakref.WeakSet[Ticket] | None = None
         self.line: Line | None = None  # the line it joined (None: quiet)
@@ -153,11 +156,14 @@ class Latest(Deferred):
 class Book:
     """A queue's open Latests, by key: the only writer of them (see the module)."""
 
-    __slots__ = ("open", "registry")
+    __slots__ = ("open", "registry", "running")
 
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
         self.open: dict[Hashable, Latest] = {}
+        # The Latest whose run holds the key, from its hand-off to its end: work it
+        # replaced that must wait again follows a newer run instead (see _again).
+        self.running: dict[Hashable, Latest] = {}
 
     def callers(self, key: Hashable) -> int:
         """How many callers wait in key's open Latest beyond the one place it takes in a line."""
@@ -170,6 +176,7 @@ class Book:
     def forked(self) -> None:
         """In a forked child: the parent's waiting callers are not this process's."""
         self.open.clear()
+        self.running.clear()
 
     def enter(
         self,
@@ -246,16 +253,20 @@ class Book:
             ticket.state = _ANSWERED
             ticket.answer(error, result)
 
-    def _place(self, latest: Latest) -> None:
-        """Put latest in its key's line; if the key is free, it is handed the key at once."""
+    def _place(self, latest: Latest, again: bool = False) -> None:
+        """Put latest in its key's line (``again``: at its head, see _again); if the key is
+        free, it is handed the key at once."""
         registry = self.registry
-        line = registry.join(latest.key, latest, latest, None, guarded=True)
+        if again:
+            line = registry.requeue(latest.key, latest)
+        else:  # (no Gate: concurrency is 1)
+            line = registry.join(latest.key, latest, latest, None, guarded=True)  # type: ignore[assignment]
         if line is None:  # free: it holds the key, in a line of its own for abandon()
             line = latest.line = registry.lined(latest.key)
             if not self.handed(latest, registry.mode.shared):
                 registry.abandon(latest.key, line, latest, guarded=True)
             return
-        latest.line = line  # type: ignore[assignment]  # (no Gate: concurrency is 1)
+        latest.line = line
 
     def handed(self, latest: Latest, shared: bool) -> bool:
         """The line handed latest the key: its newest caller runs, the others follow it.
@@ -273,7 +284,7 @@ class Book:
                 for follower in followers:
                     follower.state = _FOLLOWS
                     follower.arm(None)
-                    self.registry.tally.superseded(None, follower.label)
+                self.running[latest.key] = latest
                 return True
             runner.state = _LEFT
         return False
@@ -298,7 +309,9 @@ class Book:
 
     def flush(self) -> None:
         """End every quiet period now: each quiet Latest joins its line (for drain())."""
-        for latest in [latest for latest in self.open.values() if latest.line is None]:
+        with self.registry.mode.guard():  # (another thread may open one meanwhile)
+            quiet = [latest for latest in self.open.values() if latest.line is None]
+        for latest in quiet:
             self.tick(latest, now=True)
 
     def _refuse(self, latest: Latest, error: BaseException) -> None:
@@ -351,6 +364,8 @@ class Book:
                     return
                 runner.state = _LEFT
             assert latest.line is not None
+            if self.running.get(latest.key) is latest:
+                del self.running[latest.key]
             registry.abandon(latest.key, latest.line, latest, guarded=True)
             self._answer(latest, error, None)
 
@@ -402,17 +417,26 @@ class Book:
         for follower in followers:
             follower.state = _FOLLOWS
             follower.arm(None)
-        for follower in followers[:-1]:
-            self.registry.tally.superseded(None, follower.label)
         if mine is None:
             latest.followers = followers
-            return latest, work
-        mine.followers += followers
-        if latest.joined:
-            if mine.joined is None:
-                mine.joined = weakref.WeakSet()
-            mine.joined |= latest.joined
+            self.running[key] = mine = latest
+        else:
+            self._merge(latest, mine, followers)
+        mine.ran = followers[-1]
         return mine, work
+
+    def _merge(self, latest: Latest, into: Latest, followers: list[Ticket]) -> None:
+        """Let followers (older than into's own) and latest's joined callers go with into."""
+        for follower in followers:
+            follower.latest = into
+        into.followers[:0] = followers
+        joined, latest.joined = latest.joined, None
+        if joined:
+            if into.joined is None:
+                into.joined = weakref.WeakSet()
+            into.joined |= joined
+            for ticket in joined:
+                ticket.latest = into
 
     def ended(self, latest: Latest, error: BaseException | None, result: Any) -> None:
         """The work latest's followers follow ended: answer them with its outcome.
@@ -421,41 +445,53 @@ class Book:
         works wait again (newest last), joining the key's open Latest, or a new one.
         """
         with self.registry.mode.guard():
+            if self.running.get(latest.key) is latest:
+                del self.running[latest.key]
             followers, latest.followers = latest.followers, []
             if followers and error is not None and not isinstance(error, Exception):
                 self._again(latest, followers)
                 return
+            ran, latest.ran = latest.ran, None
             for follower in followers:
                 follower.state = _ANSWERED
+                if follower is not ran:  # (it ran in the turn: not replaced)
+                    self.registry.tally.superseded(None, follower.label)
                 follower.answer(error, result)
             self._answer(latest, error, result)
+
+    def revive(self, latest: Latest) -> None:
+        """The run latest's followers follow was cancelled (or interrupted) while it runs:
+        they wait again now, while it still holds the key (see _again)."""
+        with self.registry.mode.guard():
+            followers, latest.followers = latest.followers, []
+            latest.ran = None
+            if followers or latest.joined:
+                self._again(latest, followers)
 
     def _again(self, latest: Latest, followers: list[Ticket]) -> None:
         """The followers of latest, whose runner was cancelled, wait again: in the key's open
         Latest, older than the works there, or in a new one (see ended). Under the guard."""
-        again = self.open.get(latest.key)
+        key = latest.key
+        newer = self.running.get(key)
+        if newer is not None and newer is not latest:  # a newer run: they follow it
+            self._merge(latest, newer, followers)
+            return
+        again = self.open.get(key)
         fresh = again is None
         if again is None:
-            again = Latest(self, latest.key, Policy(latest.keeps, True, None, None), latest.clock)
+            again = Latest(self, key, Policy(latest.keeps, True, None, None), latest.clock)
         for follower in followers:
             follower.state = WAITING
+        self._merge(latest, again, [])
+        for follower in followers:
             follower.latest = again
-        again.tickets[:0] = followers
-        if latest.joined:
-            if again.joined is None:
-                again.joined = weakref.WeakSet()
-            again.joined |= latest.joined
-            for ticket in latest.joined:
-                ticket.latest = again
-        if not fresh:
-            return
-        try:
-            self._place(again)
-        except (QueueFull, QueueClosed) as refused:
-            self._refuse(again, refused)
-            return
-        if again.keeps and again.tickets:
-            self.open[latest.key] = again
+        again.tickets[:0] = followers  # (older than the works waiting there)
+        if fresh and again.tickets:
+            self._place(again, again=True)  # (at the head: it was ahead of what came since)
+            if again.keeps and again.tickets:
+                self.open[key] = again
+        elif fresh:
+            self._answer(again, asyncio.CancelledError(), None)
 
 
 def superseded(key: Hashable) -> Superseded:

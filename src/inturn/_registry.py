@@ -231,6 +231,19 @@ class Registry:
         line.waiting += 1
         return line
 
+    def requeue(self, key: Hashable, waiter: Deferred) -> Line | None:
+        """Put work that waited in key's line already back at its head, however full or closed
+        the queue (work waiting again: see _latest); None if the key is free: the work holds
+        it now. Under the guard."""
+        line = self.lines.get(key)
+        if line is None:
+            self.lines[key] = waiter
+            return None
+        line = self.lined(key)
+        line.waiters.appendleft(waiter)
+        line.waiting += 1
+        return line
+
     def settle(self, key: Hashable, line: Line | Gate, waiter: Waiter, holder: object) -> bool:
         """As Place.settle. A Line's needs no lock: once handed, its holder is the waiter's to
         change (the hander may still hold the lock, waking other waiters)."""
