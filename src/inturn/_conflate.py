@@ -131,6 +131,7 @@ class Runs:
         "label",
         "mine",
         "replaced",
+        "seq",
         "swaps",
         "taken",
         "work",
@@ -149,6 +150,7 @@ class Runs:
         self.key = key
         self.work = work
         self.home = home  # the turn's event loop; None: a thread's
+        self.seq = 0  # its call's place in the book's order (see Book.enter)
         self.swaps = policy.latest  # (a debounce alone lets every quiet period's work run)
         self.join = policy.join
         self.label = label
@@ -159,7 +161,9 @@ class Runs:
     def __call__(self) -> Any:
         registry = self.book.registry
         with registry.mode.guard():
-            found = self.book.newer(self.key, self.mine, self.home) if self.swaps else None
+            found = (
+                self.book.newer(self.key, self.mine, self.home, self.seq) if self.swaps else None
+            )
             self.taken = self.mine if found is None else found[0]
             if found is not None:
                 self.replaced = True
@@ -241,6 +245,7 @@ async def run_latest(
     with registry.mode.guard_for(loop):
         latest = None if timeout == 0 else book.enter(key, task, ticket, policy, loop.time)
     runs = Runs(book, key, work, policy, label, loop)
+    runs.seq = ticket.seq
     if latest is not None:
         timer = (
             None if timeout is None else loop.call_later(timeout, _expire, book, ticket, timeout)
@@ -294,6 +299,7 @@ def run_latest_sync(
     with registry.mode.for_threads():
         latest = None if timeout == 0 else book.enter(key, me, ticket, policy, _monotonic)
     runs = Runs(book, key, work, policy, label, None)
+    runs.seq = ticket.seq
     if latest is not None:
         try:
             answer = _wait_sync(book, ticket, key, timeout)

@@ -34,6 +34,7 @@ Invariants (every change under the registry's guard):
 from __future__ import annotations
 
 import asyncio
+import itertools
 import weakref
 from collections.abc import Callable, Hashable
 from contextvars import Context
@@ -63,13 +64,14 @@ _JOINED: Final = 5  # replaced, holding no work: it gets the outcome of what run
 class Ticket:
     """One caller's work in a key's Latest: how its caller is woken and answered."""
 
-    __slots__ = ("home", "join", "label", "latest", "state", "work")
+    __slots__ = ("home", "join", "label", "latest", "seq", "state", "work")
 
     def __init__(self, join: bool, label: str | None, work: Work | None, home: object) -> None:
         self.join = join  # on_superseded="join"
         self.label = label  # its function, for an observer (see FUNCTION)
         self.work = work  # what it runs, while it holds it (see Book.newer)
         self.home = home  # where its work runs: its caller's event loop, None for a thread
+        self.seq = 0  # when it came, in the book's order of calls (see Book.enter)
         self.latest: Latest | None = None  # the Latest it waits in
         self.state = WAITING
 
@@ -156,7 +158,7 @@ class Latest(Deferred):
 class Book:
     """A queue's open Latests, by key: the only writer of them (see the module)."""
 
-    __slots__ = ("open", "registry", "running")
+    __slots__ = ("calls", "open", "registry", "running")
 
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
@@ -164,6 +166,7 @@ class Book:
         # The Latest whose run holds the key, from its hand-off to its end: work it
         # replaced that must wait again follows a newer run instead (see _again).
         self.running: dict[Hashable, Latest] = {}
+        self.calls = itertools.count(1)  # numbers the calls in the order they come
 
     def callers(self, key: Hashable) -> int:
         """How many callers wait in key's open Latest beyond the one place it takes in a line."""
@@ -195,6 +198,7 @@ class Book:
         :raises QueueFull: a new Latest would exceed the line's ``max_pending``.
         """
         registry = self.registry
+        ticket.seq = next(self.calls)
         line = registry.lines.get(key)
         if not registry.open or (line is not None and held_by(line, holder)):
             return None
@@ -287,6 +291,7 @@ class Book:
                 self.running[latest.key] = latest
                 return True
             runner.state = _LEFT
+        self._answer(latest, asyncio.CancelledError(), None)  # (their loops are closed)
         return False
 
     def tick(self, latest: Latest, now: bool = False) -> None:
@@ -302,9 +307,9 @@ class Book:
             if not latest.keeps and self.open.get(latest.key) is latest:
                 del self.open[latest.key]
             latest.tickets[-1].arm(None)
-            try:
-                self._place(latest)
-            except (QueueFull, QueueClosed) as refused:
+            try:  # (closed since it came: it goes on, as waiting work does)
+                self._place(latest, again=not self.registry.open)
+            except QueueFull as refused:
                 self._refuse(latest, refused)
 
     def flush(self) -> None:
@@ -392,7 +397,9 @@ class Book:
         assert latest is not None
         self.registry.start(latest.key, latest, holder, True)
 
-    def newer(self, key: Hashable, mine: Latest | None, home: object) -> tuple[Latest, Work] | None:
+    def newer(
+        self, key: Hashable, mine: Latest | None, home: object, seq: int
+    ) -> tuple[Latest, Work] | None:
         """Newer work that came while a turn on key waited after taking its line (for a
         backend's grant, a running slot): it runs in that turn instead of the turn's own.
 
@@ -401,15 +408,16 @@ class Book:
         one loop another's. The key's open Latest leaves the line, and every caller
         of it follows the turn (its outcome is theirs: see ended), joining the
         followers of ``mine``, the Latest the turn ran from, if any. Return the
-        Latest they follow and the newest work; None if no such newer work waits
-        (or it is quiet: debounce). Under the guard.
+        Latest they follow and the newest work; None if no such newer work waits:
+        none came after the turn's call (``seq``: see enter), or it is quiet
+        (debounce). Under the guard.
         """
         latest = self.open.get(key)
         if latest is None or latest.line is None or not latest.tickets:
             return None
         newest = latest.tickets[-1]
         work = newest.work
-        if work is None or newest.home is not home:
+        if work is None or newest.home is not home or newest.seq < seq:  # (older: waits again)
             return None
         del self.open[key]
         followers, latest.tickets = latest.tickets, []

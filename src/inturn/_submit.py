@@ -177,6 +177,7 @@ class Handle(Deferred, Ticket, Generic[R]):
         self.latest: Latest | None = None
         self.state = WAITING
         self.home = future.get_loop()  # (as a Ticket's)
+        self.seq = 0
         self.work: Work | None = (fn, args, kwargs, None)  # (as a Ticket's: see replaced)
         self._quiet: asyncio.TimerHandle | None = None  # its Latest's debounce timer
         queue.handles.add(self)
@@ -452,6 +453,7 @@ async def _run(handle: Handle[Any]) -> None:
     turn = Turn(registry, (handle.key,), queue.timeout, queue.max_hold)
     work = (handle._fn, handle._args, handle._kwargs, None)
     runs = Runs(queue.book, handle.key, work, queue.policy, handle.label, task.get_loop())
+    runs.seq = handle.seq
     runs.mine = latest
     try:
         result = await runs.outcome(call_in_turn(turn, runs, (), {}, task, handle._since, True))
