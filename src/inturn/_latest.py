@@ -429,15 +429,21 @@ class Book:
             latest.followers = followers
             self.running[key] = mine = latest
         else:
-            self._merge(latest, mine, followers)
+            self._merge(latest, mine, followers, newer=True)
         mine.ran = followers[-1]
         return mine, work
 
-    def _merge(self, latest: Latest, into: Latest, followers: list[Ticket]) -> None:
-        """Let followers (older than into's own) and latest's joined callers go with into."""
+    def _merge(
+        self, latest: Latest, into: Latest, followers: list[Ticket], newer: bool = False
+    ) -> None:
+        """Let followers and latest's joined callers go with into; followers are older than
+        into's own (``newer``: newer, as the work a turn takes over and its replaced ones)."""
         for follower in followers:
             follower.latest = into
-        into.followers[:0] = followers
+        if newer:
+            into.followers += followers
+        else:
+            into.followers[:0] = followers
         joined, latest.joined = latest.joined, None
         if joined:
             if into.joined is None:
