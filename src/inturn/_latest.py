@@ -386,7 +386,9 @@ class Book:
         """A caller's wait ended by error: unless the book answered it, it leaves (see leave),
         and a work that was still waiting counts as a missed turn."""
         with self.registry.mode.guard():
-            waited = ticket.state <= RUNS
+            latest = ticket.latest  # (the work a turn runs is counted as that turn)
+            ran = ticket.state == _FOLLOWS and latest is not None and latest.ran is ticket
+            waited = ticket.state <= _FOLLOWS and not ran  # (counted nowhere yet)
             self.leave(ticket, error)
         if waited:
             self.registry.missed(error)

@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, final
 from ._checks import Policy
 from ._conflate import Runs
 from ._describe import describe
-from ._errors import QueueClosed, QueueFull
-from ._latest import WAITING, Book, Latest, Ticket, Work
+from ._errors import QueueClosed, QueueFull, Superseded
+from ._latest import Book, Latest, Ticket
 from ._line import Deferred, Gate, held_by
 from ._line import Line as _Line
 from ._stats import FUNCTION, function_label
@@ -172,13 +172,7 @@ class Handle(Deferred, Ticket, Generic[R]):
         self._callbacks: list[tuple[Callable[[Handle[R]], object], Callable[..., object]]] | None
         self._callbacks = None
         # (a Ticket, while it waits in a key's Latest: see _latest)
-        self.join = True
-        self.label: str | None = None
-        self.latest: Latest | None = None
-        self.state = WAITING
-        self.home = future.get_loop()  # (as a Ticket's)
-        self.seq = 0
-        self.work: Work | None = (fn, args, kwargs, None)  # (as a Ticket's: see replaced)
+        Ticket.__init__(self, True, None, (fn, args, kwargs, None), future.get_loop())
         self._quiet: asyncio.TimerHandle | None = None  # its Latest's debounce timer
         queue.handles.add(self)
         if batch is not None:
@@ -398,7 +392,9 @@ class Handle(Deferred, Ticket, Generic[R]):
         else:
             future.set_exception(error)
             future.exception()  # retrieved: it reaches the handle's awaiters, or its batch
-        self._finish(error is not None and not future.cancelled() and not reported)
+        # (Superseded is the caller's answer, not a failure: no batch raises it again)
+        failed = error is not None and not future.cancelled() and not reported
+        self._finish(failed and not isinstance(error, Superseded))
 
     def _finish(self, failed: bool) -> None:
         """Let the queue and the batch know the work has finished (failed: with an error)."""
