@@ -172,7 +172,7 @@ class Handle(Deferred, Ticket, Generic[R]):
         self._callbacks: list[tuple[Callable[[Handle[R]], object], Callable[..., object]]] | None
         self._callbacks = None
         # (a Ticket, while it waits in a key's Latest: see _latest)
-        Ticket.__init__(self, True, None, (fn, args, kwargs, None), future.get_loop())
+        Ticket.__init__(self, True, None, None, future.get_loop())  # (work: see submit)
         self._quiet: asyncio.TimerHandle | None = None  # its Latest's debounce timer
         queue.handles.add(self)
         if batch is not None:
@@ -447,12 +447,15 @@ async def _run(handle: Handle[Any]) -> None:
     if registry.tally.observer is not None:  # (this task's context is its own)
         FUNCTION.set(function_label(handle._fn))
     turn = Turn(registry, (handle.key,), queue.timeout, queue.max_hold)
-    work = (handle._fn, handle._args, handle._kwargs, None)
-    runs = Runs(queue.book, handle.key, work, queue.policy, handle.label, task.get_loop())
-    runs.seq = handle.seq
-    runs.mine = latest
+    fn, args, kwargs = handle._fn, handle._args, handle._kwargs
     try:
-        result = await runs.outcome(call_in_turn(turn, runs, (), {}, task, handle._since, True))
+        if latest is None and not queue.policy.conflates:  # (the plain path: no Runs)
+            result = await call_in_turn(turn, fn, args, kwargs, task, handle._since, True)
+        else:
+            work = (fn, args, kwargs, None)
+            runs = Runs(queue.book, handle.key, work, queue.policy, handle.label, task.get_loop())
+            runs.seq, runs.mine = handle.seq, latest
+            result = await runs.outcome(call_in_turn(turn, runs, (), {}, task, handle._since, True))
     except BaseException as error:
         handle._ended(error, None)
         if isinstance(error, Exception):
@@ -492,7 +495,8 @@ async def submit(
         with registry.mode.guard_for(loop):
             line: _Line | Gate | Latest | None = None
             if policy.conflates and queue.timeout != 0:
-                handle.join = policy.join
+                context = contextvars.copy_context()  # (for Book.newer)
+                handle.join, handle.work = policy.join, (fn, args, kwargs, context)
                 if registry.tally.observer is not None:
                     handle.label = function_label(fn)
                 line = queue.book.enter(key, handle, handle, policy, loop.time)
@@ -515,7 +519,6 @@ async def submit(
             handle._task = loop.create_task(_run(handle))
         else:
             handle._context = contextvars.copy_context()
-            handle.work = (fn, args, kwargs, handle._context)
             timeout = queue.timeout
             if timeout is not None:
                 handle._timer = loop.call_later(timeout, handle._expire, timeout)
