@@ -38,6 +38,43 @@ class Busy:
         return run
 
 
+class ThreadBusy:
+    """A plain work for threads: it holds its key until released; records every work that runs."""
+
+    def __init__(self) -> None:
+        self.ran: list[Any] = []
+        self.held, self.release = threading.Event(), threading.Event()
+
+    def work(self, name: Any) -> Any:
+        self.ran.append(name)
+        if name == "holder":
+            self.held.set()
+            self.release.wait(PATIENCE)
+        return name
+
+    def holding(self, call: Callable[[], Any]) -> threading.Thread:
+        """A thread that makes call (the holder's), started once its work holds the key."""
+        thread = threading.Thread(target=call)
+        thread.start()
+        assert self.held.wait(PATIENCE)
+        return thread
+
+
+def one_by_one(
+    queue: KeyedQueue, call: Callable[[int], Any], n: int
+) -> tuple[list[threading.Thread], dict[int, Any]]:
+    """n threads making call(i), each started once the one before waits for key k; and their
+    outcomes."""
+    outcomes: dict[int, Any] = {}
+    callers = []
+    for i in range(n):
+        caller = threading.Thread(target=lambda i=i: outcomes.__setitem__(i, call(i)))
+        caller.start()
+        callers.append(caller)
+        wait_until(lambda i=i: queue.pending("k") == i + 1, f"caller {i} waits")
+    return callers, outcomes
+
+
 class Missed(list[BaseException]):
     """An observer that keeps the error of each turn that never started."""
 
@@ -197,37 +234,31 @@ async def test_a_holder_calling_again_runs_at_once() -> None:
 # -- cancellation and timeouts -------------------------------------------------------------
 
 
-async def test_cancelling_a_replaced_caller_leaves_the_newer_work_alone() -> None:
+@pytest.mark.parametrize(
+    ("cancelled", "runs"),
+    [
+        ("replaced", 2),  # the newer work is left alone
+        ("newer", 1),  # the work it replaced is back in its place
+    ],
+)
+async def test_cancelling_a_waiting_caller(cancelled: str, runs: int) -> None:
     queue = KeyedQueue(pending="latest")
     busy = Busy()
     holder = await hold(queue, busy)
-    replaced = asyncio.create_task(queue.run("k", busy.work(1)))
-    newer = asyncio.create_task(queue.run("k", busy.work(2)))
+    callers = {
+        "replaced": asyncio.create_task(queue.run("k", busy.work(1))),
+        "newer": asyncio.create_task(queue.run("k", busy.work(2))),
+    }
     await settle(lambda: queue.pending("k") == 2)
-    replaced.cancel()
+    callers[cancelled].cancel()
     await settle(lambda: queue.pending("k") == 1)
     busy.gate.set()
-    assert await newer == 2
+    left = callers["newer" if cancelled == "replaced" else "replaced"]
+    assert await left == runs
     await holder
-    assert replaced.cancelled()
-    assert busy.ran == ["holder", 2]
+    assert callers[cancelled].cancelled()
+    assert busy.ran == ["holder", runs]
     assert queue.stats().cancelled == 1
-
-
-async def test_cancelling_the_latest_puts_the_work_it_replaced_back_in_its_place() -> None:
-    queue = KeyedQueue(pending="latest")
-    busy = Busy()
-    holder = await hold(queue, busy)
-    replaced = asyncio.create_task(queue.run("k", busy.work(1)))
-    newer = asyncio.create_task(queue.run("k", busy.work(2)))
-    await settle(lambda: queue.pending("k") == 2)
-    newer.cancel()
-    await settle(lambda: queue.pending("k") == 1)
-    busy.gate.set()
-    assert await replaced == 1
-    await holder
-    assert newer.cancelled()
-    assert busy.ran == ["holder", 1]
 
 
 async def test_cancelling_the_latest_after_raise_leaves_the_line_empty() -> None:
@@ -534,106 +565,36 @@ def test_a_debounced_key_that_is_busy_waits_behind_its_holder() -> None:
 # -- threads, and threads with tasks ---------------------------------------------------
 
 
-def test_threads_conflate_with_raise_in_arrival_order() -> None:
-    queue = KeyedQueue(pending="latest", on_superseded="raise")
-    ran: list[Any] = []
-    held, release = threading.Event(), threading.Event()
-
-    def work(name: Any) -> Any:
-        ran.append(name)
-        if name == "holder":
-            held.set()
-            release.wait(PATIENCE)
-        return name
-
-    outcomes: dict[int, Any] = {}
-
-    def call(i: int) -> None:
-        try:
-            outcomes[i] = queue.run_sync("k", work, i)
-        except Superseded as error:
-            outcomes[i] = error
-
-    holder = threading.Thread(target=queue.run_sync, args=("k", work, "holder"))
-    holder.start()
-    assert held.wait(PATIENCE)
-    callers = []
-    for i in range(4):
-        caller = threading.Thread(target=call, args=(i,))
-        caller.start()
-        callers.append(caller)
-        if i:
-            callers[i - 1].join(PATIENCE)  # answered once the next one came
-            assert isinstance(outcomes[i - 1], Superseded)
-        else:
-            wait_until(lambda: queue.pending("k") == 1, "the first caller waits")
-    release.set()
-    for thread in (holder, *callers):
-        thread.join(PATIENCE)
-    assert ran == ["holder", 3]
-    assert outcomes[3] == 3
-
-
 def test_threads_joined_get_the_latest_outcome() -> None:
     queue = KeyedQueue(pending="latest")
-    ran: list[Any] = []
-    held, release = threading.Event(), threading.Event()
-
-    def work(name: Any) -> Any:
-        ran.append(name)
-        if name == "holder":
-            held.set()
-            release.wait(PATIENCE)
-        return name
-
-    outcomes: dict[int, Any] = {}
-    holder = threading.Thread(target=queue.run_sync, args=("k", work, "holder"))
-    holder.start()
-    assert held.wait(PATIENCE)
-    callers = []
-    for i in range(5):
-        caller = threading.Thread(
-            target=lambda i=i: outcomes.__setitem__(i, queue.run_sync("k", work, i))
-        )
-        caller.start()
-        callers.append(caller)
-        wait_until(lambda i=i: queue.pending("k") == i + 1, f"caller {i} waits")
-    release.set()
+    busy = ThreadBusy()
+    holder = busy.holding(lambda: queue.run_sync("k", busy.work, "holder"))
+    callers, outcomes = one_by_one(queue, lambda i: queue.run_sync("k", busy.work, i), 5)
+    busy.release.set()
     for thread in (holder, *callers):
         thread.join(PATIENCE)
-    assert ran == ["holder", 4]
+    assert busy.ran == ["holder", 4]
     assert outcomes == dict.fromkeys(range(5), 4)
     assert not queue.is_active("k")
 
 
 def test_a_thread_timing_out_leaves_the_latest_to_the_older() -> None:
     queue = KeyedQueue(pending="latest")
-    ran: list[Any] = []
-    held, release = threading.Event(), threading.Event()
-
-    def work(name: Any) -> Any:
-        ran.append(name)
-        if name == "holder":
-            held.set()
-            release.wait(PATIENCE)
-        return name
-
-    holder = threading.Thread(target=queue.run_sync, args=("k", work, "holder"))
-    holder.start()
-    assert held.wait(PATIENCE)
+    busy = ThreadBusy()
+    holder = busy.holding(lambda: queue.run_sync("k", busy.work, "holder"))
     outcomes: dict[str, Any] = {}
     older = threading.Thread(
-        target=lambda: outcomes.__setitem__("older", queue.run_sync("k", work, "older"))
+        target=lambda: outcomes.__setitem__("older", queue.run_sync("k", busy.work, "older"))
     )
     older.start()
     wait_until(lambda: queue.pending("k") == 1, "the older waits")
-    short = queue.queue_by_key(key="k", timeout=0.05)(work)
+    short = queue.queue_by_key(key="k", timeout=0.05)(busy.work)
     with pytest.raises(TimeoutError):
         short("newer")
-    release.set()
+    busy.release.set()
     holder.join(PATIENCE)
     older.join(PATIENCE)
-    assert ran == ["holder", "older"]
+    assert busy.ran == ["holder", "older"]
     assert outcomes == {"older": "older"}
 
 
@@ -726,31 +687,18 @@ async def test_a_decorator_can_turn_a_latest_queue_back_to_all() -> None:
 
 def test_a_decorated_plain_def_conflates() -> None:
     queue = KeyedQueue()
-    ran: list[Any] = []
-    held, release = threading.Event(), threading.Event()
+    busy = ThreadBusy()
 
     @queue.queue_by_key(key="k", pending="latest")
     def write(name: Any) -> Any:
-        ran.append(name)
-        if name == "holder":
-            held.set()
-            release.wait(PATIENCE)
-        return name
+        return busy.work(name)
 
-    holder = threading.Thread(target=write, args=("holder",))
-    holder.start()
-    assert held.wait(PATIENCE)
-    outcomes: dict[int, Any] = {}
-    callers = []
-    for i in range(3):
-        caller = threading.Thread(target=lambda i=i: outcomes.__setitem__(i, write(i)))
-        caller.start()
-        callers.append(caller)
-        wait_until(lambda i=i: queue.pending("k") == i + 1, f"caller {i} waits")
-    release.set()
+    holder = busy.holding(lambda: write("holder"))
+    callers, outcomes = one_by_one(queue, write, 3)
+    busy.release.set()
     for thread in (holder, *callers):
         thread.join(PATIENCE)
-    assert ran == ["holder", 2]
+    assert busy.ran == ["holder", 2]
     assert outcomes == dict.fromkeys(range(3), 2)
 
 
