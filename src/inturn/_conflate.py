@@ -24,7 +24,7 @@ from ._threads import thread_holder
 from ._turn import Turn, call_in_turn, call_in_turn_sync
 
 if TYPE_CHECKING:
-    from ._registry import Registry
+    pass
 
 #: What a task's ticket future is given when its caller is to run its work.
 _RUN: Final = object()
@@ -106,10 +106,6 @@ class ThreadTicket(Ticket):
                 self.lock.release()
             except RuntimeError:  # released just now: it wakes anyway
                 pass
-
-
-def _late(registry: Registry, key: Hashable, limit: float) -> TimeoutError:
-    return registry.too_late(key, limit, False)
 
 
 @final
@@ -241,12 +237,13 @@ async def run_latest(
     future: asyncio.Future[Any] = loop.create_future()
     work = (fn, args, kwargs, copy_context())
     ticket = TaskTicket(policy.join, future, label, work)
-    since = _monotonic() if registry.timed else 0.0
+    since = 0.0  # (when a work that waits in a Latest was asked for, on a timed queue)
     with registry.mode.guard_for(loop):
         latest = None if timeout == 0 else book.enter(key, task, ticket, policy, loop.time)
     runs = Runs(book, key, work, policy, label, loop)
     runs.seq = ticket.seq
     if latest is not None:
+        since = _monotonic() if registry.timed else 0.0
         timer = (
             None if timeout is None else loop.call_later(timeout, _expire, book, ticket, timeout)
         )
@@ -263,8 +260,6 @@ async def run_latest(
         with registry.mode.guard():
             book.start(ticket, task)
         runs.mine = ticket.latest  # (a new one if its Latest's runner was cancelled)
-    else:
-        since = 0.0
     turn = Turn(registry, (key,), timeout, hold)
     lined = latest is not None
     return await runs.outcome(call_in_turn(turn, runs, (), {}, task, since, lined, label))
@@ -277,7 +272,7 @@ def _expire(book: Book, ticket: TaskTicket, limit: float) -> None:
             return
         latest = ticket.latest
         assert latest is not None
-        ticket.future.set_exception(_late(book.registry, latest.key, limit))
+        ticket.future.set_exception(book.registry.too_late(latest.key, limit, False))
 
 
 def run_latest_sync(
@@ -295,12 +290,13 @@ def run_latest_sync(
     work = (fn, args, kwargs, copy_context())
     ticket = ThreadTicket(policy.join, label, work)
     me = thread_holder()
-    since = _monotonic() if registry.timed else 0.0
+    since = 0.0  # (when a work that waits in a Latest was asked for, on a timed queue)
     with registry.mode.for_threads():
         latest = None if timeout == 0 else book.enter(key, me, ticket, policy, _monotonic)
     runs = Runs(book, key, work, policy, label, None)
     runs.seq = ticket.seq
     if latest is not None:
+        since = _monotonic() if registry.timed else 0.0
         try:
             answer = _wait_sync(book, ticket, key, timeout)
             if answer is not _RUN:
@@ -311,8 +307,6 @@ def run_latest_sync(
             book.gave_up(ticket, problem)
             raise
         runs.mine = ticket.latest  # (a new one if its Latest's runner was cancelled)
-    else:
-        since = 0.0
     turn = Turn(registry, (key,), timeout, None)
     try:
         result = call_in_turn_sync(turn, runs, (), {}, lined=latest is not None, since=since)
@@ -343,7 +337,7 @@ def _wait_sync(book: Book, ticket: ThreadTicket, key: Hashable, limit: float | N
         if deadline is not None and now >= deadline:
             with book.registry.mode.guard():
                 if ticket.outcome is None and book.waits(ticket):
-                    raise _late(book.registry, key, limit)  # type: ignore[arg-type]
+                    raise book.registry.too_late(key, limit, False)
             deadline = None  # (it follows the work that runs: its turn came)
         elif ticket.due is not None and now >= ticket.due and ticket.latest is not None:
             book.tick(ticket.latest)
