@@ -43,6 +43,7 @@ from ._bridge import acquire_sync, acquire_via, close_sync, close_via, release_s
 from ._checks import Deadline, restated
 from ._line import ThreadWaiter
 from ._tasks import retrieve
+from ._threads import surely
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable
@@ -186,7 +187,7 @@ def _wait_in_sync(
         if not place.settle(key, line, waiter, me):  # timed out (and not handed just then)
             raise place.too_late(key, limit, True)  # noqa: TRY301 - (in line still: see too_late)
     except BaseException:
-        place.withdraw(key, me, waiter)
+        surely(place.withdraw, key, me, waiter)
         raise
 
 

@@ -363,7 +363,8 @@ class Registry:
 
         A thread's clean-up, wherever an interrupt landed: the key, if holder
         took it (it did not hold it before), is given back; waiter, if it is in
-        the line, leaves it, or passes on the key it was handed. Idempotent.
+        the line, leaves it, or passes on the key it was handed. Idempotent:
+        a hand-on that an interrupt cut short is completed (see settle_up).
         """
         with self.mode.guard():
             line = self.lines.get(key)
@@ -371,20 +372,19 @@ class Registry:
                 return
             if held_by(line, holder):
                 self._give_back(key, holder, None, None)
-            elif waiter is None:
-                return
-            elif type(line) is Gate:
+            elif waiter is not None and type(line) is Gate:
                 if waiter in line.holders or (not waiter.done() and waiter in line.waiters):
                     line.drop(waiter, self.mode.shared)
                     if line.idle:
                         del self.lines[key]
-            elif type(line) is Line:
+            elif waiter is not None and type(line) is Line:
                 if line.holder is waiter:
                     self.leave(key, line, None, None)  # (passes it on)
                 elif not waiter.done() and waiter in line.waiters:
                     waiter.cancel()  # so that the hand-off skips it
                     line.waiting -= 1
                     line.compact()
+            self._rewake(key)
 
     def settle_up(self, keys: Sequence[Hashable], holder: object) -> None:
         """Complete holder's release of keys that an exception cut short (a thread's exit):
@@ -393,12 +393,19 @@ class Registry:
         with self.mode.guard():
             for key in reversed(keys):
                 line = self.lines.get(key)
-                if line is None:
-                    continue
-                if held_by(line, holder):
+                if line is not None and held_by(line, holder):
                     self._give_back(key, holder, None, None)
-                elif type(line) is Line:
-                    rewake(line.holder)
+                self._rewake(key)
+
+    def _rewake(self, key: Hashable) -> None:
+        """Wake the waiters that key's hand-on made holders, if an exception kept it from
+        waking them (see rewake). Under the guard."""
+        line = self.lines.get(key)
+        if type(line) is Line:
+            rewake(line.holder)
+        elif type(line) is Gate:
+            for holder in tuple(line.holders):
+                rewake(holder)
 
     def hand_on(self, key: Hashable, line: Line, result: Any) -> None:
         """Hand on key's line, just popped by run()'s inline release (its holder returned)."""

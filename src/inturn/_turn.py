@@ -28,8 +28,12 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import weakref
 from collections.abc import Callable, Hashable, Mapping
+from contextlib import suppress
+from functools import partial
 from inspect import isawaitable
+from operator import attrgetter
 from time import monotonic as _monotonic
 from types import CoroutineType, MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Any, Final, NoReturn, cast, final
@@ -84,6 +88,18 @@ _SLOT: Final = object()  # (_taking waits for a running slot: see _untaking)
 _NO_KEY: Final = object()  # (_taking waits for no key or slot: see _untaking)
 #: Turn._holder while the turn is being entered (a second entry is refused).
 _ENTERING: Final = object()
+#: Turn._net unless a thread holds the turn: a callable in C that does nothing (see __del__).
+_DISARMED: Final = tuple
+#: What a turn whose __exit__ never ran is ended with (see _abandoned).
+_ABANDONED: Final = KeyboardInterrupt("inturn: the turn's block was left without its __exit__")
+
+
+def _abandoned(ref: weakref.ref[Turn]) -> None:
+    """End a thread's turn whose block was left without its __exit__ (see Turn.__del__)."""
+    turn = ref()
+    if turn is not None and turn._holder is not None and turn._holder is not _ENTERING:
+        with suppress(BaseException):
+            turn._exit_sync(None, _ABANDONED)
 
 
 class _Path(enum.Enum):
@@ -117,10 +133,12 @@ class Turn:
     """
 
     __slots__ = (
+        "__weakref__",
         "_answer",
         "_clock",
         "_hold",
         "_holder",
+        "_net",
         "_path",
         "_registry",
         "_shared",
@@ -172,6 +190,7 @@ class Turn:
         self.token = 0
         self._holder: object = None  # the task or thread inside the block, None outside it
         self._path: _Path | None = None
+        self._net: Callable[[], object] = _DISARMED  # (see __del__)
 
     @property
     def tokens(self) -> Mapping[Hashable, int]:
@@ -310,6 +329,7 @@ class Turn:
         else:
             fresh = tuple(key for key in keys if not held_by(lines.get(key), me))
         self._steps = None
+        self._net = partial(_abandoned, weakref.ref(self))  # NOTE: before it takes anything
         try:
             self._enter_now(me, lined)
             if self._holder is _ENTERING:
@@ -338,10 +358,11 @@ class Turn:
         self._holder = None
         registry = self._registry
         steps = self._steps
-        if steps is not None:  # (they give back what they took, and count it)
-            unwind_sync(steps, error, me, registry, self._since)
-        else:
+        if steps is None:
             registry.missed(error)
+        else:  # (they give back what they took, count it, and raise error again)
+            with suppress(BaseException):
+                unwind_sync(steps, error, me, registry, self._since)
         if fresh:
             surely(registry.settle_up, fresh, me)
 
@@ -354,6 +375,7 @@ class Turn:
     ) -> None:
         """Leave the turn for this thread, its work ended with error or result: a thread's one
         way out. Interrupt-safe: what an interrupt left of the release is completed."""
+        self._net = _DISARMED  # NOTE: first (see __del__)
         holder = self._holder
         path = self._path
         keys = self.keys if path is None else self._taken if path is _STEPS else ()
@@ -364,8 +386,9 @@ class Turn:
                 drive_sync(*begun, holder, self._registry, self._timeout, self._since)
         except BaseException as problem:
             steps: Steps | None = self._steps
-            if steps is not None:
-                unwind_sync(steps, problem, holder, self._registry, self._since)
+            if steps is not None:  # (they end the turn, and raise problem again)
+                with suppress(BaseException):
+                    unwind_sync(steps, problem, holder, self._registry, self._since)
             surely(self._settle_up, keys, holder, error, result)
             raise
 
@@ -649,6 +672,16 @@ class Turn:
             raise cut
         if failure is not None and failure is error:
             raise failure
+
+    # A thread's ``with`` block left without its ``__exit__``: a signal handler's exception
+    # (or one thrown into the thread) that lands at the very start of ``__exit__``, before
+    # any of its code runs, leaves the turn held with nobody to end it. The turn object
+    # goes then (once the exception and its traceback go), and its net ends it (see
+    # _abandoned). NOTE: finalizing a turn runs no Python code unless it is armed: this
+    # reads the ``_net`` slot (in C) and calls what it holds: _DISARMED (in C), or the
+    # net (Python, only then). A __del__ written in Python would run at every turn's end,
+    # where a signal's exception would be lost ("Exception ignored in __del__").
+    __del__ = property(attrgetter("_net"))
 
     def __repr__(self) -> str:
         if self._holder is None:
