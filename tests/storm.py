@@ -4,7 +4,7 @@ invariants every run must keep (see :meth:`Storm.problems`).
 A storm records, for each call, a sequence number taken at the call (``Call.seq``) and
 its answer; for each work that runs, the call whose work it is and when it started and
 ended, all on one global counter (``Storm.tick``). The checks then need no timing
-luck: "started after its call" is ``run.start > call.at``, "never two at once" is
+luck: "started after its call" is ``run.start > call.seq``, "never two at once" is
 two intervals of the counter that do not overlap.
 
 Interrupts: :class:`Interrupts` throws :class:`Thrown` into threads with
@@ -18,6 +18,7 @@ turn goes on.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import itertools
 import os
@@ -92,7 +93,9 @@ class Call:
     conflates: bool  # its work may be replaced (not a keyed() block) on a conflating queue
     timeout: float | None  # its limit for reaching its turn
     seq: int = 0  # the counter at its call: its work's name
-    at: int = 0  # its place in its key's line: the counter when it took it (see Storm.placed)
+    at: int = 0  # a submission's: the counter once placed (see Storm.placed); else seq
+    thread: int = 0  # the thread that called
+    span: tuple[int, float] = (0, 0)  # where the queue took its place (see Storm)
     called: float = 0.0  # the clock at its call
     cancelled: bool = False  # the test cancelled it (its task, or its handle)
     interrupted: bool = False  # an exception was thrown into its thread while it was armed
@@ -169,6 +172,10 @@ class Settings:
         )
 
 
+#: The end of the span of a call whose thread never took another number.
+_NEVER = float("inf")
+
+
 def _a_work(call: Call) -> bool:
     """Whether call's work takes a place in its key's line as a work (see Storm)."""
     return not call.shape.startswith("keyed") and call.timeout != 0
@@ -179,7 +186,18 @@ def _ticker() -> Callable[[], int]:
 
 
 class Storm:
-    """The record of one storm on one queue, and its checks."""
+    """The record of one storm on one queue, and its checks.
+
+    Every event (a call, a submission placed, a work's start and end, an answer) takes
+    the next number of one counter, noting the thread it happened in. A call's place in
+    its key's line is taken somewhere between its number (``seq``, read just before it
+    calls the queue) and the next number its own thread takes (the queue has taken it
+    by then): for a task that is at once, for a thread waiting in a line, not until it
+    is woken. So two calls of different threads can come in either order when their
+    spans overlap: the checks that depend on which came first count only pairs where
+    it is certain (``surely_before``). Tasks of one loop never overlap: task storms
+    check every pair.
+    """
 
     def __init__(
         self, seed: int, settings: Settings, clock: Callable[[], float], late: float
@@ -188,21 +206,29 @@ class Storm:
         self.settings = settings
         self.clock = clock
         self.late = late  # see LATE
-        self.tick = _ticker()
+        self._next = _ticker()
+        self.marks: list[tuple[int, int]] = []  # (number, thread), each event's
         self.calls: list[Call] = []
         self.runs: list[Run] = []
 
+    def tick(self) -> int:
+        """The next number, for an event of this thread."""
+        number = self._next()
+        self.marks.append((number, threading.get_ident()))
+        return number
+
     def called(self, call: Call) -> Call:
         """Number call now: it is about to call the queue."""
+        call.thread = threading.get_ident()
         call.seq = call.at = self.tick()
         call.called = self.clock()
         self.calls.append(call)
         return call
 
     def placed(self, call: Call) -> None:
-        """call (a submission) took its place now: ``submit()`` returned. (With
-        ``max_running`` it may first wait for a slot, unless its key is busy: its place,
-        and so its order among the key's works, is then later than its call.)"""
+        """call (a submission) took its place just now: ``submit()`` returned. (With
+        ``max_running`` it may first wait for a slot, unless its key is busy: its place
+        is then later than its call, and so its order among its key's works.)"""
         call.at = self.tick()
         call.called = self.clock()  # (its timeout counts from its place: see Handle)
 
@@ -228,27 +254,69 @@ class Storm:
 
     def problems(self) -> list[str]:
         """Every broken invariant of the storm (see each check)."""
+        self._spans()
         return [
             *self._answers(),
             *self._one_at_a_time(),
             *self._newest_still_wanted_runs(),
         ]
 
+    def _spans(self) -> None:
+        """Set each call's span: where between two numbers the queue took its place."""
+        mine: dict[int, list[int]] = defaultdict(list)
+        for number, thread in sorted(self.marks):
+            mine[thread].append(number)
+        for call in self.calls:
+            numbers = mine[call.thread]
+            if call.at == call.seq:  # placed at its call: by its thread's next event
+                after = bisect.bisect_right(numbers, call.seq)
+                call.span = (call.seq, numbers[after] if after < len(numbers) else _NEVER)
+            else:  # a submission, placed just before submit() returned (at)
+                before = bisect.bisect_left(numbers, call.at) - 1
+                call.span = (numbers[before] if before >= 0 else call.seq, call.at)
+
+    @staticmethod
+    def surely_before(one: Call, other: Call) -> bool:
+        """Whether one took its place in the line before other, for certain."""
+        return one.span[1] <= other.span[0]
+
+    def _newer(self, call: Call, keyed: dict[Hashable, list[Call]]) -> list[Call]:
+        """The calls of call's key that may replace its work and may be newer than it,
+        made before its answer."""
+        return [
+            other
+            for other in keyed[call.key]
+            if other is not call
+            and not self.surely_before(other, call)
+            and other.span[0] < call.answered_at
+        ]
+
+    def _replaced_handle(self, call: Call, keyed: dict[Hashable, list[Call]]) -> bool:
+        """Whether call is a ``submit()`` handle that newer work may have replaced before its
+        answer, on a "join" queue: then it let its work go, and follows what runs in its
+        place."""
+        return (
+            call.shape == "submit"
+            and call.conflates
+            and self.settings.on_superseded == "join"
+            and bool(self._newer(call, keyed))
+        )
+
     def _answers(self) -> Iterator[str]:
         """Every caller answered exactly once, with an allowed answer.
 
-        "Newer" is later in its key's line: called later (a submission: placed later,
-        see ``placed``). Allowed: its own work's outcome; on a conflating queue with
-        "join", that of a newer work of the same key (for a replaced ``submit()`` handle,
-        which lets its work go and "gets the outcome of whatever runs in its place",
-        that of any work of its key that may be replaced); with "raise", Superseded (a newer
-        call of its key came before the answer); TimeoutError only with a timeout, not
-        before it ran out, and its work never ran; CancelledError only if cancelled (or,
-        for a replaced ``submit()`` handle, which follows what runs in its place, if a
-        newer caller of its key was cancelled or interrupted); Thrown only if
-        interrupted; QueueFull only with max_pending. A work's outcome
-        must come from a run that started after the call; with a timeout, that work
-        (its first run) started within the timeout.
+        "Newer" is later in its key's line (see the class: a call may be newer than
+        another only if that one was not surely before it). Allowed: its own work's
+        outcome; on a conflating queue with "join", that of a newer work of the same key
+        (for a replaced ``submit()`` handle, which lets its work go and "gets the
+        outcome of whatever runs in its place", that of any work of its key that may be
+        replaced); with "raise", Superseded (a newer call of its key came before the
+        answer); TimeoutError only with a timeout, not before it ran out, and its work
+        never ran; CancelledError only if cancelled (or, for a replaced ``submit()``
+        handle, which follows what runs in its place, if a newer caller of its key was
+        cancelled or interrupted); Thrown only if interrupted; QueueFull only with
+        max_pending. A work's outcome must come from a run that started after the call;
+        with a timeout, that work (its first run) started within the timeout.
         """
         settings = self.settings
         runs_by_start = {run.start: run for run in self.runs}
@@ -256,11 +324,10 @@ class Storm:
         for each in sorted(self.runs, key=lambda each: each.start):
             first_run.setdefault(each.seq, each)
         calls = {call.seq: call for call in self.calls}
-        placed = {call.at: call for call in self.calls}
-        by_key: dict[Hashable, list[int]] = defaultdict(list)
+        keyed: dict[Hashable, list[Call]] = defaultdict(list)
         for call in self.calls:
             if call.conflates:
-                by_key[call.key].append(call.at)
+                keyed[call.key].append(call)
         for call in self.calls:
             if len(call.answers) != 1:
                 yield f"{call!r}: answered {len(call.answers)} times"
@@ -274,14 +341,15 @@ class Storm:
                     continue
                 if run.key != call.key:
                     yield f"{call!r}: answered by {run!r}, of another key"
-                if start < call.at:
+                if start < call.span[0]:
                     yield f"{call!r}: answered by {run!r}, which started before its call"
                 if seq != call.seq:
-                    if not (call.conflates and calls[seq].conflates):
+                    other = calls[seq]
+                    if not (call.conflates and other.conflates):
                         yield f"{call!r}: answered by {run!r}, another call's work"
                     elif settings.on_superseded == "raise":
                         yield f"{call!r}: with 'raise', answered by {run!r}, not Superseded"
-                    elif calls[seq].at < call.at and not self._replaced_handle(call, by_key):
+                    elif self.surely_before(other, call) and not self._replaced_handle(call, keyed):
                         yield f"{call!r}: answered by {run!r}, an older call's work"
                 if call.timeout is not None:
                     began = first_run[seq].started - call.called
@@ -291,8 +359,8 @@ class Storm:
                             f"call, past its timeout"
                         )
             elif isinstance(answer, Superseded):
-                newer = [s for s in by_key[call.key] if call.at < s < call.answered_at]
-                if not (call.conflates and settings.on_superseded == "raise" and newer):
+                raised = call.conflates and settings.on_superseded == "raise"
+                if not (raised and self._newer(call, keyed)):
                     yield f"{call!r}: Superseded, but no newer call of its key replaced it"
             elif isinstance(answer, TimeoutError):
                 waited = call.answered_time - call.called
@@ -310,23 +378,11 @@ class Storm:
                     yield f"{call!r}: the thrown exception, never thrown at it"
             elif isinstance(answer, BaseException) and type(answer).__name__ == "CancelledError":
                 # (a replaced handle follows what runs in its place: "is cancelled if that is")
-                followed = call.shape == "submit" and settings.on_superseded == "join"
-                newer = [s for s in by_key[call.key] if call.at < s < call.answered_at]
-                cut = any(placed[s].cancelled or placed[s].interrupted for s in newer)
-                if not (call.cancelled or (followed and call.conflates and cut)):
+                cut = any(o.cancelled or o.interrupted for o in self._newer(call, keyed))
+                if not (call.cancelled or (self._replaced_handle(call, keyed) and cut)):
                     yield f"{call!r}: CancelledError, never cancelled"
             else:
                 yield f"{call!r}: an answer no caller may get"
-
-    def _replaced_handle(self, call: Call, by_key: dict[Hashable, list[int]]) -> bool:
-        """Whether call is a ``submit()`` handle that newer work replaced before its answer,
-        on a "join" queue: it let its work go, and follows whatever runs in its place."""
-        return (
-            call.shape == "submit"
-            and call.conflates
-            and self.settings.on_superseded == "join"
-            and any(call.at < s < call.answered_at for s in by_key[call.key])
-        )
 
     def _one_at_a_time(self) -> Iterator[str]:
         """Never two works of a key at once, never more than max_running works at once, and
@@ -358,41 +414,37 @@ class Storm:
 
         Precisely: among the works that take a place in a key's line as works (every
         call but ``keyed()`` blocks and ``timeout=0`` calls, which a newer work never
-        replaces), take for each key the last to start; every such call of the key made
-        after its call (``seq`` greater) gave up or was refused: it was answered
-        CancelledError, TimeoutError, Thrown, QueueFull, or Superseded (then a newer
-        call replaced it, and is checked in turn), or it is a replaced ``submit()``
-        handle on a "join" queue (it let its work go when newer work replaced it). So
-        no work newer than the last one run was still wanted, and no older work ran
-        after a newer one that was. On a queue that does not conflate, this is FIFO's
-        "the newest call runs last". (It does not say when a newer caller gave up: a
-        caller may give up while an older work runs that had taken its place already.)
+        replaces), take for each key the last to start; every such call of the key
+        surely placed after it gave up or was refused: it was answered CancelledError,
+        TimeoutError, Thrown, QueueFull, or Superseded (then a newer call replaced it,
+        and is checked in turn), or it is a replaced ``submit()`` handle on a "join"
+        queue (it let its work go when newer work replaced it). So no work newer than
+        the last one run was still wanted, and no older work ran after a newer one that
+        was. On a queue that does not conflate, this is FIFO's "the newest call runs
+        last". (It does not say when a newer caller gave up: a caller may give up while
+        an older work runs that had taken its place already.)
         """
+        calls = {call.seq: call for call in self.calls}
         last: dict[Hashable, Run] = {}
-        works = {call.seq for call in self.calls if _a_work(call)}
-        by_key: dict[Hashable, list[int]] = defaultdict(list)
+        for each in self.runs:
+            if _a_work(calls[each.seq]) and (
+                each.key not in last or each.start > last[each.key].start
+            ):
+                last[each.key] = each
+        keyed: dict[Hashable, list[Call]] = defaultdict(list)
         for call in self.calls:
             if call.conflates:
-                by_key[call.key].append(call.at)
-        calls = {call.seq: call for call in self.calls}
-        for each in self.runs:
-            if each.seq in works and (each.key not in last or each.start > last[each.key].start):
-                last[each.key] = each
-        gave_up = (
-            TimeoutError,
-            QueueFull,
-            Superseded,
-            Thrown,
-        )
+                keyed[call.key].append(call)
+        gave_up = (TimeoutError, QueueFull, Superseded, Thrown)
         for call in self.calls:
             if not _a_work(call) or len(call.answers) != 1:
                 continue
             run = last.get(call.key)
-            if run is not None and call.at <= calls[run.seq].at:
+            if run is not None and not self.surely_before(calls[run.seq], call):
                 continue
             (answer,) = call.answers
             cancelled = type(answer).__name__ == "CancelledError"
-            let_go = self._replaced_handle(call, by_key)
+            let_go = self._replaced_handle(call, keyed)
             if not (isinstance(answer, gave_up) or cancelled or let_go):
                 after = "no work of its key ran" if run is None else f"the last was {run!r}"
                 yield f"{call!r}: still wanted, but {after}"
