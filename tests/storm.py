@@ -48,18 +48,20 @@ LATE = 0.5
 # -- which seeds run ------------------------------------------------------------------------
 
 #: ``INTURN_STORM_SEED=s``: run only seed s (a failure names its seed: replay it so).
-#: ``INTURN_STORM_SEEDS=n``: run n seeds per storm instead of the default few (the long run).
+#: ``INTURN_STORM_SEEDS=n``: run n seeds per storm instead of the default few (the long run),
+#: from ``INTURN_STORM_FIRST`` (default 0: give each of several runs new seeds).
 #: ``INTURN_STORM=full``: the interrupt storms at full size (64 threads, 10,000 turns each).
 FULL = os.environ.get("INTURN_STORM", "") == "full"
 
 
 def seeds(default: int) -> list[int]:
     """The seeds a storm test runs: INTURN_STORM_SEED's alone, or INTURN_STORM_SEEDS (or
-    ``default``) of them."""
+    ``default``) of them from INTURN_STORM_FIRST."""
     one = os.environ.get("INTURN_STORM_SEED")
     if one:
         return [int(one)]
-    return list(range(int(os.environ.get("INTURN_STORM_SEEDS", default))))
+    first = int(os.environ.get("INTURN_STORM_FIRST", 0))
+    return list(range(first, first + int(os.environ.get("INTURN_STORM_SEEDS", default))))
 
 
 # -- the exceptions -----------------------------------------------------------------------------
