@@ -304,6 +304,17 @@ class Storm:
             and bool(self._newer(call, keyed))
         )
 
+    def _cut(self, call: Call, keyed: dict[Hashable, list[Call]]) -> bool:
+        """Whether call may be answered by a cut run (a cancellation, or the thrown exception)
+        it did not cause: it conflates (its work may run in another caller's turn, a turn
+        that runs newer work, or, a replaced handle, it follows what runs in its place),
+        and another caller of its key was cancelled or interrupted. A run that is cut
+        answers the caller whose work it started with the cut (its function was called:
+        its body may not have begun), and the handles that follow it: a work is started
+        at most once."""
+        others = [other for other in keyed[call.key] if other is not call]
+        return call.conflates and any(other.cancelled or other.interrupted for other in others)
+
     def _answers(self) -> Iterator[str]:
         """Every caller answered exactly once, with an allowed answer.
 
@@ -314,11 +325,11 @@ class Storm:
         outcome of whatever runs in its place", that of any work of its key that may be
         replaced); with "raise", Superseded (a newer call of its key came before the
         answer); TimeoutError only with a timeout, not before it ran out, and its work
-        never ran; CancelledError only if cancelled (or, for a replaced ``submit()``
-        handle, which follows what runs in its place, if a newer caller of its key was
-        cancelled or interrupted); Thrown only if interrupted; QueueFull only with
-        max_pending. A work's outcome must come from a run that started after the call;
-        with a timeout, that work (its first run) started within the timeout.
+        never ran; CancelledError, or Thrown, only if cancelled, or interrupted, or if its
+        work ran in another caller's turn or it follows what runs in its place, and that
+        turn may have been cut (see _cut); QueueFull only with max_pending. A work's
+        outcome must come from a run that started after the call; with a timeout, that
+        work (its first run) started within the timeout.
         """
         settings = self.settings
         runs_by_start = {run.start: run for run in self.runs}
@@ -376,12 +387,10 @@ class Storm:
                 if settings.max_pending is None:
                     yield f"{call!r}: QueueFull without max_pending"
             elif isinstance(answer, Thrown):
-                if not call.interrupted:
+                if not (call.interrupted or self._cut(call, keyed)):
                     yield f"{call!r}: the thrown exception, never thrown at it"
             elif isinstance(answer, BaseException) and type(answer).__name__ == "CancelledError":
-                # (a replaced handle follows what runs in its place: "is cancelled if that is")
-                cut = any(o.cancelled or o.interrupted for o in self._newer(call, keyed))
-                if not (call.cancelled or (self._replaced_handle(call, keyed) and cut)):
+                if not (call.cancelled or self._cut(call, keyed)):
                     yield f"{call!r}: CancelledError, never cancelled"
             else:
                 yield f"{call!r}: an answer no caller may get"

@@ -550,16 +550,20 @@ class Book:
     def gave_up(self, ticket: Ticket, error: BaseException) -> bool:
         """ticket's caller stopped waiting for it (cancelled, timed out, interrupted: error),
         or its turn ended before its work started: the key it was handed passes on, and the
-        callers that followed it wait again. Return whether the caller waited (it counts as
-        a missed turn: the caller counts it). Idempotent."""
+        callers that followed it wait again. Idempotent.
+
+        Return whether the caller counts its call as a missed turn: not if it was
+        counted already (answered by the book, replaced, or its work ran in another
+        caller's turn, which counts it).
+        """
         with self.registry.mode.guard():
             state = ticket.state
             latest = ticket.latest
-            if state is STARTED or state is ANSWERED or state is LEFT:
+            if state is ANSWERED or state is STARTED or state is LEFT:
                 return False
             self._move(ticket, LEFT)
             if latest is None:
-                return False  # (NEW: nothing of it was kept)
+                return True  # (NEW: nothing of it was kept)
             if state is WAITING:
                 latest.tickets.remove(ticket)
                 if not latest.tickets:  # nobody waits for it: it leaves
@@ -569,6 +573,7 @@ class Book:
                     self._answer_joined(latest, (error, None))
             elif state is FOLLOWS:
                 latest.followers.remove(ticket)
+                return latest.ran is not ticket  # (its work runs in another caller's turn)
             elif state is JOINED:
                 if latest.joined is not None:
                     latest.joined.discard(ticket)
@@ -576,10 +581,9 @@ class Book:
             else:  # RUNS or HOLDS: its turn came, and its work never started
                 followers, latest.followers = latest.followers, []
                 self._again(latest, followers)
-                if state is HOLDS:
-                    return False  # (its turn releases the key, and counts it)
-                assert latest.line is not None
-                self.registry.abandon(latest.key, latest.line, latest, guarded=True)
+                if state is RUNS:  # (else its turn holds the key, and gives it back)
+                    assert latest.line is not None
+                    self.registry.abandon(latest.key, latest.line, latest, guarded=True)
             return True
 
     def ending(self, ticket: Ticket, error: BaseException | None) -> None:
@@ -595,7 +599,7 @@ class Book:
         with self.registry.mode.guard():
             ran = latest.ran
             again = [follower for follower in latest.followers if follower is not ran]
-            latest.followers = [] if ran is None or ran is ticket else [ran]
+            latest.followers = [follower for follower in latest.followers if follower is ran]
             self._again(latest, again)
 
     def ended(self, ticket: Ticket, error: BaseException | None, result: Any) -> None:

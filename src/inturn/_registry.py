@@ -311,20 +311,24 @@ class Registry:
         result: Any,
         started: float | None,
         cut: bool = False,
+        counted: bool = False,
     ) -> None:
         """End holder's turns on keys (taken in that order), newest first, and count the turn
         once: as ended if it started (``started``: when, monotonic, for a timed turn; 0.0
         for an untimed one), with error (None: it returned) and ``cut`` by its max_hold; as
-        missed (error) if it never did (None)."""
+        missed (error) if it never did (None). ``counted``: it was counted already (a
+        conflating call answered without its turn: see _latest)."""
         if self.mode.shared:
             with self.mode.lock or self.mode.locked():
                 for key in reversed(keys):
                     self._give_back(key, holder, error, result)
-                self._count(error, started, cut)
+                if not counted:
+                    self._count(error, started, cut)
             return
         for key in reversed(keys):
             self._give_back(key, holder, error, result)
-        self._count(error, started, cut)
+        if not counted:
+            self._count(error, started, cut)
 
     def _count(self, error: BaseException | None, started: float | None, cut: bool) -> None:
         tally = self.tally

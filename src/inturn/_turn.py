@@ -616,8 +616,9 @@ class Turn:
         """
         registry = self._registry
         ticket = self._ticket
+        counted = False  # (a conflating call may be counted already: see Book.gave_up)
         if ticket is not None:
-            ticket.book.gave_up(ticket, error)
+            counted = not ticket.book.gave_up(ticket, error)
         if waited is _SLOT:
             self._slot = holder in registry.slots.holders  # type: ignore[union-attr]
         elif waited is not _NO_KEY and held_by(registry.lines.get(waited), holder):
@@ -631,7 +632,7 @@ class Turn:
                 yield from shared.give_back(registry.backend, error)  # type: ignore[arg-type]
         finally:
             self._taken = ()
-            registry.release(taken, holder, error, None, None)
+            registry.release(taken, holder, error, None, None, counted=counted)
 
     def _ending(self, error: BaseException | None, result: Any) -> Steps:
         """Stop the clock, release the slot, the grants (or session), then the keys (steps).
