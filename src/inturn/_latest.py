@@ -570,7 +570,8 @@ class Book:
                     self._close(latest)
                     if latest.line is not None:
                         self.registry.abandon(latest.key, latest.line, latest, guarded=True)
-                    self._answer_joined(latest, (error, None))
+                    # (nothing runs in the place of the handles that let their work go)
+                    self._answer_joined(latest, (asyncio.CancelledError(), None))
             elif state is FOLLOWS:
                 latest.followers.remove(ticket)
                 return latest.ran is not ticket  # (its work runs in another caller's turn)
