@@ -205,6 +205,7 @@ class Latest(Deferred):
         "line",
         "max_wait",
         "ran",
+        "runner",
         "started",
         "tickets",
         "timer",
@@ -221,6 +222,7 @@ class Latest(Deferred):
         self.first = self.last = clock()  # when it opened, when its newest work came
         self.tickets: list[Ticket] = []  # the callers whose work waits, oldest first
         self.followers: list[Ticket] = []  # after the hand-off
+        self.runner: Ticket | None = None  # the newest caller, woken when it was handed the key
         self.ran: Ticket | None = None  # the ticket whose work the run runs, once started
         self.started = False  # the run started its work: followers' timeouts end
         # replaced callers that let their work go (see Data.let_go), held weakly
@@ -274,8 +276,9 @@ class Book:
         """Give ticket's waiter its answer (RUN, or an Answer); False if it never can take it."""
         waiter = ticket.waiter
         if type(waiter) is Parked:
-            waiter.answer = answer
-            waiter.lock.release()
+            if waiter.answer is None:  # NOTE: set with the release, no call between: once
+                waiter.answer = answer
+                waiter.lock.release()
             return True
         if isinstance(waiter, asyncio.Future):
             return in_loop_of(waiter, _give, waiter, answer)
@@ -286,11 +289,13 @@ class Book:
         return True
 
     def _answer(self, ticket: Ticket, answer: Answer, count: bool) -> None:
-        """Answer a ticket whose work did not run: ``count`` it as replaced (else it was)."""
-        self._move(ticket, ANSWERED)
-        if count:
-            error = answer[0] if isinstance(answer[0], Superseded) else None
-            self.registry.tally.superseded(error, ticket.label)
+        """Answer a ticket whose work did not run: ``count`` it as replaced (else it was).
+        Again, it only wakes it again (see handed: restartable)."""
+        if ticket.state is not ANSWERED:
+            self._move(ticket, ANSWERED)
+            if count:
+                error = answer[0] if isinstance(answer[0], Superseded) else None
+                self.registry.tally.superseded(error, ticket.label)
         self._wake(ticket, answer)
 
     # -- a call comes -------------------------------------------------------------------
@@ -451,11 +456,14 @@ class Book:
     def _refuse(self, latest: Latest, error: BaseException) -> None:
         """Answer every caller of a Latest that its line refused (QueueFull)."""
         self._close(latest)
-        tickets, latest.tickets = latest.tickets, []
-        for ticket in tickets:
-            self._move(ticket, ANSWERED)
-            self.registry.tally.missed(error)
+        tickets = latest.tickets
+        while tickets:  # (each answered, then taken off: see handed)
+            ticket = tickets[-1]
+            if ticket.state is WAITING:
+                self._move(ticket, ANSWERED)
+                self.registry.tally.missed(error)
             self._wake(ticket, (error, None))
+            tickets.pop()
         self._answer_joined(latest, (error, None))
 
     # -- the key is handed ---------------------------------------------------------------
@@ -464,21 +472,37 @@ class Book:
         """The line handed latest the key: its newest caller runs, the others follow it.
 
         False if no caller can take it (their loops are closed). Under the guard.
+        NOTE: restartable, as the other answers given on other callers' behalf
+        (_answer, _answer_joined, _refuse, ended): each step is found done or not
+        from the tickets' states and lists, so a hand-off an exception cut short (one
+        thrown into the thread that hands on) is completed by running it again (see
+        Registry.settle_up); waking is idempotent.
         """
-        self._close(latest)
-        followers, latest.tickets = latest.tickets, []
-        while followers:
-            runner = followers.pop()
-            self._move(runner, RUNS)
-            if self._wake(runner, RUN):
-                for follower in followers:
-                    self._move(follower, FOLLOWS)
-                latest.followers = followers
-                return True
-            self._move(runner, LEFT)
-            self.registry.tally.missed(asyncio.CancelledError())
-        self._answer_joined(latest, (asyncio.CancelledError(), None))  # (their loops are closed)
-        return False
+        runner = latest.runner
+        if runner is None:
+            self._close(latest)
+            tickets = latest.tickets
+            while tickets:
+                runner = tickets[-1]
+                if runner.state is WAITING:
+                    self._move(runner, RUNS)
+                if runner.state is RUNS and self._wake(runner, RUN):
+                    break
+                if runner.state is RUNS:  # (its loop is closed)
+                    self._move(runner, LEFT)
+                    self.registry.tally.missed(asyncio.CancelledError())
+                tickets.pop()
+            else:
+                self._answer_joined(latest, (asyncio.CancelledError(), None))  # (loops closed)
+                return False
+            latest.runner = runner
+            latest.followers, latest.tickets = tickets[:-1], []
+        elif runner.state is RUNS:
+            self._wake(runner, RUN)
+        for follower in latest.followers:
+            if follower.state is WAITING:
+                self._move(follower, FOLLOWS)
+        return True
 
     def hold(self, ticket: Ticket, holder: object) -> None:
         """ticket's caller holds the key now, in its Latest's place. Under the guard."""
@@ -609,16 +633,18 @@ class Book:
         if latest is None:
             return
         with self.registry.mode.guard():
-            followers, latest.followers = latest.followers, []
-            ran, latest.ran = latest.ran, None
-            for follower in followers:
+            ran = latest.ran
+            followers = latest.followers
+            while followers:  # (each answered, then taken off: restartable, see handed)
+                follower = followers[-1]
                 if follower is ran:  # (its work ran: counted as the turn)
-                    self._move(follower, ANSWERED)
-                    self._wake(follower, (error, result))
+                    self._answer(follower, (error, result), False)
                 elif follower.join:
                     self._answer(follower, (error, result), True)
                 else:
                     self._answer(follower, (superseded(latest.key), None), True)
+                followers.pop()
+            latest.ran = None
             self._answer_joined(latest, (error, result))
 
     def _again(self, latest: Latest, followers: list[Ticket]) -> None:
@@ -661,10 +687,12 @@ class Book:
 
     def _answer_joined(self, latest: Latest, answer: Answer) -> None:
         """Give the handles that let their work go for latest's run that answer."""
-        joined, latest.joined = latest.joined, None
-        for ticket in [] if joined is None else list(joined):
-            self._move(ticket, ANSWERED)
-            self._wake(ticket, answer)
+        joined = latest.joined
+        if joined is not None:
+            for ticket in list(joined):  # (restartable: see handed)
+                self._answer(ticket, answer, False)
+                joined.discard(ticket)
+        latest.joined = None
 
     # -- looking at it ---------------------------------------------------------------------
 

@@ -97,6 +97,7 @@ class Deferred:
         """The line is this work's now: start its task (never here and now: it may run eagerly).
 
         Return False if it never can (its loop is closed). The caller holds the guard.
+        Handed again, it does nothing more (see rewake).
         """
         raise NotImplementedError
 
@@ -126,15 +127,19 @@ def wake(waiter: Waiter) -> bool:
     return _soon(waiter, resolve, waiter)
 
 
-def rewake(holder: object) -> None:
+def rewake(holder: object, shared: bool) -> None:
     """Wake holder again if it is a waiter a hand-off made the holder but an exception kept
-    from waking (see Registry.settle_up); a task's wake may be scheduled twice (harmless)."""
+    from waking (see Registry.settle_up): a task's wake may be scheduled twice, and work
+    waiting as data is handed again (both harmless: see Deferred.handed)."""
     if type(holder) is ThreadWaiter:
         if not holder.handed:
             holder.handed = True
             holder.lock.release()
-    elif type(holder) is asyncio.Future and not holder.done():
-        _soon(holder, resolve, holder)
+    elif type(holder) is asyncio.Future:
+        if not holder.done():
+            _soon(holder, resolve, holder)
+    elif isinstance(holder, Deferred):
+        holder.handed(shared)
 
 
 @final

@@ -404,12 +404,12 @@ class Registry:
     def _rewake(self, key: Hashable) -> None:
         """Wake the waiters that key's hand-on made holders, if an exception kept it from
         waking them (see rewake). Under the guard."""
-        line = self.lines.get(key)
+        line, shared = self.lines.get(key), self.mode.shared
         if type(line) is Line:
-            rewake(line.holder)
+            rewake(line.holder, shared)
         elif type(line) is Gate:
             for holder in tuple(line.holders):
-                rewake(holder)
+                rewake(holder, shared)
 
     def hand_on(self, key: Hashable, line: Line, result: Any) -> None:
         """Hand on key's line, just popped by run()'s inline release (its holder returned)."""
