@@ -184,21 +184,33 @@ class KeyedQueue:
         (``on_superseded``). If the newer caller gives up (cancelled, timed
         out) before the key's turn, the work it replaced is back in its
         place (but a replaced :meth:`submit`'s handle lets its work go, and
-        follows what runs); if the newer work is cancelled while it runs,
-        the works it replaced wait again, the newest to run. A
-        :meth:`keyed` block, a turn on several keys, and a call with
-        ``timeout=0`` are never replaced: they wait as always. Each process
-        conflates its own calls only (see the README's "Latest wins").
+        follows what runs, or is cancelled if nothing does). A work is
+        started at most once: if its run is cut (its turn's caller cancelled
+        or interrupted), its own caller gets that cancellation or interrupt,
+        and the works it replaced, which did not run, wait again, the newest
+        to run; a run cut by ``max_hold`` answers them all with its
+        :exc:`~inturn.HoldTimeout`. A :meth:`keyed` block, a turn on several
+        keys, and a call with ``timeout=0`` are never replaced: they wait as
+        always. Each process conflates its own calls only (see "Latest wins"
+        in the docs).
     :param on_superseded: what the caller of a replaced work gets:
         ``"join"`` (the default), the outcome of the work that runs in its
         place (its result, or its error); ``"raise"``,
-        :exc:`~inturn.Superseded` at once. A caller's ``timeout`` counts from
-        its own call, up to the start of its work or of the one it follows.
+        :exc:`~inturn.Superseded` at once (and a caller whose turn ran newer
+        work instead of its own gets ``Superseded`` too, whatever that work's
+        outcome, but its own cancellation or interrupt). A caller's
+        ``timeout`` counts from its own call, up to the start of its work or
+        of the one it follows.
     :param debounce: seconds: a call first waits, even for a free key,
-        until no newer call for its key came for that long, then joins the
-        key's line; within that quiet period the latest wins (as with
-        ``pending="latest"``, and answered by ``on_superseded``).
-        :meth:`drain` ends every quiet period at once. ``None``: none.
+        until no newer call for its key came for that long (each call
+        restarts the key's quiet period, as a trailing debounce does), then
+        its work takes its place in the key's line, or, with
+        ``pending="latest"``, the place of the key's work waiting there;
+        within the quiet period the latest wins (answered by
+        ``on_superseded``). With ``max_pending``, a burst is refused
+        (:exc:`~inturn.QueueFull`, to each of its callers) when its quiet
+        period ends, if the line is full then. :meth:`drain` and
+        :meth:`close` end every quiet period at once. ``None``: none.
     :param max_wait: seconds: the longest a debounced call waits for a quiet
         period, from the first call of a burst, so that a key that never
         goes quiet still runs. ``None``: as long as it takes.

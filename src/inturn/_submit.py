@@ -117,7 +117,8 @@ class Handle(Deferred, Generic[R]):
     With ``pending="latest"`` (or ``debounce``), a handle whose work newer
     work replaced lets its work go at once: it gives the outcome of the work
     that runs in its place (``on_superseded="join"``), and is cancelled if
-    that work is; or it raises :exc:`~inturn.Superseded` (``"raise"``). That
+    that work is, or if nothing runs in its place (every newer caller gave
+    up first); or it raises :exc:`~inturn.Superseded` (``"raise"``). That
     error is the caller's answer, not a failure: no batch or ``drain()``
     raises it again.
     """
