@@ -135,6 +135,7 @@ class Ticket:
 
     __slots__ = (
         "__weakref__",
+        "answer",
         "book",
         "home",
         "join",
@@ -170,6 +171,7 @@ class Ticket:
         self.seq = next(book.calls)  # when it came, in the order of the book's calls
         self.latest: Latest | None = None  # the Latest it waits in, or whose run it follows
         self.replaced = False  # its turn ran newer work instead of its own (see Book.start)
+        self.answer: Answer | None = None  # its caller's, when its work is not to run
         self.state = NEW
 
     def outcome(self, error: BaseException | None, result: Any) -> Any:

@@ -35,7 +35,7 @@ from ._slots import Slots
 from ._stats import FUNCTION, Observer, QueueStats, function_label
 from ._submit import Handle, Submissions, claim, submit
 from ._tasks import current_task, loop_here, loop_of, outside_asyncio, running_loop
-from ._turn import Turn, call_in_turn, call_in_turn_sync
+from ._turn import ThreadTurn, Turn, call_in_turn, call_in_turn_sync
 from .backends._base import Backend
 from .backends._local import LocalBackend
 
@@ -443,7 +443,7 @@ class KeyedQueue:
                 label = FUNCTION.get() if observed else None
                 work = (fn, args, kwargs, None)
                 ticket = Ticket(self._book, keys[0], policy, work, label, None)
-            turn = Turn(self._registry, keys, timeout, self._max_hold, False, ticket)
+            turn = ThreadTurn(self._registry, keys, timeout, self._max_hold, False, ticket)
             return call_in_turn_sync(turn, fn, args, kwargs)
         finally:
             if token is not None:
@@ -492,6 +492,7 @@ class KeyedQueue:
         """
         limit = self._timeout if timeout is UNSET else check_timeout(timeout)  # type: ignore[arg-type]
         hold = self._max_hold if max_hold is UNSET else check_hold(max_hold)  # type: ignore[arg-type]
+        made = Turn if loop_here() is not None else ThreadTurn  # (a thread's: see ThreadTurn)
         if transaction is not False:
             check_transaction(transaction, self._backend)  # (then it is True)
         elif len(keys) == 1 and self._backend is None:
@@ -499,10 +500,10 @@ class KeyedQueue:
                 hash(keys[0])
             except TypeError:
                 raise unhashable(keys[0]) from None
-            return Turn(self._registry, keys, limit, hold)
+            return made(self._registry, keys, limit, hold)
         if not keys:
             raise TypeError("inturn: keyed() needs at least one key")
-        return Turn(self._registry, self._registry.ordered(keys), limit, hold, transaction)
+        return made(self._registry, self._registry.ordered(keys), limit, hold, transaction)
 
     # -- fire and forget ---------------------------------------------------------------
 

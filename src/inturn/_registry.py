@@ -320,14 +320,37 @@ class Registry:
         conflating call answered without its turn: see _latest)."""
         if self.mode.shared:
             with self.mode.lock or self.mode.locked():
-                for key in reversed(keys):
-                    self._give_back(key, holder, error, result)
-                if not counted:
-                    self._count(error, started, cut)
+                self._release(keys, holder, error, result, started, cut, counted)
             return
-        for key in reversed(keys):
-            self._give_back(key, holder, error, result)
-        if not counted:
+        lines = self.lines
+        if error is None and started == 0.0 and len(keys) == 1 and lines.get(keys[0]) is holder:
+            del lines[keys[0]]  # (_release's first case, one call less: the hot path)
+            if not counted:
+                self.tally.completed += 1
+            return
+        self._release(keys, holder, error, result, started, cut, counted)
+
+    def _release(
+        self,
+        keys: Sequence[Hashable],
+        holder: object,
+        error: BaseException | None,
+        result: Any,
+        started: float | None,
+        cut: bool,
+        counted: bool,
+    ) -> None:
+        lines = self.lines
+        if len(keys) == 1 and lines.get(keys[0]) is holder:  # (_give_back's first case)
+            del lines[keys[0]]
+        else:
+            for key in reversed(keys):
+                self._give_back(key, holder, error, result)
+        if counted:
+            return
+        if error is None and started == 0.0:  # (an untimed turn: unobserved, see observe)
+            self.tally.completed += 1
+        else:
             self._count(error, started, cut)
 
     def _count(self, error: BaseException | None, started: float | None, cut: bool) -> None:

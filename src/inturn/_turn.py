@@ -133,8 +133,6 @@ class Turn:
     """
 
     __slots__ = (
-        "__weakref__",
-        "_answer",
         "_clock",
         "_hold",
         "_holder",
@@ -165,6 +163,8 @@ class Turn:
     _clock: Clock | None
     _shared: Shared | None
     _steps: Steps | None
+    # A thread's: what finalizing the turn calls (see ThreadTurn).
+    _net: Callable[[], object]
     #: A fencing token, set on entry: larger than every earlier turn's on the same key.
     #: Send it with the turn's writes to a store that keeps the largest it has seen,
     #: so a holder whose turn was lost (:attr:`lease_lost`) and writes late is refused.
@@ -186,11 +186,10 @@ class Turn:
         self._hold = hold  # max_hold, seconds
         self._transaction = transaction  # keyed(transaction=True): see connection
         self._ticket = ticket  # a conflating call's (see _latest), on one key
-        self._answer: Answer | None = None  # its answer, when its work is not to run
         self.token = 0
         self._holder: object = None  # the task or thread inside the block, None outside it
         self._path: _Path | None = None
-        self._net: Callable[[], object] = _DISARMED  # (see __del__)
+        self._net: Callable[[], object] = _DISARMED  # (a thread's: see ThreadTurn)
 
     @property
     def tokens(self) -> Mapping[Hashable, int]:
@@ -277,6 +276,10 @@ class Turn:
     ) -> None:
         """Leave the turn, its work ended with error or result: a task's one way out."""
         holder = self._holder
+        if self._path is None and self._ticket is None:  # (_leave's first case, one call less)
+            self._holder = None
+            self._registry.release(self.keys, holder, error, result, 0.0)
+            return
         begun = self._leave(error, result)
         if begun is not None:
             await self._drive(holder, *begun)  # type: ignore[arg-type]
@@ -325,11 +328,13 @@ class Turn:
         if lined:
             fresh: tuple[Hashable, ...] = ()
         elif len(keys) == 1:
-            fresh = () if held_by(lines.get(keys[0]), me) else keys
+            line = lines.get(keys[0])
+            fresh = keys if line is None or not held_by(line, me) else ()
         else:
             fresh = tuple(key for key in keys if not held_by(lines.get(key), me))
         self._steps = None
-        self._net = partial(_abandoned, weakref.ref(self))  # NOTE: before it takes anything
+        if type(self) is ThreadTurn:  # NOTE: armed before it takes anything
+            self._net = partial(_abandoned, weakref.ref(self))
         try:
             self._enter_now(me, lined)
             if self._holder is _ENTERING:
@@ -375,12 +380,16 @@ class Turn:
     ) -> None:
         """Leave the turn for this thread, its work ended with error or result: a thread's one
         way out. Interrupt-safe: what an interrupt left of the release is completed."""
-        self._net = _DISARMED  # NOTE: first (see __del__)
+        self._net = _DISARMED  # NOTE: first (see ThreadTurn)
         holder = self._holder
         path = self._path
         keys = self.keys if path is None else self._taken if path is _STEPS else ()
-        self._steps = None
         try:
+            if path is None and self._ticket is None:  # (_leave's first case, one call less)
+                self._holder = None
+                self._registry.release(keys, holder, error, result, 0.0)
+                return
+            self._steps = None
             begun = self._leave(error, result)
             if begun is not None:
                 drive_sync(*begun, holder, self._registry, self._timeout, self._since)
@@ -553,7 +562,7 @@ class Turn:
                 if latest is not None:
                     answer = yield TICKET, ticket
                     if answer is not RUN:  # (its work is not to run: see _latest)
-                        self._answer = answer
+                        ticket.answer = answer
                         return
                     with registry.mode.guard():
                         ticket.book.hold(ticket, holder)
@@ -674,21 +683,31 @@ class Turn:
         if failure is not None and failure is error:
             raise failure
 
-    # A thread's ``with`` block left without its ``__exit__``: a signal handler's exception
-    # (or one thrown into the thread) that lands at the very start of ``__exit__``, before
-    # any of its code runs, leaves the turn held with nobody to end it. The turn object
-    # goes then (once the exception and its traceback go), and its net ends it (see
-    # _abandoned). NOTE: finalizing a turn runs no Python code unless it is armed: this
-    # reads the ``_net`` slot (in C) and calls what it holds: _DISARMED (in C), or the
-    # net (Python, only then). A __del__ written in Python would run at every turn's end,
-    # where a signal's exception would be lost ("Exception ignored in __del__").
-    __del__ = property(attrgetter("_net"))
-
     def __repr__(self) -> str:
         if self._holder is None:
             return f"<Turn keys={describe(self.keys)} not held>"
         lost = ", lease lost" if self.lease_lost else ""
         return f"<Turn keys={describe(self.keys)} held, token {self.token}{lost}>"
+
+
+@final
+class ThreadTurn(Turn):  # type: ignore[misc]  # (Turn is final to users; this is its thread's)
+    """A turn made for a thread (``keyed()`` outside an event loop, a sync call): a Turn with
+    a net under its ``with`` block.
+
+    A signal handler's exception (or one thrown into the thread) that lands
+    at the very start of ``__exit__``, before any of its code runs, leaves
+    the turn held with nobody to end it. The turn object goes then (once the
+    exception and its traceback go), and its net ends it (see _abandoned).
+    """
+
+    __slots__ = ("__weakref__",)
+
+    # NOTE: finalizing a turn runs no Python code unless its net is armed: this reads the
+    # _net slot (in C) and calls what it holds, _DISARMED (in C), or the net (Python, then
+    # only). A __del__ written in Python would run at every turn's end, where a signal's
+    # exception would be lost ("Exception ignored in __del__"). A task's turn has none.
+    __del__ = property(attrgetter("_net"))
 
 
 async def call_in_turn(
@@ -714,8 +733,8 @@ async def call_in_turn(
         await turn._enter(task, since, lined)
         ticket = turn._ticket
         if ticket is not None:
-            if turn._answer is not None:  # (its work is not to run)
-                return _answered(turn._answer)
+            if ticket.answer is not None:  # (its work is not to run)
+                return _answered(ticket.answer)
             fn, args, kwargs = _work(ticket, fn, args, kwargs)
         try:
             result = fn(*args, **kwargs)
@@ -750,8 +769,8 @@ def call_in_turn_sync(
     turn._enter_sync(lined, since)
     ticket = turn._ticket
     if ticket is not None:
-        if turn._answer is not None:
-            return _answered(turn._answer)
+        if ticket.answer is not None:
+            return _answered(ticket.answer)
         fn, args, kwargs = _work(ticket, fn, args, kwargs)
     try:
         result = fn(*args, **kwargs)
