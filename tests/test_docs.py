@@ -338,3 +338,34 @@ def test_the_readmes_first_example_loses_updates_without_its_decorator(tmp_path:
     decorator = '@queue_by_key(key="stock-{product_id}")\n'
     assert decorator in example.code
     assert _run(example, tmp_path, example.code.replace(decorator, "")) == ["9"]  # as the text says
+
+
+#: Each shared backend as the README's Errors table names it.
+BACKENDS = ("Redis", "PostgreSQL", "file backend")
+
+
+@pytest.mark.parametrize("error", ["BackendUnavailable", "LeaseLost"])
+def test_the_errors_table_names_every_backend_that_raises_it(error: str) -> None:
+    rows = [
+        line
+        for line in (ROOT / "README.md").read_text().splitlines()
+        if line.startswith(f"| `inturn.{error}` |")
+    ]
+    assert len(rows) == 1, rows
+    assert [backend for backend in BACKENDS if backend not in rows[0]] == []
+
+
+#: What a reader cannot look up: an issue of the tracker, a commit's hash.
+INTERNAL = re.compile(r"\bissues? #?\d+|\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")
+
+
+@pytest.mark.parametrize(
+    "source", [s for s in SOURCES if s.name != "CHANGELOG.md"], ids=lambda s: _name(s)
+)
+def test_the_readme_and_the_pages_cite_no_issue_or_commit(source: Path) -> None:
+    found = [
+        f"{_name(source)}:{number}: {match[0]}"
+        for number, line in enumerate(source.read_text().splitlines(), 1)
+        for match in INTERNAL.finditer(line)
+    ]
+    assert found == [], "say what happened instead (bench/RESULTS.md keeps the runs)"
