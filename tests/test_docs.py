@@ -369,3 +369,15 @@ def test_the_readme_and_the_pages_cite_no_issue_or_commit(source: Path) -> None:
         for match in INTERNAL.finditer(line)
     ]
     assert found == [], "say what happened instead (bench/RESULTS.md keeps the runs)"
+
+
+def test_the_readmes_backends_example_makes_no_directory_when_imported(tmp_path: Path) -> None:
+    # The queue is made at module level, as the README says to; importing the module
+    # must not write under /var/run (as root) or fail (as anyone else).
+    text = (ROOT / "README.md").read_text()
+    after = text.splitlines().index("## Across processes and hosts") + 1
+    example = next(b for b in _blocks("README.md", text) if b.line > after)
+    assert 'FileBackend("/var/run/shop/inturn")' in example.code
+    directory = tmp_path / "run" / "shop" / "inturn"
+    _run(example, tmp_path, example.code.replace('"/var/run/shop/inturn"', repr(str(directory))))
+    assert not (tmp_path / "run").exists()
