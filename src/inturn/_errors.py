@@ -7,6 +7,10 @@ every one of them).
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
+from ._describe import describe, function_name
+
 
 class InturnError(Exception):
     """Base class of every error specific to inturn."""
@@ -80,3 +84,29 @@ class Superseded(InturnError):
     """
 
     __module__ = "inturn"
+
+
+# -- messages built in one place, raised from the modules that find the fault ---------------
+
+
+def blocking_in_loop(keys: tuple[Hashable, ...], function: object = None) -> RuntimeError:
+    """The refusal of a blocking turn taken inside a running event loop (it would freeze it).
+
+    ``function``: the plain function the turn was for (a decorated ``def``,
+    or what ``run_sync()`` was given); ``None`` for a ``with keyed(...)`` block.
+    """
+    on = ", ".join(map(describe, keys))
+    if function is None:
+        return RuntimeError(
+            f"inturn: a blocking `with keyed(...)` turn on {on} was taken inside a running "
+            "event loop; waiting would freeze the loop. In an async def, use "
+            "`async with keyed(...)`, or run the block in a thread: "
+            "`await asyncio.to_thread(...)`"
+        )
+    name = function_name(function)
+    return RuntimeError(
+        f"inturn: {name} is a plain def, so its turn on {on} blocks its thread, and it "
+        "was called inside a running event loop; waiting would freeze the loop. Make it "
+        "an `async def` and await it (or use `await queue.run(...)`), or call it in a "
+        f"thread: `await asyncio.to_thread({name.removesuffix('()')}, ...)`"
+    )

@@ -39,6 +39,7 @@ from ._drive import (
     wait_alone,
     wait_alone_sync,
 )
+from ._errors import blocking_in_loop
 from ._hold import Clock, start_clock
 from ._line import HELD, held_by
 from ._shared import CURRENT, Shared
@@ -300,7 +301,7 @@ class Turn:
         """Take the turns for this thread, blocking it while it waits (see ``KeyedQueue.keyed``)."""
         return self._enter_sync(False, 0.0)
 
-    def _enter_sync(self, lined: bool, since: float) -> Turn:
+    def _enter_sync(self, lined: bool, since: float, fn: object = None) -> Turn:
         """__enter__; ``lined``: this thread holds the key's line already, asked for at
         ``since`` (conflated work handed the key: see _latest)."""
         if self._holder is not None:
@@ -317,7 +318,7 @@ class Turn:
                 mode.arrive(None)
             me = self._enter_now(thread_holder(), lined)
         else:
-            me = self._enter_now(self._task_holding())
+            me = self._enter_now(self._task_holding(fn))
         if self._holder is None:
             if self._path is _ALONE:
                 wait_alone_sync(self._registry, self.keys[0], me, self._timeout)
@@ -358,7 +359,7 @@ class Turn:
                 unwind_sync(begun[0], problem, holder, self._registry, self._since)
                 raise
 
-    def _task_holding(self) -> object:
+    def _task_holding(self, fn: object) -> object:
         """Inside a running event loop: the loop's current task, if it holds every key already.
 
         :raises RuntimeError: it does not (a blocking wait would freeze the loop).
@@ -369,12 +370,7 @@ class Turn:
         keys = self.keys
         if task is not None and all(held_by(lines.get(key), task) for key in keys):
             return task
-        raise RuntimeError(
-            "inturn: a blocking turn (run_sync(), `with keyed()`, a decorated plain def) "
-            f"was taken inside a running event loop, for {', '.join(map(describe, keys))}; "
-            "waiting would freeze the loop. Use `await queue.run(...)` or `async with`, "
-            "or call it in a thread: `await asyncio.to_thread(...)`"
-        )
+        raise blocking_in_loop(keys, fn)
 
     # -- entering and leaving: sync until a wait is needed ---------------------------------
 
@@ -602,7 +598,7 @@ def call_in_turn_sync(
 
     :raises TypeError: fn returned a coroutine (closed, never run: a thread cannot await it).
     """
-    turn._enter_sync(lined, since)
+    turn._enter_sync(lined, since, fn)
     try:
         result = fn(*args, **kwargs)
         if type(result) is CoroutineType:
