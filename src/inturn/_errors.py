@@ -29,7 +29,10 @@ class QueueFull(InturnError):
 
 
 class QueueClosed(InturnError):
-    """The queue was closed; the new work was not queued and never runs."""
+    """The queue was closed; the new work was not queued and never runs.
+
+    The message names the queue by its ``name=`` (or says it has none) and the key.
+    """
 
     __module__ = "inturn"
 
@@ -109,4 +112,14 @@ def blocking_in_loop(keys: tuple[Hashable, ...], function: object = None) -> Run
         "was called inside a running event loop; waiting would freeze the loop. Make it "
         "an `async def` and await it (or use `await queue.run(...)`), or call it in a "
         f"thread: `await asyncio.to_thread({name.removesuffix('()')}, ...)`"
+    )
+
+
+def closed(name: str | None, key: Hashable) -> QueueClosed:
+    """A closed queue's refusal of work for key, naming the queue (or saying it has no name)."""
+    queue = "a queue with no name" if name is None else f"queue {describe(name)}"
+    return QueueClosed(
+        f"inturn: {queue} is closed (by its close() or aclose()); the work for key "
+        f"{describe(key)} was not queued"
+        + ("" if name is not None else ". KeyedQueue(name=...) names a queue here")
     )
