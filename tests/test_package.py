@@ -80,3 +80,27 @@ def test_the_sdist_ships_every_package_of_the_tree_that_the_tests_import() -> No
             elif isinstance(node, ast.Import):
                 imported.update(alias.name.partition(".")[0] for alias in node.names)
     assert sorted((imported & packages) - shipped) == []
+
+
+def test_the_sdist_ships_every_file_of_the_tree_that_the_tests_read() -> None:
+    """A test that reads ``docs/`` (say) fails in an sdist without it.
+
+    Counted: each name of the tree's top level that a test names in a string
+    (``ROOT / "docs"``); hatch ships ``pyproject.toml`` itself.
+    """
+    tomllib = pytest.importorskip("tomllib")  # (Python 3.11+)
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    shipped = config["tool"]["hatch"]["build"]["targets"]["sdist"]["include"]
+    top = {path.name for path in ROOT.iterdir()}
+    named: set[str] = set()
+    for test in (ROOT / "tests").rglob("*.py"):
+        for node in ast.walk(ast.parse(test.read_text(), str(test))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                named.update({node.value} & top)
+    assert {"docs", "README.md", "examples"} <= named  # (else this checks little)
+    missing = {
+        name
+        for name in named - {"pyproject.toml"}
+        if not any(entry == name or entry.startswith(f"{name}/") for entry in shipped)
+    }
+    assert sorted(missing) == []
