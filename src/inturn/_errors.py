@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from ._describe import describe, function_name
+from ._describe import cut, describe, function_name
 
 
 class InturnError(Exception):
@@ -98,7 +98,7 @@ def blocking_in_loop(keys: tuple[Hashable, ...], function: object = None) -> Run
     ``function``: the plain function the turn was for (a decorated ``def``,
     or what ``run_sync()`` was given); ``None`` for a ``with keyed(...)`` block.
     """
-    on = ", ".join(map(describe, keys))
+    on = cut(", ".join(map(describe, keys)))
     if function is None:
         return RuntimeError(
             f"inturn: a blocking `with keyed(...)` turn on {on} was taken inside a running "
