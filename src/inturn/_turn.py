@@ -99,8 +99,9 @@ class Turn:
     :attr:`lease_lost`) raises :exc:`~inturn.LeaseLost` when its block ends
     without an error of its own.
 
-    :ivar keys: the keys, in the order they are taken: the queue's global key
-        order, so that two holders of overlapping keys never deadlock.
+    :ivar keys: the keys, each once, in the order they are taken: the queue's
+        global key order, not the order the caller gave, so that two holders
+        of overlapping keys never deadlock.
     """
 
     __slots__ = (
