@@ -127,3 +127,17 @@ def test_the_sdist_ships_every_file_of_the_tree_that_the_tests_read() -> None:
         if not any(entry == name or entry.startswith(f"{name}/") for entry in shipped)
     }
     assert sorted(missing) == []
+
+
+def test_the_snapshots_of_lines_are_imported_when_first_asked_for() -> None:
+    # (only lines() and inspect use them; their dataclasses cost the import most)
+    code = (
+        "import sys, inturn, inturn.backends as b\n"
+        "print('inturn.backends._lines' in sys.modules, 'LineInfo' in dir(b))\n"
+        "from inturn.backends import HolderInfo, LineInfo, WaiterInfo\n"
+        "from inturn.backends import _lines\n"
+        "print((HolderInfo, LineInfo, WaiterInfo) == "
+        "(_lines.HolderInfo, _lines.LineInfo, _lines.WaiterInfo))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True", "True"]
