@@ -40,9 +40,9 @@ NAMES: Mapping[str, str] = {
 }
 #: The columns: metric, title, and how a value is written beside its bar.
 COLUMNS: tuple[tuple[str, str, Callable[[float], str]], ...] = (
-    ("ops_per_s", "ops/s (higher is better)", "{:,.0f}".format),
-    ("arrival_order_pct", "arrival order, % (higher is better)", "{:.1f}%".format),
-    ("longest_wait_ms", "longest wait, ms (lower is better)", lambda ms: f"{ms:,.{ms < 10:d}f}"),
+    ("ops_per_s", "ops/s\nhigher is better", "{:,.0f}".format),
+    ("arrival_order_pct", "arrival order, %\nhigher is better", "{:.1f}%".format),
+    ("longest_wait_ms", "longest wait, ms\nlower is better", lambda ms: f"{ms:,.{ms < 10:d}f}"),
 )
 INTURN, OTHER = "#3f51b5", "#9e9e9e"  # the site's indigo, and a grey
 #: The longest waits' axis, the same for every backend (ms, log scale): from a line's
@@ -60,6 +60,14 @@ def rows(result: Mapping[str, Any]) -> list[tuple[str, list[tuple[str, dict[str,
         if bars:
             drawn.append((title, bars))
     return drawn
+
+
+def loaded(result: Mapping[str, Any]) -> str:
+    """How loaded the machine was during result's run, for a title ("" if not told)."""
+    load = result.get("load") or []
+    if len(load) != 2 or None in load:
+        return ""
+    return f", load average {load[0]:.1f} at the start and {load[1]:.1f} at the end"
 
 
 def plot(result: Mapping[str, Any], path: Path) -> None:
@@ -81,7 +89,7 @@ def plot(result: Mapping[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(
         len(drawn),
         len(COLUMNS),
-        figsize=(13, 1.1 + 0.62 * sum(heights) + 0.5 * len(drawn)),
+        figsize=(11.5, 1.2 + 0.66 * sum(heights) + 0.55 * len(drawn)),
         gridspec_kw={"height_ratios": heights},
         squeeze=False,
     )
@@ -96,7 +104,7 @@ def plot(result: Mapping[str, Any], path: Path) -> None:
             ax.barh(positions, values, color=colors, height=0.7)
             ax.invert_yaxis()  # inturn on top
             ax.set_yticks(list(positions))
-            ax.set_yticklabels(labels if column == 0 else [""] * len(labels), fontsize=12)
+            ax.set_yticklabels(labels if column == 0 else [""] * len(labels), fontsize=14)
             if metric == "longest_wait_ms":
                 ax.set_xscale("log")
                 ax.set_xlim(*WAITS)
@@ -116,22 +124,22 @@ def plot(result: Mapping[str, Any], path: Path) -> None:
                     position,
                     f" {form(value)}",
                     va="center",
-                    fontsize=11.5,
+                    fontsize=14,
                     fontweight="bold" if colors[position] == INTURN else "normal",
                 )
-            ax.tick_params(axis="x", labelsize=10)
+            ax.tick_params(axis="x", labelsize=12)
             ax.grid(axis="x", color="#e0e0e0", linewidth=0.8)
             ax.set_axisbelow(True)
             for side in ("top", "right"):
                 ax.spines[side].set_visible(False)
             if row == 0:
-                ax.set_title(heading, fontsize=12.5, pad=10)
-        axes[row][0].set_ylabel(title, fontsize=12.5, fontweight="bold", labelpad=12)
+                ax.set_title(heading, fontsize=14, pad=10)
+        axes[row][0].set_ylabel(title, fontsize=14, fontweight="bold", labelpad=12)
     fig.suptitle(
         f"{settings['workers']} processes taking one key again and again "
-        f"({settings['seconds']:g} s runs, median of {settings['repeats']}); "
-        f"{result['machine']}",
-        fontsize=11,
+        f"({settings['seconds']:g} s runs, median of {settings['repeats']})\n"
+        f"{result['machine']}{loaded(result)}",
+        fontsize=12.5,
         y=0.995,
     )
     fig.tight_layout()

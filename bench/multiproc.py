@@ -80,7 +80,7 @@ from .contenders import extract_version
 from .mp_contenders import CONTENDERS, DEFAULT, VERSIONED, contender
 from .mp_metrics import METRICS, measure_run
 from .mp_pg import postgres_server
-from .mp_plot import plot
+from .mp_plot import loaded, plot
 from .mp_servers import redis_server
 from .mp_worker import UNAVAILABLE, read_counter
 from .targets import check, ratio
@@ -434,9 +434,12 @@ def measure(settings: Settings, log: Log) -> dict[str, Any]:
     """Run every scenario for every contender, interleaved; the medians and targets.
 
     The answer is what ``--json`` writes: ``settings``, ``runs`` (every
-    repeat's metrics), ``medians`` (scenario -> contender -> metric) and
-    ``targets``.
+    repeat's metrics), ``medians`` (scenario -> contender -> metric),
+    ``targets``, and ``load``: the machine's load average (1 minute) at the
+    start and at the end, since other jobs on a shared machine cost a FIFO
+    hand-off most (each waits for the next process to be scheduled).
     """
+    load = [_load()]
     wanted = list(settings.contenders)
     versions: dict[str, tuple[Path, str]] = {}
     if settings.before is not None:
@@ -482,8 +485,10 @@ def measure(settings: Settings, log: Log) -> dict[str, Any]:
         scenario: {name: _median(samples) for name, samples in by_name.items()}
         for scenario, by_name in runs.items()
     }
+    load.append(_load())
     return {
         "machine": machine(),
+        "load": load,
         "settings": asdict(settings),
         "metrics": METRICS,
         "runs": runs,
@@ -493,6 +498,14 @@ def measure(settings: Settings, log: Log) -> dict[str, Any]:
             {"target": label, "pass": ok, "value": value} for label, ok, value in targets(medians)
         ],
     }
+
+
+def _load() -> float | None:
+    """The machine's load average over the last minute, where the system tells it."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
 
 
 def _median(samples: list[dict[str, float]]) -> dict[str, float]:
@@ -639,7 +652,7 @@ def report(result: dict[str, Any]) -> str:
     """The Markdown of a measure() result: the tables, the targets, what the metrics mean."""
     settings = Settings(**result["settings"])
     lines = [
-        f"## Across processes: {result['machine']}, "
+        f"## Across processes: {result['machine']}{loaded(result)}, "
         f"{settings.workers} workers x {settings.seconds:g} s, median of {settings.repeats}\n",
         table(result["medians"], settings),
     ]

@@ -67,5 +67,12 @@ def test_the_picture_is_drawn_again_from_a_runs_json(tmp_path: Path) -> None:
     run.write_text(json.dumps({**RESULT, "targets": [], "unavailable": {}}))
     assert multiproc.main(["--from-json", str(run), "--plot", str(picture)]) == 0
     width, height = _size(picture)
-    assert width == 1300  # 13 in at 100 dpi: legible at the docs' width
+    assert width == 1150  # 11.5 in at 100 dpi: legible at the docs' width
     assert 400 < height < width
+
+
+def test_the_machines_load_during_the_run_is_told_where_the_system_tells_it() -> None:
+    told = mp_plot.loaded({"load": [3.5, 12.04]})
+    assert told == ", load average 3.5 at the start and 12.0 at the end"
+    assert mp_plot.loaded({}) == ""  # (a run from before it was recorded)
+    assert mp_plot.loaded({"load": [None, None]}) == ""
