@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, final
 
 from ._checks import Waited, missed, others
 from ._describe import describe
-from ._errors import QueueClosed, QueueFull
+from ._errors import QueueClosed, QueueFull, closed
 from ._line import HELD, Deferred, Drain, Gate, Held, Line, Waiter, hand, held_by, rewake
 from ._order import order_keys, unhashable
 from ._stats import Observer, Tally
@@ -191,9 +191,7 @@ class Registry:
         if line is not None and held_by(line, holder):
             return HELD
         if not open_:
-            raise QueueClosed(
-                f"inturn: the queue is closed; the work for key {describe(key)} was not queued"
-            )
+            raise closed(self.name, key)
         if type(line) is Gate:
             return self._enter(line, holder)
         return False

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, final
 
 from ._checks import Policy
 from ._describe import describe
-from ._errors import QueueClosed, QueueFull, Superseded
+from ._errors import QueueClosed, QueueFull, Superseded, closed
 from ._latest import Book, Latest, Ticket
 from ._line import Deferred, Gate, held_by
 from ._line import Line as _Line
@@ -467,9 +467,7 @@ async def submit(
     registry = queue.registry
     key = registry.ordered((key,))[0]  # (checked: hashable, or a backend's kind)
     if not registry.open:
-        raise QueueClosed(
-            f"inturn: the queue is closed; the work for key {describe(key)} was not queued"
-        )
+        raise closed(registry.name, key)
     loop = running_loop("submit()")
     slots = registry.slots
     me = None

@@ -52,6 +52,7 @@ from ._drive import (
     wait_alone,
     wait_alone_sync,
 )
+from ._errors import blocking_in_loop
 from ._hold import Clock, start_clock
 from ._latest import RUN, Answer, Ticket, in_caller_context
 from ._line import HELD, held_by
@@ -127,9 +128,9 @@ class Turn:
     :attr:`lease_lost`) raises :exc:`~inturn.LeaseLost` when its block ends
     without an error of its own.
 
-    :ivar keys: the keys, in the order they are taken: the queue's global key
-        order (not the order they were given in), so that two holders of
-        overlapping keys never deadlock.
+    :ivar keys: the keys, each once, in the order they are taken: the queue's
+        global key order, not the order the caller gave, so that two holders
+        of overlapping keys never deadlock.
     """
 
     __slots__ = (
@@ -303,10 +304,12 @@ class Turn:
 
     # -- a thread's way in and out ----------------------------------------------------
 
-    def _enter_sync(self, lined: bool = False, since: float = 0.0) -> Turn:
+    def _enter_sync(self, lined: bool = False, since: float = 0.0, fn: object = None) -> Turn:
         """Take the turn for this thread, blocking it: ``with`` and every sync call's way in.
 
-        ``lined``, ``since``: as _enter's. Interrupt-safe (see the module).
+        ``lined``, ``since``: as _enter's; ``fn``: the plain function it is for (a
+        decorated ``def``, run_sync()'s), which the error of a blocking call in a
+        running event loop names. Interrupt-safe (see the module).
         """
         if self._holder is not None:
             self._enter_now(None, lined)  # (raises: entered already)
@@ -322,7 +325,7 @@ class Turn:
                 registry.mode.arrive(None)
             me: object = thread_holder()
         else:
-            me = self._task_holding()
+            me = self._task_holding(fn)
         # The keys this entry may take (not held before): an interrupt gives them back.
         keys, lines = self.keys, registry.lines
         if lined:
@@ -414,7 +417,7 @@ class Turn:
         if ticket is not None:
             ticket.book.ended(ticket, error, result)
 
-    def _task_holding(self) -> object:
+    def _task_holding(self, fn: object) -> object:
         """Inside a running event loop: the loop's current task, if it holds every key already.
 
         :raises RuntimeError: it does not (a blocking wait would freeze the loop).
@@ -425,12 +428,7 @@ class Turn:
         keys = self.keys
         if task is not None and all(held_by(lines.get(key), task) for key in keys):
             return task
-        raise RuntimeError(
-            "inturn: a blocking turn (run_sync(), `with keyed()`, a decorated plain def) "
-            f"was taken inside a running event loop, for {', '.join(map(describe, keys))}; "
-            "waiting would freeze the loop. Use `await queue.run(...)` or `async with`, "
-            "or call it in a thread: `await asyncio.to_thread(...)`"
-        )
+        raise blocking_in_loop(keys, fn)
 
     # -- entering and leaving: sync until a wait is needed ---------------------------------
 
@@ -766,7 +764,7 @@ def call_in_turn_sync(
 
     :raises TypeError: fn returned a coroutine (closed, never run: a thread cannot await it).
     """
-    turn._enter_sync(lined, since)
+    turn._enter_sync(lined, since, fn)
     ticket = turn._ticket
     if ticket is not None:
         if ticket.answer is not None:

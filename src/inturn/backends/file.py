@@ -232,11 +232,14 @@ class FileBackend:
     :param directory: where the line files live, created owner-only (mode
         0700) if missing. Every process that shares the lines must use the
         same directory. Default: ``inturn-<uid>`` in the system's temporary
-        directory.
+        directory. It is made and checked at its first use (the first turn,
+        :attr:`directory`, :meth:`line` or :meth:`lines`), not here: a queue
+        made at import time touches no file. Its refusal then raises from
+        that use, naming the directory and the fix: ``PermissionError`` (it
+        belongs to another user, is a symbolic link, or may be written by
+        others and has no sticky bit), ``NotADirectoryError`` (the path is
+        not a directory), or another ``OSError`` (it cannot be created).
     :raises RuntimeError: the platform is not POSIX.
-    :raises PermissionError: the directory belongs to another user, is a
-        symbolic link, or may be written by others and has no sticky bit.
-    :raises NotADirectoryError: the path exists and is not a directory.
     """
 
     __slots__ = ("_home",)
@@ -248,7 +251,11 @@ class FileBackend:
 
     @property
     def directory(self) -> Path:
-        """The directory holding the line files (``inturn-<uid>`` in a sticky one)."""
+        """The directory holding the line files (``inturn-<uid>`` in a sticky one).
+
+        Asking makes and checks the directory if no turn has yet (see the
+        class's ``directory`` parameter for what it raises).
+        """
         return self._home.where.path
 
     def order(self, keys: tuple[Hashable, ...]) -> tuple[Hashable, ...]:
@@ -289,6 +296,8 @@ class FileBackend:
             this process's ticket left the line.
         :raises ~inturn.BackendUnavailable: no file descriptor was left (its
             cause: the OSError); nothing of the turn stays.
+        :raises OSError: the directory, made at the first turn, was refused
+            or could not be made (see the class's ``directory`` parameter).
         """
         loop = asyncio.get_running_loop()
         steps = taking(self._home, key, FileGrant)
@@ -423,4 +432,4 @@ class FileBackend:
         """Nothing to close: every grant's files are closed by its release."""
 
     def __repr__(self) -> str:
-        return f"FileBackend({str(self.directory)!r})"
+        return f"FileBackend({str(self._home.shown)!r})"

@@ -76,7 +76,7 @@ except ImportError as error:  # pragma: no cover - depends on the install
     ) from error
 
 from ._redis_calls import Config
-from ._redis_errors import UNREACHABLE, describe
+from ._redis_errors import UNREACHABLE, describe, server_of
 from ._redis_loop import LoopShare, RedisGrant, owner
 from ._redis_threads import Blocking, sync_connector
 from ._urls import refused_redis_url
@@ -219,6 +219,7 @@ class RedisBackend:
             lease=float(lease),
             channels=f"inturn:{namespace}:wake:",
             host=socket.gethostname(),
+            server=server_of(client),
         )
         # By event loop: this process's share on it (see _redis_loop).
         self._shares: dict[asyncio.AbstractEventLoop, LoopShare] = {}
