@@ -85,6 +85,23 @@ def collector_paused() -> Iterator[None]:
 
 
 @pytest.fixture
+def heap_frozen() -> Iterator[None]:
+    """Freeze the objects made before the test (gc.freeze) while it runs.
+
+    For a test that collects the garbage again and again to see what it left
+    (a future never retrieved, a connection left open): its collections then
+    go through the objects made since it began, not through the whole
+    session's, which cost a collection tens of milliseconds.
+    """
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+@pytest.fixture
 def queue() -> KeyedQueue:
     return KeyedQueue()
 
