@@ -20,6 +20,7 @@ points too.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import inspect
 import os
@@ -268,7 +269,11 @@ SHAPES = {
 def _queues(
     kind: str, options: dict[str, Any], request: pytest.FixtureRequest
 ) -> tuple[KeyedQueue, KeyedQueue]:
-    """The queue under test and another of the same place (for a server's: another process's)."""
+    """The queue under test and another of the same place (for a server's: another process's).
+
+    Their backends are closed at the test's end (a Redis one's subscription
+    would otherwise outlive the session's server, and say so on stderr).
+    """
     if kind == "memory":
         queue = KeyedQueue(**options)
         return queue, queue
@@ -280,8 +285,11 @@ def _queues(
         if kind == "redis":
             from inturn.backends.redis import RedisBackend
 
-            return RedisBackend.from_url(url, namespace=namespace)
-        return FileBackend(place)
+            backend: Any = RedisBackend.from_url(url, namespace=namespace)
+        else:
+            backend = FileBackend(place)
+        request.addfinalizer(lambda: asyncio.run(backend.aclose()))
+        return backend
 
     return KeyedQueue(backend=make(), **options), KeyedQueue(backend=make(), **options)
 
