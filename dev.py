@@ -47,7 +47,8 @@ GROUPS = {
     "docs": ("docs",),
 }
 #: The Redis backend's tests (and the conformance suite's Redis servers); the
-#: cluster's need redis-py 8.0, so they run with the newest only.
+#: cluster's need redis-py 8.0, so they run with the newest only. (.ci/run names
+#: them too: the older Pythons' full runs leave them to these runs.)
 REDIS_TESTS = (
     "tests/test_redis_backend.py",
     "tests/test_redis_faults.py",

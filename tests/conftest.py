@@ -29,6 +29,19 @@ from helpers import Recorder, unavailable
 pytest_plugins = ["pg_server"]
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """How many workers ``-n auto`` (pyproject's addopts) starts: two per CPU, from 2 to 8.
+
+    A worker waits much of its time (on its servers, leases, subprocesses),
+    so two workers a CPU keep it busy. No test must run alone: each worker
+    starts servers of its own (ports from a slice of its own: servers.py),
+    keeps its files in its own temporary directories, and freezes, kills or
+    interrupts only processes it started, or itself.
+    """
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(2, min(8, 2 * (cpus or 1)))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _python_handles_sigint() -> Iterator[None]:
     """Give SIGINT to Python's own handler for the session, whatever the session began with.
@@ -82,6 +95,23 @@ def collector_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+@pytest.fixture
+def heap_frozen() -> Iterator[None]:
+    """Freeze the objects made before the test (gc.freeze) while it runs.
+
+    For a test that collects the garbage again and again to see what it left
+    (a future never retrieved, a connection left open): its collections then
+    go through the objects made since it began, not through the whole
+    session's, which cost a collection tens of milliseconds.
+    """
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 @pytest.fixture

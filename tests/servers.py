@@ -9,6 +9,7 @@ redis-cli on PATH, it also starts a Redis Cluster of three masters.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -39,32 +40,66 @@ def valkey_server_binary() -> str | None:
 #: Ports free_port() handed out: the kernel may offer a port again once its probe closed.
 _HANDED_OUT: set[int] = set()
 
+#: Where free_port() looks: below the ports the kernel gives outgoing connections
+#: (Linux's ip_local_port_range starts at 32768, macOS's at 49152), so that no
+#: client's connection takes a port between its probe and its server's start.
+PORTS = range(20_000, 32_768)
+#: Random without a state of its own (none that a test's seeding or a fork would copy).
+_CHOICE = random.SystemRandom()
+
+
+def worker_ports() -> range:
+    """This process's slice of PORTS: under pytest-xdist, each worker has its own.
+
+    The workers' servers then never meet on one port, not even when one is
+    stopped and started again on its port while another worker looks for one.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...: set in each worker
+    if not worker.startswith("gw"):
+        return PORTS
+    count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    size = len(PORTS) // count
+    index = int(worker[2:]) % count
+    return PORTS[index * size : (index + 1) * size]
+
 
 def free_port() -> int:
-    """A loopback port free now, and never handed out before in this process."""
-    while True:
+    """A loopback port of worker_ports() free now, and never handed out before in this process.
+
+    Chosen at random in the slice: another session of the tests (another
+    checkout's, say) picks from the same slice, and its servers are skipped
+    as taken.
+    """
+    ports = worker_ports()
+    for _ in range(len(ports)):
+        port = _CHOICE.choice(ports)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = int(probe.getsockname()[1])
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # taken
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port in {ports}")
 
 
-def _answers(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1) as connection:
-            connection.sendall(b"PING\r\n")
-            return connection.recv(64).startswith(b"+PONG")
-    except OSError:
-        return False
+def _answers(port: int, pid: int) -> bool:
+    """Whether process pid is the server that answers on port (not another's, started there)."""
+    return _fields(port, b"INFO server").get("process_id") == str(pid)
 
 
 def _cluster_info(port: int) -> dict[str, str]:
     """A node's answer to CLUSTER INFO, as fields; empty if it does not answer."""
+    return _fields(port, b"CLUSTER INFO")
+
+
+def _fields(port: int, command: bytes) -> dict[str, str]:
+    """A server's answer of ``name:value`` lines to command, as fields; empty if none."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=1) as connection:
-            connection.sendall(b"CLUSTER INFO\r\n")
+            connection.sendall(command + b"\r\n")
             reply = b""
             while b"\r\n" not in reply or len(reply) < _bulk_size(reply):
                 chunk = connection.recv(4096)
@@ -135,7 +170,7 @@ class Server:
             stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 30
-        while not _answers(self.port):  # the server's start-up, not an ordering
+        while not _answers(self.port, self.process.pid):  # its start-up, not an ordering
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.stop(kill=True)
                 return False

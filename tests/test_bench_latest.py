@@ -1,15 +1,19 @@
 """Scenario (w), bench/latest.py: a burst on one busy key, with and without pending="latest".
 
-Counts only, never timings: the quick scenario, once, on this tree's inturn.
+Counts only, never timings: the quick scenario, once, on this tree's inturn
+(marker ``bench``: out of the default run, CI runs it once, on the newest
+Python); the table's test, on made-up figures, runs with the others.
 """
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
 from bench import latest
 
 
+@pytest.mark.bench
 def test_a_burst_on_a_busy_key_runs_two_works_with_latest_and_every_work_without() -> None:
     sizes = latest.Sizes(quick=True)
     sizes.bursts = 1

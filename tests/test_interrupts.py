@@ -6,14 +6,21 @@ start of a Python function that is called, wherever that is. Its
 exception must leave nothing of the turn behind: no key held in this
 process, no ticket in a file backend's line, no file left open.
 
-Each test takes a turn once per such point, from the first to the last:
-it raises KeyboardInterrupt at the n-th Python call the thread makes
-(sys.settrace), n = 1, 2, ... until a try passes every call. So every
-point is tried, in one deterministic run, without real signals.
+Each test takes a turn again and again, traced (sys.settrace): each try
+raises KeyboardInterrupt at the first Python call the thread makes at a
+point not tried yet, and the tries end with one that reaches no such
+point. A point is where a call is: the function called and every frame
+under it, with its line. So every point any try reaches is tried, once,
+in one deterministic run, without real signals. The tries are as many as
+the points of a turn (a loop's later rounds, at points tried already, add
+none), and each try passes the points tried before it, so work done only
+once (the start of a backend's thread loop, say) is tried at each of its
+points too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import inspect
 import os
@@ -41,18 +48,25 @@ FREE_WITHIN = 2.0
 _WAITS = frozenset({"until_left_blocking", "lock_blocking", "_wait_in_sync", "wait", "answer_sync"})
 
 
+#: Where a call is: the function it enters (at the line it starts or resumes
+#: at) and each frame under it down to the test's own, as (file, function, line).
+Point = tuple[tuple[str, str, int], ...]
+
+
 class Interrupter:
-    """A trace function that raises KeyboardInterrupt at the n-th Python call while armed.
+    """A trace function that raises KeyboardInterrupt at the first Python call at an untried point.
 
     It counts the calls of every function but this file's (and but weak
     references' callbacks and finalizers, which the garbage collector runs,
-    not the turn: an exception there is only printed).
-    ``waiting`` is set at the call of a function the thread blocks in.
+    not the turn: an exception there is only printed). ``at`` is the point
+    it fired at (None: it reached no untried point). ``waiting`` is set at
+    the call of a function the thread blocks in.
     """
 
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.calls = 0
+    def __init__(self, number: int, tried: set[Point]) -> None:
+        self.number = number  #: this try's number, to name what it makes
+        self.tried = tried
+        self.at: Point | None = None
         self.armed = True
         self.where = ""
         self.waiting = threading.Event()
@@ -67,24 +81,29 @@ class Interrupter:
             return
         if _RESUMES_OUTSIDE and code.co_flags & inspect.CO_GENERATOR and frame.f_lasti > 0:
             return
-        self.calls += 1
-        if self.calls == self.n:
+        point = _point(frame)
+        if point not in self.tried:
             self.armed = False
-            caller = frame.f_back
-            self.where = f"{code.co_name} (from {caller.f_code.co_name if caller else '?'})"
-            raise KeyboardInterrupt(f"interrupted at call {self.n}: {self.where}")
-
-    @property
-    def fired(self) -> bool:
-        return self.calls >= self.n
+            self.at = point
+            self.where = " < ".join(f"{name}:{line}" for _, name, line in point)
+            raise KeyboardInterrupt(f"interrupted at {self.where}")
 
     def run(self, call: Callable[[], Any]) -> Any:
-        """call(), traced: interrupted at the n-th Python call it makes."""
+        """call(), traced: interrupted at the first Python call it makes at an untried point."""
         sys.settrace(self)  # type: ignore[arg-type]
         try:
             return call()
         finally:
             sys.settrace(None)
+
+
+def _point(frame: FrameType | None) -> Point:
+    """Where frame's call is: it and each frame under it, down to this file's."""
+    point = []
+    while frame is not None and frame.f_code.co_filename not in _NOT_COUNTED:
+        point.append((frame.f_code.co_filename, frame.f_code.co_name, frame.f_lineno))
+        frame = frame.f_back
+    return tuple(point)
 
 
 #: Before 3.11, a trace function's exception at a generator's resume ends the
@@ -147,33 +166,51 @@ def _note(into: list[str], what: Any) -> None:
 
 
 def each_interrupt(trial: Callable[[Interrupter], str | None]) -> None:
-    """Run trial with an interrupt at call 1, 2, ... until one passes every call.
+    """Run trial interrupted at each point in turn, until a try reaches no untried point.
 
     trial returns what it found left behind (None: nothing). The test fails
     with every point that left something, and every one after which the
-    garbage collector found something left open (a connection: a ResourceWarning).
+    garbage collector found something left open (a connection: a
+    ResourceWarning); and if the last try, uninterrupted, left something.
+
+    The objects made before the sweep are frozen (gc.freeze) for its length:
+    each try's collections then look at the objects made since, which hold
+    all that a try can leave behind, and not at the session's.
     """
     left: list[str] = []
-    n = 1
-    while True:
-        interrupter = Interrupter(n)
-        unraisable: list[str] = []
-        hook, sys.unraisablehook = sys.unraisablehook, partial(_note, unraisable)
-        try:
-            found = trial(interrupter)
-            gc.collect()
-        finally:
-            sys.unraisablehook = hook
-        if unraisable:
-            found = "; ".join(filter(None, [found, *unraisable]))
-        if not interrupter.fired:
-            break
-        if found is not None:
-            left.append(f"call {n}, {interrupter.where}: {found}")
-        n += 1
+    tried: set[Point] = set()
+    gc.collect()
+    gc.freeze()
+    try:
+        while True:
+            interrupter = Interrupter(len(tried) + 1, tried)
+            found = _try(trial, interrupter)
+            if interrupter.at is None:
+                if found is not None:
+                    left.append(f"uninterrupted: {found}")
+                break
+            tried.add(interrupter.at)
+            if found is not None:
+                left.append(f"try {interrupter.number}, at {interrupter.where}: {found}")
+    finally:
+        gc.unfreeze()
     # (the shortest shape, a free key alone, makes some 8 calls)
-    assert n > 5, f"only {n - 1} points were tried: is tracing working?"
+    assert len(tried) > 5, f"only {len(tried)} points were tried: is tracing working?"
     assert not left, "an interrupt left the turn behind:\n" + "\n".join(left)
+
+
+def _try(trial: Callable[[Interrupter], str | None], interrupter: Interrupter) -> str | None:
+    """trial(interrupter): what it found left, with what the collector found left open."""
+    unraisable: list[str] = []
+    hook, sys.unraisablehook = sys.unraisablehook, partial(_note, unraisable)
+    try:
+        found = trial(interrupter)
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    if unraisable:
+        found = "; ".join(filter(None, [found, *unraisable]))
+    return found
 
 
 # -- a file backend's own taking -----------------------------------------------------------------
@@ -186,7 +223,7 @@ def test_an_interrupt_anywhere_in_a_file_backends_taking_leaves_no_ticket(
     """FileBackend.acquire_sync either gives a grant, or raises having left nothing."""
 
     def trial(interrupter: Interrupter) -> str | None:
-        place = tmp_path / f"lines-{interrupter.n}"
+        place = tmp_path / f"lines-{interrupter.number}"
         backend, other = FileBackend(place), FileBackend(place)
         backend.line("k"), other.line("k")  # (each opens the directory at its first use)
         release = threading.Event()
@@ -233,7 +270,11 @@ SHAPES = {
 def _queues(
     kind: str, options: dict[str, Any], request: pytest.FixtureRequest
 ) -> tuple[KeyedQueue, KeyedQueue]:
-    """The queue under test and another of the same place (for a server's: another process's)."""
+    """The queue under test and another of the same place (for a server's: another process's).
+
+    Their backends are closed at the test's end (a Redis one's subscription
+    would otherwise outlive the session's server, and say so on stderr).
+    """
     if kind == "memory":
         queue = KeyedQueue(**options)
         return queue, queue
@@ -245,23 +286,18 @@ def _queues(
         if kind == "redis":
             from inturn.backends.redis import RedisBackend
 
-            return RedisBackend.from_url(url, namespace=namespace)
-        backend = FileBackend(place)
-        backend.line("k")  # (it opens the directory at its first use: not a turn's file)
+            backend: Any = RedisBackend.from_url(url, namespace=namespace)
+        else:
+            backend = FileBackend(place)
+            backend.line("k")  # (it opens the directory at its first use: not a turn's file)
+        request.addfinalizer(lambda: asyncio.run(backend.aclose()))
         return backend
 
     return KeyedQueue(backend=make(), **options), KeyedQueue(backend=make(), **options)
 
 
-#: A server's shapes: hundreds of points each, on the newest Python only (see pyproject).
-_MARKS = {"redis": [pytest.mark.server]}
-
-
 @pytest.mark.parametrize("contended", [False, True], ids=["free", "held"])
-@pytest.mark.parametrize(
-    "shape",
-    [pytest.param(shape, marks=_MARKS.get(shape, [])) for shape in SHAPES],
-)
+@pytest.mark.parametrize("shape", list(SHAPES))
 def test_an_interrupt_anywhere_in_a_threads_taking_leaves_the_key_free(
     request: pytest.FixtureRequest, shape: str, contended: bool
 ) -> None:
@@ -274,8 +310,8 @@ def test_an_interrupt_anywhere_in_a_threads_taking_leaves_the_key_free(
     queue, other = _queues(kind, options, request)
 
     def trial(interrupter: Interrupter) -> str | None:
-        key = f"k{interrupter.n}"
-        holds = f"{held_key}{interrupter.n}"
+        key = f"k{interrupter.number}"
+        holds = f"{held_key}{interrupter.number}"
         ran: list[int] = []
 
         def work() -> None:

@@ -98,12 +98,9 @@ async def make_user(
 
 
 async def refusals(admin: aioredis.Redis, user_url: str) -> list[Any]:
-    """What ACL LOG recorded against the user of user_url."""
+    """What ACL LOG recorded against the user of user_url (redis-py parses each entry)."""
     user = user_url.split("//", 1)[1].split(":", 1)[0]
-    entries = await admin.execute_command("ACL", "LOG")
-    return [
-        e for e in entries if dict(zip(e[::2], e[1::2], strict=True))[b"username"] == user.encode()
-    ]
+    return [entry for entry in await admin.acl_log() if entry["username"] == user]
 
 
 async def waited_for(backend: RedisBackend) -> list[Any]:

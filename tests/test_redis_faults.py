@@ -730,6 +730,7 @@ async def test_the_public_api_writer_ends_with_its_connection(
     server: aioredis.Redis,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
+    heap_frozen: None,  # (a collection after each of 150 kills)
 ) -> None:
     # Through redis-py's public API, under connection kills: no task outlives its
     # connection (redis-py may swallow the writer's cancellation on Python 3.10/3.11).
