@@ -72,18 +72,18 @@ def loaded(result: Mapping[str, Any]) -> str:
 
 def plot(result: Mapping[str, Any], path: Path) -> None:
     """Draw result's across-process picture into path (a PNG)."""
+    drawn = rows(result)  # (first: a result with nothing to draw is refused without matplotlib)
+    if not drawn:
+        raise ValueError(
+            "bench.mp_plot: the result has none of the scenarios "
+            f"{', '.join(scenario for scenario, _, _ in ROWS)}: measure them first"
+        )
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullLocator
 
-    drawn = rows(result)
-    if not drawn:
-        raise ValueError(
-            "bench.mp_plot: the result has none of the scenarios "
-            f"{', '.join(scenario for scenario, _, _ in ROWS)}: measure them first"
-        )
     settings = result["settings"]
     heights = [len(bars) for _, bars in drawn]
     fig, axes = plt.subplots(

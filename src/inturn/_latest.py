@@ -357,27 +357,32 @@ class Book:
                 del self.waiting[latest.key]
 
     def _add(self, latest: Latest, tickets: list[Ticket]) -> None:
-        """Let tickets (newer) wait in latest: its newest waiting work is replaced."""
+        """Let tickets (newer) wait in latest: its newest waiting work is replaced.
+
+        NOTE: they join before the replaced one leaves, so that a Latest in a line
+        is never empty (a hand-off would skip it), whatever an exception cuts short.
+        """
         waiting = latest.tickets
-        if waiting and tickets:
-            newest = waiting[-1]
-            if not newest.join:  # answered now: Superseded
-                waiting.pop()
-                self._answer(newest, (superseded(latest.key), None), True)
-            elif not isinstance(newest.waiter, asyncio.Future | Parked):
-                waiting.pop()  # a handle lets its work go, and follows what runs
-                self._move(newest, JOINED)
-                newest.work = None
-                newest.waiter.let_go()  # type: ignore[union-attr]
-                if latest.joined is None:
-                    latest.joined = weakref.WeakSet()
-                latest.joined.add(newest)
-                self.registry.tally.superseded(None, newest.label)
+        newest = waiting[-1] if waiting and tickets else None
         for ticket in tickets:
             ticket.latest = latest
             if ticket.state is not WAITING:  # (else it comes from another Latest)
                 self._move(ticket, WAITING)
         waiting += tickets
+        if newest is None:
+            return
+        if not newest.join:  # answered now: Superseded
+            waiting.remove(newest)
+            self._answer(newest, (superseded(latest.key), None), True)
+        elif not isinstance(newest.waiter, asyncio.Future | Parked):
+            waiting.remove(newest)  # a handle lets its work go, and follows what runs
+            self._move(newest, JOINED)
+            newest.work = None
+            newest.waiter.let_go()  # type: ignore[union-attr]
+            if latest.joined is None:
+                latest.joined = weakref.WeakSet()
+            latest.joined.add(newest)
+            self.registry.tally.superseded(None, newest.label)
 
     def _arm(self, latest: Latest, loop: asyncio.AbstractEventLoop) -> None:
         """Tick latest's quiet period in loop when it ends, unless a live timer does it.
@@ -415,9 +420,9 @@ class Book:
             latests = self.waiting[latest.key]
             before = latests[-2] if len(latests) > 1 else None
             if latest.keeps and before is not None and before.line is not None and before.keeps:
-                self._close(latest)  # it takes the place of the key's Latest in line
-                tickets, latest.tickets = latest.tickets, []
-                self._add(before, tickets)
+                self._add(before, list(latest.tickets))  # it takes the place of the key's
+                latest.tickets = []  # Latest in line (then leaves: see _add's NOTE)
+                self._close(latest)
                 self._merge_joined(latest, before)
                 return
             if latest.timer is not None:
@@ -547,8 +552,7 @@ class Book:
         if newest.work is None or newest.home is not ticket.home or newest.seq < ticket.seq:
             return None  # (older: it waits again after a cut run, and runs in its own turn)
         self._close(latest)
-        followers, latest.tickets = latest.tickets, []
-        self.registry.abandon(latest.key, latest.line, latest, guarded=True)  # (done: skipped)
+        followers = list(latest.tickets)
         for follower in followers:
             self._move(follower, FOLLOWS)
         mine = ticket.latest
@@ -560,6 +564,8 @@ class Book:
                 follower.latest = mine
             mine.followers += followers  # (newer than its own: the newest last)
             self._merge_joined(latest, mine)
+        latest.tickets = []  # (then it leaves its line: see _add's NOTE)
+        self.registry.abandon(latest.key, latest.line, latest, guarded=True)  # (done: skipped)
         return newest
 
     # -- a caller leaves, a run ends -----------------------------------------------------
