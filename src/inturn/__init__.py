@@ -23,8 +23,6 @@ from __future__ import annotations
 
 from ._batch import Batch as Batch
 from ._checks import UNSET as UNSET
-from ._decorator import QueuedFunction as QueuedFunction
-from ._decorator import SyncQueuedFunction as SyncQueuedFunction
 from ._errors import BackendUnavailable as BackendUnavailable
 from ._errors import HoldTimeout as HoldTimeout
 from ._errors import InturnError as InturnError
@@ -33,6 +31,8 @@ from ._errors import QueueClosed as QueueClosed
 from ._errors import QueueFull as QueueFull
 from ._errors import Superseded as Superseded
 from ._queue import KeyedQueue as KeyedQueue
+from ._queue import QueuedFunction as QueuedFunction
+from ._queue import SyncQueuedFunction as SyncQueuedFunction
 from ._stats import Observer as Observer
 from ._stats import QueueStats as QueueStats
 from ._submit import Handle as Handle

@@ -12,16 +12,13 @@ import threading
 from collections.abc import Callable, Coroutine, Hashable
 from types import FunctionType
 from typing import (
-    TYPE_CHECKING,
     Any,
-    Concatenate,
     Final,
     NamedTuple,
     ParamSpec,
     Protocol,
     TypeVar,
     final,
-    overload,
 )
 
 from ._checks import Policy
@@ -33,9 +30,6 @@ from ._keyspec import KeyFunction, KeySpec, KeysSpec, compile_key
 from ._tasks import current_task as _current_task
 from ._tasks import in_loop_of, outside_asyncio
 
-if TYPE_CHECKING:
-    from ._queue import KeyedQueue
-
 P = ParamSpec("P")
 P2 = ParamSpec("P2")
 R = TypeVar("R")
@@ -46,11 +40,24 @@ T = TypeVar("T")
 _Start = Callable[[Any, tuple[Any, ...], dict[str, Any]], Coroutine[Any, Any, Any]]
 
 
+class Queue(Protocol):
+    """What the decorator uses of its queue (a KeyedQueue) itself."""
+
+    @property
+    def timeout(self) -> float | None: ...
+
+    @property
+    def max_hold(self) -> float | None: ...
+
+    async def run(self, key: Hashable, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """Take key's turn with the queue's settings, and call fn in it (the hot path)."""
+
+
 class Runner(NamedTuple):
     """What the decorator uses of a queue: the queue builds it (see KeyedQueue.queue_by_key)."""
 
     #: The queue; its ``run`` takes a call's turn on one key with its settings (the hot path).
-    queue: KeyedQueue
+    queue: Queue
     #: ``(keys, fn, args, kwargs, timeout, max_hold, task, policy)``: several keys, or
     #: settings of the call's own.
     run_keyed: Callable[..., Coroutine[Any, Any, Any]]
@@ -58,87 +65,6 @@ class Runner(NamedTuple):
     run_keyed_sync: Callable[..., Any]
     #: The queue's conflation (pending, on_superseded, debounce, max_wait).
     policy: Policy
-
-
-class QueuedFunction(Protocol[P, R_co]):
-    """An ``async def`` function whose calls queue by key: what ``queue_by_key`` returns.
-
-    Calling it returns a coroutine; the call is submitted to its key's line
-    when that coroutine starts running. The key is computed by the call
-    itself: arguments the key template cannot format (a missing attribute
-    or item, a ``__format__`` that raises) raise there, and nothing runs.
-    The exception is of the original's kind: a new one of the same builtin
-    class (``AttributeError``, ``KeyError``...) naming the template, the
-    field, the parameter and the function, with the original as its
-    ``__cause__``; or the user's own exception itself, with those words as
-    a note.
-    """
-
-    @property
-    def queue(self) -> KeyedQueue:
-        """The queue the calls wait in."""
-
-    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Coroutine[Any, Any, R_co]: ...
-
-    def key_of(self, *args: P.args, **kwargs: P.kwargs) -> Any:
-        """The key (a tuple of keys for ``keys=``) a call with these arguments would use."""
-
-    @overload
-    def __get__(
-        self, instance: None, owner: type[Any] | None = None, /
-    ) -> QueuedFunction[P, R_co]: ...
-
-    @overload
-    def __get__(
-        self: QueuedFunction[Concatenate[T, P2], R_co],
-        instance: T,
-        owner: type[Any] | None = None,
-        /,
-    ) -> QueuedFunction[P2, R_co]: ...
-
-
-class SyncQueuedFunction(Protocol[P, R_co]):
-    """A plain ``def`` function whose calls queue by key: what ``queue_by_key`` returns for it.
-
-    Calling it blocks the calling thread until the key's turn, runs the
-    function, and returns its result (see ``KeyedQueue.run_sync``). Arguments
-    the key template cannot format raise before any wait, as for
-    :class:`QueuedFunction`.
-    """
-
-    @property
-    def queue(self) -> KeyedQueue:
-        """The queue the calls wait in."""
-
-    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R_co: ...
-
-    def key_of(self, *args: P.args, **kwargs: P.kwargs) -> Any:
-        """The key (a tuple of keys for ``keys=``) a call with these arguments would use."""
-
-    @overload
-    def __get__(
-        self, instance: None, owner: type[Any] | None = None, /
-    ) -> SyncQueuedFunction[P, R_co]: ...
-
-    @overload
-    def __get__(
-        self: SyncQueuedFunction[Concatenate[T, P2], R_co],
-        instance: T,
-        owner: type[Any] | None = None,
-        /,
-    ) -> SyncQueuedFunction[P2, R_co]: ...
-
-
-class Decorator(Protocol):
-    """What ``queue_by_key(...)`` called with settings returns: it decorates a function."""
-
-    @overload
-    def __call__(  # type: ignore[overload-overlap]  # a coroutine function is decorated
-        self, fn: Callable[P, Coroutine[Any, Any, R]], /
-    ) -> QueuedFunction[P, R]: ...
-
-    @overload
-    def __call__(self, fn: Callable[P, R], /) -> SyncQueuedFunction[P, R]: ...
 
 
 @final

@@ -9,7 +9,17 @@ import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Hashable
 from inspect import isawaitable
 from types import CoroutineType
-from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeVar, final, overload
+from typing import (
+    Any,
+    Concatenate,
+    Literal,
+    NoReturn,
+    ParamSpec,
+    Protocol,
+    TypeVar,
+    final,
+    overload,
+)
 
 from ._batch import Batch
 from ._checks import (
@@ -39,14 +49,95 @@ from ._turn import ThreadTurn, Turn, call_in_turn, call_in_turn_sync
 from .backends._base import Backend
 from .backends._local import LocalBackend
 
-if TYPE_CHECKING:
-    from typing_extensions import ParamSpec
-
-    from ._decorator import Decorator, QueuedFunction, SyncQueuedFunction
-
-    P = ParamSpec("P")
-
+P = ParamSpec("P")
+P2 = ParamSpec("P2")
 R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
+T = TypeVar("T")
+
+
+# -- what queue_by_key returns (here, beside the queue its functions name) ---------------------
+
+
+class QueuedFunction(Protocol[P, R_co]):
+    """An ``async def`` function whose calls queue by key: what ``queue_by_key`` returns.
+
+    Calling it returns a coroutine; the call is submitted to its key's line
+    when that coroutine starts running. The key is computed by the call
+    itself: arguments the key template cannot format (a missing attribute
+    or item, a ``__format__`` that raises) raise there, and nothing runs.
+    The exception is of the original's kind: a new one of the same builtin
+    class (``AttributeError``, ``KeyError``...) naming the template, the
+    field, the parameter and the function, with the original as its
+    ``__cause__``; or the user's own exception itself, with those words as
+    a note.
+    """
+
+    @property
+    def queue(self) -> KeyedQueue:
+        """The queue the calls wait in."""
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Coroutine[Any, Any, R_co]: ...
+
+    def key_of(self, *args: P.args, **kwargs: P.kwargs) -> Any:
+        """The key (a tuple of keys for ``keys=``) a call with these arguments would use."""
+
+    @overload
+    def __get__(
+        self, instance: None, owner: type[Any] | None = None, /
+    ) -> QueuedFunction[P, R_co]: ...
+
+    @overload
+    def __get__(
+        self: QueuedFunction[Concatenate[T, P2], R_co],
+        instance: T,
+        owner: type[Any] | None = None,
+        /,
+    ) -> QueuedFunction[P2, R_co]: ...
+
+
+class SyncQueuedFunction(Protocol[P, R_co]):
+    """A plain ``def`` function whose calls queue by key: what ``queue_by_key`` returns for it.
+
+    Calling it blocks the calling thread until the key's turn, runs the
+    function, and returns its result (see ``KeyedQueue.run_sync``). Arguments
+    the key template cannot format raise before any wait, as for
+    :class:`QueuedFunction`.
+    """
+
+    @property
+    def queue(self) -> KeyedQueue:
+        """The queue the calls wait in."""
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R_co: ...
+
+    def key_of(self, *args: P.args, **kwargs: P.kwargs) -> Any:
+        """The key (a tuple of keys for ``keys=``) a call with these arguments would use."""
+
+    @overload
+    def __get__(
+        self, instance: None, owner: type[Any] | None = None, /
+    ) -> SyncQueuedFunction[P, R_co]: ...
+
+    @overload
+    def __get__(
+        self: SyncQueuedFunction[Concatenate[T, P2], R_co],
+        instance: T,
+        owner: type[Any] | None = None,
+        /,
+    ) -> SyncQueuedFunction[P2, R_co]: ...
+
+
+class Decorator(Protocol):
+    """What ``queue_by_key(...)`` called with settings returns: it decorates a function."""
+
+    @overload
+    def __call__(  # type: ignore[overload-overlap]  # a coroutine function is decorated
+        self, fn: Callable[P, Coroutine[Any, Any, R]], /
+    ) -> QueuedFunction[P, R]: ...
+
+    @overload
+    def __call__(self, fn: Callable[P, R], /) -> SyncQueuedFunction[P, R]: ...
 
 
 #: Every queue of this process, for a forked child to reset (see _after_fork_in_child).

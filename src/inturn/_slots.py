@@ -13,13 +13,19 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, cast, final
+from typing import Any, Protocol, cast, final
 
 from ._checks import Waited, missed, others
 from ._line import Gate, Held, Places, Waiter, wake
+from ._threads import ThreadMode
 
-if TYPE_CHECKING:
-    from ._registry import Registry
+
+class Lines(Protocol):
+    """What the slots use of their queue's lines (a Registry): its thread mode, and its
+    key -> line map, to see whether a key is busy."""
+
+    mode: ThreadMode
+    lines: dict[Hashable, Any]
 
 
 @final
@@ -32,7 +38,7 @@ class Slots(Places):
 
     __slots__ = ("registry",)
 
-    def __init__(self, size: int, registry: Registry) -> None:
+    def __init__(self, size: int, registry: Lines) -> None:
         super().__init__(size)
         self.registry = registry
 

@@ -34,7 +34,7 @@ import sys
 import weakref
 from collections.abc import AsyncGenerator, Callable, Generator, Hashable
 from time import monotonic as _monotonic
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, final
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, final
 
 from ._checks import Policy
 from ._describe import describe
@@ -52,11 +52,22 @@ if sys.version_info < (3, 11):  # pragma: no cover - depends on the interpreter
     from exceptiongroup import BaseExceptionGroup
 
 if TYPE_CHECKING:
-    from ._batch import Batch
     from ._registry import Registry
     from ._slots import Slots
 
 R = TypeVar("R")
+
+
+class Scope(Protocol):
+    """What a Handle tells its batch (a Batch, see _batch), the scope it was submitted in."""
+
+    #: Its submissions not finished yet.
+    _handles: set[Handle[Any]]
+    #: Its failed submissions nobody awaited, in the order they failed.
+    _failed: list[Handle[Any]]
+
+    def _finished(self, handle: Handle[Any], failed: bool) -> None:
+        """One of its submissions finished (failed: with an error)."""
 
 
 @final
@@ -154,7 +165,7 @@ class Handle(Deferred, Generic[R]):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         future: asyncio.Future[R],
-        batch: Batch | None,
+        batch: Scope | None,
     ) -> None:
         self._queue = queue
         self.key = key
@@ -458,7 +469,7 @@ async def submit(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    batch: Batch | None,
+    batch: Scope | None,
 ) -> Handle[Any]:
     """queue.submit() (or batch's): a failed handle nobody awaited is its batch's to raise,
     else drain()'s (see Handle._finish)."""
