@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import weakref
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Generator, Hashable, Mapping
 from contextlib import suppress
 from functools import partial
 from inspect import isawaitable
@@ -554,17 +554,11 @@ class Turn:
         try:
             if ticket is not None and not lined:
                 waited = self.keys[0]
-                clock = loop_of(holder).time if isinstance(holder, asyncio.Task) else _monotonic
-                with registry.mode.guard():
-                    latest = ticket.book.enter(ticket, holder, clock)
-                if latest is not None:
-                    answer = yield TICKET, ticket
-                    if answer is not RUN:  # (its work is not to run: see _latest)
-                        ticket.answer = answer
-                        return
-                    with registry.mode.guard():
-                        ticket.book.hold(ticket, holder)
-                    lined = True
+                answer = yield from self._waiting_on(ticket, holder)
+                if answer is not None and answer is not RUN:  # (its work is not to run)
+                    ticket.answer = answer  # type: ignore[assignment]
+                    return
+                lined = answer is RUN
                 waited = _NO_KEY
             for number, key in enumerate(self.keys):
                 if not lined and held_by(registry.lines.get(key), holder):
@@ -610,6 +604,27 @@ class Turn:
         except BaseException as error:
             yield from self._untaking(holder, taken, waited, error)
             raise
+
+    def _waiting_on(
+        self, ticket: Ticket, holder: object
+    ) -> Generator[tuple[int, Any], Any, object]:
+        """Put a conflating call's work in its key's Latest and wait on its ticket (steps).
+
+        Return RUN once holder holds the key in the Latest's place; the answer
+        its caller gets instead of running its work; or None, if it takes the
+        key as usual (a free key without debounce: see Book.enter).
+        """
+        registry = self._registry
+        clock = loop_of(holder).time if isinstance(holder, asyncio.Task) else _monotonic
+        with registry.mode.guard():
+            latest = ticket.book.enter(ticket, holder, clock)
+        if latest is None:
+            return None
+        answer = yield TICKET, ticket
+        if answer is RUN:
+            with registry.mode.guard():
+                ticket.book.hold(ticket, holder)
+        return answer
 
     def _untaking(
         self, holder: object, taken: tuple[Hashable, ...], waited: object, error: BaseException
