@@ -48,10 +48,10 @@ from ._tasks import current_task as _current_task
 from ._tasks import in_context, makes_plain_tasks, running_loop
 from ._turn import Turn, call_in_turn
 
-if sys.version_info < (3, 11):  # pragma: no cover - depends on the interpreter
-    from exceptiongroup import BaseExceptionGroup
-
 if TYPE_CHECKING:
+    if sys.version_info < (3, 11):
+        from exceptiongroup import BaseExceptionGroup
+
     from ._registry import Registry
     from ._slots import Slots
 
@@ -578,7 +578,13 @@ async def _shutdown(queues: weakref.WeakSet[Submissions]) -> AsyncGenerator[None
 
 
 def failures(message: str, errors: list[BaseException]) -> BaseExceptionGroup[BaseException]:
-    """The group that reports errors nobody awaited (an ExceptionGroup if all are Exceptions)."""
+    """The group that reports errors nobody awaited (an ExceptionGroup if all are Exceptions).
+
+    Before Python 3.11 the backport is imported here, when a group is raised, not at
+    ``import inturn``: it imports typing_extensions, which costs more than inturn itself.
+    """
+    if sys.version_info < (3, 11):  # pragma: no cover - depends on the interpreter
+        from exceptiongroup import BaseExceptionGroup
     return BaseExceptionGroup(message, errors)
 
 
