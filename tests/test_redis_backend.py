@@ -22,7 +22,7 @@ from inturn import BackendUnavailable, KeyedQueue, LeaseLost, current_turn
 from inturn.__main__ import format_lines, main
 from inturn.backends import Backend, _redis_takeover, _redis_wire
 from inturn.backends._redis_link import Call, Link
-from inturn.backends._redis_scripts import ENQUEUE
+from inturn.backends._redis_scripts import ENQUEUE, LEAVE
 from inturn.backends._redis_wire import Frames
 from inturn.backends.redis import RedisBackend
 from processes import Worker, first_to_hold
@@ -360,6 +360,37 @@ async def test_every_key_of_a_line_carries_a_ttl(
         assert 0 < await client.pttl(name) <= 3 * LEASE * 1000
     gate.set()
     await asyncio.gather(holder, follower)
+
+
+@pytest.mark.parametrize("marked", [True, False], ids=["marked", "unmarked"])
+async def test_a_leave_that_overtakes_its_enqueue_leaves_no_member(
+    make_backend: BackendFactory,
+    client: aioredis.Redis,
+    redis_url: str,
+    namespace: str,
+    marked: bool,
+) -> None:
+    """Issue 42: a thread that gives up while its enqueue's reply is unread may send its leave
+    on another connection, and Redis may run the leave first. Marked (no answer to the
+    enqueue was read), the leave makes the enqueue a no-op when it comes; unmarked (as
+    every leave was before the fix), the enqueue makes a member that nobody renews, and it
+    holds the key for a lease (the interrupt storm's ghost, in two calls)."""
+    backend = make_backend(lease=10.0)
+    names = backend._names("k")
+    config = backend._config
+    mark = b"1" if marked else b"0"
+    leave = (5, *names, "m/1", config.ttl_ms, config.channels)
+    assert await client.eval(LEAVE.body, *leave, mark) == 0  # first: in neither place
+    enqueue = ("m/1", config.lease_ms, config.ttl_ms, config.channels, b"host 1 0", b"s:k")
+    reply = await client.eval(ENQUEUE.body, 5, *names, *enqueue)
+    if marked:
+        assert reply == [2, 0]  # it left before it came: nothing is held, nothing waits
+        assert await backend.lines() == []
+        assert await keys_left(redis_url, namespace) == []  # (the mark went with it)
+    else:
+        assert reply[0] == 1  # the ghost: it holds the key, and nobody renews it
+        assert [line.holder is not None for line in await backend.lines()] == [True]
+        assert await client.eval(LEAVE.body, *leave, b"0") == 1
 
 
 async def test_keys_other_than_str_bytes_int_are_refused(make_backend: BackendFactory) -> None:

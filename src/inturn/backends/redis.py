@@ -19,7 +19,9 @@ so every script touches one slot and runs on a cluster:
 - ``inturn:{ns:d}:q``, a sorted set of the waiters by arrival;
 - ``inturn:{ns:d}:lease``, a sorted set of every member's lease expiry
   (holder and waiters), by Redis's own clock;
-- ``inturn:{ns:d}:info``, a hash: each member's host, pid and arrival time.
+- ``inturn:{ns:d}:info``, a hash: each member's host, pid and arrival time;
+- ``inturn:{ns:d}:gone``, a sorted set, rarely there: the members that gave
+  up before Redis answered their joining, by when the mark expires.
 
 Every change is one Lua script (``_redis_scripts``), loaded once and called
 by SHA: *enqueue* (join the line, take the key if free), *leave* (release,
@@ -27,7 +29,12 @@ or give up waiting) and *renew* (extend a lease). Each first drops members
 whose lease expired, and each grants a free key to the head of the line,
 with a token one above the last (or Redis's clock in microseconds when a
 line starts anew), then publishes the grant on the new holder's channel.
-When a line empties, its keys are deleted; all four carry a TTL besides.
+When a line empties, its keys are deleted; all five carry a TTL besides.
+A waiter that gives up before Redis answered its joining (a timeout, an
+interrupt) may send its leave on another connection than its enqueue, and
+Redis may run the leave first: the leave, finding it in neither place,
+marks it gone, and the enqueue, when it comes, does nothing. So a leave
+never leaves a member behind, whatever the order the two arrive in.
 
 Who talks to Redis. Each process, and in it each event loop that uses the
 backend, has a *share* (``_redis_loop``) of its own: an id (so its own
@@ -77,7 +84,8 @@ except ImportError as error:  # pragma: no cover - depends on the install
 
 from ._redis_calls import Config
 from ._redis_errors import UNREACHABLE, describe
-from ._redis_loop import LoopShare, RedisGrant, owner
+from ._redis_loop import LoopShare
+from ._redis_steps import RedisGrant, owner
 from ._redis_threads import Blocking, sync_connector
 from ._urls import refused_redis_url
 
@@ -280,10 +288,10 @@ class RedisBackend:
         """
         return order_portable(keys)
 
-    def _names(self, key: Hashable) -> tuple[str, str, str, str]:
+    def _names(self, key: Hashable) -> tuple[str, ...]:
         digest = hashlib.sha256(portable_name(key)).hexdigest()[:40]
         prefix = f"inturn:{{{self._namespace}:{digest}}}:"
-        return prefix + "line", prefix + "q", prefix + "lease", prefix + "info"
+        return tuple(prefix + part for part in _PARTS)
 
     # -- loop shares ----------------------------------------------------------------------
 
@@ -407,7 +415,7 @@ class RedisBackend:
         """The share that granted grant, which this backend made."""
         if isinstance(grant, RedisGrant):
             share = owner(grant)
-            if share.config is self._config:
+            if isinstance(share, LoopShare) and share.config is self._config:
                 return share
         raise TypeError(f"inturn: {self!r} cannot release {show(grant)}, which it did not grant")
 
@@ -491,7 +499,7 @@ class RedisBackend:
         """The line whose ``line`` key is name, as LineInfo; None if it emptied meanwhile."""
         prefix = _text(name)[: -len("line")]
         now_text, line_flat, waiting, lease_flat, info_flat = await share.calls.look(
-            [prefix + part for part in ("line", "q", "lease", "info")]
+            [prefix + part for part in _PARTS[:4]]
         )
         if not line_flat:
             return None  # emptied meanwhile
@@ -521,6 +529,9 @@ class RedisBackend:
         return f"RedisBackend({_where(self._client)!r}, namespace={self._namespace!r})"
 
 
+#: The Redis keys of a line, after its prefix (see the module's docstring), as the scripts
+#: take them (the first four: LOOK's).
+_PARTS: Final = ("line", "q", "lease", "info", "gone")
 #: A SCAN pattern for the 40 hex digits of a key's digest.
 _DIGEST: Final = "[0-9a-f]" * 40
 
