@@ -456,6 +456,10 @@ def test_bad_settings_are_refused_at_construction(redis_url: str) -> None:
         ("postgresql://me:secret@db/0", "'postgresql' is not a Redis URL's scheme"),
         ("redis://localhost:port/0", "cannot read the Redis URL"),
         ("redis://me:secret@db:99999/0", "cannot read the Redis URL"),
+        # (issue 42: redis-py reads these as localhost, silently)
+        ("redis:/db.example:6379/0", "'redis:' must be followed by two slashes"),
+        ("rediss:me:secret@db.example", "'rediss:' must be followed by two slashes"),
+        ("REDIS:db.example", "'REDIS:' must be followed by two slashes"),
     ],
 )
 def test_a_wrong_url_is_refused_with_how_to_write_it(url: str, said: str) -> None:

@@ -356,7 +356,7 @@ def test_a_storm_of_interrupts_leaves_nothing_held_or_waiting(
         contender.join(PATIENCE)
         assert report[:1] == ["stormed"], f"the storm ended: {said.read_text()[-2000:]}"
         taken, interrupted = int(report[1]), int(report[2])
-        print(f"storm: {report}, rival: {rivals[0]} turns")  # noqa: T201 - (shown with -s)
+        print(f"storm: {report}, rival: {rivals[0]} turns")  # (shown with -s)
         assert taken + interrupted == count, f"the storm took {taken}+{interrupted} turns"
         assert failures == [], f"a rival's turn failed after {rivals[0]} turns: {failures}"
         assert asyncio.run(rival.backend.lines()) == []  # type: ignore[union-attr]

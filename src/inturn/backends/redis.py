@@ -87,7 +87,7 @@ from ._redis_errors import UNREACHABLE, describe
 from ._redis_loop import LoopShare
 from ._redis_steps import RedisGrant, owner
 from ._redis_threads import Blocking, sync_connector
-from ._urls import refused_redis_url
+from ._urls import refused_redis_url, slashless_redis_url
 
 __all__ = ("HolderInfo", "LineInfo", "RedisBackend", "RedisGrant", "WaiterInfo")
 
@@ -259,11 +259,15 @@ class RedisBackend:
 
         :raises TypeError: url is not a ``str``.
         :raises ValueError: redis-py cannot read url (no scheme, another
-            scheme, a port that is not a number, ...): the message says what
-            is wrong and how a right URL looks, without the password.
+            scheme, a port that is not a number, ...), or would read no host
+            in it (``redis:/host``, one slash: redis-py would connect to
+            localhost): the message says what is wrong and how a right URL
+            looks, without the password.
         """
         if not isinstance(url, str):
             raise TypeError(f"inturn: a Redis URL must be a str, got {show(url)}")
+        if (slashless := slashless_redis_url(url)) is not None:
+            raise slashless
         try:
             client = aioredis.Redis.from_url(url, **options)
         except ValueError as error:
