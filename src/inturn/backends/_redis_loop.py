@@ -213,7 +213,9 @@ class LoopShare:
 
         For a loop closed without ``shutdown_asyncgens()``, or left behind by
         a thread that ended. Its members lose their places when their leases
-        run out (nothing renews them).
+        run out (nothing renews them). In a forked child, for its copy of its
+        parent's share: only the child's copies of the sockets close (the
+        parent's connections go on), and the parent's members are untouched.
         """
         self.closing = True
         self.ready = False

@@ -95,8 +95,8 @@ _NAMESPACE = re.compile(r"[A-Za-z0-9_.:\-]{1,100}")
 
 #: Every backend of this process, so that a forked child can give each a fresh start.
 _BACKENDS: weakref.WeakSet[RedisBackend] = weakref.WeakSet()
-#: Loop shares a forked child inherited: their connections are the parent's, never
-#: to be touched (nor closed: their loop is the parent's), so they are kept here.
+#: Loop shares a forked child inherited: their connections are the parent's, never to
+#: be used (the child closes its copies of their sockets: see _forked), kept here.
 _INHERITED: list[object] = []
 
 
@@ -341,8 +341,16 @@ class RedisBackend:
         return None
 
     def _forked(self) -> None:
-        """In a forked child: forget the parent's shares; the next call starts afresh."""
+        """In a forked child: forget the parent's shares; the next call starts afresh.
+
+        The child's copies of their sockets are closed (their descriptors
+        only: the parent's connections go on), so that Redis sees the
+        parent's connections end when the parent closes them, not when its
+        last child exits.
+        """
         _INHERITED.append(self._shares)
+        for share in self._shares.values():
+            share.abandon()  # (the child never runs their loops)
         self._shares = {}
         self._threads_share = None
         if self._threads is not None:
