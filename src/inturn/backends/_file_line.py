@@ -30,7 +30,7 @@ from ._directory import Directory
 from ._file_deaths import died
 from ._file_fds import OPEN_TIDY, close_tracked, line_in_place_of, open_tracked, opened
 from ._file_locks import flock_now, flock_soon, lock, lock_blocking
-from ._file_tidy import tidy_again, unlink, unlinked, withdraw
+from ._file_tidy import retry_soon, tidy_again, unlink, unlinked, withdraw
 from ._linefile import (
     joined,
     joining,
@@ -228,7 +228,8 @@ def _give_up(place: Place, key: Hashable) -> None:
     _quit(fd)
     line_fd = line_in_place_of(fd, where, digest)
     unlink(where.fd, pipe_name(digest, ticket))
-    tidy_again(where, digest, ticket, key, held=False, line_fd=line_fd)
+    if tidy_again(where, digest, ticket, key, held=False, line_fd=line_fd):
+        retry_soon(where, digest, ticket, key)  # (a tidier that saw it in line holds the lock)
 
 
 def _join(
