@@ -160,26 +160,25 @@ class Connections:
         kept between turns; None if either is not there now (then taking() waits for a
         slot, or connects and readies)."""
         loop = loop_here()
-        place: LoopPlace | ThreadPlace
-        if loop is None:
-            place = self._threads or self._thread_place()
-            if not place.slots(tier).take(0):
-                return None
-        else:
-            place = self._places.get(loop) or self._place(loop)
-            if not place.slots(tier).try_take():
-                return None
-        try:
-            kept = place.take_idle()
-        except BaseException:  # (a signal handler's, in the check of a kept connection)
-            place.release(tier)
-            raise
-        if kept is None:
-            place.release(tier)
-            return None
         lease = Lease(tier)
-        lease.place = place
-        lease.connection, lease.ready = kept
+        try:
+            place: LoopPlace | ThreadPlace
+            if loop is None:
+                place = self._threads or self._thread_place()
+                if not place.slots(tier).take(0):
+                    return None
+            else:
+                place = self._places.get(loop) or self._place(loop)
+                if not place.slots(tier).try_take():
+                    return None
+            lease.place = place
+            place.take_idle(lease)
+        except BaseException:  # (a signal handler's: what the lease has, it gives back)
+            lease.abandon()
+            raise
+        if lease.connection is None:
+            lease.abandon()
+            return None
         if isinstance(place, LoopPlace):
             place.active.add(lease.connection)
         return lease
