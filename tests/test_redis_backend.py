@@ -376,7 +376,7 @@ async def test_a_leave_that_overtakes_its_enqueue_leaves_no_member(
     every leave was before the fix), the enqueue makes a member that nobody renews, and it
     holds the key for a lease (the interrupt storm's ghost, in two calls)."""
     backend = make_backend(lease=10.0)
-    names = backend._names("k")
+    names = backend._line_for("k").names
     config = backend._config
     mark = b"1" if marked else b"0"
     leave = (5, *names, "m/1", config.ttl_ms, config.channels)

@@ -99,7 +99,7 @@ class Calls:
 
     def pack(self, names: Sequence[str]) -> bytes:
         """A line's key names as a script call's keys, packed for the Link (b"" on a cluster)."""
-        return b"" if self.link is None else b"".join(bulk(name.encode()) for name in names)
+        return b"" if self.link is None else b"".join([bulk(name.encode()) for name in names])
 
     def enqueue(self, member: Member, member_id: str) -> Call:
         """Call the enqueue script for member: join its line, or take the key if free."""
@@ -113,13 +113,7 @@ class Calls:
     def enqueue_rest(self, member: Member, member_id: str) -> bytes:
         """The enqueue's keys and arguments, packed (for a Link, or a thread's own connection)."""
         info = f"{self._info} {int(time.time() * 1000)}".encode()
-        return (
-            member.packed
-            + bulk(member_id.encode())
-            + self._tails[0]
-            + bulk(info)
-            + bulk(portable_name(member.key))
-        )
+        return member.packed + bulk(member_id.encode()) + self._tails[0] + bulk(info) + member.given
 
     def leave(self, member: Member, member_id: str, marked: bool = False) -> Call:
         """Call the leave script for member (after the share's earlier calls, on a Link).

@@ -22,7 +22,7 @@ import itertools
 import os
 import secrets
 import threading
-from collections.abc import AsyncGenerator, Callable, Hashable, Sequence
+from collections.abc import AsyncGenerator, Callable, Hashable
 from typing import Any, Final
 
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -34,6 +34,7 @@ from ._redis_calls import Calls, Config
 from ._redis_errors import refused, unavailable
 from ._redis_inbox import Inbox
 from ._redis_lease import Leases, Member
+from ._redis_scripts import Line
 from ._redis_steps import (
     ENQUEUE,
     GRANT,
@@ -271,9 +272,7 @@ class LoopShare:
 
     # -- taking and giving back turns ------------------------------------------------
 
-    async def acquire(
-        self, key: Hashable, names: Sequence[str], timeout: float | None
-    ) -> RedisGrant:
+    async def acquire(self, key: Hashable, line: Line, timeout: float | None) -> RedisGrant:
         """Join key's line in Redis; return once this share holds the key.
 
         ``timeout`` covers connecting, joining and waiting, with two floors,
@@ -299,7 +298,7 @@ class LoopShare:
         else:
             self.leases.run()  # (again, if it ended)
         waiting = self.loop.create_future()
-        return await drive(self, taking(self, key, names, timeout, began, waiting))
+        return await drive(self, taking(self, key, line, timeout, began, waiting))
 
     def release(self, grant: RedisGrant) -> asyncio.Future[None]:
         """End grant's turn: Redis hands the key to the next in line and wakes it.
@@ -386,10 +385,14 @@ async def drive(share: LoopShare, steps: Steps[T]) -> T:
         try:
             if verb == ENQUEUE:
                 call = share.calls.enqueue(op[1], op[2])
-                reply = await _by(share, call.future, op[3], silent=True)
+                if op[3] is None and share.calls.link is not None:  # (no timer: most turns)
+                    reply = await call.future
+                else:
+                    reply = await _by(share, call.future, op[3], silent=True)
                 answer = None if reply is None else (call.sent or now(), reply)
             elif verb == GRANT:
-                answer = await _by(share, op[1].waiting, op[2])
+                waiting = op[1].waiting
+                answer = await (waiting if op[2] is None else _by(share, waiting, op[2]))
             elif verb == LEAVE:
                 answer = await share.calls.leave(op[1], op[2]).future
             else:

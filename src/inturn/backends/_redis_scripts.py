@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Final
+from collections.abc import Hashable
+from typing import Final, final
 
+from .._order import portable_name
 from ._resp import bulk
 
 # KEYS: line, q, lease, info, gone. Shared by every script: the clock, dropping
@@ -225,6 +227,29 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 return {tostring(now), redis.call('HGETALL', KEYS[1]), redis.call('ZRANGE', KEYS[2], 0, -1),
         redis.call('ZRANGE', KEYS[3], 0, -1, 'WITHSCORES'), redis.call('HGETALL', KEYS[4])}
 """
+
+
+@final
+class Line:
+    """One key's line in Redis: the names of its keys (KEYS, in the scripts' order), and
+    what every call on it repeats, packed: the keys, and the key as given (the enqueue's
+    last argument)."""
+
+    __slots__ = ("given", "names", "packed")
+
+    def __init__(self, namespace: str, key: Hashable) -> None:
+        name = portable_name(key)
+        digest = hashlib.sha256(name).hexdigest()[:40]
+        prefix = f"inturn:{{{namespace}:{digest}}}:"
+        #: line, q, lease, info, gone: one hash slot (the hash tag), so a cluster takes them.
+        self.names = tuple(prefix + part for part in ("line", "q", "lease", "info", "gone"))
+        #: The names as a script call's keys (on one server's connection; a cluster's client
+        #: packs them itself).
+        self.packed = b"".join([bulk(name.encode()) for name in self.names])
+        self.given = bulk(name)
+
+    def __repr__(self) -> str:
+        return f"<Line {self.names[0][: -len('line')]}>"
 
 
 class Script:

@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import time
 import typing
-from collections.abc import Generator, Hashable, Iterator, Sequence
+from collections.abc import Generator, Hashable, Iterator
 from typing import Any, Final, Protocol
 
 from redis.exceptions import ResponseError
@@ -48,9 +48,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from .._checks import Waited, missed
 from .._describe import describe as show
 from .._errors import BackendUnavailable
-from ._redis_calls import Calls, Config
+from ._redis_calls import Config
 from ._redis_errors import UNREACHABLE, demoted, describe, unavailable
 from ._redis_lease import Leases, Member, Waiting
+from ._redis_scripts import Line
 
 #: What this backend logs: only what is rare (here: a release Redis did not take), never a
 #: turn that went as it should.
@@ -81,10 +82,6 @@ class Share(Protocol):
     @property
     def config(self) -> Config:
         """The backend's settings: the lease."""
-
-    @property
-    def calls(self) -> Calls:
-        """Its calls (the names of a line's keys, packed for them)."""
 
     @property
     def leases(self) -> Leases:
@@ -144,12 +141,12 @@ def owner(grant: RedisGrant) -> Share:
 def taking(
     share: Share,
     key: Hashable,
-    names: Sequence[str],
+    line: Line,
     timeout: float | None,
     began: float,
     waiting: Waiting,
 ) -> Steps[RedisGrant]:
-    """Take key's turn (names: its line's Redis keys): join the line, wait for the grant.
+    """Take key's turn (line: its line in Redis): join the line, wait for the grant.
 
     ``began``: when the call began (a share's start may have come since);
     ``waiting``: what the grant is handed to (a task's Future, a thread's
@@ -168,7 +165,7 @@ def taking(
     lease = share.config.lease
     deadline, late = bounds(lease, timeout, began, now())
     member_id = f"{share.id}/{next(share.counter)}"
-    member = Member(key, names, share.calls.pack(names), waiting)
+    member = Member(key, line, waiting)
     try:
         share.leases.members[member_id] = member  # (renewed by the heartbeat once joined)
         answer = yield (ENQUEUE, member, member_id, late)

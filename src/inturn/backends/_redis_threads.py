@@ -24,7 +24,7 @@ import contextlib
 import functools
 import inspect
 import threading
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -38,12 +38,12 @@ from ._redis_errors import demoted
 from ._redis_lease import Member
 from ._redis_loop import LoopShare
 from ._redis_scripts import ENQUEUE as ENQUEUE_SCRIPT
-from ._redis_scripts import HEADS, SCRIPTS, Script
+from ._redis_scripts import HEADS, SCRIPTS, Line, Script
 from ._redis_scripts import LEAVE as LEAVE_SCRIPT
 from ._redis_steps import (
     ENQUEUE,
     GRANT,
-    QUIT,
+    LEAVE,
     UNCONNECTED,
     RedisGrant,
     Steps,
@@ -201,10 +201,10 @@ class Blocking:
         self._closed = False
 
     def acquire(
-        self, share: LoopShare, key: Hashable, names: Sequence[str], timeout: float | None
+        self, share: LoopShare, key: Hashable, line: Line, timeout: float | None
     ) -> RedisGrant:
         """As ``LoopShare.acquire``, blocking this thread; share has started."""
-        return self._driven(share, taking(share, key, names, timeout, now(), Answer()))
+        return self._driven(share, taking(share, key, line, timeout, now(), Answer()))
 
     def release(self, share: LoopShare, grant: RedisGrant) -> None:
         """As ``LoopShare.release``, returning once Redis answered (or failed, logged)."""
@@ -228,6 +228,7 @@ class Blocking:
         it, is thrown in at that op.
         """
         answer: Any = None
+        lease = share.config.lease
         while True:
             try:
                 op = steps.send(answer) if error is None else steps.throw(error)
@@ -237,38 +238,28 @@ class Blocking:
             answer = error = None
             try:
                 verb = op[0]
-                if verb == GRANT:
+                if verb == ENQUEUE:  # (sent, reply); None: no reply by late; or UNCONNECTED
+                    late = op[3]
+                    answer = pooled = self._take(share, late, lease)
+                    if type(pooled) is _Pooled:
+                        run.using = pooled
+                        rest = share.calls.enqueue_rest(op[1], op[2])
+                        sent = now()
+                        reply = self._call(pooled, ENQUEUE_SCRIPT, rest, late, run)
+                        answer = None if reply is _LATE else (sent, reply)
+                elif verb == GRANT:
                     answer = _granted(op[1].waiting, op[2])
-                elif verb == QUIT:
-                    self._quit(share, op[1], op[2], op[3], run)
-                elif verb == ENQUEUE:
-                    answer = self._enqueue(share, op[1], op[2], op[3], run)
+                elif verb == LEAVE:  # the leave script's status (a release)
+                    pooled = self._take(share, None, lease)
+                    if type(pooled) is not _Pooled:
+                        raise RedisTimeoutError(f"no connection within {lease:g} s (the lease)")  # noqa: TRY301 - thrown in below
+                    run.using = pooled
+                    rest = share.calls.leave_rest(op[1], op[2])
+                    answer = self._call(pooled, LEAVE_SCRIPT, rest, None, run)
                 else:
-                    answer = self._leave(share, op[1], op[2], run)
+                    self._quit(share, op[1], op[2], op[3], run)
             except BaseException as problem:  # thrown in
                 error = problem
-
-    def _enqueue(
-        self, share: LoopShare, member: Member, member_id: str, late: float | None, run: _Run
-    ) -> Any:
-        """ENQUEUE: (sent, reply), or None (no reply by late), or UNCONNECTED."""
-        pooled = self._take(share, late, share.config.lease)
-        if not isinstance(pooled, _Pooled):
-            return pooled
-        run.using = pooled
-        rest = share.calls.enqueue_rest(member, member_id)
-        sent = now()
-        reply = self._call(pooled, ENQUEUE_SCRIPT, rest, late, run)
-        return None if reply is _LATE else (sent, reply)
-
-    def _leave(self, share: LoopShare, member: Member, member_id: str, run: _Run) -> Any:
-        """LEAVE: the leave script's status (a release)."""
-        pooled = self._take(share, None, share.config.lease)
-        if not isinstance(pooled, _Pooled):
-            raise RedisTimeoutError(f"no connection within {share.config.lease:g} s (the lease)")
-        run.using = pooled
-        rest = share.calls.leave_rest(member, member_id)
-        return self._call(pooled, LEAVE_SCRIPT, rest, None, run)
 
     def _call(
         self, pooled: _Pooled, script: Script, rest: bytes, late: float | None, run: _Run
@@ -367,7 +358,7 @@ class Blocking:
                     if not self._grow(share.loop, until, lease):
                         return UNCONNECTED
                     continue
-                settled = _settled(pooled, until)
+                settled = _settled(pooled, until) if pooled.owed else True
                 if settled is None:
                     aside.append(pooled)
                     continue

@@ -58,7 +58,6 @@ process's backend loop, which keeps its subscription and heartbeat.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import re
 import socket
@@ -85,6 +84,7 @@ except ImportError as error:  # pragma: no cover - depends on the install
 from ._redis_calls import Config
 from ._redis_errors import UNREACHABLE, describe
 from ._redis_loop import LoopShare
+from ._redis_scripts import Line
 from ._redis_steps import RedisGrant, owner
 from ._redis_threads import Blocking, sync_connector
 from ._urls import refused_redis_url, slashless_redis_url
@@ -187,6 +187,7 @@ class RedisBackend:
         "_client",
         "_config",
         "_current",
+        "_lines",
         "_lock",
         "_namespace",
         "_owns_client",
@@ -218,6 +219,7 @@ class RedisBackend:
             )
         self._client = client
         self._namespace = namespace
+        self._lines: dict[tuple[type, Hashable], Line] = {}  # see _line_for
         self._owns_client = owns_client
         single = isinstance(client, aioredis.Redis)
         self._config = Config(
@@ -292,10 +294,20 @@ class RedisBackend:
         """
         return order_portable(keys)
 
-    def _names(self, key: Hashable) -> tuple[str, ...]:
-        digest = hashlib.sha256(portable_name(key)).hexdigest()[:40]
-        prefix = f"inturn:{{{self._namespace}:{digest}}}:"
-        return tuple(prefix + part for part in _PARTS)
+    def _line_for(self, key: Hashable) -> Line:
+        """key's line in Redis (its keys' names, packed), kept for the keys used last.
+
+        A digest and five names packed cost a turn more than the rest of its
+        own work here; the last _LINES_KEPT keys' are kept (then forgotten
+        at once, and made again as they are used).
+        """
+        kept = self._lines.get((type(key), key))  # (1 and True name one line; 1.0 none)
+        if kept is None:
+            kept = Line(self._namespace, key)
+            if len(self._lines) >= _LINES_KEPT:
+                self._lines.clear()
+            self._lines[(type(key), key)] = kept
+        return kept
 
     # -- loop shares ----------------------------------------------------------------------
 
@@ -411,7 +423,7 @@ class RedisBackend:
             refused (a missing permission, out of memory, wrong credentials),
             or lost the place; the turn was not taken.
         """
-        return await self._session().acquire(key, self._names(key), timeout)
+        return await self._session().acquire(key, self._line_for(key), timeout)
 
     def release(self, grant: Grant) -> asyncio.Future[None]:
         """End grant's turn: Redis hands the key to the next in line and wakes it.
@@ -454,7 +466,7 @@ class RedisBackend:
             if share is None or share.closing:  # (a forked child resets it: see _forked)
                 share = self._threads_share = self._share_on(backend_loop())
             if share.ready:
-                return threads.acquire(share, key, self._names(key), timeout)
+                return threads.acquire(share, key, self._line_for(key), timeout)
         # (its first: the share starts there)
         return acquire_there(self, self, key, timeout)  # type: ignore[return-value]
 
@@ -511,7 +523,7 @@ class RedisBackend:
         """The line whose ``line`` key is name, as LineInfo; None if it emptied meanwhile."""
         prefix = _text(name)[: -len("line")]
         now_text, line_flat, waiting, lease_flat, info_flat = await share.calls.look(
-            [prefix + part for part in _PARTS[:4]]
+            [prefix + part for part in _PARTS]
         )
         if not line_flat:
             return None  # emptied meanwhile
@@ -541,9 +553,11 @@ class RedisBackend:
         return f"RedisBackend({_where(self._client)!r}, namespace={self._namespace!r})"
 
 
-#: The Redis keys of a line, after its prefix (see the module's docstring), as the scripts
-#: take them (the first four: LOOK's).
-_PARTS: Final = ("line", "q", "lease", "info", "gone")
+#: The Redis keys of a line that LOOK reads, after its prefix (see _names, and the module's
+#: docstring).
+_PARTS: Final = ("line", "q", "lease", "info")
+#: Lines whose Redis keys a backend keeps named and packed (see RedisBackend._line_for).
+_LINES_KEPT: Final = 1024
 #: A SCAN pattern for the 40 hex digits of a key's digest.
 _DIGEST: Final = "[0-9a-f]" * 40
 
