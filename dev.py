@@ -63,6 +63,7 @@ SCREENSHOTS = (
     ("api", "reference/inturn/", (1280, 900)),
     ("operations", "operations/", (1280, 900)),
     ("backends", "backends/", (1280, 900)),
+    ("performance", "performance/", (1280, 900)),
 )
 #: Headless Chromium under the names Debian and others give it, the lightest first.
 BROWSERS = ("chromium-headless-shell", "chromium", "chromium-browser", "google-chrome")

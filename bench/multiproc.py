@@ -1,7 +1,8 @@
 """Locks shared between processes, on one contended key, side by side.
 
     python -m bench.multiproc [--repeats 3] [--quick] [--only file|redis|postgres|sync|...]
-                              [--before REF] [--json out.json]
+                              [--scenarios f1,r1,...] [--before REF] [--json out.json]
+                              [--plot out.png] [--from-json out.json]
 
 Each run starts one contender's worker processes (bench/mp_worker.py), each
 in a fresh interpreter; once all are set up they are released together and
@@ -79,6 +80,7 @@ from .contenders import extract_version
 from .mp_contenders import CONTENDERS, DEFAULT, VERSIONED, contender
 from .mp_metrics import METRICS, measure_run
 from .mp_pg import postgres_server
+from .mp_plot import loaded, plot
 from .mp_servers import redis_server
 from .mp_worker import UNAVAILABLE, read_counter
 from .targets import check, ratio
@@ -274,6 +276,8 @@ class Settings:
     kinds: list[str] = field(default_factory=lambda: list(KINDS))
     #: A git revision whose inturn contenders run too, as ``name@REF``.
     before: str | None = None
+    #: Only these scenarios (their names: f1, r1...); None: every one of the kinds.
+    scenarios: list[str] | None = None
 
     @classmethod
     def make(cls, quick: bool, repeats: int = 3) -> Settings:
@@ -430,9 +434,12 @@ def measure(settings: Settings, log: Log) -> dict[str, Any]:
     """Run every scenario for every contender, interleaved; the medians and targets.
 
     The answer is what ``--json`` writes: ``settings``, ``runs`` (every
-    repeat's metrics), ``medians`` (scenario -> contender -> metric) and
-    ``targets``.
+    repeat's metrics), ``medians`` (scenario -> contender -> metric),
+    ``targets``, and ``load``: the machine's load average (1 minute) at the
+    start and at the end, since other jobs on a shared machine cost a FIFO
+    hand-off most (each waits for the next process to be scheduled).
     """
+    load = [_load()]
     wanted = list(settings.contenders)
     versions: dict[str, tuple[Path, str]] = {}
     if settings.before is not None:
@@ -442,7 +449,9 @@ def measure(settings: Settings, log: Log) -> dict[str, Any]:
     chosen = [
         scenario
         for scenario in SCENARIOS
-        if scenario.kind in settings.kinds and _of_kind(names, scenario.kind)
+        if scenario.kind in settings.kinds
+        and (settings.scenarios is None or scenario.name in settings.scenarios)
+        and _of_kind(names, scenario.kind)
     ]
     runs: dict[str, dict[str, list[dict[str, float]]]] = defaultdict(lambda: defaultdict(list))
     unavailable: dict[str, str] = {}  # contender -> why it was left out
@@ -476,8 +485,10 @@ def measure(settings: Settings, log: Log) -> dict[str, Any]:
         scenario: {name: _median(samples) for name, samples in by_name.items()}
         for scenario, by_name in runs.items()
     }
+    load.append(_load())
     return {
         "machine": machine(),
+        "load": load,
         "settings": asdict(settings),
         "metrics": METRICS,
         "runs": runs,
@@ -487,6 +498,14 @@ def measure(settings: Settings, log: Log) -> dict[str, Any]:
             {"target": label, "pass": ok, "value": value} for label, ok, value in targets(medians)
         ],
     }
+
+
+def _load() -> float | None:
+    """The machine's load average over the last minute, where the system tells it."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
 
 
 def _median(samples: list[dict[str, float]]) -> dict[str, float]:
@@ -633,7 +652,7 @@ def report(result: dict[str, Any]) -> str:
     """The Markdown of a measure() result: the tables, the targets, what the metrics mean."""
     settings = Settings(**result["settings"])
     lines = [
-        f"## Across processes: {result['machine']}, "
+        f"## Across processes: {result['machine']}{loaded(result)}, "
         f"{settings.workers} workers x {settings.seconds:g} s, median of {settings.repeats}\n",
         table(result["medians"], settings),
     ]
@@ -686,8 +705,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="also measure inturn's contenders as they were at this git revision",
     )
+    parser.add_argument(
+        "--scenarios",
+        metavar="NAMES",
+        default=None,
+        help="comma-separated: only these scenarios of the kinds chosen (f1, r1, p1...)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="draw each backend beside its alternatives to this PNG (bench/mp_plot.py)",
+    )
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        help="measure nothing: report (and --plot) the results a --json run wrote",
+    )
     options = parser.parse_args(argv)
+    if options.from_json is not None:
+        result = json.loads(options.from_json.read_text())
+        print(report(result))
+        if options.plot:
+            plot(result, options.plot)
+        return 0
     settings = Settings.make(options.quick, options.repeats)
     settings.before = options.before
     settings.workers = options.workers
@@ -695,6 +738,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings.kinds = list(GROUPS.get(options.only, (options.only,)))
     if options.seconds is not None:
         settings.seconds = options.seconds
+    if options.scenarios is not None:
+        settings.scenarios = [name.strip() for name in options.scenarios.split(",")]
+        known = {scenario.name for scenario in SCENARIOS}
+        if not set(settings.scenarios) <= known:
+            parser.error(f"--scenarios: of {', '.join(sorted(known))}")
     settings.contenders = [name.strip() for name in options.contenders.split(",") if name.strip()]
     unknown = [name for name in settings.contenders if name not in CONTENDERS]
     if unknown:
@@ -706,6 +754,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"multiproc: done in {time.perf_counter() - started:.0f} s")
     if options.json:
         options.json.write_text(json.dumps(result, indent=2))
+    if options.plot:
+        plot(result, options.plot)
     return 0
 
 

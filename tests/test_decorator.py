@@ -435,6 +435,54 @@ def test_a_template_naming_a_missing_parameter_is_refused_at_decoration(
             pass
 
 
+def test_a_key_function_that_cannot_take_one_argument_is_refused_at_decoration(
+    queue: KeyedQueue,
+) -> None:
+    # (at the call it failed with "<lambda>() missing 1 required positional argument:
+    # 'cents'", which reads as if the call forgot an argument)
+    with pytest.raises(TypeError) as raised:
+
+        @queue.queue_by_key(key=lambda user, cents: user)
+        async def charge(user: str, cents: int) -> None:
+            pass
+
+    message = str(raised.value)
+    assert message.startswith("inturn: the key function ")
+    assert "<lambda>() in key= of " in message
+    assert "charge() takes (user, cents), but is called with one argument" in message
+    assert "mapping of " in message
+    assert "charge()'s arguments by name (user, cents)" in message
+    assert "write it as lambda args: ... args['user'] ..." in message
+
+
+@pytest.mark.parametrize("option", ["keys=", "keys=[...]"])
+def test_a_keys_function_that_cannot_take_one_argument_is_refused_at_decoration(
+    queue: KeyedQueue, option: str
+) -> None:
+    def accounts() -> list[str]:
+        return ["a"]
+
+    keys: Any = accounts if option == "keys=" else ["acct-{src}", accounts]
+    with pytest.raises(TypeError, match=r"accounts\(\) in keys= of .*move\(\) takes \(\)"):
+
+        @queue.queue_by_key(keys=keys)
+        async def move(src: str) -> None:
+            pass
+
+
+def test_a_key_function_of_one_argument_and_defaults_is_taken(queue: KeyedQueue) -> None:
+    @queue.queue_by_key(key=lambda args, prefix="user-": f"{prefix}{args['user']}")
+    async def charge(user: str) -> None:
+        pass
+
+    @queue.queue_by_key(key=operator.itemgetter("user"))  # no signature to check: taken
+    async def refund(user: str) -> None:
+        pass
+
+    assert charge.key_of("u") == "user-u"
+    assert refund.key_of("u") == "u"
+
+
 def test_a_positional_template_field_is_refused(queue: KeyedQueue) -> None:
     for template in ("k-{}", "k-{0}"):
         with pytest.raises(ValueError, match="positional field"):

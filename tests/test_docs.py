@@ -338,3 +338,46 @@ def test_the_readmes_first_example_loses_updates_without_its_decorator(tmp_path:
     decorator = '@queue_by_key(key="stock-{product_id}")\n'
     assert decorator in example.code
     assert _run(example, tmp_path, example.code.replace(decorator, "")) == ["9"]  # as the text says
+
+
+#: Each shared backend as the README's Errors table names it.
+BACKENDS = ("Redis", "PostgreSQL", "file backend")
+
+
+@pytest.mark.parametrize("error", ["BackendUnavailable", "LeaseLost"])
+def test_the_errors_table_names_every_backend_that_raises_it(error: str) -> None:
+    rows = [
+        line
+        for line in (ROOT / "README.md").read_text().splitlines()
+        if line.startswith(f"| `inturn.{error}` |")
+    ]
+    assert len(rows) == 1, rows
+    assert [backend for backend in BACKENDS if backend not in rows[0]] == []
+
+
+#: What a reader cannot look up: an issue of the tracker, a commit's hash.
+INTERNAL = re.compile(r"\bissues? #?\d+|\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")
+
+
+@pytest.mark.parametrize(
+    "source", [s for s in SOURCES if s.name != "CHANGELOG.md"], ids=lambda s: _name(s)
+)
+def test_the_readme_and_the_pages_cite_no_issue_or_commit(source: Path) -> None:
+    found = [
+        f"{_name(source)}:{number}: {match[0]}"
+        for number, line in enumerate(source.read_text().splitlines(), 1)
+        for match in INTERNAL.finditer(line)
+    ]
+    assert found == [], "say what happened instead (bench/RESULTS.md keeps the runs)"
+
+
+def test_the_readmes_backends_example_makes_no_directory_when_imported(tmp_path: Path) -> None:
+    # The queue is made at module level, as the README says to; importing the module
+    # must not write under /var/run (as root) or fail (as anyone else).
+    text = (ROOT / "README.md").read_text()
+    after = text.splitlines().index("## Across processes and hosts") + 1
+    example = next(b for b in _blocks("README.md", text) if b.line > after)
+    assert 'FileBackend("/var/run/shop/inturn")' in example.code
+    directory = tmp_path / "run" / "shop" / "inturn"
+    _run(example, tmp_path, example.code.replace('"/var/run/shop/inturn"', repr(str(directory))))
+    assert not (tmp_path / "run").exists()

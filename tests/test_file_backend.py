@@ -495,6 +495,41 @@ def test_the_directory_is_created_owner_only(tmp_path: Path) -> None:
     assert repr(backend) == f"FileBackend({str(tmp_path / 'new' / 'lines')!r})"
 
 
+async def test_the_directory_is_made_at_the_first_turn_not_at_construction(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "new" / "lines"
+    backend = FileBackend(path)
+    queue = KeyedQueue(backend=backend)  # as a module made at import would
+    assert repr(backend) == f"FileBackend({str(path)!r})"
+    assert not (tmp_path / "new").exists()
+    async with queue.keyed("k"):
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
+    assert backend.directory == path
+
+
+@pytest.mark.parametrize("blocking", [False, True], ids=["task", "thread"])
+async def test_a_directory_that_cannot_be_made_fails_the_first_turn_naming_it_and_the_fix(
+    tmp_path: Path, blocking: bool
+) -> None:
+    (tmp_path / "file").write_text("")
+    path = tmp_path / "file" / "lines"  # under a file: never a directory
+    queue = KeyedQueue(backend=FileBackend(path))  # refused at the first turn, not here
+    ran: list[int] = []
+    turn = (
+        asyncio.to_thread(queue.run_sync, "k", ran.append, 1)
+        if blocking
+        else queue.run("k", ran.append, 1)
+    )
+    with pytest.raises(NotADirectoryError) as raised:
+        await turn
+    message = raised.value.strerror  # (str() puts "[Errno 20] " before it)
+    assert message.startswith(f"inturn: cannot create the directory {path} for lines: ")
+    assert "create it before the workers start" in message
+    assert ran == []
+    assert queue.active_count == 0
+
+
 def test_the_default_directory_is_per_user_in_the_temp_dir() -> None:
     backend = FileBackend()
     assert backend.directory.name == f"inturn-{os.geteuid()}"
@@ -508,17 +543,17 @@ def test_a_directory_of_another_user_is_refused(tmp_path: Path) -> None:
     else:
         theirs = Path("/")  # owned by root
     with pytest.raises(PermissionError, match="belongs to uid"):
-        FileBackend(theirs)
+        FileBackend(theirs).line("k")  # (made and checked at the first use)
 
 
 def test_a_symbolic_link_or_a_file_is_refused(tmp_path: Path) -> None:
     (tmp_path / "real").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "real")
     with pytest.raises(PermissionError, match="symbolic link"):
-        FileBackend(tmp_path / "link")
+        FileBackend(tmp_path / "link").line("k")  # (made and checked at the first use)
     (tmp_path / "file").write_text("")
     with pytest.raises(NotADirectoryError):
-        FileBackend(tmp_path / "file")
+        FileBackend(tmp_path / "file").line("k")  # (made and checked at the first use)
 
 
 def test_a_platform_without_posix_locks_is_refused_at_construction(

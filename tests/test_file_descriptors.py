@@ -209,6 +209,7 @@ async def test_a_lone_turn_with_no_descriptor_left_at_any_open_is_refused_and_le
     backend: FileBackend, monkeypatch: pytest.MonkeyPatch, driver: str
 ) -> None:
     queue = KeyedQueue(backend=backend)
+    backend.line("k")  # the directory's descriptor, opened at its first use: not a turn's
     before = open_fds()
     for at in itertools.count(1):
         fault = OutOfFiles(at)
@@ -232,6 +233,7 @@ async def test_a_turn_behind_another_with_no_descriptor_left_is_refused_and_leav
     backend: FileBackend, monkeypatch: pytest.MonkeyPatch, driver: str
 ) -> None:
     holders, queue = KeyedQueue(backend=backend), KeyedQueue(backend=backend)
+    backend.line("k")  # the directory's descriptor, opened at its first use: not a turn's
     before = open_fds()
     for at in itertools.count(1):
         fault = OutOfFiles(at)

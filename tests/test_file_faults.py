@@ -205,7 +205,7 @@ def test_a_directory_others_may_write_is_refused_unless_sticky(tmp_path: Path, m
     shared.mkdir()
     os.chmod(shared, mode)
     with pytest.raises(PermissionError, match="writable by others"):
-        FileBackend(shared)
+        FileBackend(shared).line("k")  # (made and checked at the first use)
 
 
 async def test_a_sticky_shared_directory_gets_an_owner_only_subdirectory(tmp_path: Path) -> None:
@@ -248,11 +248,11 @@ def test_a_squatted_subdirectory_of_a_shared_directory_is_refused(tmp_path: Path
     squatted.mkdir(mode=0o700)
     os.chown(squatted, NOBODY, NOBODY)  # made by another user, before this one came
     with pytest.raises(PermissionError, match="belongs to uid 65534"):
-        FileBackend(shared)
+        FileBackend(shared).line("k")  # (at the first use)
     squatted.rmdir()
     squatted.symlink_to(tmp_path)
     with pytest.raises(PermissionError, match="symbolic link"):
-        FileBackend(shared)
+        FileBackend(shared).line("k")  # (at the first use)
 
 
 async def test_a_symbolic_link_in_the_directory_is_never_followed(
@@ -351,6 +351,7 @@ async def test_a_removed_directory_is_made_again_on_the_next_turn(
 async def test_a_directory_replaced_by_a_link_is_refused_on_the_next_turn(
     directory: Path, backend: FileBackend, tmp_path: Path
 ) -> None:
+    await KeyedQueue(backend=backend).run("k", lambda: None)  # (the directory is made)
     shutil.rmtree(directory)
     os.mkdir(tmp_path / "elsewhere", 0o700)
     os.symlink(tmp_path / "elsewhere", directory)

@@ -221,6 +221,7 @@ def test_an_interrupt_anywhere_in_a_file_backends_taking_leaves_no_ticket(
     def trial(interrupter: Interrupter) -> str | None:
         place = tmp_path / f"lines-{interrupter.n}"
         backend, other = FileBackend(place), FileBackend(place)
+        backend.line("k"), other.line("k")  # (each opens the directory at its first use)
         release = threading.Event()
         with (
             holder(lambda: KeyedQueue(backend=other).keyed("k"), release)
@@ -278,7 +279,9 @@ def _queues(
             from inturn.backends.redis import RedisBackend
 
             return RedisBackend.from_url(url, namespace=namespace)
-        return FileBackend(place)
+        backend = FileBackend(place)
+        backend.line("k")  # (it opens the directory at its first use: not a turn's file)
+        return backend
 
     return KeyedQueue(backend=make(), **options), KeyedQueue(backend=make(), **options)
 

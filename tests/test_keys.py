@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from inturn import KeyedQueue
 from inturn._keyspec import compile_key
 from inturn._order import order_keys, order_portable, portable_key, portable_name
 
@@ -16,6 +19,36 @@ def test_order_drops_duplicates_and_is_stable() -> None:
     ordered = order_keys(keys)
     assert sorted(map(repr, ordered)) == sorted(map(repr, {"a", "b", "c", 3, (1, 2)}))
     assert order_keys(reversed(keys)) == ordered
+
+
+async def test_a_turns_keys_come_in_the_global_order_not_the_callers() -> None:
+    # One order for every caller is what keeps two holders of overlapping keys
+    # from deadlocking: turn.keys shows that order, whatever order was given.
+    queue = KeyedQueue()
+    keys = [f"acct-{n}" for n in range(20)]
+    async with queue.keyed(*keys) as forward:
+        pass
+    async with queue.keyed(*reversed(keys), keys[0]) as backward:
+        pass
+    assert forward.keys == backward.keys == order_keys(keys)
+    assert sorted(forward.keys) == sorted(keys)  # each once
+
+    def in_a_thread() -> tuple[Any, ...]:
+        with queue.keyed(*reversed(keys)) as turn:
+            return turn.keys
+
+    assert await asyncio.to_thread(in_a_thread) == forward.keys
+
+
+async def test_on_a_backend_a_turns_keys_come_in_the_order_every_process_computes(
+    tmp_path: Path,
+) -> None:
+    from inturn.backends.file import FileBackend
+
+    queue = KeyedQueue(backend=FileBackend(tmp_path / "lines"))
+    async with queue.keyed("b", 2, "a", b"a") as turn:
+        pass
+    assert turn.keys == order_portable(("a", b"a", "b", 2)) != ("b", 2, "a", b"a")
 
 
 def test_equal_keys_of_different_types_are_one_key_in_one_place() -> None:

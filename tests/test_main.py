@@ -366,3 +366,15 @@ def test_inspect_of_an_empty_namespace_names_those_with_lines(
     assert repr(namespace) in text
     assert namespace in report["namespaces_with_lines"]
     assert report["lines"] == []
+
+
+def test_the_operations_page_has_a_row_for_every_inspect_option(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["inspect", "--help"])
+    options = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", capsys.readouterr().out)) - {"--help"}
+    assert {"--redis", "--postgres", "--dir", "--namespace"} <= options  # (read as meant)
+    page = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    rows = set(re.findall(r"^\| `(--[a-z-]+)", page, re.MULTILINE))
+    assert rows == options

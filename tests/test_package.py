@@ -49,13 +49,36 @@ def test_an_exported_error_is_named_by_its_public_path_and_pickles(
 
 
 def test_importing_inturn_reads_no_package_metadata() -> None:
-    """``__version__`` is read when asked for, not at every ``import inturn``.
-
-    (Not "importlib.metadata is not imported": wrapt 2 imports it itself.)
-    """
+    """``__version__`` is read when asked for, not at every ``import inturn``."""
     code = "import inturn; print('__version__' in vars(inturn))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+#: What ``import inturn`` must not import: wrapt (at the first decoration instead), whose
+#: import pulls importlib.metadata and, through it, email, zipfile and csv; and
+#: typing_extensions (typing has what the running code needs). Together they cost more
+#: than the rest of ``import inturn``.
+HEAVY = ("wrapt", "importlib.metadata", "email", "zipfile", "csv", "typing_extensions")
+
+
+def _imported(code: str) -> list[str]:
+    """Which of HEAVY a fresh interpreter has imported after running code."""
+    check = f"{code}\nimport sys\nprint(*[m for m in {HEAVY!r} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True)
+    return out.stdout.split()
+
+
+def test_importing_inturn_imports_none_of_the_heavy_modules() -> None:
+    # (Not a timing, which a loaded machine makes noise of: what is imported.)
+    assert _imported("import inturn") == []
+    assert _imported("import inturn, inturn.backends") == []
+
+
+def test_the_first_decoration_imports_wrapt() -> None:
+    # (else the check above would pass for a decorator that no longer works)
+    code = "import inturn\n@inturn.queue_by_key\ndef f(): pass"
+    assert "wrapt" in _imported(code)
 
 
 def test_the_version_is_the_installed_distribution_s() -> None:
@@ -80,3 +103,41 @@ def test_the_sdist_ships_every_package_of_the_tree_that_the_tests_import() -> No
             elif isinstance(node, ast.Import):
                 imported.update(alias.name.partition(".")[0] for alias in node.names)
     assert sorted((imported & packages) - shipped) == []
+
+
+def test_the_sdist_ships_every_file_of_the_tree_that_the_tests_read() -> None:
+    """A test that reads ``docs/`` (say) fails in an sdist without it.
+
+    Counted: each name of the tree's top level that a test names in a string
+    (``ROOT / "docs"``); hatch ships ``pyproject.toml`` itself.
+    """
+    tomllib = pytest.importorskip("tomllib")  # (Python 3.11+)
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    shipped = config["tool"]["hatch"]["build"]["targets"]["sdist"]["include"]
+    top = {path.name for path in ROOT.iterdir()}
+    named: set[str] = set()
+    for test in (ROOT / "tests").rglob("*.py"):
+        for node in ast.walk(ast.parse(test.read_text(), str(test))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                named.update({node.value} & top)
+    assert {"docs", "README.md", "examples"} <= named  # (else this checks little)
+    missing = {
+        name
+        for name in named - {"pyproject.toml"}
+        if not any(entry == name or entry.startswith(f"{name}/") for entry in shipped)
+    }
+    assert sorted(missing) == []
+
+
+def test_the_snapshots_of_lines_are_imported_when_first_asked_for() -> None:
+    # (only lines() and inspect use them; their dataclasses cost the import most)
+    code = (
+        "import sys, inturn, inturn.backends as b\n"
+        "print('inturn.backends._lines' in sys.modules, 'LineInfo' in dir(b))\n"
+        "from inturn.backends import HolderInfo, LineInfo, WaiterInfo\n"
+        "from inturn.backends import _lines\n"
+        "print((HolderInfo, LineInfo, WaiterInfo) == "
+        "(_lines.HolderInfo, _lines.LineInfo, _lines.WaiterInfo))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True", "True"]

@@ -327,9 +327,9 @@ async def test_a_record_held_up_by_a_lock_on_the_table_gives_up_and_the_turn_goe
     assert "its turns go on" in record.getMessage()
 
 
-def readme_sql() -> str:
-    """The README's SQL for an owner (its one ``sql`` block), as written."""
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+def documented_sql() -> str:
+    """The Backends page's SQL for an owner (its one ``sql`` block), as written."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "backends.md").read_text()
     [block] = [part.split("```", 1)[0] for part in text.split("```sql\n")[1:]]
     assert block.count(" TO app;") == 2
     return block
@@ -373,10 +373,10 @@ async def test_a_user_who_may_not_make_the_tables_is_told_what_an_owner_runs(
             await backend.lines()
     finally:
         await backend.aclose()
-    # what the README says an owner runs, run as written: the user's keys are shown
+    # what the Backends page says an owner runs, run as written: the user's keys are shown
     async with await psycopg.AsyncConnection.connect(owner_url, autocommit=True) as owner:
         user = url.split("//", 1)[1].split("@", 1)[0]
-        await owner.execute(readme_sql().replace(" TO app;", f" TO {user};"))
+        await owner.execute(documented_sql().replace(" TO app;", f" TO {user};"))
     backend = PostgresBackend.from_url(url, namespace="shop")
     try:
         async with KeyedQueue(backend=backend).keyed("k"):

@@ -141,6 +141,33 @@ def test_infinite_timeout_means_none() -> None:
 # -- lifecycle ---------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("name", ["shop", None])
+async def test_a_closed_queue_names_itself_in_every_refusal(name: str | None) -> None:
+    queue = KeyedQueue(name=name)
+    queue.close()
+    said = (
+        "inturn: queue 'shop' is closed (by its close() or aclose()); "
+        "the work for key 'k' was not queued"
+    )
+    if name is None:
+        said = said.replace("queue 'shop'", "a queue with no name")
+        said += ". KeyedQueue(name=...) names a queue here"
+    refusals: list[str] = []
+    for refused in (
+        lambda: queue.run("k", lambda: None),
+        lambda: queue.submit("k", lambda: None),
+        lambda: asyncio.to_thread(queue.run_sync, "k", lambda: None),
+    ):
+        with pytest.raises(inturn.QueueClosed) as closed:
+            await refused()
+        refusals.append(str(closed.value))
+    with pytest.raises(inturn.QueueClosed) as closed:
+        async with queue.keyed("k"):
+            pass
+    refusals.append(str(closed.value))
+    assert refusals == [said] * 4
+
+
 async def test_a_long_line_with_many_leavers_stays_compact(queue: KeyedQueue) -> None:
     gate = asyncio.Event()
     holder = asyncio.create_task(queue.run("k", gate.wait))

@@ -1,7 +1,7 @@
-"""The Redis backend under a least-privilege ACL user: the README's ACL line, run as
+"""The Redis backend under a least-privilege ACL user: the docs' ACL line, run as
 written against a real server, and each permission it grants, taken away in turn.
 
-The README's line is read from the README itself, so the documented grant and the
+The line is read from the Backends page itself, so the documented grant and the
 tested one cannot drift apart; the backend's own list of what it calls is read from
 its scripts.
 """
@@ -28,7 +28,7 @@ from inturn.backends.redis import RedisBackend
 
 from helpers import PATIENCE
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+BACKENDS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "backends.md"
 #: A lease short enough that a held turn is renewed within a test.
 LEASE = 0.5
 #: What the backend sends itself, beside its scripts' commands: its script calls, their
@@ -40,9 +40,9 @@ OWN_CALLS = {"evalsha", "script|load", "eval", "subscribe", "ping", "scan", "inf
 NOT_AT_FIRST_TURN = {"script|load", "eval", "scan", "ping", "info"}
 
 
-def readme_acl_line() -> list[str]:
-    """The README's ``ACL SETUSER`` line, as words (there is exactly one)."""
-    lines = [ln.strip() for ln in README.read_text().splitlines() if "ACL SETUSER" in ln]
+def documented_acl_line() -> list[str]:
+    """The Backends page's ``ACL SETUSER`` line, as words (there is exactly one)."""
+    lines = [ln.strip() for ln in BACKENDS_PAGE.read_text().splitlines() if "ACL SETUSER" in ln]
     assert len(lines) == 1, lines
     return shlex.split(lines[0])
 
@@ -52,13 +52,13 @@ def granted(words: list[str]) -> set[str]:
     return {word[1:].lower() for word in words if word.startswith("+")}
 
 
-#: The README's line's grants, each taken away in a test below.
-GRANTS = sorted(granted(readme_acl_line()))
+#: The page's line's grants, each taken away in a test below.
+GRANTS = sorted(granted(documented_acl_line()))
 
 
-def test_the_readmes_acl_line_grants_what_the_backend_calls_and_nothing_more() -> None:
+def test_the_documented_acl_line_grants_what_the_backend_calls_and_nothing_more() -> None:
     called = {name.lower() for name in _redis_scripts.CALLED}
-    assert granted(readme_acl_line()) == called | OWN_CALLS
+    assert granted(documented_acl_line()) == called | OWN_CALLS
 
 
 def test_the_greeting_tries_every_command_the_scripts_call() -> None:
@@ -82,9 +82,9 @@ async def admin(redis_url: str) -> AsyncIterator[aioredis.Redis]:
 async def make_user(
     admin: aioredis.Redis, redis_url: str, namespace: str, without: str | None = None
 ) -> str:
-    """A user made with the README's ACL line for namespace (less ``+without``); its URL."""
+    """A user made with the page's ACL line for namespace (less ``+without``); its URL."""
     user, password = f"u{uuid.uuid4().hex[:10]}", uuid.uuid4().hex
-    words = readme_acl_line()
+    words = documented_acl_line()
     assert words[:3] == ["ACL", "SETUSER", "worker"]
     rules = []
     for word in words[3:]:
@@ -113,7 +113,7 @@ async def waited_for(backend: RedisBackend) -> list[Any]:
     return lines
 
 
-async def test_a_user_made_with_the_readmes_acl_line_takes_turns_and_runs_inspect(
+async def test_a_user_made_with_the_documented_acl_line_takes_turns_and_runs_inspect(
     admin: aioredis.Redis, redis_url: str, namespace: str
 ) -> None:
     url = await make_user(admin, redis_url, namespace)

@@ -448,6 +448,32 @@ async def test_a_blocking_turn_inside_a_running_loop_is_refused() -> None:
     assert queue.active_count == 0
 
 
+async def test_a_blocking_turn_inside_a_running_loop_names_its_function_and_async_def() -> None:
+    queue = KeyedQueue()
+
+    @queue.queue_by_key(key="invoice-{n}")
+    def render_invoice(n: int) -> str:
+        return "ran"
+
+    def settle() -> None:
+        pass
+
+    with pytest.raises(RuntimeError) as decorated:
+        render_invoice(7)  # (awaiting it would be the next mistake: it was called here)
+    message = str(decorated.value)
+    assert "render_invoice() is a plain def" in message
+    assert "'invoice-7'" in message
+    assert "make it an `async def` and await it" in message.lower()
+    assert "`await asyncio.to_thread(" in message
+    assert "render_invoice, ...)`" in message
+    with pytest.raises(RuntimeError, match=r"settle\(\) is a plain def.*`async def`"):
+        queue.run_sync("k", settle)
+    keyed = r"`with keyed\(...\)` turn on 'k'.*`async with"
+    with pytest.raises(RuntimeError, match=keyed), queue.keyed("k"):
+        pass
+    assert queue.active_count == 0
+
+
 async def test_the_task_holding_a_key_may_take_it_blocking() -> None:
     queue = KeyedQueue()
 

@@ -9,6 +9,8 @@ so that the section's own level becomes the page's (``### X`` under ``## S``
 becomes ``## X``). A heading the README no longer has, or a link to one of
 its anchors that the site does not map to a page, fails the build: the README
 is edited freely, and a section renamed is caught here rather than shown empty.
+A README link to a page's source (``docs/usage.md``, ``CHANGELOG.md``) becomes
+a link to that page, so the README's links work on GitHub and on the site.
 
 A line ``<!-- CHANGELOG.md -->`` is replaced by the whole changelog, its
 indented lines indented twice as far: it nests lists by 2 spaces, as GitHub
@@ -28,13 +30,14 @@ CHANGELOG = README.with_name("CHANGELOG.md")
 MARKER = re.compile(r"^<!-- README: (#+ .+?) -->$", re.MULTILINE)
 HEADING = re.compile(r"^(#+) ")
 FENCE = re.compile(r"^(```|~~~)")
-#: README anchors (its own links, ``(#deploying)``) and the site's page for each.
+#: README anchors (its own links, ``(#development)``) and the site's page for each.
 ANCHORS = {
-    "#a-fork-inside-a-turn": "backends.md#a-fork-inside-a-turn",
-    "#deploying": "deploying.md",
+    "#across-processes-and-hosts": "getting-started.md#across-processes-and-hosts",
     "#development": "getting-started.md#development",
-    "#latest-wins-conflation-and-debounce": "latest.md",
 }
+#: README links to the repository's files that the site has as pages: ``docs/x.md``
+#: is the site's ``x.md``, and the changelog its own page.
+PAGES = re.compile(r"\]\((?:docs/([^)#]+\.md)|(CHANGELOG\.md))(#[^)]*)?\)")
 
 
 def _lines_outside_fences(lines: list[str]) -> list[bool]:
@@ -83,7 +86,10 @@ def _relink(body: str, heading: str) -> str:
             )
         return f"]({ANCHORS[anchor]})"
 
-    return re.sub(r"\]\((#[^)]*)\)", replace, body)
+    def page(match: re.Match[str]) -> str:
+        return f"]({match.group(1) or 'changelog.md'}{match.group(3) or ''})"
+
+    return PAGES.sub(page, re.sub(r"\]\((#[^)]*)\)", replace, body))
 
 
 def changelog(text: str) -> str:

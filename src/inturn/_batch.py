@@ -84,7 +84,7 @@ class Batch:
             raise RuntimeError(
                 "inturn: this batch is cancelling its work after an error; nothing more is queued"
             )
-        return await submit(self._submissions, key, fn, args, kwargs, self._failed, self)
+        return await submit(self._submissions, key, fn, args, kwargs, self)
 
     def _finished(self, handle: Handle[Any], failed: bool) -> None:
         """One of the batch's submissions finished (failed: with an error)."""

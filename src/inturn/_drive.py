@@ -5,10 +5,17 @@ need, each as ``(kind, argument)``; a driver performs the wait and resumes
 them (a wait's answer is None), or throws in what interrupted it, until
 the steps end. What the steps raise goes to the driver's caller.
 
-- ``LINE, key``: wait in key's line of this process for the holder (the
-  registry); ``SLOT, keys``: wait for a running slot (max_running) for the
-  turn on keys. Both end holding the place, or raise (a TimeoutError, or
-  what interrupted the wait), having left the line.
+- ``TICKET, ticket``: a conflating call's wait on its ticket (see
+  ``_latest``): its answer (``RUN``, or the outcome it gets without running)
+  is sent into the steps. A task awaits its future; a thread blocks, and
+  ends its Latest's quiet period when it is due (a task's is ended by a
+  timer of its loop). A caller's timeout runs while its work waits, and
+  while the run it follows has not started.
+- ``LINE, (key, admitted)``: wait in key's line of this process for the
+  holder (the registry; ``admitted``: the turn goes on if the queue
+  closed, see Registry.try_take); ``SLOT, keys``: wait for a running slot
+  (max_running) for the turn on keys. Both end holding the place, or raise
+  (a TimeoutError, or what interrupted the wait), having left the line.
 - ``GRANT, (source, key, grants)``: the backend's turn on key, from the
   backend or a turn's session: the driver appends the Grant to grants
   (the steps' list) as it gets it, before anything else can run: so an
@@ -36,10 +43,12 @@ from ._bridge import acquire_sync, acquire_via, close_sync, close_via, release_s
 from ._checks import Deadline, restated
 from ._line import ThreadWaiter
 from ._tasks import retrieve
+from ._threads import surely
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable
 
+    from ._latest import Parked, Ticket
     from ._line import Waiter
     from ._registry import Registry
     from .backends._base import Backend
@@ -50,6 +59,7 @@ GRANT: Final = 2
 RELEASE: Final = 3
 CLOSE: Final = 4
 INTERRUPTED: Final = 5
+TICKET: Final = 6
 
 #: A turn's steps: they yield waits, and are sent each wait's answer.
 Steps = Generator[tuple[int, Any], Any, None]
@@ -58,11 +68,19 @@ Steps = Generator[tuple[int, Any], Any, None]
 class Place(Protocol):
     """Where a holder waits in line for a place: a key's line (the registry), or a slot."""
 
-    def join(self, key: Hashable, holder: object, waiter: Waiter, timeout: float | None) -> Any:
+    def join(
+        self,
+        key: Hashable,
+        holder: object,
+        waiter: Waiter,
+        timeout: float | None,
+        guarded: bool = False,
+        admitted: bool = False,
+    ) -> Any:
         """Put waiter in line for holder; None if holder took the place at once instead.
 
         Return the line joined (for settle and abandon). Raise if it is
-        refused (closed, full, or no time to wait).
+        refused (closed, unless ``admitted``; full; or no time to wait).
         """
 
     def settle(self, key: Hashable, line: Any, waiter: Waiter, holder: object) -> bool:
@@ -71,15 +89,18 @@ class Place(Protocol):
     def abandon(self, key: Hashable, line: Any, waiter: Waiter) -> None:
         """Take waiter out of line (passing on a place handed to it meanwhile)."""
 
+    def withdraw(self, key: Hashable, holder: object, waiter: Waiter | None) -> None:
+        """Undo a join (or settle) of waiter for holder that an exception cut short."""
+
     def too_late(self, key: Hashable, limit: float | None, queued: bool) -> TimeoutError:
         """The error of a place not reached within limit (see _checks.missed); ``queued``:
         the waiter is in line still (counted among its waiters)."""
 
 
-def _answer(steps: Steps, error: BaseException | None) -> tuple[int, Any] | None:
-    """Tell steps their last wait ended (or throw in error); their next wait, None once done."""
+def _answer(steps: Steps, error: BaseException | None, value: object) -> tuple[int, Any] | None:
+    """Send steps their last wait's answer (or throw in error); their next wait, None once done."""
     try:
-        return steps.send(None) if error is None else steps.throw(error)
+        return steps.send(value) if error is None else steps.throw(error)
     except StopIteration:
         return None
 
@@ -100,18 +121,20 @@ def line_up(
     left: float | None,
     limit: float | None,
     alone: Registry | None = None,
+    admitted: bool = False,
 ) -> Queued | None:
     """Join place's line for task, its time limit armed; None if task took the place at once.
 
     A task awaits the waiter in its own frame (a coroutine more per waiting
     task would cost it some 300 bytes), then calls seated or give_up.
     ``alone``: the registry of a turn on this key alone (no steps around
-    it), which counts the turn as missed if it is not reached.
+    it), which counts the turn as missed if it is not reached; ``admitted``:
+    see Place.join.
     """
     loop = task.get_loop()
     waiter: asyncio.Future[None] = loop.create_future()
     try:
-        line = place.join(key, task, waiter, left)
+        line = place.join(key, task, waiter, left, False, admitted)
     except BaseException as error:
         if alone is not None:
             alone.missed(error)
@@ -148,27 +171,23 @@ def _wait_in_sync(
     me: object,
     left: float | None,
     limit: float | None,
-    alone: Registry | None = None,
+    admitted: bool = False,
 ) -> None:
-    """Block thread me in place's line; return holding the place (``alone``: see line_up)."""
+    """Block thread me in place's line; return holding the place.
+
+    Interrupt-safe: wherever an exception lands, what the join did (the
+    place taken, the waiter in line or handed the place) is undone.
+    """
     waiter = ThreadWaiter()
     try:
-        line = place.join(key, me, waiter, left)
+        line = place.join(key, me, waiter, left, False, admitted)
         if line is None:
             return
-        try:
-            waiter.lock.acquire(timeout=-1 if left is None else left)
-            settled = place.settle(key, line, waiter, me)
-        except BaseException:  # interrupted: KeyboardInterrupt, or a signal handler's
-            place.abandon(key, line, waiter)  # (passes on a turn handed to it)
-            raise
-        if not settled:  # timed out (and not handed just then)
-            late = place.too_late(key, limit, True)  # (while it is in line: see Place.too_late)
-            place.abandon(key, line, waiter)
-            raise late  # noqa: TRY301 - counted below, as every miss
-    except BaseException as error:
-        if alone is not None:
-            alone.missed(error)
+        waiter.lock.acquire(timeout=-1 if left is None else left)
+        if not place.settle(key, line, waiter, me):  # timed out (and not handed just then)
+            raise place.too_late(key, limit, True)  # noqa: TRY301 - (in line still: see too_late)
+    except BaseException:
+        surely(place.withdraw, key, me, waiter)
         raise
 
 
@@ -202,8 +221,8 @@ async def wait_alone(
 
 
 def wait_alone_sync(registry: Registry, key: Hashable, me: object, timeout: float | None) -> None:
-    """wait_alone, for thread me: blocking it."""
-    _wait_in_sync(registry, key, me, timeout, timeout, registry)
+    """wait_alone, for thread me: blocking it (its caller counts a turn not reached)."""
+    _wait_in_sync(registry, key, me, timeout, timeout)
 
 
 async def _settle(release: Awaitable[None]) -> None:
@@ -242,6 +261,7 @@ async def drive(
     while True:
         kind, arg = wait
         error: BaseException | None = None
+        value: object = None
         try:
             if RELEASE <= kind <= CLOSE:  # (INTERRUPTED is a thread's: see drive_sync)
                 if kind == RELEASE:
@@ -259,7 +279,19 @@ async def drive(
                         start = clock() - (_monotonic() - since) if since else 0.0
                         deadline = Deadline(limit, clock, start)
                     left = deadline.left()
-                if kind == GRANT:
+                if kind == TICKET:
+                    future = arg.waiter
+                    timer = (
+                        None
+                        if left is None
+                        else task.get_loop().call_later(left, _late, arg, registry, limit)
+                    )
+                    try:
+                        value = await future
+                    finally:
+                        if timer is not None:
+                            timer.cancel()
+                elif kind == GRANT:
                     source, key, grants = arg
                     if via:
                         grants.append(await acquire_via(backend, source, key, left))
@@ -268,19 +300,28 @@ async def drive(
                 else:
                     place = registry if kind == LINE else registry.slots
                     assert place is not None
-                    queued = line_up(place, arg, task, left, limit)
+                    key, admitted = arg if kind == LINE else (arg, False)
+                    queued = line_up(place, key, task, left, limit, None, admitted)
                     if queued is not None:  # (awaited here: see line_up)
                         try:
                             await queued[1]
                         except BaseException as problem:
-                            give_up(place, arg, queued, problem)
+                            give_up(place, key, queued, problem)
                             raise
-                        seated(place, arg, task, queued)
+                        seated(place, key, task, queued)
         except BaseException as problem:  # thrown into the steps, which roll back
             error = restated(problem, limit)  # (a backend's miss knows only the time left)
-        if (next_wait := _answer(steps, error)) is None:
+        if (next_wait := _answer(steps, error, value)) is None:
             return
         wait = next_wait
+
+
+def _late(ticket: Ticket, registry: Registry, limit: float | None) -> None:
+    """A task's ticket whose caller's time ran out: it gives up, unless its turn came."""
+    future = ticket.waiter
+    with registry.mode.guard():
+        if ticket.book.waits(ticket) and not future.done():  # type: ignore[union-attr]
+            future.set_exception(registry.too_late(ticket.key, limit, False))  # type: ignore[union-attr]
 
 
 def drive_sync(
@@ -297,6 +338,7 @@ def drive_sync(
     while True:
         kind, arg = wait
         error: BaseException | None = None
+        value: object = None
         try:
             if kind == RELEASE:
                 release_sync(backend, *arg)
@@ -310,15 +352,44 @@ def drive_sync(
                     if deadline is None:
                         deadline = Deadline(limit, _monotonic, since)
                     left = deadline.left()
-                if kind == GRANT:
+                if kind == TICKET:
+                    value = _ticket_sync(arg, registry, deadline, limit)
+                elif kind == GRANT:
                     source, key, grants = arg
                     grants.append(acquire_sync(backend, source, key, left))  # (see GRANT)
                 else:
                     place = registry if kind == LINE else registry.slots
                     assert place is not None
-                    _wait_in_sync(place, arg, me, left, limit)
+                    key, admitted = arg if kind == LINE else (arg, False)
+                    _wait_in_sync(place, key, me, left, limit, admitted)
         except BaseException as problem:  # thrown into the steps, which roll back
             error = restated(problem, limit)  # (a backend's miss knows only the time left)
-        if (next_wait := _answer(steps, error)) is None:
+        if (next_wait := _answer(steps, error, value)) is None:
             return
         wait = next_wait
+
+
+def _ticket_sync(
+    ticket: Ticket, registry: Registry, deadline: Deadline | None, limit: float | None
+) -> object:
+    """Block until ticket is answered, ending its Latest's quiet period when it is due.
+
+    :raises TimeoutError: the caller's time ran out while it waited (see Book.waits).
+    """
+    parked: Parked = ticket.waiter  # type: ignore[assignment]
+    book = ticket.book
+    while True:
+        due = book.due(ticket)
+        until = [when for when in (deadline and deadline.at, due) if when is not None]
+        left = max(min(until) - _monotonic(), 0.0) if until else -1
+        parked.lock.acquire(timeout=left)
+        if parked.answer is not None:
+            return parked.answer
+        now = _monotonic()
+        if deadline is not None and now >= deadline.at:
+            with registry.mode.guard():
+                if parked.answer is None and book.waits(ticket):
+                    raise registry.too_late(ticket.key, limit, False)
+            deadline = None  # (its turn came: it follows a run that started)
+        elif due is not None and now >= due and ticket.latest is not None:
+            book.tick(ticket.latest)

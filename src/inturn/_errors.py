@@ -7,6 +7,10 @@ every one of them).
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
+from ._describe import cut, describe, function_name
+
 
 class InturnError(Exception):
     """Base class of every error specific to inturn."""
@@ -25,7 +29,10 @@ class QueueFull(InturnError):
 
 
 class QueueClosed(InturnError):
-    """The queue was closed; the new work was not queued and never runs."""
+    """The queue was closed; the new work was not queued and never runs.
+
+    The message names the queue by its ``name=`` (or says it has none) and the key.
+    """
 
     __module__ = "inturn"
 
@@ -80,3 +87,39 @@ class Superseded(InturnError):
     """
 
     __module__ = "inturn"
+
+
+# -- messages built in one place, raised from the modules that find the fault ---------------
+
+
+def blocking_in_loop(keys: tuple[Hashable, ...], function: object = None) -> RuntimeError:
+    """The refusal of a blocking turn taken inside a running event loop (it would freeze it).
+
+    ``function``: the plain function the turn was for (a decorated ``def``,
+    or what ``run_sync()`` was given); ``None`` for a ``with keyed(...)`` block.
+    """
+    on = cut(", ".join(map(describe, keys)))
+    if function is None:
+        return RuntimeError(
+            f"inturn: a blocking `with keyed(...)` turn on {on} was taken inside a running "
+            "event loop; waiting would freeze the loop. In an async def, use "
+            "`async with keyed(...)`, or run the block in a thread: "
+            "`await asyncio.to_thread(...)`"
+        )
+    name = function_name(function)
+    return RuntimeError(
+        f"inturn: {name} is a plain def, so its turn on {on} blocks its thread, and it "
+        "was called inside a running event loop; waiting would freeze the loop. Make it "
+        "an `async def` and await it (or use `await queue.run(...)`), or call it in a "
+        f"thread: `await asyncio.to_thread({name.removesuffix('()')}, ...)`"
+    )
+
+
+def closed(name: str | None, key: Hashable) -> QueueClosed:
+    """A closed queue's refusal of work for key, naming the queue (or saying it has no name)."""
+    queue = "a queue with no name" if name is None else f"queue {describe(name)}"
+    return QueueClosed(
+        f"inturn: {queue} is closed (by its close() or aclose()); the work for key "
+        f"{describe(key)} was not queued"
+        + ("" if name is not None else ". KeyedQueue(name=...) names a queue here")
+    )

@@ -13,7 +13,7 @@ from string import Formatter
 from types import MappingProxyType
 from typing import Any, Final, NoReturn, TypeAlias, final
 
-from ._describe import describe, function_name
+from ._describe import cut, describe, function_name
 
 #: What ``key=`` accepts: ``None`` (the function's qualified name), a constant
 #: or template ``str``, another hashable constant, or a callable given the
@@ -264,11 +264,39 @@ def _template(sig: _Signature, template: str) -> KeyFunction | str:
     return format_key
 
 
-def _one(sig: _Signature, spec: KeySpec) -> KeyFunction | Hashable:
+def _check_key_function(sig: _Signature, spec: Callable[..., Any], option: str) -> None:
+    """Refuse, at decoration, a key function that cannot take the one argument it is given.
+
+    :raises TypeError: naming the key function, its parameters, the decorated
+        function and the mapping a key function gets instead.
+    """
+    try:
+        signature = inspect.signature(spec)
+    except (TypeError, ValueError):  # a callable of C with no signature: its calls will tell
+        return
+    try:
+        signature.bind(None)
+    except TypeError:
+        pass
+    else:
+        return
+    decorated = function_name(sig.function)
+    parameters = ", ".join(sig.kinds)
+    first = next(iter(sig.kinds), "name")
+    raise TypeError(
+        f"inturn: the key function {function_name(spec)} in {option} of {decorated} "
+        f"takes {cut(str(signature))}, but is called with one argument: a read-only "
+        f"mapping of {decorated}'s arguments by name ({parameters or 'it has none'}); "
+        f"write it as lambda args: ... args[{first!r}] ..."
+    )
+
+
+def _one(sig: _Signature, spec: KeySpec, option: str = "key=") -> KeyFunction | Hashable:
     """Compile one key spec; return the key itself when it is a constant."""
     if isinstance(spec, str):
         return _template(sig, spec) if "{" in spec or "}" in spec else spec
     if callable(spec):
+        _check_key_function(sig, spec, option)
         mapping = sig.mapping()
         return lambda args, kwargs: spec(mapping(args, kwargs))
     try:
@@ -302,6 +330,7 @@ def compile_key(
                 f"{type(keys).__name__} ({describe(keys)}); use key= for one key"
             )
         if callable(keys):
+            _check_key_function(sig, keys, "keys=")
             mapping = sig.mapping()
             return (lambda args, kwargs: tuple(keys(mapping(args, kwargs)))), True
         if not isinstance(keys, Iterable):
@@ -309,7 +338,7 @@ def compile_key(
                 "inturn: keys= takes a list of keys or templates, or a callable; "
                 f"got {describe(keys)}"
             )
-        parts = [_one(sig, spec) for spec in keys]
+        parts = [_one(sig, spec, "keys=") for spec in keys]
         if not parts:
             raise ValueError("inturn: keys= needs at least one key")
         compiled = [(part, callable(part)) for part in parts]

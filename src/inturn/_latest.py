@@ -1,100 +1,193 @@
 """Latest wins: a key's one waiting work, replaced by newer work; and a trailing debounce.
 
-With ``pending="latest"`` (a queue's, or a decorated function's), work that
-finds its key busy does not wait in the key's line itself: the line holds
-one :class:`Latest` for the key, as data (a Deferred), and each caller waits
-on a :class:`Ticket` in it. A newer caller's ticket joins the same Latest,
-so the line keeps one waiting work per key however many arrive. With
-``debounce``, the Latest first waits outside any line until its key has
-been quiet for that long (or ``max_wait`` passed), then joins the line.
+With ``pending="latest"`` (a queue's, or a decorated function's), a call
+whose key is busy does not wait in the key's line itself: the line holds one
+:class:`Latest` for the key, as data (a Deferred), and each caller waits on
+its :class:`Ticket` in it. A newer call's ticket joins the same Latest, so
+the line keeps one waiting work per key however many arrive. With
+``debounce``, a call first waits in a quiet Latest outside any line; every
+newer call restarts the quiet period (``max_wait`` bounds it, from the
+burst's first call), and when it ends the Latest takes its place in the
+line: its own, or, with ``pending="latest"``, that of the key's Latest
+already waiting there (its newest work replaced, as a newer call's is).
 
-When the line hands the key to the Latest, the newest ticket still waiting
-runs its own work, in its own task or thread (its context, its errors and
-its cancellation are its caller's, as without conflation: see ``_conflate``
-for the two callers, and ``_submit`` for a Handle). The others are its
-followers: each ``on_superseded="join"`` caller gets its outcome, and a
-``"raise"`` one was answered with :exc:`~inturn.Superseded` when it was
-replaced. If the runner's work is cancelled (or interrupted) instead of
-finishing, its followers' works wait again, the newest of them to run. A
-replaced Handle lets its work go at once and is held weakly (``joined``): it
-only follows what runs, so a burst of submissions costs the key nothing each.
+Waiting on a ticket is a wait of the turn's drivers (``_drive``: TICKET),
+armed by their one Deadline; a submission's ticket waits as data, its
+Handle. When the line hands a Latest the key, its newest ticket runs (its
+caller's turn goes on holding the key), the others follow that run: each
+``on_superseded="join"`` caller gets its outcome, a ``"raise"`` one was
+answered with :exc:`~inturn.Superseded` when it was replaced. A turn that
+holds its key but has not started its work runs newer work of its own
+kind that came meanwhile instead (``start``). A work runs at most once.
 
 Invariants (every change under the registry's guard):
 
-- ``Book.open[key]`` is the key's Latest while newer work joins it: while
-  it is quiet (debounce), and while it waits in the line when it was opened
-  by ``pending="latest"`` work. It is handed the key once: newer work then
-  opens another.
-- A Latest's ``tickets`` are its live waiting callers, oldest first: one that
-  leaves (cancelled, timed out, answered) is taken out at once, so ``done()``
-  (no ticket) makes a hand-off skip it. After the hand-off, ``followers`` are
-  the callers that wait for the runner's outcome.
+- A ticket's state changes only in ``Book._move``, along ``_MOVES``.
+- ``Book.waiting[key]`` lists the key's Latests not handed the key yet,
+  in the order of their places (quiet ones last): each has a live ticket.
+- A Latest's ``tickets`` are its callers whose work waits, oldest first;
+  after the hand-off, ``followers`` wait for the run's outcome, and
+  ``joined`` are replaced handles' tickets, which let their work go: held
+  weakly (a ticket and its handle hold each other, and go together once
+  nobody else holds the handle), so a burst of submissions costs the key
+  nothing each.
+- A run that is cut (its turn's caller cancelled or interrupted) answers
+  the caller whose work ran with the cut; the followers whose work did not
+  run wait again, at the head of the line, before the key is released. A
+  run whose turn ends before its work started leaves all of them waiting
+  again so (the newest of them runs).
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import itertools
 import weakref
 from collections.abc import Callable, Hashable
-from contextvars import Context
-from typing import TYPE_CHECKING, Any, Final, final
+from contextvars import Context, copy_context
+from inspect import iscoroutine
+from threading import Lock
+from time import monotonic as _monotonic
+from typing import TYPE_CHECKING, Any, Final, Protocol, final
 
 from ._checks import Policy
 from ._describe import describe
-from ._errors import QueueClosed, QueueFull, Superseded
+from ._errors import QueueFull, Superseded
 from ._line import Deferred, Line, held_by
+from ._tasks import in_context, in_loop_of
 
 if TYPE_CHECKING:
     from ._registry import Registry
 
 #: A work: its function, arguments and keyword arguments, and the context (contextvars)
-#: its caller's turn would run it in (see Book.newer).
+#: of its call, for a turn that runs it on its caller's behalf (see Book.start).
 Work = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], Context | None]
+#: A ticket's answer when its work is not to run: the error or result its caller gets.
+Answer = tuple[BaseException | None, Any]
 
-# Where a ticket is (Ticket.state).
-WAITING: Final = 0  # in its Latest's tickets
-RUNS: Final = 1  # handed the key: its caller runs its work
-_FOLLOWS: Final = 2  # waits for the runner's outcome
-_LEFT: Final = 3  # gone (cancelled, timed out)
-_ANSWERED: Final = 4  # answered by the book: its work did not run
-_JOINED: Final = 5  # replaced, holding no work: it gets the outcome of what runs (a handle)
+#: A ticket's answer when its caller is to run: the key's line is its Latest's now.
+RUN: Final = object()
 
 
-class Ticket:
-    """One caller's work in a key's Latest: how its caller is woken and answered."""
+class State(enum.Enum):
+    """Where a ticket is (Ticket.state)."""
 
-    __slots__ = ("home", "join", "label", "latest", "seq", "state", "work")
+    NEW = "made: its turn has not asked the book yet, or took its key at once"
+    WAITING = "its work waits in its Latest's tickets"
+    RUNS = "its Latest was handed the key: its caller is woken to run"
+    HOLDS = "its caller holds the key, and takes the rest of its turn"
+    STARTED = "its turn started its work (or newer work): its caller is answered by it"
+    FOLLOWS = "waits for the outcome of the work its Latest's runner runs"
+    JOINED = "replaced, its work let go (a handle): follows what runs in its place"
+    ANSWERED = "answered: its work did not run, or ran in another caller's turn"
+    LEFT = "its caller gave up (cancelled, timed out, interrupted, or its loop closed)"
 
-    def __init__(self, join: bool, label: str | None, work: Work | None, home: object) -> None:
-        self.join = join  # on_superseded="join"
-        self.label = label  # its function, for an observer (see FUNCTION)
-        self.work = work  # what it runs, while it holds it (see Book.newer)
-        self.home = home  # where its work runs: its caller's event loop, None for a thread
-        self.seq = 0  # when it came, in the book's order of calls (see Book.enter)
-        self.latest: Latest | None = None  # the Latest it waits in
-        self.state = WAITING
 
-    def replaced(self) -> bool:
-        """Newer work took this "join" caller's place: True to keep its work, which runs if
-        every newer caller gives up; False to let it go and only follow what runs (a handle,
-        which nothing else holds: so a burst of submissions costs the key no memory each)."""
-        return True
+NEW, WAITING, RUNS, HOLDS, STARTED, FOLLOWS, JOINED, ANSWERED, LEFT = State
 
-    def run_now(self, shared: bool) -> bool:
-        """The key is this caller's: wake it to run its work; False if it never can."""
-        raise NotImplementedError
+#: Every move a ticket can make (see Book._move): NOTE, any other is a defect.
+_MOVES: Final = {
+    NEW: frozenset({WAITING, STARTED, LEFT}),
+    WAITING: frozenset({RUNS, FOLLOWS, JOINED, ANSWERED, LEFT}),
+    RUNS: frozenset({HOLDS, LEFT}),
+    HOLDS: frozenset({STARTED, LEFT}),
+    FOLLOWS: frozenset({WAITING, ANSWERED, LEFT}),
+    JOINED: frozenset({ANSWERED, LEFT}),
+    STARTED: frozenset(),
+    ANSWERED: frozenset(),
+    LEFT: frozenset(),
+}
+
+
+class Data(Protocol):
+    """A ticket that waits as data (a submission's Handle), with no caller blocked on it."""
+
+    def handed(self, shared: bool) -> bool:
+        """Its Latest was handed the key: start its turn (False: it never can)."""
 
     def answer(self, error: BaseException | None, result: Any) -> None:
-        """Give the caller its answer: its work did not run (see Book.ended, Book.supersede).
+        """Give it its answer (it did not run its own work)."""
 
-        Called under the guard: it must not wait for the queue, nor call user code.
+    def let_go(self) -> None:
+        """Newer work replaced it: drop its work, and follow what runs in its place."""
+
+
+@final
+class Parked:
+    """A thread waiting on its ticket: it blocks on ``lock``, released once ``answer`` is set."""
+
+    __slots__ = ("answer", "lock")
+
+    def __init__(self) -> None:
+        self.lock = Lock()
+        self.lock.acquire()
+        self.answer: object = None  # RUN, or an Answer
+
+
+#: Who waits on a ticket: a task's future, a thread, or a handle.
+Waiter = asyncio.Future[Any] | Parked | Data
+
+
+@final
+class Ticket:
+    """One conflating call: its work, and how its caller waits and is answered."""
+
+    __slots__ = (
+        "__weakref__",
+        "answer",
+        "book",
+        "home",
+        "join",
+        "key",
+        "label",
+        "latest",
+        "policy",
+        "replaced",
+        "seq",
+        "state",
+        "waiter",
+        "work",
+    )
+
+    def __init__(
+        self,
+        book: Book,
+        key: Hashable,
+        policy: Policy,
+        work: Work,
+        label: str | None,
+        home: asyncio.AbstractEventLoop | None,
+        waiter: Waiter | None = None,
+    ) -> None:
+        self.book = book
+        self.key = key
+        self.policy = policy
+        self.join = policy.join  # on_superseded="join"
+        self.work: Work | None = work  # what it runs, while it holds it (see Book.start)
+        self.label = label  # its function, for an observer (see FUNCTION)
+        self.home = home  # where its work runs: its caller's event loop, None for a thread
+        self.waiter = waiter  # (a task's or a thread's is made when it waits: see Book.enter)
+        self.seq = next(book.calls)  # when it came, in the order of the book's calls
+        self.latest: Latest | None = None  # the Latest it waits in, or whose run it follows
+        self.replaced = False  # its turn ran newer work instead of its own (see Book.start)
+        self.answer: Answer | None = None  # its caller's, when its work is not to run
+        self.state = NEW
+
+    def outcome(self, error: BaseException | None, result: Any) -> Any:
+        """What this ticket's caller gets from its turn's run that ended so.
+
+        A run of newer work gives a ``"raise"`` caller Superseded, but for
+        its own cancellation or interrupt.
         """
-        raise NotImplementedError
+        if self.replaced and not self.join and (error is None or isinstance(error, Exception)):
+            raise superseded(self.key)
+        if error is not None:
+            raise error
+        return result
 
-    def arm(self, delay: float | None) -> None:
-        """Tick the Latest's debounce after delay seconds (None: stop ticking it)."""
-        raise NotImplementedError
+    def __repr__(self) -> str:
+        return f"<Ticket key={describe(self.key)} {self.state.name.lower()} #{self.seq}>"
 
 
 @final
@@ -114,23 +207,31 @@ class Latest(Deferred):
         "line",
         "max_wait",
         "ran",
+        "runner",
+        "started",
         "tickets",
+        "timer",
+        "timer_loop",
     )
 
     def __init__(self, book: Book, key: Hashable, policy: Policy, clock: Callable[[], float]):
         self.book = book
         self.key = key
-        self.keeps = policy.latest  # takes newer work while in the line
+        self.keeps = policy.latest  # takes newer work while it waits in the line
         self.debounce = policy.debounce
         self.max_wait = policy.max_wait
         self.clock = clock  # the opener's (its loop's, for virtual time)
         self.first = self.last = clock()  # when it opened, when its newest work came
-        self.tickets: list[Ticket] = []  # live waiting callers, oldest first
+        self.tickets: list[Ticket] = []  # the callers whose work waits, oldest first
         self.followers: list[Ticket] = []  # after the hand-off
-        self.ran: Ticket | None = None  # the follower whose work a turn runs (see Book.newer)
-        # replaced callers that let their work go (see Ticket.replaced), held weakly
+        self.runner: Ticket | None = None  # the newest caller, woken when it was handed the key
+        self.ran: Ticket | None = None  # the ticket whose work the run runs, once started
+        self.started = False  # the run started its work: followers' timeouts end
+        # replaced callers that let their work go (see Data.let_go), held weakly
         self.joined: weakref.WeakSet[Ticket] | None = None
         self.line: Line | None = None  # the line it joined (None: quiet)
+        self.timer: asyncio.TimerHandle | None = None  # its quiet period's, in timer_loop
+        self.timer_loop: asyncio.AbstractEventLoop | None = None
 
     def done(self) -> bool:
         return not self.tickets
@@ -142,8 +243,9 @@ class Latest(Deferred):
         return self.book.handed(self, shared)
 
     def quiet_left(self) -> float:
-        """Seconds until its quiet period ends (max_wait bounds it)."""
-        assert self.debounce is not None
+        """Seconds until its quiet period ends (max_wait bounds it); <= 0 once over."""
+        if self.debounce is None:
+            return 0.0
         due = self.last + self.debounce
         if self.max_wait is not None:
             due = min(due, self.first + self.max_wait)
@@ -156,112 +258,193 @@ class Latest(Deferred):
 
 @final
 class Book:
-    """A queue's open Latests, by key: the only writer of them (see the module)."""
+    """A queue's Latests, by key: the only writer of them and of their tickets."""
 
-    __slots__ = ("calls", "open", "registry", "running")
+    __slots__ = ("calls", "registry", "waiting")
 
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
-        self.open: dict[Hashable, Latest] = {}
-        # The Latest whose run holds the key, from its hand-off to its end: work it
-        # replaced that must wait again follows a newer run instead (see _again).
-        self.running: dict[Hashable, Latest] = {}
+        self.waiting: dict[Hashable, list[Latest]] = {}  # see the module's invariants
         self.calls = itertools.count(1)  # numbers the calls in the order they come
 
-    def callers(self, key: Hashable) -> int:
-        """How many callers wait in key's open Latest beyond the one place it takes in a line."""
-        latest = self.open.get(key)
-        if latest is None:
-            return 0
-        joined = 0 if latest.joined is None else len(latest.joined)
-        return len(latest.tickets) + joined - (latest.line is not None and bool(latest.tickets))
+    # -- the one place a ticket moves ---------------------------------------------------
 
-    def forked(self) -> None:
-        """In a forked child: the parent's waiting callers are not this process's."""
-        self.open.clear()
-        self.running.clear()
+    def _move(self, ticket: Ticket, to: State) -> None:
+        if to not in _MOVES[ticket.state]:
+            raise AssertionError(f"inturn: a ticket cannot move from {ticket.state} to {to}")
+        ticket.state = to
 
-    def enter(
-        self,
-        key: Hashable,
-        holder: object,
-        ticket: Ticket,
-        policy: Policy,
-        clock: Callable[[], float],
-    ) -> Latest | None:
-        """Put ticket in key's Latest (replacing the newest there); None: take the turn as usual.
+    def _wake(self, ticket: Ticket, answer: object) -> bool:
+        """Give ticket's waiter its answer (RUN, or an Answer); False if it never can take it."""
+        waiter = ticket.waiter
+        if type(waiter) is Parked:
+            if waiter.answer is None:  # NOTE: set with the release, no call between: once
+                waiter.answer = answer
+                waiter.lock.release()
+            return True
+        if isinstance(waiter, asyncio.Future):
+            return in_loop_of(waiter, _give, waiter, answer)
+        data: Data = waiter  # type: ignore[assignment]
+        if answer is RUN:
+            return data.handed(self.registry.mode.shared)
+        data.answer(*answer)  # type: ignore[misc]
+        return True
 
-        None for a free key without debounce, a key holder holds already
-        (reentrant), or a closed queue (the usual path refuses it). Under
-        the guard.
+    def _answer(self, ticket: Ticket, answer: Answer, count: bool) -> None:
+        """Answer a ticket whose work did not run: ``count`` it as replaced (else it was).
+        Again, it only wakes it again (see handed: restartable)."""
+        if ticket.state is not ANSWERED:
+            self._move(ticket, ANSWERED)
+            if count:
+                error = answer[0] if isinstance(answer[0], Superseded) else None
+                self.registry.tally.superseded(error, ticket.label)
+        self._wake(ticket, answer)
+
+    # -- a call comes -------------------------------------------------------------------
+
+    def enter(self, ticket: Ticket, holder: object, clock: Callable[[], float]) -> Latest | None:
+        """Put ticket's work in its key's Latest, replacing the newest there; None: take the
+        turn as usual (a free key without debounce, a key holder holds already, a closed
+        queue: the usual path refuses it). Under the guard.
 
         :raises QueueFull: a new Latest would exceed the line's ``max_pending``.
         """
         registry = self.registry
-        ticket.seq = next(self.calls)
+        key, policy = ticket.key, ticket.policy
         line = registry.lines.get(key)
         if not registry.open or (line is not None and held_by(line, holder)):
             return None
-        latest = self.open.get(key)
-        if latest is None:
-            if policy.debounce is None and (line is None or not policy.latest):
-                return None
-            latest = Latest(self, key, policy, clock)
-            if policy.debounce is None:
-                try:
-                    self._place(latest)  # (the key is busy: it waits in the line)
-                except QueueFull as refused:
-                    registry.tally.missed(refused)  # (counted as a turn's refusal is)
-                    raise
-            self.open[key] = latest
-        else:
-            tickets = latest.tickets
-            if tickets and not tickets[-1].join:
-                self.supersede(tickets.pop())
-            elif tickets and not tickets[-1].replaced():
-                self._join(latest, tickets.pop())
-            if latest.line is None:
+        latests = self.waiting.get(key)
+        latest = latests[-1] if latests else None
+        if policy.debounce is not None:
+            if latest is None or latest.line is not None:  # a new burst: a new quiet period
+                latest = self._open(key, policy, clock)
+            else:  # (every call restarts it)
                 latest.last = latest.clock()
-                if tickets:
-                    tickets[-1].arm(None)
-        ticket.latest = latest
-        ticket.state = WAITING
-        latest.tickets.append(ticket)
-        if latest.line is None:
-            ticket.arm(latest.quiet_left())
+        elif latest is None or latest.line is None or not latest.keeps:
+            if line is None:
+                return None
+            latest = self._open(key, policy, clock)
+            try:
+                self._place(latest)  # (the key is busy: it waits in the line)
+            except QueueFull:  # (counted by the caller, as a turn's refusal is)
+                self._close(latest)
+                raise
+        if ticket.waiter is None:  # (a task's or a thread's: it waits now)
+            fn, args, kwargs, _ = ticket.work  # type: ignore[misc]
+            ticket.work = (fn, args, kwargs, copy_context())  # (for Book.start)
+            home = ticket.home
+            ticket.waiter = Parked() if home is None else home.create_future()
+        self._add(latest, [ticket])
+        if latest.line is None and ticket.home is not None:
+            self._arm(latest, ticket.home)
         return latest
 
-    def supersede(self, ticket: Ticket) -> None:
-        """Answer a "raise" caller whose work newer work replaced. Under the guard."""
-        ticket.state = _ANSWERED
-        ticket.arm(None)
+    def _open(self, key: Hashable, policy: Policy, clock: Callable[[], float]) -> Latest:
+        latest = Latest(self, key, policy, clock)
+        self.waiting.setdefault(key, []).append(latest)
+        return latest
+
+    def _close(self, latest: Latest) -> None:
+        """Latest is handed the key, or nobody waits for it: it no longer takes calls."""
+        if latest.timer is not None:
+            latest.timer.cancel()
+            latest.timer = None
+        latests = self.waiting.get(latest.key)
+        if latests is not None and latest in latests:
+            latests.remove(latest)
+            if not latests:
+                del self.waiting[latest.key]
+
+    def _add(self, latest: Latest, tickets: list[Ticket]) -> None:
+        """Let tickets (newer) wait in latest: its newest waiting work is replaced."""
+        waiting = latest.tickets
+        if waiting and tickets:
+            newest = waiting[-1]
+            if not newest.join:  # answered now: Superseded
+                waiting.pop()
+                self._answer(newest, (superseded(latest.key), None), True)
+            elif not isinstance(newest.waiter, asyncio.Future | Parked):
+                waiting.pop()  # a handle lets its work go, and follows what runs
+                self._move(newest, JOINED)
+                newest.work = None
+                newest.waiter.let_go()  # type: ignore[union-attr]
+                if latest.joined is None:
+                    latest.joined = weakref.WeakSet()
+                latest.joined.add(newest)
+                self.registry.tally.superseded(None, newest.label)
+        for ticket in tickets:
+            ticket.latest = latest
+            if ticket.state is not WAITING:  # (else it comes from another Latest)
+                self._move(ticket, WAITING)
+        waiting += tickets
+
+    def _arm(self, latest: Latest, loop: asyncio.AbstractEventLoop) -> None:
+        """Tick latest's quiet period in loop when it ends, unless a live timer does it.
+
+        One timer per quiet Latest, whatever the calls: a newer call only moves
+        the end, and the timer, when it goes off early, is set again (see tick).
+        Threads tick it themselves (see due).
+        """
+        timer, there = latest.timer, latest.timer_loop
+        if timer is None or timer.cancelled() or there is None or there.is_closed():
+            latest.timer = loop.call_later(max(latest.quiet_left(), 0.0), self.tick, latest)
+            latest.timer_loop = loop
+
+    def due(self, ticket: Ticket) -> float | None:
+        """When a thread waiting on ticket should tick its Latest's quiet period (monotonic)."""
         latest = ticket.latest
-        assert latest is not None
-        error = superseded(latest.key)
-        self.registry.tally.superseded(error, ticket.label)
-        ticket.answer(error, None)
+        if ticket.state is not WAITING or latest is None or latest.line is not None:
+            return None
+        return _monotonic() + latest.quiet_left()
 
-    def _join(self, latest: Latest, ticket: Ticket) -> None:
-        """A replaced caller that let its work go follows what runs (see Ticket.replaced)."""
-        ticket.state = _JOINED
-        ticket.arm(None)
-        if latest.joined is None:
-            latest.joined = weakref.WeakSet()
-        latest.joined.add(ticket)
-        self.registry.tally.superseded(None, ticket.label)
+    def tick(self, latest: Latest, now: bool = False) -> None:
+        """A quiet Latest whose quiet period is over takes its place in its key's line.
 
-    def _answer(self, latest: Latest, error: BaseException | None, result: Any) -> None:
-        """Give the outcome of latest's work (or what ended it) to the callers that joined it."""
-        joined, latest.joined = latest.joined, None
-        for ticket in [] if joined is None else list(joined):
-            ticket.state = _ANSWERED
-            ticket.answer(error, result)
+        ``now``: whatever its time (drain() and close() end quiet periods).
+        """
+        with self.registry.mode.guard():
+            if latest.line is not None or not latest.tickets:
+                return
+            left = latest.quiet_left()
+            if left > 0 and not now:  # (newer calls came: it is set again)
+                timer, there = latest.timer, latest.timer_loop
+                if timer is not None and there is not None and not timer.cancelled():
+                    latest.timer = there.call_later(left, self.tick, latest)
+                return
+            latests = self.waiting[latest.key]
+            before = latests[-2] if len(latests) > 1 else None
+            if latest.keeps and before is not None and before.line is not None and before.keeps:
+                self._close(latest)  # it takes the place of the key's Latest in line
+                tickets, latest.tickets = latest.tickets, []
+                self._add(before, tickets)
+                self._merge_joined(latest, before)
+                return
+            if latest.timer is not None:
+                latest.timer.cancel()
+                latest.timer = None
+            try:  # (closed since it came: it goes on, as waiting work does)
+                self._place(latest, head=not self.registry.open)
+            except QueueFull as refused:
+                self._refuse(latest, refused)
 
-    def _place(self, latest: Latest, again: bool = False) -> None:
-        """Put latest in its key's line (``again``: at its head, see _again); if the key is
+    def flush(self) -> None:
+        """End every quiet period now: each quiet Latest joins its line (drain(), close())."""
+        with self.registry.mode.guard():  # (another thread may open one meanwhile)
+            quiet = [
+                latest
+                for latests in self.waiting.values()
+                for latest in latests
+                if latest.line is None
+            ]
+        for latest in quiet:
+            self.tick(latest, now=True)
+
+    def _place(self, latest: Latest, head: bool = False) -> None:
+        """Put latest in its key's line (``head``: at its head, see _again); if the key is
         free, it is handed the key at once."""
         registry = self.registry
-        if again:
+        if head:
             line = registry.requeue(latest.key, latest)
         else:  # (no Gate: concurrency is 1)
             line = registry.join(latest.key, latest, latest, None, guarded=True)  # type: ignore[assignment]
@@ -272,180 +455,230 @@ class Book:
             return
         latest.line = line
 
+    def _refuse(self, latest: Latest, error: BaseException) -> None:
+        """Answer every caller of a Latest that its line refused (QueueFull)."""
+        self._close(latest)
+        tickets = latest.tickets
+        while tickets:  # (each answered, then taken off: see handed)
+            ticket = tickets[-1]
+            if ticket.state is WAITING:
+                self._move(ticket, ANSWERED)
+                self.registry.tally.missed(error)
+            self._wake(ticket, (error, None))
+            tickets.pop()
+        self._answer_joined(latest, (error, None))
+
+    # -- the key is handed ---------------------------------------------------------------
+
     def handed(self, latest: Latest, shared: bool) -> bool:
         """The line handed latest the key: its newest caller runs, the others follow it.
 
         False if no caller can take it (their loops are closed). Under the guard.
+        NOTE: restartable, as the other answers given on other callers' behalf
+        (_answer, _answer_joined, _refuse, ended): each step is found done or not
+        from the tickets' states and lists, so a hand-off an exception cut short (one
+        thrown into the thread that hands on) is completed by running it again (see
+        Registry.settle_up); waking is idempotent.
         """
-        if self.open.get(latest.key) is latest:
-            del self.open[latest.key]
-        followers, latest.tickets = latest.tickets, []
-        latest.followers = followers
-        while followers:
-            runner = followers.pop()
-            runner.state = RUNS
-            if runner.run_now(shared):
-                for follower in followers:
-                    follower.state = _FOLLOWS
-                    follower.arm(None)
-                self.running[latest.key] = latest
-                return True
-            runner.state = _LEFT
-        self._answer(latest, asyncio.CancelledError(), None)  # (their loops are closed)
-        return False
-
-    def tick(self, latest: Latest, now: bool = False) -> None:
-        """A debounce timer went off: a quiet Latest whose time is up joins its line.
-
-        ``now``: whatever its time (drain() ends quiet periods).
-        """
-        with self.registry.mode.guard():
-            if latest.line is not None or not latest.tickets:
-                return
-            if not now and latest.quiet_left() > 0:  # (newer work came: its timer is armed)
-                return
-            if not latest.keeps and self.open.get(latest.key) is latest:
-                del self.open[latest.key]
-            latest.tickets[-1].arm(None)
-            try:  # (closed since it came: it goes on, as waiting work does)
-                self._place(latest, again=not self.registry.open)
-            except QueueFull as refused:
-                self._refuse(latest, refused)
-
-    def flush(self) -> None:
-        """End every quiet period now: each quiet Latest joins its line (for drain())."""
-        with self.registry.mode.guard():  # (another thread may open one meanwhile)
-            quiet = [latest for latest in self.open.values() if latest.line is None]
-        for latest in quiet:
-            self.tick(latest, now=True)
-
-    def _refuse(self, latest: Latest, error: BaseException) -> None:
-        """Answer every caller of a Latest that its line refused. Under the guard."""
-        if self.open.get(latest.key) is latest:
-            del self.open[latest.key]
-        tickets, latest.tickets = latest.tickets, []
-        for ticket in tickets:
-            ticket.state = _ANSWERED
-            ticket.answer(error, None)
-            if not isinstance(error, QueueClosed):
-                self.registry.tally.missed(error)
-        self._answer(latest, error, None)
-
-    def leave(self, ticket: Ticket, error: BaseException) -> None:
-        """Take a caller that gave up (cancelled, timed out: error) out; pass on a key it was
-        handed. The callers that joined a Latest nobody waits for any more get error. Under
-        the guard."""
-        state = ticket.state
-        latest = ticket.latest
-        if latest is None or state in (_LEFT, _ANSWERED):
-            return
-        ticket.state = _LEFT
-        ticket.arm(None)
-        registry = self.registry
-        if state == _JOINED:
-            if latest.joined is not None:
-                latest.joined.discard(ticket)
-        elif state == _FOLLOWS:
-            latest.followers.remove(ticket)
-        elif state == WAITING:
+        runner = latest.runner
+        if runner is None:
+            self._close(latest)
             tickets = latest.tickets
-            newest = tickets[-1] is ticket
-            tickets.remove(ticket)
-            if tickets:
-                if newest and latest.line is None:
-                    tickets[-1].arm(latest.quiet_left())
-                return
-            if self.open.get(latest.key) is latest:
-                del self.open[latest.key]
-            if latest.line is not None:  # nobody waits for it: it leaves the line
-                registry.abandon(latest.key, latest.line, latest, guarded=True)
-            self._answer(latest, error, None)
-        else:  # handed the key, gone before its work started: the newest follower runs
-            followers = latest.followers
-            while followers:
-                runner = followers.pop()
-                runner.state = RUNS
-                if runner.run_now(registry.mode.shared):
-                    return
-                runner.state = _LEFT
-            assert latest.line is not None
-            if self.running.get(latest.key) is latest:
-                del self.running[latest.key]
-            registry.abandon(latest.key, latest.line, latest, guarded=True)
-            self._answer(latest, error, None)
+            while tickets:
+                runner = tickets[-1]
+                if runner.state is WAITING:
+                    self._move(runner, RUNS)
+                if runner.state is RUNS and self._wake(runner, RUN):
+                    break
+                if runner.state is RUNS:  # (its loop is closed)
+                    self._move(runner, LEFT)
+                    self.registry.tally.missed(asyncio.CancelledError())
+                tickets.pop()
+            else:
+                self._answer_joined(latest, (asyncio.CancelledError(), None))  # (loops closed)
+                return False
+            latest.runner = runner
+            latest.followers, latest.tickets = tickets[:-1], []
+        elif runner.state is RUNS:
+            self._wake(runner, RUN)
+        for follower in latest.followers:
+            if follower.state is WAITING:
+                self._move(follower, FOLLOWS)
+        return True
 
-    def waits(self, ticket: Ticket) -> bool:
-        """Whether ticket's caller still waits for the key's turn (its timeout runs): its work
-        waits, or it joined a Latest not handed the key yet. Under the guard."""
-        latest = ticket.latest
-        if ticket.state == _JOINED:
-            return latest is not None and bool(latest.tickets)
-        return ticket.state == WAITING
-
-    def gave_up(self, ticket: Ticket, error: BaseException) -> None:
-        """A caller's wait ended by error: unless the book answered it, it leaves (see leave),
-        and a work that was still waiting counts as a missed turn."""
-        with self.registry.mode.guard():
-            latest = ticket.latest  # (the work a turn runs is counted as that turn)
-            ran = ticket.state == _FOLLOWS and latest is not None and latest.ran is ticket
-            waited = ticket.state <= _FOLLOWS and not ran  # (counted nowhere yet)
-            self.leave(ticket, error)
-        if waited:
-            self.registry.missed(error)
-
-    def start(self, ticket: Ticket, holder: object) -> None:
-        """The runner's caller holds the key now, in its Latest's place. Under the guard."""
+    def hold(self, ticket: Ticket, holder: object) -> None:
+        """ticket's caller holds the key now, in its Latest's place. Under the guard."""
         latest = ticket.latest
         assert latest is not None
-        self.registry.start(latest.key, latest, holder, True)
+        self._move(ticket, HOLDS)
+        self.registry.start(latest.key, latest, holder)
 
-    def newer(
-        self, key: Hashable, mine: Latest | None, home: object, seq: int
-    ) -> tuple[Latest, Work] | None:
-        """Newer work that came while a turn on key waited after taking its line (for a
-        backend's grant, a running slot): it runs in that turn instead of the turn's own.
+    def start(self, ticket: Ticket) -> Work | None:
+        """ticket's turn starts its work now: None for its own; or the newest work of its
+        own kind that came after its call and waits in the key's line, which it runs
+        instead, its callers following this turn.
 
         Only work of the same home (the turn's event loop, or None: a thread's) is
-        taken: a task never runs a thread's blocking work, nor a thread a task's, nor
-        one loop another's. The key's open Latest leaves the line, and every caller
-        of it follows the turn (its outcome is theirs: see ended), joining the
-        followers of ``mine``, the Latest the turn ran from, if any. Return the
-        Latest they follow and the newest work; None if no such newer work waits:
-        none came after the turn's call (``seq``: see enter), or it is quiet
-        (debounce). Under the guard.
+        taken: a task never runs a thread's blocking work, nor a thread a task's,
+        nor one loop another's.
         """
-        latest = self.open.get(key)
-        if latest is None or latest.line is None or not latest.tickets:
+        with self.registry.mode.guard():
+            found = self._newer(ticket) if ticket.policy.latest else None
+            self._move(ticket, STARTED)
+            latest = ticket.latest
+            if latest is not None:
+                latest.started = True
+                latest.ran = ticket if found is None else found
+            if found is None:
+                return None
+            ticket.replaced = True
+            error = None if ticket.join else superseded(ticket.key)
+            self.registry.tally.superseded(error, ticket.label)
+            return found.work
+
+    def _newer(self, ticket: Ticket) -> Ticket | None:
+        """Take the key's Latest waiting in line out of it, for ticket's turn to run its newest
+        work (see start): its callers follow that turn. Under the guard."""
+        latests = self.waiting.get(ticket.key)
+        latest = latests[-1] if latests else None
+        if latest is None or latest.line is None or not latest.keeps or not latest.tickets:
             return None
         newest = latest.tickets[-1]
-        work = newest.work
-        if work is None or newest.home is not home or newest.seq < seq:  # (older: waits again)
-            return None
-        del self.open[key]
+        if newest.work is None or newest.home is not ticket.home or newest.seq < ticket.seq:
+            return None  # (older: it waits again after a cut run, and runs in its own turn)
+        self._close(latest)
         followers, latest.tickets = latest.tickets, []
-        self.registry.abandon(key, latest.line, latest, guarded=True)  # (done: no ticket)
+        self.registry.abandon(latest.key, latest.line, latest, guarded=True)  # (done: skipped)
         for follower in followers:
-            follower.state = _FOLLOWS
-            follower.arm(None)
-        if mine is None:
+            self._move(follower, FOLLOWS)
+        mine = ticket.latest
+        if mine is None:  # (its turn took the key at once: it has no followers of its own)
+            ticket.latest = latest
             latest.followers = followers
-            self.running[key] = mine = latest
         else:
-            self._merge(latest, mine, followers, newer=True)
-        mine.ran = followers[-1]
-        return mine, work
+            for follower in followers:
+                follower.latest = mine
+            mine.followers += followers  # (newer than its own: the newest last)
+            self._merge_joined(latest, mine)
+        return newest
 
-    def _merge(
-        self, latest: Latest, into: Latest, followers: list[Ticket], newer: bool = False
-    ) -> None:
-        """Let followers and latest's joined callers go with into; followers are older than
-        into's own (``newer``: newer, as the work a turn takes over and its replaced ones)."""
+    # -- a caller leaves, a run ends -----------------------------------------------------
+
+    def waits(self, ticket: Ticket) -> bool:
+        """Whether ticket's caller still waits for its turn (its timeout runs): its work
+        waits, or the run it follows has not started. Under the guard."""
+        state = ticket.state
+        if state is WAITING:
+            return True
+        latest = ticket.latest
+        return (state is FOLLOWS or state is JOINED) and latest is not None and not latest.started
+
+    def gave_up(self, ticket: Ticket, error: BaseException) -> bool:
+        """ticket's caller stopped waiting for it (cancelled, timed out, interrupted: error),
+        or its turn ended before its work started: the key it was handed passes on, and the
+        callers that followed it wait again. Idempotent.
+
+        Return whether the caller counts its call as a missed turn: not if it was
+        counted already (answered by the book, replaced, or its work ran in another
+        caller's turn, which counts it).
+        """
+        with self.registry.mode.guard():
+            state = ticket.state
+            latest = ticket.latest
+            if state is ANSWERED or state is STARTED or state is LEFT:
+                return False
+            self._move(ticket, LEFT)
+            if latest is None:
+                return True  # (NEW: nothing of it was kept)
+            if state is WAITING:
+                latest.tickets.remove(ticket)
+                if not latest.tickets:  # nobody waits for it: it leaves
+                    self._close(latest)
+                    if latest.line is not None:
+                        self.registry.abandon(latest.key, latest.line, latest, guarded=True)
+                    # (nothing runs in the place of the handles that let their work go)
+                    self._answer_joined(latest, (asyncio.CancelledError(), None))
+            elif state is FOLLOWS:
+                latest.followers.remove(ticket)
+                return latest.ran is not ticket  # (its work runs in another caller's turn)
+            elif state is JOINED:
+                if latest.joined is not None:
+                    latest.joined.discard(ticket)
+                return False  # (counted when it was replaced)
+            else:  # RUNS or HOLDS: its turn came, and its work never started
+                followers, latest.followers = latest.followers, []
+                self._again(latest, followers)
+                if state is RUNS:  # (else its turn holds the key, and gives it back)
+                    assert latest.line is not None
+                    self.registry.abandon(latest.key, latest.line, latest, guarded=True)
+            return True
+
+    def ending(self, ticket: Ticket, error: BaseException | None) -> None:
+        """ticket's turn ends with error, before it releases its key. If the run was cut
+        (cancelled, interrupted), the followers whose work did not run wait again; if its
+        work never started (an interrupt between), all of them do."""
+        if ticket.state is not STARTED:
+            self.gave_up(ticket, error or asyncio.CancelledError())  # (HOLDS: not counted)
+            return
+        latest = ticket.latest
+        if latest is None or error is None or isinstance(error, Exception):
+            return
+        with self.registry.mode.guard():
+            ran = latest.ran
+            again = [follower for follower in latest.followers if follower is not ran]
+            latest.followers = [follower for follower in latest.followers if follower is ran]
+            self._again(latest, again)
+
+    def ended(self, ticket: Ticket, error: BaseException | None, result: Any) -> None:
+        """ticket's turn ended with this outcome: answer the callers that followed its run."""
+        latest = ticket.latest
+        if latest is None:
+            return
+        with self.registry.mode.guard():
+            ran = latest.ran
+            followers = latest.followers
+            while followers:  # (each answered, then taken off: restartable, see handed)
+                follower = followers[-1]
+                if follower is ran:  # (its work ran: counted as the turn)
+                    self._answer(follower, (error, result), False)
+                elif follower.join:
+                    self._answer(follower, (error, result), True)
+                else:
+                    self._answer(follower, (superseded(latest.key), None), True)
+                followers.pop()
+            latest.ran = None
+            self._answer_joined(latest, (error, result))
+
+    def _again(self, latest: Latest, followers: list[Ticket]) -> None:
+        """followers, whose run was cut or never started, wait again at the head of the key's
+        line (the newest of them to run), with the works of the key's Latest waiting in line
+        if it takes newer work (they are newer). Under the guard."""
+        if not followers and not latest.joined:
+            return
+        key = latest.key
+        again = Latest(self, key, Policy(latest.keeps, True, None, None), latest.clock)
         for follower in followers:
-            follower.latest = into
-        if newer:
-            into.followers += followers
-        else:
-            into.followers[:0] = followers
+            follower.latest = again
+            self._move(follower, WAITING)
+        again.tickets = followers
+        self._merge_joined(latest, again)
+        latests = self.waiting.setdefault(key, [])
+        behind = next((other for other in latests if other.line is not None), None)
+        if again.keeps and behind is not None and behind.keeps and behind.tickets:
+            self._close(behind)  # (it comes to the head: its place is again's now)
+            tickets, behind.tickets = behind.tickets, []
+            self.registry.abandon(key, behind.line, behind, guarded=True)  # type: ignore[arg-type]
+            self._add(again, tickets)
+            self._merge_joined(behind, again)
+        if not again.tickets:  # only handles that let their work go: nothing to run
+            self._answer_joined(again, (asyncio.CancelledError(), None))
+            if not latests:
+                del self.waiting[key]
+            return
+        latests.insert(0, again)
+        self._place(again, head=True)
+
+    def _merge_joined(self, latest: Latest, into: Latest) -> None:
         joined, latest.joined = latest.joined, None
         if joined:
             if into.joined is None:
@@ -454,60 +687,52 @@ class Book:
             for ticket in joined:
                 ticket.latest = into
 
-    def ended(self, latest: Latest, error: BaseException | None, result: Any) -> None:
-        """The work latest's followers follow ended: answer them with its outcome.
+    def _answer_joined(self, latest: Latest, answer: Answer) -> None:
+        """Give the handles that let their work go for latest's run that answer."""
+        joined = latest.joined
+        if joined is not None:
+            for ticket in list(joined):  # (restartable: see handed)
+                self._answer(ticket, answer, False)
+                joined.discard(ticket)
+        latest.joined = None
 
-        If it was cancelled or interrupted rather than finished, the followers'
-        works wait again (newest last), joining the key's open Latest, or a new one.
-        """
-        with self.registry.mode.guard():
-            if self.running.get(latest.key) is latest:
-                del self.running[latest.key]
-            followers, latest.followers = latest.followers, []
-            if followers and error is not None and not isinstance(error, Exception):
-                self._again(latest, followers)
-                return
-            ran, latest.ran = latest.ran, None
-            for follower in followers:
-                follower.state = _ANSWERED
-                if follower is not ran:  # (it ran in the turn: not replaced)
-                    self.registry.tally.superseded(None, follower.label)
-                follower.answer(error, result)
-            self._answer(latest, error, result)
+    # -- looking at it ---------------------------------------------------------------------
 
-    def revive(self, latest: Latest) -> None:
-        """The run latest's followers follow was cancelled (or interrupted) while it runs:
-        they wait again now, while it still holds the key (see _again)."""
-        with self.registry.mode.guard():
-            followers, latest.followers = latest.followers, []
-            latest.ran = None
-            if followers or latest.joined:
-                self._again(latest, followers)
+    def callers(self, key: Hashable) -> int:
+        """How many callers wait for key in its Latests beyond the places those take in its
+        line (see KeyedQueue.pending)."""
+        count = 0
+        for latest in tuple(self.waiting.get(key, ())):
+            count += len(latest.tickets) + (len(latest.joined) if latest.joined else 0)
+            count -= latest.line is not None and bool(latest.tickets)
+        return count
 
-    def _again(self, latest: Latest, followers: list[Ticket]) -> None:
-        """The followers of latest, whose runner was cancelled, wait again: in the key's open
-        Latest, older than the works there, or in a new one (see ended). Under the guard."""
-        key = latest.key
-        newer = self.running.get(key)
-        if newer is not None and newer is not latest:  # a newer run: they follow it
-            self._merge(latest, newer, followers)
-            return
-        again = self.open.get(key)
-        fresh = again is None
-        if again is None:
-            again = Latest(self, key, Policy(latest.keeps, True, None, None), latest.clock)
-        for follower in followers:
-            follower.state = WAITING
-        self._merge(latest, again, [])
-        for follower in followers:
-            follower.latest = again
-        again.tickets[:0] = followers  # (older than the works waiting there)
-        if fresh and again.tickets:
-            self._place(again, again=True)  # (at the head: it was ahead of what came since)
-            if again.keeps and again.tickets:
-                self.open[key] = again
-        elif fresh:
-            self._answer(again, asyncio.CancelledError(), None)
+    def quiet_keys(self) -> list[Hashable]:
+        """The keys of Latests in their quiet period (active, though in no line yet)."""
+        return [key for key, latests in tuple(self.waiting.items()) if latests[-1].line is None]
+
+    def forked(self) -> None:
+        """In a forked child: the parent's waiting callers are not this process's."""
+        self.waiting.clear()
+
+
+def _give(future: asyncio.Future[Any], answer: object) -> None:
+    if not future.done():  # (its caller left)
+        future.set_result(answer)
+
+
+def in_caller_context(
+    context: Context,
+    home: asyncio.AbstractEventLoop | None,
+    fn: Callable[..., Any],
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """Call a newer caller's work in its context (contextvars): a coroutine, as a task of home."""
+    result = context.run(fn, *args, **kwargs)
+    if home is not None and iscoroutine(result):
+        return in_context(home, result, context)
+    return result
 
 
 def superseded(key: Hashable) -> Superseded:

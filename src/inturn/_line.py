@@ -62,12 +62,15 @@ class ThreadWaiter:
     waiters: ``done()`` once it left, ``cancel()`` to leave.
     """
 
-    __slots__ = ("left", "lock")
+    __slots__ = ("handed", "left", "lock")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.lock.acquire()
         self.left = False
+        # Whether it was woken. NOTE: set with the release, with no call between: an
+        # interrupt finds either both done or neither (see rewake).
+        self.handed = False
 
     def done(self) -> bool:
         return self.left
@@ -94,6 +97,7 @@ class Deferred:
         """The line is this work's now: start its task (never here and now: it may run eagerly).
 
         Return False if it never can (its loop is closed). The caller holds the guard.
+        Handed again, it does nothing more (see rewake).
         """
         raise NotImplementedError
 
@@ -115,11 +119,27 @@ def hand(waiter: Waiter, shared: bool) -> bool:
 def wake(waiter: Waiter) -> bool:
     """Hand the turn to waiter, from any thread; False if it can never take it."""
     if type(waiter) is ThreadWaiter:
+        waiter.handed = True
         waiter.lock.release()
         return True
     if isinstance(waiter, Deferred):
         return waiter.handed(True)
     return _soon(waiter, resolve, waiter)
+
+
+def rewake(holder: object, shared: bool) -> None:
+    """Wake holder again if it is a waiter a hand-off made the holder but an exception kept
+    from waking (see Registry.settle_up): a task's wake may be scheduled twice, and work
+    waiting as data is handed again (both harmless: see Deferred.handed)."""
+    if type(holder) is ThreadWaiter:
+        if not holder.handed:
+            holder.handed = True
+            holder.lock.release()
+    elif type(holder) is asyncio.Future:
+        if not holder.done():
+            _soon(holder, resolve, holder)
+    elif isinstance(holder, Deferred):
+        holder.handed(shared)
 
 
 @final
@@ -172,6 +192,28 @@ class Line(Waiting):
         self.holder = holder
         # Futures from current(), resolved with the holder's outcome.
         self.watchers: list[asyncio.Future[Any]] | None = None
+
+    def hand_on(self) -> Waiter | None:
+        """Make the next live waiter the holder, and return it for its waking; None if
+        nobody waits. Drain marks on the way are reached.
+
+        NOTE: each step leaves the line whole if an exception lands after it: a
+        waiter leaves the FIFO in the same step that makes it the holder.
+        """
+        waiters = self.waiters
+        while waiters:
+            waiter = waiters[0]
+            if type(waiter) is Drain:
+                del waiters[0]
+                waiter.reached()
+            elif waiter.done():
+                del waiters[0]
+            else:
+                self.waiting -= 1
+                self.holder = waiter
+                del waiters[0]
+                return waiter
+        return None
 
 
 class Places(Waiting):

@@ -63,7 +63,16 @@ def order_keys(keys: Iterable[Hashable]) -> tuple[Hashable, ...]:
     :raises TypeError: a key is unhashable, or its ``==`` failed against a
         key that shares its hash.
     """
-    unique = dict.fromkeys(keys)  # raises TypeError for an unhashable key
+    try:
+        unique = dict.fromkeys(keys)  # raises TypeError for an unhashable key
+    except TypeError:
+        raise
+    except Exception as error:  # a key's == failed against one that shares its hash
+        raise TypeError(
+            f"inturn: the keys {describe(keys)} cannot be told apart: comparing two that "
+            f"share a hash raised {describe(error)}, so duplicates cannot be dropped; give "
+            "the keys an __eq__ that does not fail"
+        ) from error
     if len(unique) < 2:
         return tuple(unique)
     if len(unique) == 2:  # the common case of several: a transfer between two accounts

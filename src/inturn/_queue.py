@@ -24,11 +24,10 @@ from ._checks import (
     check_transaction,
 )
 from ._checks import Unset as _Unset
-from ._conflate import run_latest, run_latest_sync
 from ._describe import describe
 from ._drive import give_up, line_up, seated
 from ._keyspec import KeySpec, KeysSpec
-from ._latest import Book
+from ._latest import Book, Ticket
 from ._line import held_by, wake
 from ._order import unhashable
 from ._registry import Registry
@@ -36,7 +35,7 @@ from ._slots import Slots
 from ._stats import FUNCTION, Observer, QueueStats, function_label
 from ._submit import Handle, Submissions, claim, submit
 from ._tasks import current_task, loop_here, loop_of, outside_asyncio, running_loop
-from ._turn import Turn, call_in_turn, call_in_turn_sync
+from ._turn import ThreadTurn, Turn, call_in_turn, call_in_turn_sync
 from .backends._base import Backend
 from .backends._local import LocalBackend
 
@@ -72,7 +71,7 @@ def _after_fork_in_child() -> None:
         queue._registry.forked(task)
         queue._book.forked()
         queue._submissions.handles.clear()
-        queue._unclaimed.clear()
+        queue._submissions.unclaimed.clear()
 
 
 def _after_fork_in_parent() -> None:
@@ -185,21 +184,33 @@ class KeyedQueue:
         (``on_superseded``). If the newer caller gives up (cancelled, timed
         out) before the key's turn, the work it replaced is back in its
         place (but a replaced :meth:`submit`'s handle lets its work go, and
-        follows what runs); if the newer work is cancelled while it runs,
-        the works it replaced wait again, the newest to run. A
-        :meth:`keyed` block, a turn on several keys, and a call with
-        ``timeout=0`` are never replaced: they wait as always. Each process
-        conflates its own calls only (see the README's "Latest wins").
+        follows what runs, or is cancelled if nothing does). A work is
+        started at most once: if its run is cut (its turn's caller cancelled
+        or interrupted), its own caller gets that cancellation or interrupt,
+        and the works it replaced, which did not run, wait again, the newest
+        to run; a run cut by ``max_hold`` answers them all with its
+        :exc:`~inturn.HoldTimeout`. A :meth:`keyed` block, a turn on several
+        keys, and a call with ``timeout=0`` are never replaced: they wait as
+        always. Each process conflates its own calls only (see "Latest wins"
+        in the docs).
     :param on_superseded: what the caller of a replaced work gets:
         ``"join"`` (the default), the outcome of the work that runs in its
         place (its result, or its error); ``"raise"``,
-        :exc:`~inturn.Superseded` at once. A caller's ``timeout`` counts from
-        its own call, up to the start of its work or of the one it follows.
+        :exc:`~inturn.Superseded` at once (and a caller whose turn ran newer
+        work instead of its own gets ``Superseded`` too, whatever that work's
+        outcome, but its own cancellation or interrupt). A caller's
+        ``timeout`` counts from its own call, up to the start of its work or
+        of the one it follows.
     :param debounce: seconds: a call first waits, even for a free key,
-        until no newer call for its key came for that long, then joins the
-        key's line; within that quiet period the latest wins (as with
-        ``pending="latest"``, and answered by ``on_superseded``).
-        :meth:`drain` ends every quiet period at once. ``None``: none.
+        until no newer call for its key came for that long (each call
+        restarts the key's quiet period, as a trailing debounce does), then
+        its work takes its place in the key's line, or, with
+        ``pending="latest"``, the place of the key's work waiting there;
+        within the quiet period the latest wins (answered by
+        ``on_superseded``). With ``max_pending``, a burst is refused
+        (:exc:`~inturn.QueueFull`, to each of its callers) when its quiet
+        period ends, if the line is full then. :meth:`drain` and
+        :meth:`close` end every quiet period at once. ``None``: none.
     :param max_wait: seconds: the longest a debounced call waits for a quiet
         period, from the first call of a burst, so that a key that never
         goes quiet still runs. ``None``: as long as it takes.
@@ -223,7 +234,6 @@ class KeyedQueue:
         "_registry",
         "_submissions",
         "_timeout",
-        "_unclaimed",
     )
 
     def __init__(
@@ -268,7 +278,6 @@ class KeyedQueue:
         self._submissions = Submissions(
             self._registry, self._timeout, self._max_hold, self._policy, self._book
         )
-        self._unclaimed: list[Handle[Any]] = []
         _QUEUES.add(self)
 
     # -- taking turns ---------------------------------------------------------
@@ -335,13 +344,13 @@ class KeyedQueue:
             if type(result) is CoroutineType or (result is not None and isawaitable(result)):
                 result = await result
         except BaseException as error:
-            registry.finish(key, task, error, None)
+            registry.release((key,), task, error, None, 0.0)
             raise
         if mode.shared:  # switched while this task held the key
-            registry.finish(key, task, None, result)
+            registry.release((key,), task, None, result, 0.0)
         else:
-            if (line := lines.pop(key)) is not task:
-                registry.leave(key, line, None, result)
+            if (line := lines.pop(key)) is not task:  # (waiters: it is handed on)
+                registry.hand_on(key, line, result)
             registry.tally.completed += 1
         return result
 
@@ -366,17 +375,15 @@ class KeyedQueue:
         if task is None:
             keys = self._registry.ordered(keys)
         registry = self._registry
-        if (policy := policy or self._policy).conflates and len(keys) == 1:
-            label = None if registry.tally.observer is None else function_label(fn)
-            return run_latest(
-                self._book, keys[0], fn, args, kwargs, task, timeout, hold, policy, label
-            )
-        turn = Turn(registry, keys, timeout, hold)
+        label = None if registry.tally.observer is None else function_label(fn)
+        ticket = None
+        if (policy := policy or self._policy).conflates and len(keys) == 1 and timeout != 0:
+            home = loop_here() if task is None else loop_of(task)
+            ticket = Ticket(self._book, keys[0], policy, (fn, args, kwargs, None), label, home)
+        turn = Turn(registry, keys, timeout, hold, False, ticket)
         if task is not None and loop_of(task) is not registry.mode.solo:
             registry.mode.settle(loop_of(task))  # (settle's test, one call less)
-        if registry.tally.observer is None:
-            return call_in_turn(turn, fn, args, kwargs, task)
-        return call_in_turn(turn, fn, args, kwargs, task, label=function_label(fn))
+        return call_in_turn(turn, fn, args, kwargs, task, label=label)
 
     @overload
     def run_sync(
@@ -431,9 +438,12 @@ class KeyedQueue:
         observed = self._registry.tally.observer is not None
         token = FUNCTION.set(function_label(fn)) if observed else None
         try:
-            if policy.conflates and len(keys) == 1 and loop_here() is None:
-                return run_latest_sync(self._book, keys[0], fn, args, kwargs, timeout, policy)
-            turn = Turn(self._registry, keys, timeout, self._max_hold)
+            ticket = None
+            if policy.conflates and len(keys) == 1 and timeout != 0 and loop_here() is None:
+                label = FUNCTION.get() if observed else None
+                work = (fn, args, kwargs, None)
+                ticket = Ticket(self._book, keys[0], policy, work, label, None)
+            turn = ThreadTurn(self._registry, keys, timeout, self._max_hold, False, ticket)
             return call_in_turn_sync(turn, fn, args, kwargs)
         finally:
             if token is not None:
@@ -482,6 +492,7 @@ class KeyedQueue:
         """
         limit = self._timeout if timeout is UNSET else check_timeout(timeout)  # type: ignore[arg-type]
         hold = self._max_hold if max_hold is UNSET else check_hold(max_hold)  # type: ignore[arg-type]
+        made = Turn if loop_here() is not None else ThreadTurn  # (a thread's: see ThreadTurn)
         if transaction is not False:
             check_transaction(transaction, self._backend)  # (then it is True)
         elif len(keys) == 1 and self._backend is None:
@@ -489,10 +500,10 @@ class KeyedQueue:
                 hash(keys[0])
             except TypeError:
                 raise unhashable(keys[0]) from None
-            return Turn(self._registry, keys, limit, hold)
+            return made(self._registry, keys, limit, hold)
         if not keys:
             raise TypeError("inturn: keyed() needs at least one key")
-        return Turn(self._registry, self._registry.ordered(keys), limit, hold, transaction)
+        return made(self._registry, self._registry.ordered(keys), limit, hold, transaction)
 
     # -- fire and forget ---------------------------------------------------------------
 
@@ -541,7 +552,7 @@ class KeyedQueue:
         :raises TypeError: ``key`` is unhashable (or, with a backend, not
             ``str``, ``bytes`` or ``int``), or ``fn`` is not callable.
         """
-        return await submit(self._submissions, key, fn, args, kwargs, self._unclaimed, None)
+        return await submit(self._submissions, key, fn, args, kwargs, None)
 
     def batch(self, *, on_error: Literal["wait", "cancel"] = "wait") -> Batch:
         """Scope submissions: ``async with queue.batch() as batch: await batch.submit(...)``.
@@ -690,18 +701,20 @@ class KeyedQueue:
         inturn inspect``); :class:`~inturn.backends.postgres.PostgresBackend`
         has none yet.
         """
-        return key in self._registry.lines
+        return key in self._registry.lines or key in self._book.waiting
 
     @property
     def active_keys(self) -> frozenset[Hashable]:
-        """The keys that a task or thread holds or waits for, at this moment."""
+        """The keys that a task or thread holds or waits for, at this moment (with
+        ``debounce``, also a key whose callers wait out its quiet period)."""
         with self._registry.mode.guard():
-            return frozenset(self._registry.lines)
+            return frozenset(self._registry.lines).union(self._book.quiet_keys())
 
     @property
     def active_count(self) -> int:
-        """How many keys a task or thread holds or waits for."""
-        return len(self._registry.lines)
+        """How many keys a task or thread holds or waits for (see :attr:`active_keys`)."""
+        lines = self._registry.lines
+        return len(lines) + sum(key not in lines for key in self._book.quiet_keys())
 
     def pending(self, key: Hashable) -> int:
         """How many tasks and threads of this process wait for ``key``, not counting its holder(s).
@@ -832,7 +845,7 @@ class KeyedQueue:
         if submitted:
             await asyncio.wait(submitted)
         if raise_errors:
-            claim(self._unclaimed)
+            claim(self._submissions.unclaimed)
 
     def drain_sync(self, timeout: float | None = None) -> bool:
         """Block this thread until every caller pending or running at this call has finished.
@@ -881,6 +894,9 @@ class KeyedQueue:
 
     def __repr__(self) -> str:
         shown, active = self._registry.summary(5)
+        quiet = [key for key in self._book.quiet_keys() if key not in self._registry.lines]
+        shown += [f"{describe(key)}: quiet (debounce)" for key in quiet[: max(0, 5 - len(shown))]]
+        active += len(quiet)
         if active > 5:
             shown.append("...")
         state = "closed" if not self._registry.open else "open"

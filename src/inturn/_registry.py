@@ -6,7 +6,7 @@ object is made on the uncontended path), to a Line (or a Gate, with
 ``concurrency`` above 1) otherwise. This module is the only writer of
 that map, except the facade's inlined uncontended ``run()``, which inserts
 and pops a bare holder on the mode's ``fast_loop`` exactly as
-``Registry.try_take`` and ``Registry.finish`` would.
+``Registry.try_take`` and ``Registry.release`` would.
 
 Every verb takes the lock of a shared mode itself (see ``_threads``), but
 those marked "under the guard", whose callers make several changes at once.
@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any, final
 
 from ._checks import Waited, missed, others
 from ._describe import describe
-from ._errors import QueueClosed, QueueFull
-from ._line import HELD, Deferred, Drain, Gate, Held, Line, Waiter, hand, held_by
+from ._errors import QueueClosed, QueueFull, closed
+from ._line import HELD, Deferred, Drain, Gate, Held, Line, Waiter, hand, held_by, rewake
 from ._order import order_keys, unhashable
 from ._stats import Observer, Tally
 from ._tasks import in_loop_of as _soon
@@ -157,10 +157,12 @@ class Registry:
 
     # -- one key's turn, and counting turns --------------------------------------------
 
-    def try_take(self, key: Hashable, holder: object) -> bool | Held:
+    def try_take(self, key: Hashable, holder: object, admitted: bool = False) -> bool | Held:
         """Take key's turn for holder if it is free: True; HELD if holder holds it; else False.
 
-        The fast verb: no wait, nothing allocated for a free key.
+        The fast verb: no wait, nothing allocated for a free key. ``admitted``:
+        holder's turn took or waits for another key already, so it goes on if
+        the queue closed since.
 
         :raises QueueClosed: the queue is closed (and holder does not hold the key).
         """
@@ -168,32 +170,39 @@ class Registry:
         if self.mode.shared:
             with self.mode.lock or self.mode.locked():
                 if key in lines or self.concurrency != 1 or not self.open:
-                    return self._try_take(key, holder)
+                    return self._try_take(key, holder, admitted)
                 lines[key] = holder  # (as below)
                 return True
         if key not in lines and self.concurrency == 1 and self.open:
             lines[key] = holder  # (the free key: _try_take's first case, one call less)
             return True
-        return self._try_take(key, holder)
+        return self._try_take(key, holder, admitted)
 
-    def _try_take(self, key: Hashable, holder: object) -> bool | Held:
+    def _try_take(self, key: Hashable, holder: object, admitted: bool = False) -> bool | Held:
         lines = self.lines
         line = lines.get(key)
-        if line is None and self.open:
+        open_ = self.open or admitted
+        if line is None and open_:
             if self.concurrency == 1:
                 lines[key] = holder
                 return True
             line = lines[key] = Gate(self.concurrency)
-            return line.enter(holder)
+            return self._enter(line, holder)
         if line is not None and held_by(line, holder):
             return HELD
-        if not self.open:
-            raise QueueClosed(
-                f"inturn: the queue is closed; the work for key {describe(key)} was not queued"
-            )
+        if not open_:
+            raise closed(self.name, key)
         if type(line) is Gate:
-            return line.enter(holder)
+            return self._enter(line, holder)
         return False
+
+    def _enter(self, gate: Gate, holder: object) -> bool | Held:
+        """Take a free place of gate for holder. Submitted work's place counts as handed until
+        its task starts (see start): newcomers wait behind it, as behind a waiter handed one."""
+        got = gate.enter(holder)
+        if got is True and isinstance(holder, Deferred):
+            gate.handed += 1
+        return got
 
     def join(
         self,
@@ -202,20 +211,22 @@ class Registry:
         waiter: Waiter,
         timeout: float | None,
         guarded: bool = False,
+        admitted: bool = False,
     ) -> Line | Gate | None:
         """Put waiter in key's line for holder, as _drive.Place.join (QueueFull: the line is full).
 
-        ``guarded``: the caller holds the guard already. Submitted work joins
-        as data: it is the holder and the waiter (a Deferred), under the guard.
+        ``guarded``: the caller holds the guard already; ``admitted``: see
+        try_take. Submitted work joins as data: it is the holder and the
+        waiter (a Deferred), under the guard.
         """
         if self.mode.shared and not guarded:
             with self.mode.lock or self.mode.locked():
-                return self.join(key, holder, waiter, timeout, True)
+                return self.join(key, holder, waiter, timeout, True, admitted)
         lines = self.lines
         line = lines.get(key)
         # (holder holds no key it waits for: a bare holder or a Line is busy)
         if line is None or type(line) is Gate or not self.open:
-            if self._try_take(key, holder) is True:  # (free after all, or a free place)
+            if self._try_take(key, holder, admitted) is True:  # (free after all, or a place)
                 return None
             line = lines[key]
         if type(line) is not Line and type(line) is not Gate:
@@ -227,8 +238,8 @@ class Registry:
             )
         if timeout is not None and timeout <= 0:
             raise self.too_late(key, 0, False)
+        line.waiting += 1  # NOTE: then the append: an interrupt after it finds both done
         line.waiters.append(waiter)
-        line.waiting += 1
         return line
 
     def requeue(self, key: Hashable, waiter: Deferred) -> Line | None:
@@ -278,7 +289,7 @@ class Registry:
         elif line.holder is waiter:
             # The turn was handed over just as the waiter was interrupted:
             # pass it on, or the line would stall behind a caller that left.
-            self.leave(key, self.lines.pop(key), None, None)
+            self.leave(key, line, None, None)
         else:
             waiter.cancel()  # so that the hand-off skips it
             line.waiting -= 1
@@ -290,116 +301,169 @@ class Registry:
         waiting = line.waiting - queued if type(line) is Line or type(line) is Gate else 0
         return missed((key,), Waited.LINE, limit, f" (the key was busy, {others(waiting)})")
 
-    def release_all(
-        self, keys: Sequence[Hashable], holder: object, error: BaseException | None, result: Any
-    ) -> None:
-        """End holder's turns on keys (taken in that order), newest first."""
-        with self.mode.guard():
-            for key in reversed(keys):
-                self._release(key, holder, error, result)
-
-    def end(
+    def release(
         self,
         keys: Sequence[Hashable],
         holder: object,
         error: BaseException | None,
         result: Any,
-        cut: bool,
-        since: float,
+        started: float | None,
+        cut: bool = False,
+        counted: bool = False,
     ) -> None:
-        """End holder's turns on keys (see release_all) and count the turn (see Tally.ended):
-        the end of a turn taken by its steps; ``since``: when a timed one started."""
-        held = (_monotonic() - since) if since else None
+        """End holder's turns on keys (taken in that order), newest first, and count the turn
+        once: as ended if it started (``started``: when, monotonic, for a timed turn; 0.0
+        for an untimed one), with error (None: it returned) and ``cut`` by its max_hold; as
+        missed (error) if it never did (None). ``counted``: it was counted already (a
+        conflating call answered without its turn: see _latest)."""
         if self.mode.shared:
             with self.mode.lock or self.mode.locked():
-                for key in reversed(keys):
-                    self._release(key, holder, error, result)
-                self.tally.ended(error, cut, held)
+                self._release(keys, holder, error, result, started, cut, counted)
             return
         lines = self.lines
-        for key in reversed(keys):
-            if (line := lines.pop(key)) is not holder:  # (_release, one call less)
-                self._hand_on(key, line, holder, error, result)
-        self.tally.ended(error, cut, held)
-
-    def finish(
-        self, key: Hashable, holder: object, error: BaseException | None, result: Any
-    ) -> None:
-        """End an untimed turn on one key (see _release) and count it."""
-        if self.mode.shared:
-            with self.mode.lock or self.mode.locked():
-                if (line := self.lines.pop(key)) is not holder:  # (_release, as below)
-                    self._hand_on(key, line, holder, error, result)
-                if error is None:
-                    self.tally.completed += 1
-                else:
-                    self.tally.ended(error, False, None)
+        if error is None and started == 0.0 and len(keys) == 1 and lines.get(keys[0]) is holder:
+            del lines[keys[0]]  # (_release's first case, one call less: the hot path)
+            if not counted:
+                self.tally.completed += 1
             return
-        if (line := self.lines.pop(key)) is not holder:  # (_release, one call less)
-            self._hand_on(key, line, holder, error, result)
-        if error is None:
-            self.tally.completed += 1
-        else:
-            self.tally.ended(error, False, None)
+        self._release(keys, holder, error, result, started, cut, counted)
 
     def _release(
+        self,
+        keys: Sequence[Hashable],
+        holder: object,
+        error: BaseException | None,
+        result: Any,
+        started: float | None,
+        cut: bool,
+        counted: bool,
+    ) -> None:
+        lines = self.lines
+        if len(keys) == 1 and lines.get(keys[0]) is holder:  # (_give_back's first case)
+            del lines[keys[0]]
+        else:
+            for key in reversed(keys):
+                self._give_back(key, holder, error, result)
+        if counted:
+            return
+        if error is None and started == 0.0:  # (an untimed turn: unobserved, see observe)
+            self.tally.completed += 1
+        else:
+            self._count(error, started, cut)
+
+    def _count(self, error: BaseException | None, started: float | None, cut: bool) -> None:
+        tally = self.tally
+        if started is None:
+            if not isinstance(error, QueueClosed):  # (not queued: not a turn)
+                tally.missed(error)  # type: ignore[arg-type]
+        elif error is None and not started and tally.observer is None:
+            tally.completed += 1  # (Tally.ended's first case, one call less: the hot path)
+        else:
+            tally.ended(error, cut, (_monotonic() - started) if started else None)
+
+    def _give_back(
         self, key: Hashable, holder: object, error: BaseException | None, result: Any
     ) -> None:
-        if (line := self.lines.pop(key)) is not holder:
-            self._hand_on(key, line, holder, error, result)
+        """End holder's turn on key: the key leaves the lines, or passes to the next in line.
 
-    def _hand_on(
-        self, key: Hashable, line: Any, holder: object, error: BaseException | None, result: Any
-    ) -> None:
-        """End holder's turn on key's line (a Line or Gate), just popped from the lines."""
-        if type(line) is Gate:
-            line.leave(holder, self.mode.shared)
-            if not line.idle:
-                self.lines[key] = line
+        NOTE: restartable: wherever an exception lands in it, the line is left
+        held by holder still, or handed to a waiter (woken or not: see settle_up).
+        """
+        lines = self.lines
+        line = lines[key]
+        if line is holder:
+            del lines[key]
+        elif type(line) is Gate:
+            if isinstance(holder, Deferred):  # (its task never started: see _enter)
+                line.drop(holder, self.mode.shared)
+            else:
+                line.leave(holder, self.mode.shared)
+            if line.idle:
+                del lines[key]
         else:
             self.leave(key, line, error, result)
 
+    def withdraw(self, key: Hashable, holder: object, waiter: Waiter | None) -> None:
+        """Undo what a take or join of key for holder did before an exception cut it short.
+
+        A thread's clean-up, wherever an interrupt landed: the key, if holder
+        took it (it did not hold it before), is given back; waiter, if it is in
+        the line, leaves it, or passes on the key it was handed. Idempotent:
+        a hand-on that an interrupt cut short is completed (see settle_up).
+        """
+        with self.mode.guard():
+            line = self.lines.get(key)
+            if line is None:
+                return
+            if held_by(line, holder):
+                self._give_back(key, holder, None, None)
+            elif waiter is not None and type(line) is Gate:
+                if waiter in line.holders or (not waiter.done() and waiter in line.waiters):
+                    line.drop(waiter, self.mode.shared)
+                    if line.idle:
+                        del self.lines[key]
+            elif waiter is not None and type(line) is Line:
+                if line.holder is waiter:
+                    self.leave(key, line, None, None)  # (passes it on)
+                elif not waiter.done() and waiter in line.waiters:
+                    waiter.cancel()  # so that the hand-off skips it
+                    line.waiting -= 1
+                    line.compact()
+            self._rewake(key)
+
+    def settle_up(self, keys: Sequence[Hashable], holder: object) -> None:
+        """Complete holder's release of keys that an exception cut short (a thread's exit):
+        give back each it still holds, and wake the waiter a hand-off made holder but did
+        not wake. Idempotent."""
+        with self.mode.guard():
+            for key in reversed(keys):
+                line = self.lines.get(key)
+                if line is not None and held_by(line, holder):
+                    self._give_back(key, holder, None, None)
+                self._rewake(key)
+
+    def _rewake(self, key: Hashable) -> None:
+        """Wake the waiters that key's hand-on made holders, if an exception kept it from
+        waking them (see rewake). Under the guard."""
+        line, shared = self.lines.get(key), self.mode.shared
+        if type(line) is Line:
+            rewake(line.holder, shared)
+        elif type(line) is Gate:
+            for holder in tuple(line.holders):
+                rewake(holder, shared)
+
+    def hand_on(self, key: Hashable, line: Line, result: Any) -> None:
+        """Hand on key's line, just popped by run()'s inline release (its holder returned)."""
+        self.lines[key] = line
+        self.leave(key, line, None, result)
+
     def leave(self, key: Hashable, line: Line, error: BaseException | None, result: Any) -> None:
-        """End the turn of line's holder, just popped from the lines: tell its watchers, then hand
-        the key on (the line put back) or leave it out if nobody waits. Under the guard."""
+        """End the turn of line's holder: tell its watchers, then hand the key on (the line
+        stays in the lines) or take it out of the lines if nobody waits. Under the guard."""
         if line.watchers is not None:
             watchers, line.watchers = line.watchers, None
             for watcher in watchers:
                 _soon(watcher, _outcome, watcher, error, result)
-        waiters = line.waiters
         shared = self.mode.shared
-        while waiters:
-            waiter = waiters.popleft()
-            if type(waiter) is Drain:
-                waiter.reached()
-            elif not waiter.done():
-                line.waiting -= 1
-                # NOTE: the line is the waiter's before it is woken: a task of
-                # another loop may run at once and make itself the holder.
-                line.holder = waiter
-                self.lines[key] = line
-                if not shared and type(waiter) is asyncio.Future:
-                    waiter.set_result(None)  # (hand's first case, one call less)
-                elif not hand(waiter, shared):  # its loop is closed: its task is gone
-                    del self.lines[key]
-                    continue
+        while (waiter := line.hand_on()) is not None:
+            # NOTE: the line is the waiter's before it is woken: a task of another loop
+            # may run at once and make itself the holder.
+            if not shared and type(waiter) is asyncio.Future:
+                waiter.set_result(None)  # (hand's first case, one call less)
                 return
+            if hand(waiter, shared):
+                return
+        del self.lines[key]  # nobody waits (or nobody can take it: their loops are closed)
 
-    def start(self, key: Hashable, work: Deferred, task: object, handed: bool) -> None:
-        """Make the task of submitted work the holder of key in the work's place.
-
-        ``handed``: the work waited in the line and was handed the key (else
-        it took it free). Under the guard.
-        """
+    def start(self, key: Hashable, work: Deferred, task: object) -> None:
+        """Make the task of submitted work the holder of key in the work's place (handed to
+        it, or taken free: see _enter). Under the guard."""
         lines = self.lines
         line = lines[key]
         if line is work:
             lines[key] = task
         elif type(line) is Gate:
-            if handed:
-                line.seat(work, task, self.mode.shared)
-            else:
-                line.swap(work, task)
+            line.seat(work, task, self.mode.shared)
         else:
             line.holder = task
 

@@ -58,16 +58,25 @@ class Slots(Places):
         return got
 
     def join(
-        self, key: Hashable, holder: object, waiter: Waiter, timeout: float | None
+        self,
+        key: Hashable,
+        holder: object,
+        waiter: Waiter,
+        timeout: float | None,
+        guarded: bool = False,
+        admitted: bool = False,
     ) -> Slots | None:
-        """Put waiter in the slots' line for holder; None if it took a slot that freed meanwhile."""
+        """Put waiter in the slots' line for holder; None if it took a slot that freed meanwhile.
+
+        (``guarded``, ``admitted``: of a key's line, see Place.join; not used here.)
+        """
         with self.registry.mode.guard():
             if self._try_take(holder) is not False:
                 return None
             if timeout is not None and timeout <= 0:
                 raise self.too_late(key, 0, False)
+            self.waiting += 1  # NOTE: then the append: an interrupt after it finds both done
             self.waiters.append(waiter)
-            self.waiting += 1
             return self
 
     def settle(self, key: Hashable, line: Slots, waiter: Waiter, holder: object) -> bool:
@@ -84,6 +93,18 @@ class Slots(Places):
         """Take an interrupted waiter out of the slots' line, passing on a slot handed to it."""
         with self.registry.mode.guard():
             self.drop(waiter, self.registry.mode.shared)
+
+    def withdraw(self, key: Hashable, holder: object, waiter: Waiter | None) -> None:
+        """Undo a join or settle of waiter for holder that an exception cut short: a slot
+        holder took is given back; waiter leaves the line (passing on a slot handed to it)."""
+        with self.registry.mode.guard():
+            shared = self.registry.mode.shared
+            if holder in self.holders:
+                self.leave(holder, shared)
+            elif waiter is not None and (
+                waiter in self.holders or (not waiter.done() and waiter in self.waiters)
+            ):
+                self.drop(waiter, shared)
 
     def too_late(self, key: Hashable, limit: float | None, queued: bool) -> TimeoutError:
         """The error of a slot not reached within limit for the turn on keys ``key`` (a tuple)."""

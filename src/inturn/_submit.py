@@ -37,9 +37,8 @@ from time import monotonic as _monotonic
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, final
 
 from ._checks import Policy
-from ._conflate import Runs
 from ._describe import describe
-from ._errors import QueueClosed, QueueFull, Superseded
+from ._errors import QueueClosed, QueueFull, Superseded, closed
 from ._latest import Book, Latest, Ticket
 from ._line import Deferred, Gate, held_by
 from ._line import Line as _Line
@@ -64,7 +63,16 @@ R = TypeVar("R")
 class Submissions:
     """A queue's submitted work (one per queue): what submit() and its handles use of it."""
 
-    __slots__ = ("__weakref__", "book", "handles", "max_hold", "policy", "registry", "timeout")
+    __slots__ = (
+        "__weakref__",
+        "book",
+        "handles",
+        "max_hold",
+        "policy",
+        "registry",
+        "timeout",
+        "unclaimed",
+    )
 
     def __init__(
         self,
@@ -80,6 +88,7 @@ class Submissions:
         self.timeout = timeout  # the queue's
         self.max_hold = max_hold  # the queue's
         self.handles: set[Handle[Any]] = set()  # submitted, not finished yet
+        self.unclaimed: list[Handle[Any]] = []  # failed outside a batch, nobody awaited them
 
     def of_loop(self, loop: asyncio.AbstractEventLoop) -> list[asyncio.Future[Any]]:
         """The outcomes of loop's submitted work not finished yet (for drain())."""
@@ -93,7 +102,7 @@ _STARTED = 2  # its task runs (or ran)
 
 
 @final
-class Handle(Deferred, Ticket, Generic[R]):
+class Handle(Deferred, Generic[R]):
     """Work given to :meth:`~inturn.KeyedQueue.submit`: await it for its outcome, or cancel it.
 
     ``await handle`` returns the work's result or raises its exception, as
@@ -108,29 +117,28 @@ class Handle(Deferred, Ticket, Generic[R]):
     With ``pending="latest"`` (or ``debounce``), a handle whose work newer
     work replaced lets its work go at once: it gives the outcome of the work
     that runs in its place (``on_superseded="join"``), and is cancelled if
-    that work is; or it raises :exc:`~inturn.Superseded` (``"raise"``). That
+    that work is, or if nothing runs in its place (every newer caller gave
+    up first); or it raises :exc:`~inturn.Superseded` (``"raise"``). That
     error is the caller's answer, not a failure: no batch or ``drain()``
     raises it again.
     """
 
     __slots__ = (
-        "__weakref__",
         "_args",
         "_awaited",
         "_batch",
         "_callbacks",
         "_context",
         "_counted",
-        "_failed",
         "_fn",
         "_future",
         "_kwargs",
         "_line",
         "_queue",
-        "_quiet",
         "_since",
         "_stage",
         "_task",
+        "_ticket",
         "_timer",
         "key",
     )
@@ -146,7 +154,6 @@ class Handle(Deferred, Ticket, Generic[R]):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         future: asyncio.Future[R],
-        failed: list[Handle[Any]],
         batch: Batch | None,
     ) -> None:
         self._queue = queue
@@ -155,7 +162,6 @@ class Handle(Deferred, Ticket, Generic[R]):
         self._args = args
         self._kwargs = kwargs
         self._future = future  # the work's outcome: every answer of the handle reads it
-        self._failed = failed  # where the handle goes if it fails and nobody awaited it
         self._batch = batch
         self._task: asyncio.Task[Any] | None = None  # the work's task, from its turn on
         # the line it joined as data, until its task holds the key (None: it took a free key;
@@ -171,9 +177,7 @@ class Handle(Deferred, Ticket, Generic[R]):
         # add_done_callback's callbacks, each with what the future calls instead (made on first use)
         self._callbacks: list[tuple[Callable[[Handle[R]], object], Callable[..., object]]] | None
         self._callbacks = None
-        # (a Ticket, while it waits in a key's Latest: see _latest)
-        Ticket.__init__(self, True, None, None, future.get_loop())  # (work: see submit)
-        self._quiet: asyncio.TimerHandle | None = None  # its Latest's debounce timer
+        self._ticket: Ticket | None = None  # its ticket, on a queue that conflates (see submit)
         queue.handles.add(self)
         if batch is not None:
             batch._handles.add(self)
@@ -293,10 +297,12 @@ class Handle(Deferred, Ticket, Generic[R]):
         if self._stage == _PLACED:
             self._stage = _UNPLACED
             if self._line is None:  # it took the free key: give it back
-                registry.release_all((self.key,), self, None, None)
-                registry.missed(error)
+                registry.release((self.key,), self, error, None, None)
             elif type(self._line) is Latest:  # (passes on the key if it was handed just now)
-                self._line.book.gave_up(self, error)
+                ticket = self._ticket
+                assert ticket is not None
+                if ticket.book.gave_up(ticket, error):
+                    registry.missed(error)
             else:  # (passes on the key if it was handed just now)
                 registry.abandon(self.key, self._line, self)
                 registry.missed(error)
@@ -310,8 +316,8 @@ class Handle(Deferred, Ticket, Generic[R]):
             return
         queue = self._queue
         with queue.registry.mode.guard():
-            latest = self.latest
-            if latest is not None and not latest.book.waits(self):
+            ticket = self._ticket
+            if ticket is not None and type(self._line) is Latest and not ticket.book.waits(ticket):
                 return  # its Latest was handed the key (or it was answered) just now
             if held_by(queue.registry.lines.get(self.key), self):
                 return  # handed the key just now: its task takes the rest of the time
@@ -331,8 +337,8 @@ class Handle(Deferred, Ticket, Generic[R]):
         return _call_soon_in(loop, self._start)
 
     def _start(self) -> None:
-        """Make the task of work that was handed its key's line."""
-        if self._future.done():  # cancelled or timed out just then: it passed the turn on
+        """Make the task of work that was handed its key's line (once)."""
+        if self._future.done() or self._task is not None:  # (done: it passed the turn on)
             return
         if self._timer is not None:
             self._timer.cancel()
@@ -341,17 +347,12 @@ class Handle(Deferred, Ticket, Generic[R]):
         assert context is not None
         self._task = in_context(self._future.get_loop(), _run(self), context)
 
-    # -- as a Ticket of a key's Latest (see _latest) ------------------------------------
+    # -- as its ticket's waiter, in a key's Latest (see _latest.Data) ---------------------
 
-    def run_now(self, shared: bool) -> bool:
-        return self.handed(shared)
-
-    def replaced(self) -> bool:
+    def let_go(self) -> None:
         # (its function, arguments and context go: it only follows what runs)
         self._fn, self._args, self._kwargs, self._context = _spent, (), _NO_KWARGS, None
-        self.work = None
         self._queue.handles.discard(self)  # (drain() waits for what it follows)
-        return False
 
     def answer(self, error: BaseException | None, result: Any) -> None:
         # (in its loop, after the guard: _finish tells its batch, which may cancel handles;
@@ -367,19 +368,6 @@ class Handle(Deferred, Ticket, Generic[R]):
         self._stage = _UNPLACED
         if not self._future.done():  # (its own caller, or the work's, reports an error)
             self._ended(error, result, reported=True)
-
-    def arm(self, delay: float | None) -> None:
-        if delay is not None or self._quiet is not None:
-            _call_soon_in(self._future.get_loop(), lambda: self._arm(delay))
-
-    def _arm(self, delay: float | None) -> None:
-        if self._quiet is not None:
-            self._quiet.cancel()
-            self._quiet = None
-        latest = self.latest
-        if delay is not None and latest is not None and not self._future.done():
-            loop = self._future.get_loop()
-            self._quiet = loop.call_later(max(delay, 0.0), latest.book.tick, latest)
 
     def _ended(self, error: BaseException | None, result: Any, reported: bool = False) -> None:
         """Give the handle the outcome of its work, from the work's task (or its refusal);
@@ -400,10 +388,10 @@ class Handle(Deferred, Ticket, Generic[R]):
         """Let the queue and the batch know the work has finished (failed: with an error)."""
         # let the work's function and arguments go, as a finished task does its frame
         self._fn, self._args, self._kwargs, self._line = _spent, (), _NO_KWARGS, None
-        self.work = None
+        self._ticket = None
         self._queue.handles.discard(self)
-        if failed and not self._awaited:
-            self._failed.append(self)
+        if failed and not self._awaited:  # (its error is raised by its batch, or drain())
+            (self._queue.unclaimed if self._batch is None else self._batch._failed).append(self)
         if self._batch is not None:
             self._batch._finished(self, failed)
 
@@ -435,33 +423,33 @@ async def _run(handle: Handle[Any]) -> None:
     if task is None:  # an eager task runs this step inside create_task: known so, to cancel()
         task = handle._task = _current_task()
         assert task is not None
-    latest = handle.latest if type(handle._line) is Latest else None
+    ticket = handle._ticket
     with registry.mode.guard():
-        if latest is not None:
-            latest.book.start(handle, task)
+        if type(handle._line) is Latest:  # (its ticket was handed the key)
+            assert ticket is not None
+            ticket.book.hold(ticket, task)
         else:
-            registry.start(handle.key, handle, task, handle._line is not None)
+            registry.start(handle.key, handle, task)
         handle._line = None
         if handle._counted:
             _uncount(handle, registry.slots)
     if registry.tally.observer is not None:  # (this task's context is its own)
         FUNCTION.set(function_label(handle._fn))
-    turn = Turn(registry, (handle.key,), queue.timeout, queue.max_hold)
+    turn = Turn(registry, (handle.key,), queue.timeout, queue.max_hold, False, ticket)
     fn, args, kwargs = handle._fn, handle._args, handle._kwargs
     try:
-        if latest is None and not queue.policy.conflates:  # (the plain path: no Runs)
-            result = await call_in_turn(turn, fn, args, kwargs, task, handle._since, True)
-        else:
-            work = (fn, args, kwargs, None)
-            runs = Runs(queue.book, handle.key, work, queue.policy, handle.label, task.get_loop())
-            runs.seq, runs.mine = handle.seq, latest
-            result = await runs.outcome(call_in_turn(turn, runs, (), {}, task, handle._since, True))
+        result = await call_in_turn(turn, fn, args, kwargs, task, handle._since, True)
     except BaseException as error:
         handle._ended(error, None)
-        if isinstance(error, Exception):
+        if isinstance(error, Exception) or not isinstance(error, _STOPS):
             return  # it is the handle's now: the task ends quietly
         raise
     handle._ended(None, result)
+
+
+#: What submitted work's task raises on, as a task does: its cancellation, and what asks the
+#: loop to stop. Any other error, also a BaseException of its own, is the handle's alone.
+_STOPS = (asyncio.CancelledError, KeyboardInterrupt, SystemExit)
 
 
 async def submit(
@@ -470,18 +458,16 @@ async def submit(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    failed: list[Handle[Any]],
     batch: Batch | None,
 ) -> Handle[Any]:
-    """queue.submit(): the handle goes to failed if it fails and nobody awaits it."""
+    """queue.submit() (or batch's): a failed handle nobody awaited is its batch's to raise,
+    else drain()'s (see Handle._finish)."""
     if not callable(fn):
         raise TypeError(f"inturn: submit() needs a callable, got {describe(fn)}")
     registry = queue.registry
     key = registry.ordered((key,))[0]  # (checked: hashable, or a backend's kind)
     if not registry.open:
-        raise QueueClosed(
-            f"inturn: the queue is closed; the work for key {describe(key)} was not queued"
-        )
+        raise closed(registry.name, key)
     loop = running_loop("submit()")
     slots = registry.slots
     me = None
@@ -489,17 +475,16 @@ async def submit(
         me = _current_task()
         if slots.free <= slots.unplaced and slots.needs(key, me):
             await slots.backpressure(key, me, loop)
-    handle: Handle[Any] = Handle(queue, key, fn, args, kwargs, loop.create_future(), failed, batch)
+    handle: Handle[Any] = Handle(queue, key, fn, args, kwargs, loop.create_future(), batch)
     policy = queue.policy
     try:
         with registry.mode.guard_for(loop):
             line: _Line | Gate | Latest | None = None
             if policy.conflates and queue.timeout != 0:
-                context = contextvars.copy_context()  # (for Book.newer)
-                handle.join, handle.work = policy.join, (fn, args, kwargs, context)
-                if registry.tally.observer is not None:
-                    handle.label = function_label(fn)
-                line = queue.book.enter(key, handle, handle, policy, loop.time)
+                work = (fn, args, kwargs, contextvars.copy_context())  # (see Book.start)
+                label = None if registry.tally.observer is None else function_label(fn)
+                handle._ticket = Ticket(queue.book, key, policy, work, label, loop, handle)
+                line = queue.book.enter(handle._ticket, handle, loop.time)
             if line is None:
                 line = registry.join(key, handle, handle, queue.timeout, guarded=True)  # as data
             handle._stage = _PLACED

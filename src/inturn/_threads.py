@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from threading import get_ident
 from typing import Any, Final, final
@@ -61,6 +62,22 @@ def thread_holder() -> ThreadHolder:
     except AttributeError:
         me = _LOCAL.me = ThreadHolder(get_ident())
     return me
+
+
+def surely(call: Callable[..., object], *args: Any) -> None:
+    """Call call(*args) through to its end, however often an exception is thrown into the
+    thread meanwhile (a signal handler's, say): call must be idempotent. The first such
+    exception is raised once it has ended."""
+    thrown: BaseException | None = None
+    while True:
+        try:
+            call(*args)
+        except BaseException as error:
+            thrown = thrown or error
+            continue
+        if thrown is not None:
+            raise thrown
+        return
 
 
 def _gone(loop: asyncio.AbstractEventLoop, thread: int) -> bool:

@@ -2,23 +2,38 @@
 
 The protocol of a turn is written here once, as steps (generators that
 yield only waits; ``_drive`` performs them for a task or a thread):
-``_taking`` takes each key's line of this process in the global order
-(with a backend, then its grant, or all the keys on the turn's session:
-see ``_shared``), then a running slot; ``_ending`` gives them back, newest
-first. A key its holder holds already is not taken again (see Held).
+``_taking`` first waits on its ticket when the call conflates (see
+``_latest``), then takes each key's line of this process in the global
+order (with a backend, then its grant, or all the keys on the turn's
+session: see ``_shared``), then a running slot; ``_ending`` gives them back,
+newest first. A key its holder holds already is not taken again (see Held).
 
-The registry's fast verb ``try_take`` is called first: an uncontended turn
-on one key of an untimed in-process queue yields no wait and makes no steps.
-Entering and leaving are sync until a wait is needed; only then is a
-driver run.
+A turn has one way in and one way out per driver: ``_enter`` (a task's:
+``async with`` and every async call) and ``_enter_sync`` (a thread's), and
+``_exit``/``_exit_sync``; each is sync until a wait is needed, and runs a
+driver only then. The registry's fast verb ``try_take`` is called first:
+an uncontended turn on one key of an untimed in-process queue yields no
+wait and makes no steps. The untimed one-key wait alone in a line is the
+licensed exception to the steps (``wait_alone``, once per driver).
+
+A thread's way in and out is interrupt-safe: an exception that a signal
+handler raises (or that is thrown into the thread) wherever it lands leaves
+nothing of the turn behind. What the registry did when it landed is found
+from the registry itself (a key taken, a waiter in line or handed the key)
+and undone (see ``Registry.withdraw``), and a turn's steps record what they
+are about to take before they take it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import weakref
 from collections.abc import Callable, Hashable, Mapping
+from contextlib import suppress
+from functools import partial
 from inspect import isawaitable
+from operator import attrgetter
 from time import monotonic as _monotonic
 from types import CoroutineType, MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Any, Final, NoReturn, cast, final
@@ -29,22 +44,22 @@ from ._drive import (
     GRANT,
     LINE,
     SLOT,
+    TICKET,
     Steps,
     drive,
     drive_sync,
-    give_up,
-    line_up,
-    seated,
     unwind_sync,
     wait_alone,
     wait_alone_sync,
 )
+from ._errors import blocking_in_loop
 from ._hold import Clock, start_clock
+from ._latest import RUN, Answer, Ticket, in_caller_context
 from ._line import HELD, held_by
 from ._shared import CURRENT, Shared
 from ._stats import FUNCTION
 from ._tasks import loop_here, loop_of, outside_asyncio
-from ._threads import thread_holder
+from ._threads import surely, thread_holder
 
 if TYPE_CHECKING:
     from ._registry import Registry
@@ -72,6 +87,20 @@ def current_turn() -> Turn | None:
 
 _SLOT: Final = object()  # (_taking waits for a running slot: see _untaking)
 _NO_KEY: Final = object()  # (_taking waits for no key or slot: see _untaking)
+#: Turn._holder while the turn is being entered (a second entry is refused).
+_ENTERING: Final = object()
+#: Turn._net unless a thread holds the turn: a callable in C that does nothing (see __del__).
+_DISARMED: Final = tuple
+#: What a turn whose __exit__ never ran is ended with (see _abandoned).
+_ABANDONED: Final = KeyboardInterrupt("inturn: the turn's block was left without its __exit__")
+
+
+def _abandoned(ref: weakref.ref[Turn]) -> None:
+    """End a thread's turn whose block was left without its __exit__ (see Turn.__del__)."""
+    turn = ref()
+    if turn is not None and turn._holder is not None and turn._holder is not _ENTERING:
+        with suppress(BaseException):
+            turn._exit_sync(None, _ABANDONED)
 
 
 class _Path(enum.Enum):
@@ -92,26 +121,31 @@ class Turn:
     ``async with queue.keyed("acct-1", "acct-2") as turn:`` waits for the
     turn of every key, runs the block holding them all, and releases them
     when the block ends, however it ends. A turn object may be entered again
-    after its block ended, but not while it is entered.
+    after its block ended, but not while it is entered or being entered: a
+    second entry meanwhile raises :exc:`RuntimeError` at once.
 
     On a queue with a shared backend, a turn that lost its lease (see
     :attr:`lease_lost`) raises :exc:`~inturn.LeaseLost` when its block ends
     without an error of its own.
 
-    :ivar keys: the keys, in the order they are taken: the queue's global key
-        order, so that two holders of overlapping keys never deadlock.
+    :ivar keys: the keys, each once, in the order they are taken: the queue's
+        global key order, not the order the caller gave, so that two holders
+        of overlapping keys never deadlock.
     """
 
     __slots__ = (
         "_clock",
         "_hold",
         "_holder",
+        "_net",
         "_path",
         "_registry",
         "_shared",
         "_since",
         "_slot",
+        "_steps",
         "_taken",
+        "_ticket",
         "_timeout",
         "_transaction",
         "keys",
@@ -122,12 +156,16 @@ class Turn:
     # A turn taken by its steps (_STEPS) holds, set by _start: the keys it took
     # (not held already), in order; whether it took a running slot (max_running);
     # when it was asked for (timed queues), then when it started; max_hold's clock,
-    # while held; its part on a shared backend.
+    # while held; its part on a shared backend; the steps, from when they begin
+    # (so that an interrupt anywhere finds them: see unwind_sync).
     _taken: tuple[Hashable, ...]
     _slot: bool
     _since: float
     _clock: Clock | None
     _shared: Shared | None
+    _steps: Steps | None
+    # A thread's: what finalizing the turn calls (see ThreadTurn).
+    _net: Callable[[], object]
     #: A fencing token, set on entry: larger than every earlier turn's on the same key.
     #: Send it with the turn's writes to a store that keeps the largest it has seen,
     #: so a holder whose turn was lost (:attr:`lease_lost`) and writes late is refused.
@@ -141,15 +179,18 @@ class Turn:
         timeout: float | None,
         hold: float | None,
         transaction: bool = False,
+        ticket: Ticket | None = None,
     ) -> None:
         self._registry = registry
         self.keys = keys
         self._timeout = timeout
         self._hold = hold  # max_hold, seconds
         self._transaction = transaction  # keyed(transaction=True): see connection
+        self._ticket = ticket  # a conflating call's (see _latest), on one key
         self.token = 0
         self._holder: object = None  # the task or thread inside the block, None outside it
         self._path: _Path | None = None
+        self._net: Callable[[], object] = _DISARMED  # (a thread's: see ThreadTurn)
 
     @property
     def tokens(self) -> Mapping[Hashable, int]:
@@ -198,43 +239,53 @@ class Turn:
         shared = self._shared if self._path is _STEPS else None
         return shared is not None and shared.lost
 
-    # -- a task's turn -----------------------------------------------------------------
+    # -- a task's way in and out -------------------------------------------------------
 
-    async def __aenter__(self) -> Turn:
-        task: asyncio.Task[Any] = self._enter_now(None)  # type: ignore[assignment]
-        if self._holder is None:
-            if self._path is _ALONE:  # (awaited in this frame: see line_up)
-                registry, key, timeout = self._registry, self.keys[0], self._timeout
-                queued = line_up(registry, key, task, timeout, timeout, registry)
-                if queued is not None:
-                    try:
-                        await queued[1]
-                    except BaseException as error:
-                        give_up(registry, key, queued, error, registry)
-                        raise
-                    seated(registry, key, task, queued)
-                self._held_alone(task)
-            else:
-                begun = self._start(task, 0.0, False)
-                if begun is not None:
-                    await self._drive(task, *begun)
-                self._holder = task
+    async def _enter(
+        self, task: asyncio.Task[Any] | None = None, since: float = 0.0, lined: bool = False
+    ) -> Turn:
+        """Take the turn for a task: the one way in of ``async with`` and of every async call.
+
+        ``task``: the task this runs in, if the caller knows it (and its loop
+        is settled in the thread mode), else the current task; ``lined``: it
+        holds the turn's lines already, asked for at ``since`` (see _taking).
+        """
+        holder: asyncio.Task[Any] = self._enter_now(task, lined)  # type: ignore[assignment]
+        if self._holder is _ENTERING:
+            try:
+                if self._path is _ALONE:
+                    await wait_alone(self._registry, self.keys[0], holder, self._timeout)
+                    self._held(holder)
+                else:
+                    begun = self._start(holder, since, lined)
+                    if begun is not None:
+                        await self._drive(holder, *begun)
+                    self._holder = holder
+            except BaseException:
+                self._holder = None
+                raise
         return self
 
-    async def __aexit__(
+    __aenter__ = _enter
+
+    async def _exit(
         self,
         exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
+        error: BaseException | None,
+        tb: TracebackType | None = None,
+        result: Any = None,
     ) -> None:
+        """Leave the turn, its work ended with error or result: a task's one way out."""
         holder = self._holder
-        if self._path is None:  # (_leave's first case, one call less: keyed()'s hot path)
+        if self._path is None and self._ticket is None:  # (_leave's first case, one call less)
             self._holder = None
-            self._registry.finish(self.keys[0], holder, exc, None)
+            self._registry.release(self.keys, holder, error, result, 0.0)
             return
-        begun = self._leave(exc, None)
+        begun = self._leave(error, result)
         if begun is not None:
             await self._drive(holder, *begun)  # type: ignore[arg-type]
+
+    __aexit__ = _exit
 
     if not TYPE_CHECKING:  # (to a type checker, `await queue.keyed(...)` is an error as it is)
 
@@ -245,120 +296,128 @@ class Turn:
                 "`async with queue.keyed(...)` in a task (`with` in a thread), not `await`"
             )
 
-    def _enter_now(self, holder: object, lined: bool = False) -> object:
-        """Who takes this turn; the turn taken at once by the registry's fast verb, if it can be.
-
-        ``holder``: a thread's, or the task when the caller knows it; None: the
-        current task, whose loop is then settled in the thread mode; ``lined``:
-        see _taking. A turn alone (untimed, one key, in process: no steps,
-        nothing allocated) is taken by the fast verb if its key is free or held
-        by holder already (``_holder`` is set), else it is ``_ALONE`` (the caller
-        waits in the key's line alone: see wait_alone); any other, ``_STEPS``.
-        """
-        registry = self._registry
-        if holder is None:
-            if self._holder is not None:
-                raise RuntimeError(
-                    "inturn: this keyed() turn is already entered; make one per block"
-                )
-            mode = registry.mode
-            try:
-                holder = mode.current_task()
-            except RuntimeError:
-                raise outside_asyncio("keyed()") from None
-            if holder is None:
-                raise RuntimeError("inturn: a turn can only be taken inside an asyncio task")
-            if loop_of(holder) is not mode.solo:
-                mode.settle(loop_of(holder))
-        if registry.timed or self._hold is not None or len(self.keys) != 1:
-            self._path = _STEPS
-            return holder
-        got = True if lined else registry.try_take(self.keys[0], holder)  # the fast verb first
-        if got is False:
-            self._path = _ALONE  # (busy: the caller waits in the key's line, alone)
-            return holder
-        self._path = None if got is True else _NOTHING  # (HELD: reentrant, took nothing)
-        self.token = next(registry.tokens)
-        self._holder = holder
-        return holder
-
-    def _held_alone(self, holder: object) -> None:
-        """The turn is holder's: its one key, waited for alone (see _enter_now), is taken."""
-        self._path = None
-        self.token = next(self._registry.tokens)
-        self._holder = holder
-
     def _drive(self, task: asyncio.Task[Any], steps: Steps, wait: tuple[int, Any]) -> Any:
         """The coroutine that performs steps' waits for task, from wait on (see _drive)."""
         shared = self._shared
         via = shared is not None and shared.via
         return drive(steps, wait, task, self._registry, self._timeout, self._since, via)
 
-    # -- a thread's turn ---------------------------------------------------------------
+    # -- a thread's way in and out ----------------------------------------------------
 
-    def __enter__(self) -> Turn:
-        """Take the turns for this thread, blocking it while it waits (see ``KeyedQueue.keyed``)."""
-        return self._enter_sync(False, 0.0)
+    def _enter_sync(self, lined: bool = False, since: float = 0.0, fn: object = None) -> Turn:
+        """Take the turn for this thread, blocking it: ``with`` and every sync call's way in.
 
-    def _enter_sync(self, lined: bool, since: float) -> Turn:
-        """__enter__; ``lined``: this thread holds the key's line already, asked for at
-        ``since`` (conflated work handed the key: see _latest)."""
+        ``lined``, ``since``: as _enter's; ``fn``: the plain function it is for (a
+        decorated ``def``, run_sync()'s), which the error of a blocking call in a
+        running event loop names. Interrupt-safe (see the module).
+        """
         if self._holder is not None:
-            raise RuntimeError("inturn: this keyed() turn is already entered; make one per block")
+            self._enter_now(None, lined)  # (raises: entered already)
         if self._hold is not None:
             raise TypeError(
                 f"inturn: max_hold={self._hold:g} s cannot cut a thread's turn short "
                 "(a thread cannot be cancelled); take it from a task, or without max_hold"
             )
         # Who takes it: this thread; in a running event loop, a reentrant call's task only.
+        registry = self._registry
         if loop_here() is None:
-            mode = self._registry.mode
-            if not mode.shared:
-                mode.arrive(None)
-            me = self._enter_now(thread_holder(), lined)
+            if not registry.mode.shared:
+                registry.mode.arrive(None)
+            me: object = thread_holder()
         else:
-            me = self._enter_now(self._task_holding())
-        if self._holder is None:
-            if self._path is _ALONE:
-                wait_alone_sync(self._registry, self.keys[0], me, self._timeout)
-                self._path = None  # (_held_alone, inlined: no call to be interrupted at)
-                self.token = next(self._registry.tokens)
-                self._holder = me
-            else:
-                begun = self._start(me, since, lined)
-                if begun is not None:  # (in one frame with begun: see unwind_sync)
-                    try:
-                        drive_sync(*begun, me, self._registry, self._timeout, self._since)
-                    except BaseException as error:
-                        unwind_sync(begun[0], error, me, self._registry, self._since)
-                        raise
-                self._holder = me
+            me = self._task_holding(fn)
+        # The keys this entry may take (not held before): an interrupt gives them back.
+        keys, lines = self.keys, registry.lines
+        if lined:
+            fresh: tuple[Hashable, ...] = ()
+        elif len(keys) == 1:
+            line = lines.get(keys[0])
+            fresh = keys if line is None or not held_by(line, me) else ()
+        else:
+            fresh = tuple(key for key in keys if not held_by(lines.get(key), me))
+        self._steps = None
+        if type(self) is ThreadTurn:  # NOTE: armed before it takes anything
+            self._net = partial(_abandoned, weakref.ref(self))
+        try:
+            self._enter_now(me, lined)
+            if self._holder is _ENTERING:
+                if self._path is _ALONE:
+                    wait_alone_sync(registry, self.keys[0], me, self._timeout)
+                    self._held(me)
+                else:
+                    begun = self._start(me, since, lined)
+                    if begun is not None:
+                        drive_sync(*begun, me, registry, self._timeout, self._since)
+                    self._holder = me
+        except BaseException as error:
+            self._undo(me, fresh, error)
+            raise
         return self
 
-    def __exit__(
+    __enter__ = _enter_sync
+
+    def _undo(self, me: object, fresh: tuple[Hashable, ...], error: BaseException) -> None:
+        """Give back what a thread's entry cut short by error took, and count it (see the
+        module): the whole turn, or what its steps took, or the one key taken alone; and,
+        whatever an interrupt cut short, each of ``fresh`` (not held before) me holds."""
+        if self._holder is me:  # (taken whole: its steps ended, or the fast verb took it)
+            self._exit_sync(None, error)
+            return
+        self._holder = None
+        registry = self._registry
+        steps = self._steps
+        if steps is None:
+            registry.missed(error)
+        else:  # (they give back what they took, count it, and raise error again)
+            with suppress(BaseException):
+                unwind_sync(steps, error, me, registry, self._since)
+        if fresh:
+            surely(registry.settle_up, fresh, me)
+
+    def _exit_sync(
         self,
         exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
+        error: BaseException | None,
+        tb: TracebackType | None = None,
+        result: Any = None,
     ) -> None:
-        if self._path is None:  # (_leave's first case, two calls less: a thread's hot path)
-            holder, self._holder = self._holder, None
-            self._registry.finish(self.keys[0], holder, exc, None)
-        else:
-            self._end_sync(exc, None)
-
-    def _end_sync(self, error: BaseException | None, result: Any) -> None:
-        """End a thread's turn whose work ended with error, or with result."""
+        """Leave the turn for this thread, its work ended with error or result: a thread's one
+        way out. Interrupt-safe: what an interrupt left of the release is completed."""
+        self._net = _DISARMED  # NOTE: first (see ThreadTurn)
         holder = self._holder
-        begun = self._leave(error, result)
-        if begun is not None:  # (as in __enter__)
-            try:
+        path = self._path
+        keys = self.keys if path is None else self._taken if path is _STEPS else ()
+        try:
+            if path is None and self._ticket is None:  # (_leave's first case, one call less)
+                self._holder = None
+                self._registry.release(keys, holder, error, result, 0.0)
+                return
+            self._steps = None
+            begun = self._leave(error, result)
+            if begun is not None:
                 drive_sync(*begun, holder, self._registry, self._timeout, self._since)
-            except BaseException as problem:
-                unwind_sync(begun[0], problem, holder, self._registry, self._since)
-                raise
+        except BaseException as problem:
+            steps: Steps | None = self._steps
+            if steps is not None:  # (they end the turn, and raise problem again)
+                with suppress(BaseException):
+                    unwind_sync(steps, problem, holder, self._registry, self._since)
+            surely(self._settle_up, keys, holder, error, result)
+            raise
 
-    def _task_holding(self) -> object:
+    __exit__ = _exit_sync
+
+    def _settle_up(
+        self, keys: tuple[Hashable, ...], holder: object, error: BaseException | None, result: Any
+    ) -> None:
+        """Complete a thread's exit that an interrupt cut short (idempotent)."""
+        ticket = self._ticket
+        if ticket is not None:
+            ticket.book.ending(ticket, error)
+        self._registry.settle_up(keys, holder)
+        if ticket is not None:
+            ticket.book.ended(ticket, error, result)
+
+    def _task_holding(self, fn: object) -> object:
         """Inside a running event loop: the loop's current task, if it holds every key already.
 
         :raises RuntimeError: it does not (a blocking wait would freeze the loop).
@@ -369,14 +428,64 @@ class Turn:
         keys = self.keys
         if task is not None and all(held_by(lines.get(key), task) for key in keys):
             return task
-        raise RuntimeError(
-            "inturn: a blocking turn (run_sync(), `with keyed()`, a decorated plain def) "
-            f"was taken inside a running event loop, for {', '.join(map(describe, keys))}; "
-            "waiting would freeze the loop. Use `await queue.run(...)` or `async with`, "
-            "or call it in a thread: `await asyncio.to_thread(...)`"
-        )
+        raise blocking_in_loop(keys, fn)
 
     # -- entering and leaving: sync until a wait is needed ---------------------------------
+
+    def _enter_now(self, holder: object, lined: bool) -> object:
+        """Who takes this turn; the turn taken at once by the registry's fast verb, if it can be.
+
+        ``holder``: a thread's, or the task when the caller knows it; None: the
+        current task, whose loop is then settled in the thread mode. A turn
+        alone (untimed, one key, in process: no steps, nothing allocated) is
+        taken by the fast verb if its key is free or held by holder already
+        (``_holder`` is set), else it is ``_ALONE`` (the caller waits in the
+        key's line alone: see wait_alone), or ``_STEPS`` if it conflates (it
+        waits on its ticket: see _taking); any other, ``_STEPS``. Until it is
+        held, ``_holder`` is ``_ENTERING``.
+
+        :raises RuntimeError: the turn is entered, or being entered, already.
+        """
+        if self._holder is not None:
+            raise RuntimeError(
+                "inturn: this keyed() turn is already entered (or being entered); "
+                "make one per block"
+            )
+        registry = self._registry
+        if holder is None:
+            mode = registry.mode
+            try:
+                holder = mode.current_task()
+            except RuntimeError:
+                raise outside_asyncio("keyed()") from None
+            if holder is None:
+                raise RuntimeError("inturn: a turn can only be taken inside an asyncio task")
+            if loop_of(holder) is not mode.solo:
+                mode.settle(loop_of(holder))
+        self._holder = _ENTERING
+        ticket = self._ticket
+        if (
+            registry.timed
+            or self._hold is not None
+            or len(self.keys) != 1
+            or (ticket is not None and ticket.policy.debounce is not None)
+        ):
+            self._path = _STEPS
+            return holder
+        got = True if lined else registry.try_take(self.keys[0], holder)  # the fast verb first
+        if got is False:
+            self._path = _ALONE if ticket is None else _STEPS  # (busy: it waits)
+            return holder
+        self._path = None if got is True else _NOTHING  # (HELD: reentrant, took nothing)
+        self.token = next(registry.tokens)
+        self._holder = holder
+        return holder
+
+    def _held(self, holder: object) -> None:
+        """The turn is holder's: its one key, waited for alone (see _enter_now), is taken."""
+        self._path = None
+        self.token = next(self._registry.tokens)
+        self._holder = holder
 
     def _start(self, holder: object, since: float, lined: bool) -> _Begun | None:
         """Take the turn for holder by its steps, as far as they go without a wait.
@@ -399,7 +508,7 @@ class Turn:
                 # does not serve directly (a loop per job), one of the turn's own.
                 shared.via = via and not self._transaction
                 own = via and self._transaction
-        steps = self._taking(holder, own, lined)
+        steps = self._steps = self._taking(holder, own, lined)
         wait = next(steps, None)  # (up to the first wait)
         return None if wait is None else (steps, wait)
 
@@ -407,21 +516,25 @@ class Turn:
         """End the turn (the work ended with error, or with result) as far as it goes without
         a wait; None once it ended, else the steps and their first wait."""
         path = self._path
+        if path is _STEPS:
+            steps = self._steps = self._ending(error, result)
+            wait = next(steps, None)  # (up to the first wait)
+            return None if wait is None else (steps, wait)
+        holder, self._holder = self._holder, None
+        ticket = self._ticket
+        if ticket is not None:
+            ticket.book.ending(ticket, error)
         if path is None:  # one key, taken by try_take alone
-            holder, self._holder = self._holder, None
-            self._registry.finish(self.keys[0], holder, error, result)
-            return None
-        if path is _NOTHING:
-            self._holder = None
-            return None
-        steps = self._ending(error, result)
-        wait = next(steps, None)  # (up to the first wait)
-        return None if wait is None else (steps, wait)
+            self._registry.release(self.keys, holder, error, result, 0.0)
+        if ticket is not None:
+            ticket.book.ended(ticket, error, result)
+        return None
 
     # -- the steps ---------------------------------------------------------------------
 
     def _taking(self, holder: object, own: bool, lined: bool) -> Steps:
-        """Take each key's line (and its grant), or all on the turn's session, then a slot (steps).
+        """Wait on the call's ticket if it conflates, then take each key's line (and its
+        grant), or all on the turn's session, then a slot (steps).
 
         If any is not reached, what was taken is given back, newest first,
         and the turn is counted as missed. ``own``: a backend session should
@@ -433,20 +546,41 @@ class Turn:
         shared = self._shared
         each = shared is not None and not backend.capabilities.sessions  # type: ignore[union-attr]
         taken: tuple[Hashable, ...] = ()
-        waited: object = _NO_KEY  # the key (or _SLOT) it waits for (see _untaking)
+        # The key (or _SLOT) being taken or waited for: NOTE, set before the take, so that
+        # an interrupt finds it (see _untaking); a key held before is never set.
+        waited: object = _NO_KEY
         slots = registry.slots
+        ticket = self._ticket
         try:
-            for key in self.keys:
-                got = True if lined else registry.try_take(key, holder)
-                if got is HELD:  # held already by this holder (an enclosing turn): reentrant
+            if ticket is not None and not lined:
+                waited = self.keys[0]
+                clock = loop_of(holder).time if isinstance(holder, asyncio.Task) else _monotonic
+                with registry.mode.guard():
+                    latest = ticket.book.enter(ticket, holder, clock)
+                if latest is not None:
+                    answer = yield TICKET, ticket
+                    if answer is not RUN:  # (its work is not to run: see _latest)
+                        ticket.answer = answer
+                        return
+                    with registry.mode.guard():
+                        ticket.book.hold(ticket, holder)
+                    lined = True
+                waited = _NO_KEY
+            for number, key in enumerate(self.keys):
+                if not lined and held_by(registry.lines.get(key), holder):
+                    got: object = HELD  # held already by this holder (an enclosing turn)
+                else:
+                    waited = key
+                    # (once it took or waits for a key, a turn goes on if the queue closes)
+                    got = True if lined else registry.try_take(key, holder, number > 0)
+                if got is HELD:  # reentrant
                     if shared is not None:
                         shared.reentered(key)
                     continue
                 if got is False:
-                    waited = key
-                    yield LINE, key
-                    waited = _NO_KEY
+                    yield LINE, (key, number > 0)
                 taken += (key,)
+                waited = _NO_KEY
                 if each:
                     yield GRANT, (backend, key, shared.grants)  # type: ignore[union-attr]
                     shared.granted(key)  # type: ignore[union-attr]
@@ -456,40 +590,46 @@ class Turn:
                 if taken or self._transaction:
                     yield from shared.on_session(backend, taken, own)  # type: ignore[arg-type]
             if slots is not None:
+                waited = _SLOT
                 got = slots.try_take(holder)
                 if got is False:
-                    waited = _SLOT
                     yield SLOT, self.keys  # (the keys: for the error if it is not reached)
-                    waited = _NO_KEY
                 self._slot = got is not HELD
+                waited = _NO_KEY
             self._taken = taken
             self.token = (
                 shared.tokens[self.keys[0]] if shared and shared.tokens else next(registry.tokens)
             )
-            if registry.timed:
+            if registry.timed and taken:  # (a reentrant turn is part of the outer one)
                 self._since = registry.started(self._since)
             if self._hold is not None and taken:
                 self._clock = start_clock(holder, self._hold)  # type: ignore[arg-type]
+            if shared is not None:
+                CURRENT.set(shared)
+            self._holder = holder  # NOTE: last, with no call after: the turn is held
         except BaseException as error:
             yield from self._untaking(holder, taken, waited, error)
             raise
-        if shared is not None:
-            CURRENT.set(shared)
 
     def _untaking(
         self, holder: object, taken: tuple[Hashable, ...], waited: object, error: BaseException
     ) -> Steps:
         """Give back what _taking took, and count the turn as missed (steps).
 
-        The key or slot waited for is given back too if it is found held: an
-        interrupt (a signal handler's exception) came after the wait ended.
+        The key or slot being taken or waited for is given back too if it is
+        found held: an interrupt came after the take or the wait ended. A
+        conflating call's ticket leaves its Latest first (passing on a key it
+        was handed, and letting its followers wait again: see Book.gave_up).
         """
         registry = self._registry
+        ticket = self._ticket
+        counted = False  # (a conflating call may be counted already: see Book.gave_up)
+        if ticket is not None:
+            counted = not ticket.book.gave_up(ticket, error)
         if waited is _SLOT:
             self._slot = holder in registry.slots.holders  # type: ignore[union-attr]
         elif waited is not _NO_KEY and held_by(registry.lines.get(waited), holder):
             taken += (waited,)
-        registry.missed(error)
         try:
             if self._slot:
                 self._slot = False
@@ -499,11 +639,13 @@ class Turn:
                 yield from shared.give_back(registry.backend, error)  # type: ignore[arg-type]
         finally:
             self._taken = ()
-            registry.release_all(taken, holder, error, None)
+            registry.release(taken, holder, error, None, None, counted=counted)
 
     def _ending(self, error: BaseException | None, result: Any) -> Steps:
         """Stop the clock, release the slot, the grants (or session), then the keys (steps).
 
+        A conflating call's followers wait again first if its run was cut,
+        and are answered once the keys are released (see Book.ending, ended).
         Raises :exc:`~inturn.HoldTimeout` if max_hold cut the work; else, as
         Shared.ended decides, LeaseLost or the error of a failed release.
         """
@@ -515,6 +657,9 @@ class Turn:
             self._clock = None
             cut = clock.stop(self.keys, error)
             error = cut or error
+        ticket = self._ticket
+        if ticket is not None:
+            ticket.book.ending(ticket, error)
         if self._slot:  # first: the next work here may start meanwhile
             self._slot = False
             registry.slots.vacate(holder)  # type: ignore[union-attr]
@@ -527,7 +672,10 @@ class Turn:
                 error, failure = shared.ended(registry.name, error, failure)
         finally:
             if self._taken:
-                registry.end(self._taken, holder, error, result, cut is not None, self._since)
+                taken, self._taken = self._taken, ()
+                registry.release(taken, holder, error, result, self._since, cut is not None)
+            if ticket is not None:
+                ticket.book.ended(ticket, error, result)
         if cut is not None:
             raise cut
         if failure is not None and failure is error:
@@ -538,6 +686,26 @@ class Turn:
             return f"<Turn keys={describe(self.keys)} not held>"
         lost = ", lease lost" if self.lease_lost else ""
         return f"<Turn keys={describe(self.keys)} held, token {self.token}{lost}>"
+
+
+@final
+class ThreadTurn(Turn):  # type: ignore[misc]  # (Turn is final to users; this is its thread's)
+    """A turn made for a thread (``keyed()`` outside an event loop, a sync call): a Turn with
+    a net under its ``with`` block.
+
+    A signal handler's exception (or one thrown into the thread) that lands
+    at the very start of ``__exit__``, before any of its code runs, leaves
+    the turn held with nobody to end it. The turn object goes then (once the
+    exception and its traceback go), and its net ends it (see _abandoned).
+    """
+
+    __slots__ = ("__weakref__",)
+
+    # NOTE: finalizing a turn runs no Python code unless its net is armed: this reads the
+    # _net slot (in C) and calls what it holds, _DISARMED (in C), or the net (Python, then
+    # only). A __del__ written in Python would run at every turn's end, where a signal's
+    # exception would be lost ("Exception ignored in __del__"). A task's turn has none.
+    __del__ = property(attrgetter("_net"))
 
 
 async def call_in_turn(
@@ -553,36 +721,30 @@ async def call_in_turn(
     """Take turn, call fn (awaiting what it returns), end turn with the outcome; return it.
 
     The path of every async call that is not the facade's inlined one.
-    ``task``: the task this runs in, if the caller knows it (and its loop is
-    settled in the thread mode); ``lined``: it holds the turn's lines already,
-    asked for at ``since`` (submitted work, see _submit); ``label``: fn's name
-    for the queue's observer (see FUNCTION), around the whole turn.
+    ``task``, ``since``, ``lined``: as Turn._enter's; ``label``: fn's name
+    for the queue's observer (see FUNCTION), around the whole turn. A
+    conflating call (the turn's ticket) may be answered without running fn,
+    or run newer work in its turn instead (see _latest).
     """
     token = None if label is None else FUNCTION.set(label)
     try:
-        holder: asyncio.Task[Any] = turn._enter_now(task, lined)  # type: ignore[assignment]
-        if turn._holder is None:
-            if turn._path is _ALONE:
-                await wait_alone(turn._registry, turn.keys[0], holder, turn._timeout)
-                turn._held_alone(holder)
-            else:
-                begun = turn._start(holder, since, lined)
-                if begun is not None:
-                    await turn._drive(holder, *begun)
-                turn._holder = holder
+        await turn._enter(task, since, lined)
+        ticket = turn._ticket
+        if ticket is not None:
+            if ticket.answer is not None:  # (its work is not to run)
+                return _answered(ticket.answer)
+            fn, args, kwargs = _work(ticket, fn, args, kwargs)
         try:
             result = fn(*args, **kwargs)
             if type(result) is CoroutineType or (result is not None and isawaitable(result)):
                 result = await result
         except BaseException as error:
-            begun = turn._leave(error, None)
-            if begun is not None:
-                await turn._drive(holder, *begun)
-            raise
-        begun = turn._leave(None, result)
-        if begun is not None:
-            await turn._drive(holder, *begun)
-        return result
+            await turn._exit(None, error)
+            if ticket is None:
+                raise
+            return ticket.outcome(error, None)
+        await turn._exit(None, None, None, result)
+        return result if ticket is None else ticket.outcome(None, result)
     finally:
         if token is not None:
             FUNCTION.reset(token)
@@ -598,20 +760,48 @@ def call_in_turn_sync(
 ) -> Any:
     """Take turn for this thread, call fn, release turn with the outcome; return it.
 
-    ``lined``, ``since``: as call_in_turn's.
+    ``lined``, ``since``: as call_in_turn's, and a conflating call as there.
 
     :raises TypeError: fn returned a coroutine (closed, never run: a thread cannot await it).
     """
-    turn._enter_sync(lined, since)
+    turn._enter_sync(lined, since, fn)
+    ticket = turn._ticket
+    if ticket is not None:
+        if ticket.answer is not None:
+            return _answered(ticket.answer)
+        fn, args, kwargs = _work(ticket, fn, args, kwargs)
     try:
         result = fn(*args, **kwargs)
         if type(result) is CoroutineType:
             _refuse_coroutine(fn, result)
     except BaseException as error:
-        turn._end_sync(error, None)
-        raise
-    turn._end_sync(None, result)
+        turn._exit_sync(None, error)
+        if ticket is None:
+            raise
+        return ticket.outcome(error, None)
+    turn._exit_sync(None, None, None, result)
+    return result if ticket is None else ticket.outcome(None, result)
+
+
+def _answered(answer: Answer) -> Any:
+    """The answer of a call whose work did not run (it followed newer work, or was replaced)."""
+    error, result = answer
+    if error is not None:
+        raise error
     return result
+
+
+def _work(
+    ticket: Ticket, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+    """What a conflating call's turn runs, now that its work starts (see Book.start)."""
+    newer = ticket.book.start(ticket)
+    if newer is None:
+        return fn, args, kwargs
+    fn, args, kwargs, context = newer
+    if context is None:
+        return fn, args, kwargs
+    return in_caller_context, (context, ticket.home, fn, *args), kwargs
 
 
 def _refuse_coroutine(fn: object, result: CoroutineType[Any, Any, Any]) -> NoReturn:

@@ -23,6 +23,8 @@ those who use it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from ._base import Backend as Backend
 from ._base import BlockingBackend as BlockingBackend
 from ._base import BlockingTurnSession as BlockingTurnSession
@@ -30,10 +32,33 @@ from ._base import Capabilities as Capabilities
 from ._base import Grant as Grant
 from ._base import SessionBackend as SessionBackend
 from ._base import TurnSession as TurnSession
-from ._lines import HolderInfo as HolderInfo
-from ._lines import LineInfo as LineInfo
-from ._lines import WaiterInfo as WaiterInfo
 from ._local import LocalBackend as LocalBackend
+
+if TYPE_CHECKING:
+    from ._lines import HolderInfo as HolderInfo
+    from ._lines import LineInfo as LineInfo
+    from ._lines import WaiterInfo as WaiterInfo
+
+
+#: Imported when first asked for: only ``lines()`` and ``inspect`` use them, and their
+#: dataclasses cost ``import inturn`` more than any other module of it.
+_LINES = ("HolderInfo", "LineInfo", "WaiterInfo")
+
+
+def __getattr__(name: str) -> Any:
+    """The snapshots of lines (:class:`LineInfo`...), imported when first asked for."""
+    if name not in _LINES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from . import _lines
+
+    found = globals()[name] = getattr(_lines, name)
+    return found
+
+
+def __dir__() -> list[str]:
+    """The package's names, the snapshots of lines among them before they are imported."""
+    return sorted({*globals(), *_LINES})
+
 
 __all__ = (
     "Backend",

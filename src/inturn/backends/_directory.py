@@ -63,7 +63,11 @@ class Directory:
         except FileExistsError:
             pass  # a file, or a link to nowhere: refused below
         except OSError as error:
-            message = f"inturn: cannot create {given} for lines: {error}"
+            message = (
+                f"inturn: cannot create the directory {given} for lines: {error}; create "
+                "it before the workers start (owned by the user they run as, mode 700), "
+                "or give FileBackend a directory this user may create"
+            )
             raise OSError(error.errno, message) from None
         fd = _open_directory(given)
         try:
@@ -106,7 +110,11 @@ def _open_directory(path: Path, parent: int | None = None) -> int:
             ) from None
         if isinstance(error, NotADirectoryError):
             raise NotADirectoryError(f"inturn: {path} exists and is not a directory") from None
-        raise OSError(error.errno, f"inturn: cannot use {path} for lines: {error}") from None
+        raise OSError(
+            error.errno,
+            f"inturn: cannot use the directory {path} for lines: {error}; give FileBackend "
+            "a directory that the user the workers run as owns and may read and write",
+        ) from None
 
 
 def _is_link(name: str | Path, parent: int | None) -> bool:

@@ -44,9 +44,11 @@ _CANNOT_WRITE = {
 }
 
 
-def refusal(key: Hashable, directory: Path, error: BaseException) -> BackendUnavailable | None:
+def refusal(
+    key: Hashable, directory: Path, error: BaseException, writing: bool = True
+) -> BackendUnavailable | None:
     """The refusal of key's turn if error says the system would not serve it (no descriptor
-    left, a file system that takes no write), else None.
+    left; with ``writing``, a file system that takes no write), else None.
 
     Its cause is error (the caller raises it ``from error``).
     """
@@ -62,7 +64,7 @@ def refusal(key: Hashable, directory: Path, error: BaseException) -> BackendUnav
             f"for two); the work did not run. To fix: {fix}, or hold fewer keys at once"
         )
     to_write = _CANNOT_WRITE.get(error.errno or 0)
-    if to_write is None:
+    if to_write is None or not writing:
         return None
     cause = error.strerror or str(error)
     return BackendUnavailable(

@@ -70,16 +70,30 @@ _Identity = tuple[int, int]
 
 @final
 class Home:
-    """The directory a backend keeps its lines in, made and checked again if it is removed."""
+    """The directory a backend keeps its lines in: made and checked at its first use, and
+    again if it is removed."""
 
-    __slots__ = ("_finding", "given", "where")
+    __slots__ = ("_finding", "_where", "given")
 
     def __init__(self, given: Path) -> None:
         #: The directory as the user named it (absolute): found again, with the same checks.
         self.given = given
-        #: The directory as it was last found (see _directory.Directory).
-        self.where = Directory.open(given)
-        self._finding = threading.Lock()  # held while a thread finds the directory again
+        self._where: Directory | None = None  # as last found (see _directory.Directory)
+        self._finding = threading.Lock()  # held while a thread finds the directory
+
+    @property
+    def where(self) -> Directory:
+        """The directory as it was last found: made, checked and opened at the first use.
+
+        :raises OSError: as _directory.Directory.open (naming the directory and the fix).
+        """
+        where = self._where
+        if where is None:
+            with self._finding:
+                where = self._where
+                if where is None:
+                    where = self._where = Directory.open(self.given)
+        return where
 
     def again(self, lost: Directory, key: Hashable) -> Directory:
         """The directory, made and checked again: lost was removed (found by a turn on key).
@@ -88,7 +102,8 @@ class Home:
         makes it again, the others take that one.
         """
         with self._finding:
-            if self.where is lost:
+            found = self._where
+            if found is lost or found is None:
                 logger.warning(
                     "inturn: the directory %s was removed while in use (by a cleaner of "
                     "temporary files?); a turn on key %s makes it again. A turn held "
@@ -96,11 +111,22 @@ class Home:
                     lost.path,
                     describe(key),
                 )
-                self.where = Directory.open(self.given)
-            return self.where
+                found = self._where = Directory.open(self.given)
+            return found
+
+    @property
+    def found(self) -> bool:
+        """Whether the directory was found (made and checked) by a first use."""
+        return self._where is not None
+
+    @property
+    def shown(self) -> Path:
+        """Where the lines are, for a repr: as found, or as given while not yet used."""
+        where = self._where
+        return self.given if where is None else where.path
 
     def __repr__(self) -> str:
-        return f"Home({str(self.where.path)!r})"
+        return f"Home({str(self.shown)!r})"
 
 
 @final

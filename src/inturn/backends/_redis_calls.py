@@ -36,6 +36,7 @@ class Config:
     lease: float
     channels: str  #: the prefix of every process's channel
     host: str
+    server: str | None = None  #: where the client connects (host:port), for messages
 
     @property
     def lease_ms(self) -> bytes:

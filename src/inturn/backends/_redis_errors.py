@@ -7,8 +7,10 @@ code in the message. Both forms are read here, and nowhere else.
 
 from __future__ import annotations
 
+import errno
 import re
 from collections.abc import Sequence
+from typing import Any
 
 from redis.exceptions import (
     AuthenticationError,
@@ -36,7 +38,7 @@ UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError, InvalidResponse
 #: What a refusal's first word means, and what to do about it.
 _REFUSALS = {
     "NOPERM": "this Redis user lacks a permission the backend needs ({}): grant it {} "
-    "(the README's Permissions section gives the whole ACL line)",
+    "(the Backends page's Permissions item gives the whole ACL line)",
     "WRONGPASS": "Redis refused the credentials ({}): check the username and password",
     "NOAUTH": "Redis wants credentials ({}): give a password (and username) in the URL",
     "OOM": "Redis is out of memory ({}): raise maxmemory, or free memory; an evicting "
@@ -69,9 +71,47 @@ _KEYS, _CHANNELS = "the keys ~inturn:{<namespace>:*", "the channels &inturn:<nam
 _SCRIPT_REFUSED = ("The user executing the script can't", "ACL failure in script")
 
 
-def describe(error: BaseException) -> str:
-    """What an error from Redis means, in words that name it and its fix."""
+def server_of(client: Any) -> str | None:
+    """Where client connects (``host:port``, or a socket's path), for messages; None if
+    it does not say (a Sentinel's master, a cluster not yet set up)."""
+    try:
+        if hasattr(client, "get_default_node"):  # a RedisCluster
+            node = client.get_default_node()
+            return None if node is None else f"{node.host}:{node.port}"
+        kwargs = client.connection_pool.connection_kwargs
+    except Exception:  # (a client of another shape: said without its address)
+        return None
+    if "path" in kwargs:
+        return str(kwargs["path"])
+    return f"{kwargs['host']}:{kwargs.get('port', 6379)}" if "host" in kwargs else None
+
+
+def _closed_unanswered(error: BaseException) -> bool:
+    """Whether error is the server closing (or resetting) a connection without a word."""
+    if isinstance(error, ConnectionResetError | BrokenPipeError):
+        return True
+    text = str(error)
+    return isinstance(error, RedisConnectionError) and (
+        text == "Connection closed by server." or f"({errno.ECONNRESET}, " in text
+    )
+
+
+def describe(error: BaseException, server: str | None = None, starting: bool = False) -> str:
+    """What an error from Redis means, in words that name it and its fix.
+
+    ``server``: where the client connects, named where the error does not;
+    ``starting``: error came as the backend's first connections were set up,
+    before Redis answered anything (a server that closes a new connection
+    then, without a word, is not Redis: HTTP, or a TLS port).
+    """
     text = str(error) or type(error).__name__
+    at = "" if server is None else f" ({server})"
+    if starting and _closed_unanswered(error):
+        return (
+            f"what answered is not a Redis server, or one that wants TLS: it closed the "
+            f"connection without a reply ({cut(text)}); check the URL's host and port{at}, "
+            f"as in {REDIS_FORMS}"
+        )
     word = text.split(" ", 1)[0]
     if (
         word == "NOPERM"
@@ -89,8 +129,10 @@ def describe(error: BaseException) -> str:
     if isinstance(error, InvalidResponse):  # (its text: the first line of the answer)
         return (
             f"what answered is not a Redis server ({cut(text)}): check the URL's host and "
-            f"port, as in {REDIS_FORMS}"
+            f"port{at}, as in {REDIS_FORMS}"
         )
+    if server is not None and server not in text:
+        return f"Redis could not be reached at {server} ({text})"
     return f"Redis could not be reached ({text})"
 
 
@@ -116,9 +158,16 @@ def refused(reply: Sequence[bytes | str]) -> NoPermissionError | None:
     return NoPermissionError(f"this user has {said}")
 
 
-def unavailable(error: BaseException) -> BackendUnavailable:
-    """The error an acquire raises for error: the turn was not taken, the work did not run."""
-    failure = BackendUnavailable(f"inturn: {describe(error)}; the work did not run")
+def unavailable(
+    error: BaseException, server: str | None = None, starting: bool = False
+) -> BackendUnavailable:
+    """The error an acquire raises for error: the turn was not taken, the work did not run.
+
+    ``server`` and ``starting``: as :func:`describe`'s.
+    """
+    failure = BackendUnavailable(
+        f"inturn: {describe(error, server, starting)}; the work did not run"
+    )
     failure.__cause__ = error
     return failure
 

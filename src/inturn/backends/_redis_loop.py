@@ -186,7 +186,7 @@ class LoopShare:
         except Exception as error:
             self.inbox = None
             await inbox.aclose()
-            raise unavailable(error) from error
+            raise unavailable(error, config.server, starting=True) from error
         self.leases.run()
         self.ready = True
 

@@ -170,7 +170,7 @@ def taking(
         share.leases.members[member_id] = member  # (renewed by the heartbeat once joined)
         answer = yield (ENQUEUE, member, member_id, late)
         if answer is None or answer is UNCONNECTED:
-            raise _unanswered(key, timeout, lease, answer is UNCONNECTED)  # noqa: TRY301 - given up below, as any failure
+            raise _unanswered(key, timeout, share.config, answer is UNCONNECTED)  # noqa: TRY301 - given up below, as any failure
         token = enqueued(member, lease, *answer)
         if token is None:
             token = yield (GRANT, member, deadline)
@@ -189,7 +189,7 @@ def taking(
             yield (QUIT, member, member_id, not member.joined)  # (twice: a no-op)
             raise
         if isinstance(error, (*UNREACHABLE, ResponseError)) and not isinstance(error, TimeoutError):
-            raise unavailable(error) from error
+            raise unavailable(error, share.config.server) from error
         raise
 
 
@@ -305,10 +305,13 @@ def left(member: Member, status: Any, error: BaseException | None, lease: float)
     )
 
 
-def _unanswered(key: Hashable, timeout: float | None, lease: float, connecting: bool) -> Exception:
+def _unanswered(
+    key: Hashable, timeout: float | None, config: Config, connecting: bool
+) -> Exception:
     """The error of a turn on key whose enqueue got no answer in time (``connecting``: no
     connection was made for it): TimeoutError, or, with no timeout, BackendUnavailable."""
     if timeout is None:
-        return unavailable(RedisTimeoutError(f"no connection within {lease:g} s (the lease)"))
+        waited = RedisTimeoutError(f"no connection within {config.lease:g} s (the lease)")
+        return unavailable(waited, config.server)
     detail = " from Redis (connecting)" if connecting else " from Redis"
     return missed((key,), Waited.ANSWER, timeout, detail)

@@ -232,11 +232,14 @@ class FileBackend:
     :param directory: where the line files live, created owner-only (mode
         0700) if missing. Every process that shares the lines must use the
         same directory. Default: ``inturn-<uid>`` in the system's temporary
-        directory.
+        directory. It is made and checked at its first use (the first turn,
+        :attr:`directory`, :meth:`line` or :meth:`lines`), not here: a queue
+        made at import time touches no file. Its refusal then raises from
+        that use, naming the directory and the fix: ``PermissionError`` (it
+        belongs to another user, is a symbolic link, or may be written by
+        others and has no sticky bit), ``NotADirectoryError`` (the path is
+        not a directory), or another ``OSError`` (it cannot be created).
     :raises RuntimeError: the platform is not POSIX.
-    :raises PermissionError: the directory belongs to another user, is a
-        symbolic link, or may be written by others and has no sticky bit.
-    :raises NotADirectoryError: the path exists and is not a directory.
     """
 
     __slots__ = ("_home",)
@@ -248,7 +251,11 @@ class FileBackend:
 
     @property
     def directory(self) -> Path:
-        """The directory holding the line files (``inturn-<uid>`` in a sticky one)."""
+        """The directory holding the line files (``inturn-<uid>`` in a sticky one).
+
+        Asking makes and checks the directory if no turn has yet (see the
+        class's ``directory`` parameter for what it raises).
+        """
         return self._home.where.path
 
     def order(self, keys: tuple[Hashable, ...]) -> tuple[Hashable, ...]:
@@ -276,7 +283,8 @@ class FileBackend:
             no write: full, read-only, ... (see _file_limits).
         """
         self._failed(key, error, "take a turn on")
-        refused = refusal(key, self.directory, error)
+        # (while the directory is not found, its own OSError says what to fix: see Home)
+        refused = refusal(key, self._home.shown, error, writing=self._home.found)
         if refused is not None:
             raise refused from error
 
@@ -292,6 +300,8 @@ class FileBackend:
             the directory could not be written (a full disk or quota, a
             read-only file system, no permission, an I/O error); its cause is
             the OSError, and the work did not run.
+        :raises OSError: the directory, made at the first turn, was refused
+            or could not be made (see the class's ``directory`` parameter).
         """
         loop = asyncio.get_running_loop()
         steps = taking(self._home, key, FileGrant)
@@ -426,4 +436,4 @@ class FileBackend:
         """Nothing to close: every grant's files are closed by its release."""
 
     def __repr__(self) -> str:
-        return f"FileBackend({str(self.directory)!r})"
+        return f"FileBackend({str(self._home.shown)!r})"

@@ -82,7 +82,7 @@ except ImportError as error:  # pragma: no cover - depends on the install
     ) from error
 
 from ._redis_calls import Config
-from ._redis_errors import UNREACHABLE, describe
+from ._redis_errors import UNREACHABLE, describe, server_of
 from ._redis_loop import LoopShare
 from ._redis_scripts import Line
 from ._redis_steps import RedisGrant, owner
@@ -229,6 +229,7 @@ class RedisBackend:
             lease=float(lease),
             channels=f"inturn:{namespace}:wake:",
             host=socket.gethostname(),
+            server=server_of(client),
         )
         # By event loop: this process's share on it (see _redis_loop).
         self._shares: dict[asyncio.AbstractEventLoop, LoopShare] = {}
