@@ -17,9 +17,11 @@ it in time drops the line, and logs it as a startup packet of a wrong length.)
 
 from __future__ import annotations
 
+import _thread
 import asyncio
 import socket
 import struct
+import threading
 from typing import Final
 
 import psycopg
@@ -75,7 +77,30 @@ def _line(answer: bytes) -> bytes:
 
 def check_sync(where: tuple[str, int], bound: float) -> psycopg.OperationalError | None:
     """The error for what listens at where, if the probes show it is not PostgreSQL
-    (each waits bound seconds at most); else None."""
+    (each waits bound seconds at most); else None.
+
+    The probes run in a thread of their own (started in one call): an
+    exception that a signal handler raises in the caller's thread meanwhile
+    never leaves a socket half made, to be closed by the collector.
+    """
+    done = threading.Lock()
+    done.acquire()
+    found: list[psycopg.OperationalError | None] = []
+
+    def probe() -> None:
+        try:
+            found.append(_checked(where, bound))
+        finally:
+            done.release()
+
+    _thread.start_new_thread(probe, ())
+    if not done.acquire(timeout=2 * bound + 1.0):
+        return None
+    return found[0] if found else None
+
+
+def _checked(where: tuple[str, int], bound: float) -> psycopg.OperationalError | None:
+    """check_sync's probes, in this thread."""
     try:
         first = _ask_sync(where, _FIRST, bound)
         second = _ask_sync(where, _LINE, bound) if first is None else None
