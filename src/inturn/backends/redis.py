@@ -134,8 +134,9 @@ class RedisBackend:
       to 3 s (half the lease at most) whatever its timeout, and Redis's
       answer to joining gets one round trip from there, up to a tenth of
       the lease (``timeout=0``, a try-lock, asks once whether the key is
-      free). With Redis unreachable, a call with a timeout ends after the
-      larger of its timeout and those.
+      free); a thread that must open a new connection for it gets as long
+      (then TimeoutError, saying it was connecting). With Redis unreachable,
+      a call with a timeout ends after the larger of its timeout and those.
     - Errors tell the truth: :exc:`~inturn.BackendUnavailable` means the
       work did not run (with what Redis said: unreachable, a missing
       permission, out of memory, wrong credentials); a holder whose lease
@@ -154,7 +155,10 @@ class RedisBackend:
       keeps the key until it leaves the turn itself.
     - Threads: a thread's turn (``acquire_sync``) is its own round trips to
       Redis, on a connection no other thread uses meanwhile, with the same
-      scripts, leases, grants and errors as a task's; the subscription and
+      steps (``_redis_steps``), scripts, leases, grants and errors as a
+      task's; wherever an interrupt lands while it takes its turn, no member
+      of it stays in Redis (a leave that may overtake its enqueue makes the
+      enqueue a no-op); the subscription and
       heartbeat that serve threads run on one backend thread per process.
       On a Sentinel client, threads' connections go to the master a sync
       twin of its Sentinel discovers. With a cluster client, a replica's, or
