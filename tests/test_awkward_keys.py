@@ -212,10 +212,11 @@ async def test_a_file_backend_names_a_huge_int_key_in_its_messages(directory: Pa
 
 
 def test_redis_messages_name_a_huge_int_key() -> None:
-    from inturn._checks import Waited
-    from inturn.backends._redis_loop import late_for
+    from inturn.backends._redis_calls import Config
+    from inturn.backends._redis_steps import _unanswered
 
-    assert_shown(str(late_for(HUGE, 0.5, Waited.LINE)()), "0x")
+    config = Config(make=lambda: None, client=None, namespace="n", lease=10.0, channels="", host="")
+    assert_shown(str(_unanswered(HUGE, 0.5, config, connecting=True)), "0x")
 
 
 @pytest.mark.skipif(not hasattr(sys, "set_int_max_str_digits"), reason="no str() limit")

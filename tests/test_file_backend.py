@@ -93,6 +93,36 @@ async def test_the_last_to_leave_deletes_the_line_file_though_a_tidier_held_its_
     assert files(backend.directory) == []
 
 
+async def test_a_waiter_that_gives_up_as_the_key_is_handed_to_it_deletes_the_line_file(
+    backend: FileBackend,
+) -> None:
+    """Issue 42 (found by reading _file_tidy): the holder releases while the waiter behind it
+    is giving up, and the holder's tidy sees it still in line, so leaves the line file to
+    it; the waiter, tidying as it gives up, finds the lock taken (by that tidy, or
+    another's) and nobody behind it. It tried no more: the file stayed for the key's next
+    turn. It now tries again shortly, as a release does."""
+    import fcntl
+
+    holder, waiter = KeyedQueue(backend=backend), KeyedQueue(backend=FileBackend(backend.directory))
+    turn, gate = await held(holder, "k")
+    waiting = asyncio.create_task(waiter.run("k", lambda: None))
+    await until(lambda: len(backend.line("k")) == 2, "the waiter in the line file")
+    line = line_file(backend.directory, "k")
+    tidier = os.open(line, os.O_RDONLY)  # a tidy that holds the lock a moment longer
+    try:
+        fcntl.flock(tidier, fcntl.LOCK_SH)
+        gate.set()  # the holder releases first (its tidy sees the waiter still in line)...
+        waiting.cancel()  # ...then the waiter gives up, as its key is handed to it
+        await asyncio.wait_for(turn, PATIENCE)
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert line.exists()  # (left to the waiter, which found the lock taken)
+    finally:
+        os.close(tidier)  # the tidy is done
+    await until(lambda: not line.exists(), "the waiter's tidy, tried again")
+    assert files(backend.directory) == []
+
+
 async def test_a_tidier_frozen_with_the_line_files_lock_holds_up_a_release_briefly(
     backend: FileBackend,
 ) -> None:

@@ -9,16 +9,19 @@ deterministic point, never a timing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
 import stat
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from file_checks import files, line_file, spec
-from inturn import KeyedQueue, LeaseLost
+from inturn import BackendUnavailable, KeyedQueue, LeaseLost
 from inturn.backends.file import FileBackend
 from processes import Worker, stopped, until
 
@@ -262,6 +265,70 @@ async def test_a_symbolic_link_in_the_directory_is_never_followed(
         async with KeyedQueue(backend=backend).keyed("k"):
             pass
     assert precious.read_text() == "mine\n"
+
+
+# -- a full or read-only file system ------------------------------------------------------------
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A file system of this test's own: a 64 KiB tmpfs (mounting one needs root)."""
+    mounted = tmp_path / "fs"
+    mounted.mkdir()
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", str(mounted)],
+        capture_output=True,
+        check=False,
+    )
+    if made.returncode != 0:
+        unavailable(f"mount -t tmpfs (root, in a namespace that allows it): {made.stderr!r}")
+    try:
+        yield mounted
+    finally:
+        subprocess.run(["umount", "-l", str(mounted)], check=False)
+
+
+@pytest.mark.parametrize("mode", ["task", "thread"])
+@pytest.mark.parametrize("fault", ["full", "read-only"])
+def test_a_full_or_read_only_file_system_refuses_a_turn_naming_it(
+    small_fs: Path, fault: str, mode: str
+) -> None:
+    """Issue 42: a turn on a full disk or a read-only file system raised the raw OSError;
+    it raises BackendUnavailable naming the directory and the cause, the work does not run,
+    and once the fault is gone the key's next turn runs."""
+    directory = small_fs / "lines"
+    backend = FileBackend(directory)
+    queue, ran = KeyedQueue(backend=backend), []
+    with queue.keyed("warm"):
+        pass  # (the directory is made, and checked)
+    filler = small_fs / "filler"
+    if fault == "full":
+        with open(filler, "wb") as fill, contextlib.suppress(OSError):
+            fill.write(b"\0" * 65536)  # (up to the last block)
+    else:
+        subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
+
+    def turn() -> None:
+        if mode == "task":
+            asyncio.run(queue.run("k", ran.append, 1))
+        else:
+            queue.run_sync("k", ran.append, 1)
+
+    with pytest.raises(BackendUnavailable) as refused:
+        turn()
+    said = str(refused.value)
+    assert str(directory) in said
+    assert ("No space left" if fault == "full" else "Read-only file system") in said
+    assert "did not run" in said
+    assert isinstance(refused.value.__cause__, OSError)
+    assert ran == []
+    if fault == "full":
+        filler.unlink()
+    else:
+        subprocess.run(["mount", "-o", "remount,rw", str(small_fs)], check=True)
+    turn()
+    assert ran == [1]
+    assert files(directory) == []
 
 
 # -- a removed directory ---------------------------------------------------------------------

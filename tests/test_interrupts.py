@@ -106,6 +106,40 @@ def _point(frame: FrameType | None) -> Point:
     return tuple(point)
 
 
+class CloseInterrupter(Interrupter):
+    """An Interrupter that raises just after an ``os.close`` came back, done (a profiler).
+
+    Python runs a signal's handler there too: just after a call into C
+    returns. Raised there, the clean-up must not close the descriptor again
+    (another file may have its number by then): issue 42's storm of real
+    signals found one that did, as the join closed its line file. Each try
+    fires after the first close at a point (the close's caller and the frames
+    under it) not tried yet.
+    """
+
+    def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_name in _WAITS:
+            self.waiting.set()
+        if event != "c_return" or arg is not os.close or not self.armed:
+            return
+        if frame.f_code.co_filename in _NOT_COUNTED:
+            return
+        point = (("os.close", "", 0), *_point(frame))
+        if point not in self.tried:
+            self.armed = False
+            self.at = point
+            self.where = f"the close in {frame.f_code.co_name}:{frame.f_lineno}"
+            raise KeyboardInterrupt(f"interrupted after {self.where}")
+
+    def run(self, call: Callable[[], Any]) -> Any:
+        """call(), profiled: interrupted just after the first close at an untried point."""
+        sys.setprofile(self)  # type: ignore[arg-type]
+        try:
+            return call()
+        finally:
+            sys.setprofile(None)
+
+
 #: Before 3.11, a trace function's exception at a generator's resume ends the
 #: generator at once, outside its handlers; a signal's comes inside them,
 #: at the resumed instruction. Those points are not tried there.
@@ -165,7 +199,9 @@ def _note(into: list[str], what: Any) -> None:
     into.append(f"{type(what.exc_value).__name__}: {what.exc_value}")
 
 
-def each_interrupt(trial: Callable[[Interrupter], str | None]) -> None:
+def each_interrupt(
+    trial: Callable[[Interrupter], str | None], kind: type[Interrupter] = Interrupter
+) -> None:
     """Run trial interrupted at each point in turn, until a try reaches no untried point.
 
     trial returns what it found left behind (None: nothing). The test fails
@@ -183,7 +219,7 @@ def each_interrupt(trial: Callable[[Interrupter], str | None]) -> None:
     gc.freeze()
     try:
         while True:
-            interrupter = Interrupter(len(tried) + 1, tried)
+            interrupter = kind(len(tried) + 1, tried)
             found = _try(trial, interrupter)
             if interrupter.at is None:
                 if found is not None:
@@ -194,8 +230,9 @@ def each_interrupt(trial: Callable[[Interrupter], str | None]) -> None:
                 left.append(f"try {interrupter.number}, at {interrupter.where}: {found}")
     finally:
         gc.unfreeze()
-    # (the shortest shape, a free key alone, makes some 8 calls)
-    assert len(tried) > 5, f"only {len(tried)} points were tried: is tracing working?"
+    # (the shortest shape, a free key alone, makes some 8 calls, and closes a file)
+    least = 5 if kind is Interrupter else 1
+    assert len(tried) >= least, f"only {len(tried)} points were tried: is tracing working?"
     assert not left, "an interrupt left the turn behind:\n" + "\n".join(left)
 
 
@@ -216,9 +253,10 @@ def _try(trial: Callable[[Interrupter], str | None], interrupter: Interrupter) -
 # -- a file backend's own taking -----------------------------------------------------------------
 
 
+@pytest.mark.parametrize("kind", [Interrupter, CloseInterrupter], ids=["calls", "closes"])
 @pytest.mark.parametrize("contended", [False, True], ids=["free", "held"])
 def test_an_interrupt_anywhere_in_a_file_backends_taking_leaves_no_ticket(
-    tmp_path: Path, contended: bool
+    tmp_path: Path, contended: bool, kind: type[Interrupter]
 ) -> None:
     """FileBackend.acquire_sync either gives a grant, or raises having left nothing."""
 
@@ -251,7 +289,7 @@ def test_an_interrupt_anywhere_in_a_file_backends_taking_leaves_no_ticket(
         leaked = open_files() - before
         return f"{len(leaked)} file(s) left open" if leaked else None
 
-    each_interrupt(trial)
+    each_interrupt(trial, kind)
 
 
 # -- a thread's whole taking, through the queue ---------------------------------------------------

@@ -12,6 +12,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -134,16 +136,28 @@ def test_a_thread_interrupted_while_it_waits_for_a_slot_leaves_the_line() -> Non
 
 def test_a_turn_interrupted_while_it_checks_a_kept_connection_gives_its_slot_back() -> None:
     """A signal handler's exception in the check of a kept connection (Connections.kept,
-    a turn's fast verb): the slot it took is free again, not lost with the turn."""
+    a turn's fast verb): the slot it took is free again, not lost with the turn, and the
+    connection was closed first (issue 42: not left to the collector)."""
 
     class Interrupted:
+        closed = False
+        checked = False
+
         @property
-        def pgconn(self) -> None:
-            raise KeyboardInterrupt("interrupted while the kept connection was checked")
+        def pgconn(self) -> Any:
+            if not self.checked:
+                self.checked = True
+                raise KeyboardInterrupt("interrupted while the kept connection was checked")
+            return SimpleNamespace(status=None, finish=self.close)  # (not OK: not kept)
+
+        def close(self) -> None:
+            self.closed = True
 
     place = connections(size=1)
     place._thread_place().slots(0)
-    place._thread_place().idle.append((Interrupted(), object()))  # type: ignore[arg-type]
+    kept = Interrupted()
+    place._thread_place().idle.append((kept, object()))  # type: ignore[arg-type]
     with pytest.raises(KeyboardInterrupt):
         place.kept(0)
+    assert kept.closed
     assert place.try_slot(Lease(0))

@@ -20,14 +20,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import linecache
 import logging
 import random
 import signal
+import sys
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,6 +40,7 @@ psycopg = pytest.importorskip("psycopg")
 from psycopg.conninfo import make_conninfo  # noqa: E402
 
 from inturn import BackendUnavailable, KeyedQueue  # noqa: E402
+from inturn.backends import _pg_drive  # noqa: E402
 from inturn.backends.postgres import PostgresBackend  # noqa: E402
 
 from helpers import PATIENCE, checkpoints, main_thread_raises_on_sigint  # noqa: E402
@@ -369,6 +373,84 @@ async def test_a_storm_of_cancellations_leaves_no_lock(database: Database, admin
         for backend in backends:
             await backend.aclose()
         gc.collect()  # (what the cancellations left to the collector is finalized here)
+
+
+@pytest.mark.usefixtures("collector_paused")
+def test_an_interrupt_as_a_thread_takes_a_kept_connection_leaves_it_to_no_collector(
+    database: Database,
+) -> None:
+    """Issue 42: an interrupt (a signal handler's exception) just as a thread's turn took a
+    connection kept between turns out of the idle ones (Python runs a handler just after a
+    call into C, list.pop here) dropped the connection: only the garbage collector closed
+    it, after its slot was free. The next turn then opened another: the server counted
+    both (a storm with max_sessions=2 saw 3 of the threads' sessions; a DBA's connection
+    limit counts them). Now the connection is the turn's before it leaves the idle ones,
+    and is kept again, or closed, before its slot is free."""
+    backend = database.backend(max_sessions=1)
+    queue = KeyedQueue(backend=backend)
+    queue.run_sync("k", lambda: None)  # a connection is kept: the next turn takes it
+
+    def interrupt(frame: Any, event: str, arg: Any) -> None:
+        popped = event == "c_return" and getattr(arg, "__name__", "") == "pop"
+        if popped and frame.f_code.co_name == "take_idle":
+            sys.setprofile(None)
+            raise KeyboardInterrupt("just after the kept connection left the idle ones")
+
+    sys.setprofile(interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            queue.run_sync("k", lambda: None)
+    finally:
+        sys.setprofile(None)
+    sessions = []
+    with psycopg.connect(database.url, autocommit=True) as admin:
+
+        def count() -> int:
+            cursor = admin.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                " AND pid <> pg_backend_pid()"
+            )
+            return int(cursor.fetchone()[0])
+
+        queue.run_sync("k", lambda: sessions.append(count()))
+    assert sessions == [1]  # (this turn's: none left open for the collector)
+    asyncio.run(backend.aclose())
+
+
+@pytest.mark.usefixtures("collector_paused")
+def test_an_interrupt_between_two_statements_of_a_thread_gives_back_at_once(
+    database: Database,
+) -> None:
+    """Issue 42: an interrupt that came between two ops of a thread's steps (where the
+    thread's driver loops, not in an op) escaped the driver and left the steps suspended:
+    what they had taken (a slot, a connection) went back only when the collector
+    finalized them. With max_sessions=1, the next turn waited for that slot. Now the
+    interrupt is thrown into the steps as any other, and they give back at once."""
+    backend = database.backend(max_sessions=1)
+    queue = KeyedQueue(backend=backend)
+    drives = str(Path(_pg_drive.__file__))
+    seen = [0]
+
+    def interrupt(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code.co_filename != drives:
+            return None
+        if event == "line" and "steps.send(" in linecache.getline(drives, frame.f_lineno):
+            seen[0] += 1
+            if seen[0] == 2:  # after the connect, before the steps are told of it
+                sys.settrace(None)
+                raise KeyboardInterrupt("between two ops")
+        return interrupt
+
+    sys.settrace(interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            queue.run_sync("other", lambda: None)
+    finally:
+        sys.settrace(None)
+    assert seen[0] == 2
+    with queue.keyed("k", timeout=PROMPTLY):  # (its slot and connection are back)
+        pass
+    asyncio.run(backend.aclose())
 
 
 # (a signal handler's exception may land in any Python code of the main thread, a

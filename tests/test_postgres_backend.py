@@ -9,10 +9,13 @@ holder or waiter whose session is terminated, and the import boundary.
 from __future__ import annotations
 
 import asyncio
+import http.server
 import subprocess
 import sys
+import threading
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -124,6 +127,54 @@ def test_a_wrong_url_is_refused_with_how_to_write_it(url: str, said: str) -> Non
 )
 def test_every_form_libpq_reads_is_taken(url: str, where: str) -> None:
     assert repr(PostgresBackend.from_url(url)) == f"PostgresBackend({where!r}, namespace='inturn')"
+
+
+@pytest.fixture
+def http_port() -> Iterator[int]:
+    """The port of an HTTP server of this test's own (it answers every request)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("mode", ["task", "thread"])
+@pytest.mark.parametrize("other", ["redis", "http"])
+def test_a_url_at_another_kind_of_server_says_what_answered_at_once(
+    request: pytest.FixtureRequest, other: str, mode: str
+) -> None:
+    """Issue 42: a URL at a port where another server listens (a typo, a wrong service)
+    failed after unreachable_after (10 s), saying only "(timed out)": that server waits for
+    a line end that PostgreSQL's first message never has. Now the turn fails within a
+    second or two, naming what answered, and the work does not run."""
+    if other == "redis":
+        port = int(request.getfixturevalue("redis_url").rsplit(":", 1)[1].split("/")[0])
+    else:
+        port = request.getfixturevalue("http_port")
+    backend = PostgresBackend.from_url(f"postgresql://me@127.0.0.1:{port}/db", namespace="t")
+    queue, ran = KeyedQueue(backend=backend), []
+
+    def turn() -> None:
+        if mode == "task":
+            asyncio.run(queue.run("k", ran.append, 1))
+        else:
+            queue.run_sync("k", ran.append, 1)
+
+    began = time.monotonic()
+    with pytest.raises(BackendUnavailable) as refused:
+        turn()
+    took = time.monotonic() - began
+    said = str(refused.value)
+    assert f"127.0.0.1:{port} is not a PostgreSQL server" in said
+    assert ("+PONG" if other == "redis" else "<!DOCTYPE HTML>") in said  # (http.server's)
+    assert "did not run" in said
+    assert ran == []
+    assert took < backend._connections.limits.unreachable_after / 2  # (not its timeout)
+    asyncio.run(backend.aclose())
 
 
 def test_repr_names_the_server_without_credentials() -> None:

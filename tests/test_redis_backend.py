@@ -22,7 +22,7 @@ from inturn import BackendUnavailable, KeyedQueue, LeaseLost, current_turn
 from inturn.__main__ import format_lines, main
 from inturn.backends import Backend, _redis_takeover, _redis_wire
 from inturn.backends._redis_link import Call, Link
-from inturn.backends._redis_scripts import ENQUEUE
+from inturn.backends._redis_scripts import ENQUEUE, LEAVE
 from inturn.backends._redis_wire import Frames
 from inturn.backends.redis import RedisBackend
 from processes import Worker, first_to_hold
@@ -362,6 +362,37 @@ async def test_every_key_of_a_line_carries_a_ttl(
     await asyncio.gather(holder, follower)
 
 
+@pytest.mark.parametrize("marked", [True, False], ids=["marked", "unmarked"])
+async def test_a_leave_that_overtakes_its_enqueue_leaves_no_member(
+    make_backend: BackendFactory,
+    client: aioredis.Redis,
+    redis_url: str,
+    namespace: str,
+    marked: bool,
+) -> None:
+    """Issue 42: a thread that gives up while its enqueue's reply is unread may send its leave
+    on another connection, and Redis may run the leave first. Marked (no answer to the
+    enqueue was read), the leave makes the enqueue a no-op when it comes; unmarked (as
+    every leave was before the fix), the enqueue makes a member that nobody renews, and it
+    holds the key for a lease (the interrupt storm's ghost, in two calls)."""
+    backend = make_backend(lease=10.0)
+    names = backend._line_for("k").names
+    config = backend._config
+    mark = b"1" if marked else b"0"
+    leave = (5, *names, "m/1", config.ttl_ms, config.channels)
+    assert await client.eval(LEAVE.body, *leave, mark) == 0  # first: in neither place
+    enqueue = ("m/1", config.lease_ms, config.ttl_ms, config.channels, b"host 1 0", b"s:k")
+    reply = await client.eval(ENQUEUE.body, 5, *names, *enqueue)
+    if marked:
+        assert reply == [2, 0]  # it left before it came: nothing is held, nothing waits
+        assert await backend.lines() == []
+        assert await keys_left(redis_url, namespace) == []  # (the mark went with it)
+    else:
+        assert reply[0] == 1  # the ghost: it holds the key, and nobody renews it
+        assert [line.holder is not None for line in await backend.lines()] == [True]
+        assert await client.eval(LEAVE.body, *leave, b"0") == 1
+
+
 async def test_keys_other_than_str_bytes_int_are_refused(make_backend: BackendFactory) -> None:
     queue = KeyedQueue(backend=make_backend())
     with pytest.raises(TypeError, match=r"\(tuple\) cannot name a line shared between processes"):
@@ -425,6 +456,10 @@ def test_bad_settings_are_refused_at_construction(redis_url: str) -> None:
         ("postgresql://me:secret@db/0", "'postgresql' is not a Redis URL's scheme"),
         ("redis://localhost:port/0", "cannot read the Redis URL"),
         ("redis://me:secret@db:99999/0", "cannot read the Redis URL"),
+        # (issue 42: redis-py reads these as localhost, silently)
+        ("redis:/db.example:6379/0", "'redis:' must be followed by two slashes"),
+        ("rediss:me:secret@db.example", "'rediss:' must be followed by two slashes"),
+        ("REDIS:db.example", "'REDIS:' must be followed by two slashes"),
     ],
 )
 def test_a_wrong_url_is_refused_with_how_to_write_it(url: str, said: str) -> None:

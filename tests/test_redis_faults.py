@@ -33,6 +33,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
+import redis
 import redis.asyncio as aioredis
 from redis.asyncio.sentinel import Sentinel
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -126,6 +127,56 @@ async def test_forked_workers_each_get_their_own_place_in_line(
     assert await worker.expect("done") == ["-"]  # no error in any process
     assert await worker.finish() == 0
     assert int(await server.get(counter)) == 500
+
+
+@pytest.mark.parametrize("mode", ["task", "thread"])
+def test_a_long_lived_forked_child_keeps_none_of_its_parents_connections(
+    own_redis: Server, namespace: str, mode: str
+) -> None:
+    """Issue 42: a child forked while its parent's backend has connections (its event loop's,
+    or its threads': the backend loop's, and a thread's own) inherits their sockets. It
+    closes its copies at once: when the parent closes the backend, Redis sees those
+    connections end then, not when the last child exits."""
+    # Before the fix, the child kept its copies of the backend loop's (or the parent's
+    # loop's) link and subscription open: the server listed them until the child exited.
+    backend = RedisBackend.from_url(own_redis.url, namespace=namespace)
+    queue = KeyedQueue(backend=backend)
+    admin = redis.Redis.from_url(own_redis.url)
+    loop = asyncio.new_event_loop()  # (the parent's loop lives across the fork: a server's)
+
+    def clients() -> int:
+        return len(admin.client_list()) - 1  # (but the admin's own)
+
+    try:
+        if mode == "task":
+            loop.run_until_complete(queue.run("k", lambda: None))
+        else:
+            queue.run_sync("k", lambda: None)
+        assert clients() >= 2  # (a link and a subscription, at least)
+        go, gone = os.pipe()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # (fork with threads)
+            child = os.fork()
+        if child == 0:  # pragma: no cover - the child: lives until the test ends
+            os.close(gone)
+            os.read(go, 1)
+            os._exit(0)
+        os.close(go)
+        try:
+            if mode == "task":
+                loop.run_until_complete(backend.aclose())
+            else:
+                asyncio.run(backend.aclose())
+            deadline = time.monotonic() + PATIENCE
+            while clients() > 0 and time.monotonic() < deadline:
+                time.sleep(0.01)  # (polls the server for a state)
+            assert clients() == 0, admin.client_list()
+        finally:
+            os.close(gone)
+            os.waitpid(child, 0)
+    finally:
+        loop.close()
+        admin.close()
 
 
 # -- the heartbeat -----------------------------------------------------------------------

@@ -14,7 +14,7 @@ import asyncio
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 from bench.delay_proxy import delayed
 from redis.asyncio.sentinel import Sentinel
 
+from faults import Proxy
 from inturn import BackendUnavailable, KeyedQueue, LeaseLost, current_turn
 from inturn._bridge import backend_loop
 from inturn.backends.redis import RedisBackend
@@ -155,6 +156,74 @@ def test_a_late_answer_to_a_threads_enqueue_still_leaves_the_line(
         left = _keys_until(redis_url, namespace, lambda keys: not keys, began + lease / 2)
         assert left == [], f"the line was left for the lease to clear: {left}"
         asyncio.run(backend.aclose())
+
+
+@pytest.mark.server  # (faults: the newest Python runs them)
+@pytest.mark.parametrize("timeout", [0, 1.5])
+def test_threads_on_a_frozen_network_end_within_their_timeout(
+    own_redis: Server, namespace: str, timeout: float
+) -> None:
+    """Issue 42: with the network frozen, threads that reuse a kept connection and threads
+    that must open a new one all end by their timeout (a try-lock: by a tenth of the lease)
+    with TimeoutError, the latter saying they were connecting; none of their work runs
+    once the network is back, and nothing of them stays in Redis."""
+    # Before the fix, the threads that opened a connection waited for the whole lease
+    # (its connect timeout) and raised BackendUnavailable.
+    lease, kept, new = 10.0, 2, 3
+    proxy = Proxy(own_redis.port).start()
+    backend = RedisBackend.from_url(proxy.url, namespace=namespace, lease=lease)
+    queue = KeyedQueue(backend=backend)
+    ran: list[int] = []
+    try:
+        together = threading.Barrier(kept)  # (two turns at once: two connections are kept)
+        _at_once(kept, lambda i: queue.run_sync(f"warm{i}", together.wait, PATIENCE))
+        proxy.freeze()
+        outcomes: list[tuple[float, BaseException | None]] = []
+
+        def turn(i: int) -> None:
+            began = time.monotonic()
+            try:
+                with queue.keyed(f"k{i}", timeout=timeout):
+                    ran.append(i)
+            except BaseException as error:  # (reported below)
+                outcomes.append((time.monotonic() - began, error))
+            else:
+                outcomes.append((time.monotonic() - began, None))
+
+        _at_once(kept + new, turn)
+        proxy.thaw()
+        bound = max(timeout, lease / 10) + 1.0
+        assert all(isinstance(error, TimeoutError) for _, error in outcomes), outcomes
+        assert max(took for took, _ in outcomes) <= bound, outcomes
+        said = [str(error) for _, error in outcomes]
+        assert sum("(connecting)" in words for words in said) == new, said
+        # Once the network is back, the enqueues held in the frozen connections reach
+        # Redis, and the leaves written behind them: nothing is held, nothing waits.
+        assert (
+            _keys_until(
+                own_redis.url, namespace, lambda keys: not keys, time.monotonic() + lease / 2
+            )
+            == []
+        )
+        other = KeyedQueue(backend=RedisBackend.from_url(own_redis.url, namespace=namespace))
+        for i in range(kept + new):
+            with other.keyed(f"k{i}", timeout=0):  # (a try-lock: each key is free)
+                pass
+        asyncio.run(other.backend.aclose())  # type: ignore[union-attr]
+        assert ran == []
+    finally:
+        proxy.thaw()
+        asyncio.run(backend.aclose())
+        proxy.close()
+
+
+def _at_once(count: int, call: Callable[[int], Any]) -> None:
+    """call(0) ... call(count - 1), each in a thread of its own, started together; joined."""
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(PATIENCE)
 
 
 def _keys_until(url: str, namespace: str, wanted: Any, deadline: float) -> list[str]:

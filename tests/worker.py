@@ -1,8 +1,9 @@
 """A worker process for the multi-process tests: ``python tests/worker.py BACKEND COMMAND ...``.
 
-BACKEND is ``file:DIRECTORY`` or ``redis:URL#NAMESPACE#LEASE``. It reports on stdout, one
-line per event, and waits for a line on stdin where a command says so, so
-the test drives it step by step:
+BACKEND is ``file:DIRECTORY``, ``redis:URL#NAMESPACE#LEASE`` or
+``postgres:URL#NAMESPACE``. It reports on stdout, one line per event, and
+waits for a line on stdin where a command says so, so the test drives it
+step by step:
 
 - ``hold KEY``: take KEY; print ``holding TOKEN``; wait for a stdin line;
   print ``lease-lost`` if the turn lost its lease meanwhile; release;
@@ -26,7 +27,17 @@ the test drives it step by step:
   tidies the line file, and this process stops itself (SIGSTOP) right after
   it takes the line file's exclusive lock; print ``released`` once it goes on.
 
-Five commands run without an event loop of their own. Two take turns from
+Six commands run without an event loop of their own. One is a storm of signals:
+
+- ``storm KEY TURNS SECONDS SPREAD``: the main thread takes TURNS sync turns
+  on KEY (``with queue.keyed(KEY)``, no timeout) while another thread sends
+  it SIGINT every 0 to SPREAD ms; the handler raises KeyboardInterrupt while a
+  turn is being taken, once per turn, wherever it lands. It stops after
+  SECONDS, done or not; print ``stormed TAKEN INTERRUPTED LONGEST`` (the
+  turns taken, those interrupted, and the longest in seconds), then wait
+  for a stdin line before exiting.
+
+Two take turns from
 threads with the file backend's blocking calls (acquire_sync, release_sync):
 
 - ``hold-sync KEY``: as ``hold``, in the main thread, with no event loop.
@@ -70,6 +81,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -88,6 +100,11 @@ def make_backend(spec: str) -> Any:
 
         url, namespace, lease = where.split("#")
         return RedisBackend.from_url(url, namespace=namespace, lease=float(lease))
+    if kind == "postgres":
+        from inturn.backends.postgres import PostgresBackend
+
+        url, namespace = where.split("#")
+        return PostgresBackend.from_url(url, namespace=namespace)
     raise SystemExit(f"unknown backend {spec!r}")
 
 
@@ -306,8 +323,56 @@ def increment_sync(spec: str, key: str, counter: str, n: int, threads: int) -> N
     say("done")
 
 
+def storm(spec: str, key: str, turns: int, seconds: float, spread: float) -> None:
+    """The ``storm`` command (see the module docstring)."""
+    import random
+
+    queue = KeyedQueue(backend=make_backend(spec))
+    main = threading.get_ident()
+    armed = [False]  # a turn is being taken: the next SIGINT raises there (once)
+    stop = threading.Event()
+
+    def handler(signum: int, frame: object) -> None:
+        if armed[0]:
+            armed[0] = False
+            raise KeyboardInterrupt
+
+    def interrupt() -> None:
+        pause = random.Random()
+        while not stop.wait(pause.uniform(0, spread / 1000)):
+            signal.pthread_kill(main, signal.SIGINT)
+
+    signal.signal(signal.SIGINT, handler)
+    taken = interrupted = 0
+    interrupter = threading.Thread(target=interrupt, daemon=True)
+    interrupter.start()
+    end = time.monotonic() + seconds
+    longest = 0.0  # seconds: the longest turn, taken or interrupted
+    while taken + interrupted < turns and time.monotonic() < end:
+        began = time.monotonic()
+        try:
+            armed[0] = True
+            with queue.keyed(key):
+                armed[0] = False  # taken: its end is not under test
+                taken += 1
+        except KeyboardInterrupt:
+            interrupted += 1
+        finally:
+            armed[0] = False
+        longest = max(longest, time.monotonic() - began)
+    stop.set()
+    interrupter.join()
+    say("stormed", taken, interrupted, f"{longest:.3f}")
+    sys.stdin.readline()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a last one may still be on its way)
+    os._exit(0)
+
+
 def run_command(command: str, args: tuple[str, ...], spec: str) -> Callable[[], None] | None:
     """The commands that run without an event loop of this process's own."""
+    if command == "storm":
+        key, turns, seconds, spread = args
+        return lambda: storm(spec, key, int(turns), float(seconds), float(spread))
     if command == "hold-sync":
         (key,) = args
         return lambda: hold_sync(spec, key)

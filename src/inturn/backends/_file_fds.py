@@ -8,6 +8,7 @@ child to exit (and a line file's lock could outlive its user).
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 
@@ -17,11 +18,13 @@ from ._linefile import line_name
 #: How a line file is opened again (to tidy it, or to check it): never made, never a link.
 OPEN_TIDY = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 
-# NOTE: a file is in _OPEN from its open to its close, both done under
-# _OPENING, which fork() takes too: so a child forked by another thread
-# never inherits a file of a turn that _OPEN does not list.
-_OPEN: set[int] = set()
+# NOTE: a file is in _OPEN from its open to its close (taken out just before
+# it), both done under _OPENING, which fork() takes too: so a child forked by
+# another thread never inherits a file of a turn that _OPEN does not list. By
+# its descriptor: the serial number of its open (see opened).
+_OPEN: dict[int, int] = {}
 _OPENING = threading.Lock()
+_serials = itertools.count(1)
 #: Forks between the process that imported this module and this one. A grant made
 #: with another count is an ancestor's: the key is still the ancestor's, and the
 #: numbers of its files (closed here at the fork) may name other files since.
@@ -37,14 +40,27 @@ def open_tracked(name: str, flags: int, directory: int, mode: int = 0o600) -> in
     """Open name in directory and list it in _OPEN, as one step for fork()."""
     with _OPENING:
         fd = os.open(name, flags, mode, dir_fd=directory)
-        _OPEN.add(fd)
+        _OPEN[fd] = next(_serials)
     return fd
 
 
-def close_tracked(fd: int) -> None:
-    """Close fd, a file that open_tracked opened, and take it out of _OPEN, as one step."""
+def opened(fd: int) -> int:
+    """The serial number of fd's open by open_tracked (0: it is not open so)."""
+    return _OPEN.get(fd, 0)
+
+
+def close_tracked(fd: int, serial: int = 0) -> None:
+    """Close fd, a file that open_tracked opened, and take it out of _OPEN, as one step.
+
+    With ``serial`` (its open's: see opened), only if it is still open from
+    that open: a clean-up after an exception that a signal handler raised
+    just as fd was closed leaves it, and another file that the number may
+    name since, alone.
+    """
     with _OPENING:
-        _OPEN.discard(fd)
+        if serial and _OPEN.get(fd) != serial:
+            return
+        _OPEN.pop(fd, None)
         os.close(fd)
 
 
@@ -76,11 +92,11 @@ def line_in_place_of(fd: int, where: Directory, digest: str) -> int:
     descriptor left (and its owner's other threads busy) can tidy its line.
     """
     with _OPENING:
-        _OPEN.discard(fd)
+        _OPEN.pop(fd, None)
         os.close(fd)
         try:
             line = os.open(line_name(digest), OPEN_TIDY, dir_fd=where.fd)
         except OSError:  # gone (or taken by a thread outside inturn): see tidy_again
             return -1
-        _OPEN.add(line)
+        _OPEN[line] = next(_serials)
     return line

@@ -28,9 +28,9 @@ from .._describe import describe
 from .._order import portable_name
 from ._directory import Directory
 from ._file_deaths import died
-from ._file_fds import OPEN_TIDY, close_tracked, line_in_place_of, open_tracked
+from ._file_fds import OPEN_TIDY, close_tracked, line_in_place_of, open_tracked, opened
 from ._file_locks import flock_now, flock_soon, lock, lock_blocking
-from ._file_tidy import tidy_again, unlink, unlinked, withdraw
+from ._file_tidy import retry_soon, tidy_again, unlink, unlinked, withdraw
 from ._linefile import (
     joined,
     joining,
@@ -113,6 +113,11 @@ class Home:
                 )
                 found = self._where = Directory.open(self.given)
             return found
+
+    @property
+    def found(self) -> bool:
+        """Whether the directory was found (made and checked) by a first use."""
+        return self._where is not None
 
     @property
     def shown(self) -> Path:
@@ -238,13 +243,19 @@ def taking(home: Home, key: Hashable, grant: Callable[[Hashable, int, Place], G]
             os.utime(fd)  # the ticket's time is when its turn began: for inspect
         taken = grant(key, token, place)
     except BaseException:
-        # Leave the line: with no writer, the tickets behind skip this one.
-        _quit(fd)
-        line_fd = line_in_place_of(fd, where, digest)
-        unlink(where.fd, pipe_name(digest, ticket))
-        tidy_again(where, digest, ticket, key, held=False, line_fd=line_fd)
+        _give_up(place, key)
         raise
     return taken
+
+
+def _give_up(place: Place, key: Hashable) -> None:
+    """Leave the line place joined: with no writer, the tickets behind skip its ticket."""
+    fd, where, digest, ticket = place.fd, place.where, place.digest, place.ticket
+    _quit(fd)
+    line_fd = line_in_place_of(fd, where, digest)
+    unlink(where.fd, pipe_name(digest, ticket))
+    if tidy_again(where, digest, ticket, key, held=False, line_fd=line_fd):
+        retry_soon(where, digest, ticket, key)  # (a tidier that saw it in line holds the lock)
 
 
 def _join(
@@ -269,7 +280,9 @@ def _join(
             continue
         fd = -1
         made = marked = False
+        serial = 0  # its open's (see _file_fds.opened): once closed, never closed again
         try:
+            serial = opened(line_fd)
             if not flock_soon(line_fd, fcntl.LOCK_SH):
                 yield _Locked(line_fd, fcntl.LOCK_SH)
             info = os.fstat(line_fd)
@@ -288,8 +301,6 @@ def _join(
             records = read_records(line_fd)
             fcntl.flock(line_fd, fcntl.LOCK_UN)
             place = Place(where, digest, ticket, fd, (info.st_dev, info.st_ino), end)
-            # Last: an interrupt before it leaves the line file open for the clean-up below.
-            close_tracked(line_fd)  # opened again to tidy: a turn keeps one descriptor, the ticket
         except BaseException as error:
             if fd >= 0:
                 close_tracked(fd)
@@ -298,10 +309,16 @@ def _join(
             if marked:  # (no descriptor left for its FIFO, say)
                 withdraw(where, digest, ticket, line_fd, key)
             else:
-                close_tracked(line_fd)
+                close_tracked(line_fd, serial)
             if isinstance(error, FileNotFoundError) and where.gone():
                 where = home.again(where, key)
                 continue
+            raise
+        try:  # (opened again to tidy: a turn keeps one descriptor, its ticket)
+            close_tracked(line_fd)
+        except BaseException:  # interrupted: in line, it leaves as any turn that gives up
+            close_tracked(line_fd, serial)  # (unless it was closed just before)
+            _give_up(place, key)
             raise
         return place, records
 

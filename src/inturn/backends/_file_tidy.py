@@ -11,8 +11,10 @@ why a compaction cut short reads back right).
 A tidy never waits for the lock: another process that holds it is
 joining (and tidies after its turn) or tidying. Only a process that left
 the line last, and that a tidier may have seen still in it, tries again
-shortly (retry, retry_blocking). Best effort: an error is logged, and the
-key's next turn tidies.
+shortly (retry, retry_blocking; retry_soon after giving up waiting, which a
+tidier may have seen as it released the key: each would have left the line
+file to the other). Best effort: an error is logged, and the key's next
+turn tidies.
 """
 
 from __future__ import annotations
@@ -227,6 +229,7 @@ def retry(
     key: Hashable,
     pause: float = 0.0,
     until: float | None = None,
+    held: bool = True,
 ) -> None:
     """Tidy again after pause (the line file's lock was busy), until done or it is gone.
 
@@ -235,28 +238,42 @@ def retry(
     most, on the loop's clock (``until``: when that ends): then it is left
     to the key's next turn, though the lock's holder (a process frozen
     mid-tidy) never lets go. done completes when it ends (also if it was
-    cancelled).
+    cancelled). ``held``: as tidy_again's (False: own gave up waiting).
     """
     loop = done.get_loop()
     end = loop.time() + _RETRY_FOR if until is None else until
 
     def again() -> None:
         first, longest = LOCK_PAUSES
-        if tidy_again(where, digest, own, key) and loop.time() < end:
-            retry(done, where, digest, own, key, min(max(pause * 2, first), longest), end)
+        if tidy_again(where, digest, own, key, held) and loop.time() < end:
+            later = min(max(pause * 2, first), longest)
+            retry(done, where, digest, own, key, later, end, held)
         else:
             _finish(done)
 
     loop.call_later(pause, again)
 
 
-def retry_blocking(where: Directory, digest: str, own: str, key: Hashable) -> None:
+def retry_blocking(
+    where: Directory, digest: str, own: str, key: Hashable, held: bool = True
+) -> None:
     """As retry, blocking this thread for _RETRY_SYNC_FOR at most; then left to the next turn."""
     end = time.monotonic() + _RETRY_SYNC_FOR
     while True:
         os.sched_yield()  # let the lock's holder, maybe on this core, finish its few calls
-        if not tidy_again(where, digest, own, key) or time.monotonic() >= end:
+        if not tidy_again(where, digest, own, key, held) or time.monotonic() >= end:
             return
+
+
+def retry_soon(where: Directory, digest: str, own: str, key: Hashable) -> None:
+    """Tidy again shortly after own gave up waiting (see retry): on the running event loop's
+    timer, if there is one, else blocking this thread (see retry_blocking)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        retry_blocking(where, digest, own, key, held=False)
+        return
+    retry(loop.create_future(), where, digest, own, key, held=False)
 
 
 def tidy_again(

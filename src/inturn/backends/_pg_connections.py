@@ -44,6 +44,7 @@ from .._checks import Waited, missed
 from .._describe import describe as show
 from .._errors import BackendUnavailable
 from .._tasks import loop_here
+from . import _pg_handshake as handshake
 from . import _pg_sql, _pg_wire
 from ._pg_places import Lease, LoopPlace, ThreadPlace, Watch, alive, guard
 from ._pg_ready import Readiness
@@ -85,6 +86,7 @@ class Connections:
         "limits",
         "owner",
         "ready",
+        "spoken",
     )
 
     def __init__(
@@ -112,6 +114,8 @@ class Connections:
         self._lock = threading.Lock()  # held to change _places and _threads
         self.ready = Readiness(limits, owner)  # which connections are readied, and how
         self.generation = 0  # forks of this process since the backend was made
+        #: A connection was made: the server is PostgreSQL (see _pg_handshake).
+        self.spoken = False
         _ALL.add(self)
 
     def thread_loop(self) -> asyncio.AbstractEventLoop | None:
@@ -156,26 +160,25 @@ class Connections:
         kept between turns; None if either is not there now (then taking() waits for a
         slot, or connects and readies)."""
         loop = loop_here()
-        place: LoopPlace | ThreadPlace
-        if loop is None:
-            place = self._threads or self._thread_place()
-            if not place.slots(tier).take(0):
-                return None
-        else:
-            place = self._places.get(loop) or self._place(loop)
-            if not place.slots(tier).try_take():
-                return None
-        try:
-            kept = place.take_idle()
-        except BaseException:  # (a signal handler's, in the check of a kept connection)
-            place.release(tier)
-            raise
-        if kept is None:
-            place.release(tier)
-            return None
         lease = Lease(tier)
-        lease.place = place
-        lease.connection, lease.ready = kept
+        try:
+            place: LoopPlace | ThreadPlace
+            if loop is None:
+                place = self._threads or self._thread_place()
+                if not place.slots(tier).take(0):
+                    return None
+            else:
+                place = self._places.get(loop) or self._place(loop)
+                if not place.slots(tier).try_take():
+                    return None
+            lease.place = place
+            place.take_idle(lease)
+        except BaseException:  # (a signal handler's: what the lease has, it gives back)
+            lease.abandon()
+            raise
+        if lease.connection is None:
+            lease.abandon()
+            return None
         if isinstance(place, LoopPlace):
             place.active.add(lease.connection)
         return lease
@@ -236,34 +239,51 @@ class Connections:
         return True
 
     async def connect(self, lease: Lease, until: float) -> Exception | None:
-        """(A task's.) A new connection for lease by until (from the caller's pool, if any)."""
+        """(A task's.) A new connection for lease by until (from the caller's pool, if any).
+
+        Until one was made, what listens there is asked first whether it is
+        PostgreSQL (see _pg_handshake): another kind of server fails it at once.
+        """
         place = lease.place
-        wait = max(0.001, until - time.monotonic())
         try:
             if isinstance(place, LoopPlace) and place.given is not None:
+                wait = max(0.001, until - time.monotonic())
                 lease.connection = await place.given.getconn(timeout=wait)
             else:
+                conninfo = self._conninfo_for("another event loop than its own")
+                where = None if self.spoken else handshake.target(conninfo)
+                if where is not None:
+                    bound = min(handshake.PROBE_FOR, max(0.001, until - time.monotonic()))
+                    refused = await handshake.check(where, bound)
+                    if refused is not None:
+                        return refused
+                wait = max(0.001, until - time.monotonic())
                 connecting = psycopg.AsyncConnection.connect(
-                    self._conninfo_for("another event loop than its own"),
-                    connect_timeout=max(2, math.ceil(wait)),
-                    **self._kwargs,
+                    conninfo, connect_timeout=max(2, math.ceil(wait)), **self._kwargs
                 )
                 lease.connection = await asyncio.wait_for(connecting, wait)
         except (psycopg.OperationalError, asyncio.TimeoutError) as error:  # (and pool errors)
             return error
+        self.spoken = True
         return None
 
     def connect_sync(self, lease: Lease, until: float) -> Exception | None:
         """(A thread's.) As :meth:`connect` (libpq waits 2 s at least)."""
+        conninfo = self._conninfo_for("threads")
+        where = None if self.spoken else handshake.target(conninfo)
+        if where is not None:
+            bound = min(handshake.PROBE_FOR, max(0.001, until - time.monotonic()))
+            refused = handshake.check_sync(where, bound)
+            if refused is not None:
+                return refused
         wait = max(0.001, until - time.monotonic())
         try:
             lease.connection = psycopg.Connection.connect(
-                self._conninfo_for("threads"),
-                connect_timeout=max(2, math.ceil(wait)),
-                **self._kwargs,
+                conninfo, connect_timeout=max(2, math.ceil(wait)), **self._kwargs
             )
         except psycopg.OperationalError as error:
             return error
+        self.spoken = True
         return None
 
     async def probe(self, pid: int, until: float) -> bool:

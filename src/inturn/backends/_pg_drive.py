@@ -13,6 +13,7 @@ op it came during, and go on with the ops the steps yield then.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, final
@@ -217,11 +218,41 @@ async def _cancel(connection: psycopg.AsyncConnection[Any], until: float) -> Non
 
 
 def drive_sync(steps: Steps, connections: Connections) -> Any:
-    """Drive steps in this thread, blocking it for each op; their return value."""
-    value: Any = None
+    """Drive steps in this thread, blocking it for each op; their return value.
+
+    An exception that a signal handler raises between two ops (where the
+    driver loops, not in an op) is thrown in as well: the steps give back
+    what they took at once, not when the garbage collector finalizes them
+    (by then a turn may have opened another connection in its place).
+    """
+    asked = _Asked()
     error: BaseException | None = None
-    pgconn: Any = None  # where the statement asked last runs (None: it never went out)
-    results: list[Any] = []  # what of its answer was read
+    while True:
+        try:
+            return _driving(steps, connections, asked, error)
+        except BaseException as problem:
+            if inspect.getgeneratorstate(steps) != inspect.GEN_SUSPENDED:
+                raise  # (the steps' own exception)
+            error = problem
+
+
+@final
+class _Asked:
+    """The statement a thread asked last: where it runs (None: it never went out), and what
+    of its answer was read."""
+
+    __slots__ = ("pgconn", "results")
+
+    def __init__(self) -> None:
+        self.pgconn: Any = None
+        self.results: list[Any] = []
+
+
+def _driving(
+    steps: Steps, connections: Connections, asked: _Asked, error: BaseException | None
+) -> Any:
+    """drive_sync's loop, from error thrown in (None: from the steps' next op)."""
+    value: Any = None
     while True:
         try:
             op = steps.send(value) if error is None else steps.throw(error)
@@ -231,19 +262,20 @@ def drive_sync(steps: Steps, connections: Connections) -> Any:
         verb = op[0]
         try:
             if verb == ASK:
-                pgconn = None
+                asked.pgconn = None
                 try:
                     send(op[1], op[2], op[3], prepared=op[4])
                 except psycopg.OperationalError as failed:
                     value = failed
                 else:
-                    pgconn, results = op[1].pgconn, []
-                    value = answer_sync(pgconn, results, op[5], True)
+                    asked.pgconn, asked.results = op[1].pgconn, []
+                    value = answer_sync(asked.pgconn, asked.results, op[5], True)
             elif verb == ANSWER:
-                value = None if pgconn is None else answer_sync(pgconn, results, op[1], False)
+                pgconn = asked.pgconn
+                value = None if pgconn is None else answer_sync(pgconn, asked.results, op[1], False)
             elif verb == CLOSE:
                 discard(op[1])
-                pgconn = None
+                asked.pgconn = None
             elif verb == SLOT:
                 value = connections.slot_sync(op[1], op[2])
             elif verb == CONNECT:

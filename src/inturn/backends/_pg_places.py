@@ -46,9 +46,7 @@ class Lease:
     def take_idle(self) -> None:
         """Take a connection kept by the place, if it has one that is still good."""
         assert self.place is not None
-        kept = self.place.take_idle()
-        if kept is not None:
-            self.connection, self.ready = kept
+        self.place.take_idle(self)
 
     def abandon(self) -> None:
         """After a take that failed: give back the connection, or the slot alone if none yet."""
@@ -176,15 +174,16 @@ class LoopPlace:
     def release(self, tier: int) -> None:
         self.tiers[tier].give()
 
-    def take_idle(self) -> tuple[psycopg.AsyncConnection[Any], Any] | None:
-        """The connection used last that is still good, and its readiness; None if none."""
+    def take_idle(self, lease: Lease) -> None:
+        """Give lease the connection used last that is still good, and its readiness
+        (none, if none is)."""
         idle = self.idle
         while idle:
-            kept = idle.pop()
-            if not stale(kept[0]):
-                return kept
-            self._drop(kept[0])
-        return None
+            lease.connection, lease.ready = idle.pop()
+            if not stale(lease.connection):
+                return
+            self._drop(lease.connection)
+            lease.connection = lease.ready = None
 
     def give_back(
         self, connection: psycopg.AsyncConnection[Any] | None, ready: Any, tier: int
@@ -240,15 +239,24 @@ class ThreadSlots:
         An exception raised while it waits (a signal handler's) leaves the
         line first, and gives on a slot handed to it meanwhile.
         """
-        with self.lock:
-            if self.free and not self.waiters:
-                self.free -= 1
-                return True
-            if wait == 0:
-                return False
-            waiter = threading.Lock()
-            waiter.acquire()
-            self.waiters.append(waiter)
+        taken = False
+        try:
+            with self.lock:
+                if self.free and not self.waiters:
+                    self.free -= 1
+                    taken = True
+                elif wait == 0:
+                    return False
+                else:
+                    waiter = threading.Lock()
+                    waiter.acquire()
+                    self.waiters.append(waiter)
+        except BaseException:  # (a signal handler's, as the lock was let go)
+            if taken:
+                self.give()
+            raise
+        if taken:
+            return True
         try:
             if waiter.acquire(True, -1 if wait is None else wait):
                 return True
@@ -306,15 +314,21 @@ class ThreadPlace:
     def release(self, tier: int) -> None:
         self.tiers[tier].give()
 
-    def take_idle(self) -> tuple[psycopg.Connection[Any], Any] | None:
+    def take_idle(self, lease: Lease) -> None:
+        """As LoopPlace's. The connection is the lease's before it leaves the idle ones: an
+        exception a signal handler raises at any point leaves it to the lease, which the
+        caller gives back (see Connections.kept), never to the collector: its slot is
+        free only once it is kept again or closed."""
         while True:
-            try:
-                kept = self.idle.pop()
-            except IndexError:
-                return None
-            if not stale(kept[0]):
-                return kept
-            _pg_wire.discard(kept[0])
+            with self.lock:
+                if not self.idle:
+                    return
+                lease.connection, lease.ready = self.idle[-1]
+                self.idle.pop()
+            if not stale(lease.connection):
+                return
+            _pg_wire.discard(lease.connection)
+            lease.connection = lease.ready = None
 
     def give_back(self, connection: psycopg.Connection[Any] | None, ready: Any, tier: int) -> None:
         """Keep connection (unless it is bad, or the place closed) and give its slot back.

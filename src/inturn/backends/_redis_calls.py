@@ -21,6 +21,10 @@ from ._redis_link import Call, Link
 from ._redis_scripts import ENQUEUE, HELLO, LEAVE, LOOK, RENEW, SCRIPTS, Script
 from ._resp import bulk
 
+#: A leave's last argument: whether its member's enqueue may still come (see Calls.leave).
+_MARKS = (b"0", b"1")
+_MARK_BULKS = (bulk(b"0"), bulk(b"1"))
+
 
 @dataclass(frozen=True)
 class Config:
@@ -96,7 +100,7 @@ class Calls:
 
     def pack(self, names: Sequence[str]) -> bytes:
         """A line's key names as a script call's keys, packed for the Link (b"" on a cluster)."""
-        return b"" if self.link is None else b"".join(bulk(name.encode()) for name in names)
+        return b"" if self.link is None else b"".join([bulk(name.encode()) for name in names])
 
     def enqueue(self, member: Member, member_id: str) -> Call:
         """Call the enqueue script for member: join its line, or take the key if free."""
@@ -110,24 +114,23 @@ class Calls:
     def enqueue_rest(self, member: Member, member_id: str) -> bytes:
         """The enqueue's keys and arguments, packed (for a Link, or a thread's own connection)."""
         info = f"{self._info} {int(time.time() * 1000)}".encode()
-        return (
-            member.packed
-            + bulk(member_id.encode())
-            + self._tails[0]
-            + bulk(info)
-            + bulk(portable_name(member.key))
-        )
+        return member.packed + bulk(member_id.encode()) + self._tails[0] + bulk(info) + member.given
 
-    def leave(self, member: Member, member_id: str) -> Call:
-        """Call the leave script for member (after the share's earlier calls, on a Link)."""
+    def leave(self, member: Member, member_id: str, marked: bool = False) -> Call:
+        """Call the leave script for member (after the share's earlier calls, on a Link).
+
+        ``marked``: no answer to member's enqueue was read, so it may come after
+        this leave; if it does, it does nothing (see _redis_scripts._LEAVE).
+        """
         if self.link is not None:
-            return self.link.call(LEAVE, self.leave_rest(member, member_id))
+            return self.link.call(LEAVE, self.leave_rest(member, member_id, marked))
         config = self.config
-        return self._cluster_call(LEAVE, member.names, (member_id, config.ttl_ms, config.channels))
+        args = (member_id, config.ttl_ms, config.channels, _MARKS[marked])
+        return self._cluster_call(LEAVE, member.names, args)
 
-    def leave_rest(self, member: Member, member_id: str) -> bytes:
+    def leave_rest(self, member: Member, member_id: str, marked: bool = False) -> bytes:
         """The leave's keys and arguments, packed (for a Link, or a thread's own connection)."""
-        return member.packed + bulk(member_id.encode()) + self._tails[1]
+        return member.packed + bulk(member_id.encode()) + self._tails[1] + _MARK_BULKS[marked]
 
     def renew(self, member: Member, member_id: str) -> Call:
         """Call the renew script for member: extend its lease (and learn whether it holds)."""
@@ -140,15 +143,6 @@ class Calls:
     def _cluster_call(self, script: Script, names: Sequence[str], args: Sequence[Any]) -> Call:
         assert self._cluster is not None
         return self._cluster.call(script, names, args)
-
-    async def leave_after(self, enqueue: Call, member: Member, member_id: str) -> None:
-        """Leave the line once the enqueue call has finished (whatever its outcome)."""
-        enqueue.future.add_done_callback(retrieve)
-        if self.link is None:  # a cluster's calls are not in order: wait for the enqueue
-            await asyncio.wait((enqueue.future,))
-        leave = self.leave(member, member_id).future
-        leave.add_done_callback(retrieve)
-        await asyncio.wait((leave,))
 
     async def scan(self, pattern: str) -> list[bytes]:
         """Every key name of this server (or cluster) that matches pattern."""

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any, Protocol
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -23,6 +23,7 @@ from .._errors import BackendUnavailable
 from .._tasks import retrieve
 from ._redis_errors import describe
 from ._redis_link import Call
+from ._redis_scripts import Line
 
 #: What this backend logs: only what is rare (connections lost and back, leases that
 #: could not be renewed or were lost), never a turn that went as it should.
@@ -58,18 +59,23 @@ class Member:
     reads ``members`` in one call (a copy) wherever it could meet a thread's change.
     """
 
-    __slots__ = ("expires", "held", "joined", "key", "lost", "names", "packed", "waiting")
+    __slots__ = (
+        "expires",
+        "given",
+        "held",
+        "joined",
+        "key",
+        "lost",
+        "names",
+        "packed",
+        "waiting",
+    )
 
-    def __init__(
-        self,
-        key: Hashable,
-        names: Sequence[str],
-        packed: bytes,
-        waiting: Waiting | None,
-    ) -> None:
+    def __init__(self, key: Hashable, line: Line, waiting: Waiting | None) -> None:
         self.key = key
-        self.names = names
-        self.packed = packed  # names as a script call's keys, packed for the Link
+        self.names = line.names  # its line's Redis keys
+        self.packed = line.packed  # they, as a script call's keys, packed for the Link
+        self.given = line.given  # the key as given, packed
         # time.monotonic() when its lease runs out as far as this process can
         # vouch: a lease after the call that last set it in Redis was written
         # (Redis's own expiry is no earlier)

@@ -7,39 +7,46 @@ that loop uses the backend: its own id (so its own channel), its own Link
 loop per job and loops in several threads never share a member id or a
 connection. A share ends with its loop (the loop's ``shutdown_asyncgens``,
 which ``asyncio.run`` calls, closes it), or with the backend's ``aclose()``.
-This module starts and closes a share, and takes and gives back its turns.
+This module starts and closes a share, and is a task's driver of a turn's
+steps (``_redis_steps``): :func:`drive` awaits each op's answer (taking a
+turn), :func:`drive_soon` is resumed by each (a release, which goes on by
+itself). A thread's driver is ``_redis_threads.Blocking``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
-import logging
 import os
 import secrets
 import threading
-import time
-import typing
-from collections.abc import AsyncGenerator, Awaitable, Callable, Hashable, Sequence
+from collections.abc import AsyncGenerator, Callable, Hashable
 from typing import Any, Final
 
-from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .._checks import Waited, missed
-from .._describe import describe as show
 from .._errors import BackendUnavailable
 from .._tasks import abandon_task, retrieve
 from ._redis_calls import Calls, Config
-from ._redis_errors import UNREACHABLE, demoted, describe, refused, unavailable
+from ._redis_errors import refused, unavailable
 from ._redis_inbox import Inbox
-from ._redis_lease import Leases, Member, Waiting
-from ._redis_link import Call
-
-#: What this backend logs: only what is rare (here: a release Redis did not take), never a
-#: turn that went as it should.
-logger = logging.getLogger("inturn.redis")
+from ._redis_lease import Leases, Member
+from ._redis_scripts import Line
+from ._redis_steps import (
+    ENQUEUE,
+    GRANT,
+    LEAVE,
+    QUIT,
+    RedisGrant,
+    Steps,
+    T,
+    now,
+    releasing,
+    taking,
+)
 
 #: Seconds a turn with a shorter timeout (0: a try-lock) still waits for its event loop's
 #: share to start (connected, subscribed, greeted), half the lease at most: a one-time
@@ -61,47 +68,6 @@ def _count_fork() -> None:
 
 if hasattr(os, "register_at_fork"):  # (POSIX)
     os.register_at_fork(after_in_child=_count_fork)
-
-
-@typing.final
-class RedisGrant:
-    """The turn on one key granted by a :class:`~inturn.backends.redis.RedisBackend`."""
-
-    __slots__ = ("_member", "_share", "_state", "key", "token")
-
-    def __init__(
-        self, key: Hashable, token: int, member: str, share: LoopShare, state: Member
-    ) -> None:
-        #: The key held.
-        self.key = key
-        #: The fencing token: larger than every earlier grant's on this key
-        #: (Redis's clock in microseconds when the key's line starts anew).
-        self.token = token
-        self._member = member
-        self._share = share
-        self._state = state  # the lease as this process knows it
-
-    @property
-    def lost(self) -> bool:
-        """Whether the lease ran out, or may have: Redis dropped it, or no renewal came in time.
-
-        Known at once after the process was frozen past its lease, or its
-        event loop blocked that long: the lease is counted on this host's
-        monotonic clock from the moment the call that last set it was
-        written, which is no later than Redis's own count. A failover or
-        restart of Redis counts as lost too (another server may have granted
-        the key meanwhile).
-        """
-        return self._state.lapsed
-
-    def __repr__(self) -> str:
-        lost = " lost" if self.lost else ""
-        return f"<RedisGrant key={show(self.key)} token={self.token}{lost}>"
-
-
-def owner(grant: RedisGrant) -> LoopShare:
-    """The loop share that granted grant (and alone may release it)."""
-    return grant._share
 
 
 class LoopShare:
@@ -148,7 +114,8 @@ class LoopShare:
         self.leases = Leases(loop, lease, self.calls.renew, self._tend)
         self._starting: asyncio.Task[None] | None = None
         self._guard: AsyncGenerator[None, None] | None = None
-        self._cleanups: set[asyncio.Task[Any]] = set()
+        #: Leaves of places given up (QUIT), until answered: close waits for them.
+        self._cleanups: set[asyncio.Future[Any]] = set()
 
     # -- start and stop ------------------------------------------------------------------
 
@@ -247,7 +214,9 @@ class LoopShare:
 
         For a loop closed without ``shutdown_asyncgens()``, or left behind by
         a thread that ended. Its members lose their places when their leases
-        run out (nothing renews them).
+        run out (nothing renews them). In a forked child, for its copy of its
+        parent's share: only the child's copies of the sockets close (the
+        parent's connections go on), and the parent's members are untouched.
         """
         self.closing = True
         self.ready = False
@@ -276,18 +245,20 @@ class LoopShare:
         closed = BackendUnavailable("inturn: the backend was closed; the work did not run")
         members = self.leases.members
         for member_id, member in list(members.items()):
-            if not member.held:  # waiting: (on a Link, the leave goes after its enqueue)
+            if not member.held:  # waiting
                 waiting = member.waiting
                 if waiting is not None and not waiting.done():
                     waiting.set_exception(closed)
                     if isinstance(waiting, asyncio.Future):  # (its acquire may fail first)
                         retrieve(waiting)
                 del members[member_id]
-                self.calls.leave(member, member_id).future.add_done_callback(retrieve)
+                self.quit(member, member_id, not member.joined)
         if self._cleanups:  # places given up just now: let them leave their lines
             await asyncio.wait(self._cleanups, timeout=self.config.lease)
         await self.calls.aclose()
-        tasks = [task for task in (self.leases.beat, *self._cleanups) if task is not None]
+        tasks: list[asyncio.Future[Any]] = [*self._cleanups]
+        if self.leases.beat is not None:
+            tasks.append(self.leases.beat)
         for task in tasks:
             task.cancel()
         if tasks:
@@ -301,9 +272,7 @@ class LoopShare:
 
     # -- taking and giving back turns ------------------------------------------------
 
-    async def acquire(
-        self, key: Hashable, names: Sequence[str], timeout: float | None
-    ) -> RedisGrant:
+    async def acquire(self, key: Hashable, line: Line, timeout: float | None) -> RedisGrant:
         """Join key's line in Redis; return once this share holds the key.
 
         ``timeout`` covers connecting, joining and waiting, with two floors,
@@ -323,177 +292,48 @@ class LoopShare:
         :raises ~inturn.BackendUnavailable: Redis could not be reached, refused,
             or lost the place; the turn was not taken.
         """
-        loop = self.loop
-        began = loop.time()
+        began = now()
         if not self.ready:
             await self._start_for(key, timeout)
         else:
             self.leases.run()  # (again, if it ended)
-        deadline, late = self.bounds(timeout, began, loop.time())
-        member_id, member = self.join(key, names, loop.create_future())
-        enqueue = self.calls.enqueue(member, member_id)
-        try:
-            token = await self._granted(member, enqueue, late, deadline, timeout)
-            return self.hold(member_id, member, token)
-        except BaseException:
-            # Cancelled, timed out, or Redis failed: give the place up. The
-            # call to leave goes after the enqueue (even one still in flight);
-            # if the key was just granted, leaving passes it on.
-            self.leases.members.pop(member_id, None)
-            self._detach(self.calls.leave_after(enqueue, member, member_id))
-            raise
-
-    # The steps of a turn, written once: its two drivers are acquire() above (a
-    # task) and _redis_threads.Blocking (a thread, on a connection of its own).
-
-    def bounds(self, timeout: float | None, began: float, now: float) -> tuple[float | None, ...]:
-        """(deadline, late): by when the turn, and Redis's answer to the enqueue, must come.
-
-        Redis answers the enqueue by the caller's deadline if that comes
-        first, but gets one round trip from now (after a start), up to a
-        tenth of the lease, however short the timeout (0: a try-lock); else
-        (late None) within about a lease: the heartbeat drops a link that
-        leaves a call unanswered longer (a cluster's calls get a timer of
-        their own; a thread's connection, a socket timeout).
-        """
-        if timeout is None:
-            return None, None
-        deadline = began + timeout
-        lease = self.config.lease
-        return deadline, (max(deadline, now + lease / 10) if timeout < lease else None)
-
-    def join(self, key: Hashable, names: Sequence[str], waiting: Waiting) -> tuple[str, Member]:
-        """A new member of key's line, kept by the heartbeat, its grant handed to waiting."""
-        member_id = f"{self.id}/{next(self.counter)}"
-        member = Member(key, names, self.calls.pack(names), waiting)
-        self.leases.members[member_id] = member
-        return member_id, member
-
-    def enqueued(self, member: Member, sent: float, reply: Any) -> int | None:
-        """Redis answered member's enqueue (written at monotonic ``sent``): its token if the
-        key was free, else None (it waits for its grant)."""
-        state, value = reply
-        member.joined = True
-        member.expires = sent + self.config.lease
-        return int(value) if state == 1 else None
-
-    def hold(self, member_id: str, member: Member, token: int) -> RedisGrant:
-        """member was granted the key with token: its grant (see _still_valid)."""
-        _still_valid(member)
-        member.waiting = None
-        member.held = True
-        return RedisGrant(member.key, token, member_id, self, member)
-
-    async def _granted(
-        self,
-        member: Member,
-        enqueue: Call,
-        late: float | None,
-        deadline: float | None,
-        timeout: float | None,
-    ) -> int:
-        """Await the enqueue's answer (by ``late``), then the grant (by ``deadline``): its token."""
-        loop = self.loop
-        timer = None
-        if late is not None:
-            unanswered = late_for(member.key, timeout, Waited.ANSWER)
-            timer = loop.call_at(late, _expire, enqueue.future, unanswered)
-        elif self.calls.link is None:
-            timer = loop.call_later(self.config.lease, _expire, enqueue.future, self._silent)
-        try:
-            reply = await enqueue.future
-        except TimeoutError:  # (an OSError: not Redis unreachable, but the deadline)
-            raise
-        except (*UNREACHABLE, ResponseError) as error:
-            raise unavailable(error) from error
-        finally:
-            if timer is not None:
-                timer.cancel()
-        token = self.enqueued(member, enqueue.sent or time.monotonic(), reply)
-        if token is None:
-            assert isinstance(member.waiting, asyncio.Future)
-            token = await _wait(member.waiting, deadline, member.key, timeout)
-        return token
+        waiting = self.loop.create_future()
+        return await drive(self, taking(self, key, line, timeout, began, waiting))
 
     def release(self, grant: RedisGrant) -> asyncio.Future[None]:
         """End grant's turn: Redis hands the key to the next in line and wakes it.
 
         On one server the call to leave is written at once and the answer is
-        a Future that completes by itself, whatever becomes of its awaiter.
-        It never fails: a release Redis did not take is logged (the key frees
-        itself within the lease), and a lease found gone marks the member lost.
-        In a forked child, a turn its parent was granted ends here alone (see
-        :meth:`ending`).
+        a Future that completes by itself, whatever becomes of its awaiter
+        (see _redis_steps.releasing: it never fails).
         """
-        ending = self.ending(grant)
-        if ending is None:
-            return _finished(self.loop)
-        member_id, member = ending
-        done = self.loop.create_future()
-        leave = self.calls.leave(member, member_id).future
+        return drive_soon(self, releasing(self, grant))
 
-        def answered(leave: asyncio.Future[Any]) -> None:
-            error = leave.exception()
-            self.left(member, None if error is not None else leave.result(), error)
-            if not done.done():  # (its awaiter may have cancelled it: the release goes on)
-                done.set_result(None)
+    def inherited(self) -> bool:
+        """Whether this is a forked child's copy of its parent's share (never to be used)."""
+        return self.forks != _forks
 
-        leave.add_done_callback(answered)
-        return done
+    def quit(self, member: Member, member_id: str, marked: bool) -> None:
+        """Write member's leave and go on (a QUIT: see _redis_steps); its answer is retrieved.
 
-    def left(self, member: Member, status: Any, error: BaseException | None) -> None:
-        """Redis answered member's release (the leave script's status, or an error): log what
-        went wrong, and mark the member lost if Redis no longer had it."""
-        if error is None:
-            if status == 0:
-                if not member.lost:
-                    logger.warning(
-                        "inturn: Redis no longer had the turn on key %s at its release: "
-                        "its lease ran out, or Redis lost it; another process may have "
-                        "held the key meanwhile",
-                        show(member.key),
-                    )
-                member.lost = True
-            return
-        if demoted(error):  # a failover: what this server granted may be gone
-            member.lost = True
-        logger.warning(
-            "inturn: could not release %s in Redis: %s; it frees itself within %g s",
-            show(member.key),
-            error if isinstance(error, BackendUnavailable) else describe(error),
-            self.config.lease,
-        )
-
-    def ending(self, grant: RedisGrant) -> tuple[str, Member] | None:
-        """Take grant's member off the heartbeat: (its id, it) for the leave to write, or None.
-
-        None: released already, or Redis no longer had it (lost); or, in a
-        forked child, a turn the parent was granted: the member, its lease and
-        the connections are the parent's, which holds the key and renews it
-        until it leaves the turn itself. The child only forgets its copy (and
-        waits behind the parent, as any other process, if it takes the key again).
+        On a Link it runs after the share's earlier calls (the enqueue
+        among them); a cluster's may overtake the enqueue (``marked``: it
+        then does nothing; see Calls.leave). The backend's close waits for it.
         """
-        member_id = grant._member
-        member = self.leases.members.pop(member_id, None)
-        if member is None or self.forks != _forks:
-            return None
-        return member_id, member
+        leave = self.calls.leave(member, member_id, marked).future
+        if not leave.done():
+            self._cleanups.add(leave)
+            leave.add_done_callback(self._cleanups.discard)
+        leave.add_done_callback(retrieve)
 
-    def leave_soon(self, member: Member, member_id: str) -> None:
+    def leave_soon(self, member: Member, member_id: str, marked: bool) -> None:
         """(From any thread.) Write member's leave on this share's own connection, soon.
 
-        For a thread's place whose connection broke (see _redis_threads).
+        For a thread's place whose connection broke, or is not at hand (see
+        _redis_threads).
         """
         with contextlib.suppress(RuntimeError):  # (its loop closed: the lease runs out)
-            self.loop.call_soon_threadsafe(self._leave_now, member, member_id)
-
-    def _leave_now(self, member: Member, member_id: str) -> None:
-        self.calls.leave(member, member_id).future.add_done_callback(retrieve)
-
-    def _detach(self, coro: Awaitable[None]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._cleanups.add(task)
-        task.add_done_callback(self._cleanups.discard)
+            self.loop.call_soon_threadsafe(self.quit, member, member_id, marked)
 
     # -- push and greeting ----------------------------------------------------------------
 
@@ -523,48 +363,127 @@ class LoopShare:
             self.inbox.ping()
 
 
-def _finished(loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
-    """A future done already, of the running loop (in a forked child of a task: of loop,
-    as asyncio disowns the child's copy of its running loop)."""
+# -- a task's driver of a turn's steps (see _redis_steps) --------------------------------
+
+
+async def drive(share: LoopShare, steps: Steps[T]) -> T:
+    """Perform steps' ops for a task on share's loop, awaiting each answer; their return.
+
+    A cancellation of the task is thrown in at the op it came during (the
+    steps give the place up, and re-raise it).
+    """
+    answer: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            op = steps.send(answer) if error is None else steps.throw(error)
+        except StopIteration as done:
+            result: T = done.value
+            return result
+        answer = error = None
+        verb = op[0]
+        try:
+            if verb == ENQUEUE:
+                call = share.calls.enqueue(op[1], op[2])
+                if op[3] is None and share.calls.link is not None:  # (no timer: most turns)
+                    reply = await call.future
+                else:
+                    reply = await _by(share, call.future, op[3], silent=True)
+                answer = None if reply is None else (call.sent or now(), reply)
+            elif verb == GRANT:
+                waiting = op[1].waiting
+                answer = await (waiting if op[2] is None else _by(share, waiting, op[2]))
+            elif verb == LEAVE:
+                answer = await share.calls.leave(op[1], op[2]).future
+            else:
+                share.quit(op[1], op[2], op[3])
+        except BaseException as problem:  # thrown in: the steps give the place up
+            error = problem
+
+
+def drive_soon(share: LoopShare, steps: Steps[None]) -> asyncio.Future[None]:
+    """Perform the ops of a release's steps (LEAVE) for a task, each answer resuming them
+    by callback: it goes on whatever becomes of the future returned, done at their end.
+
+    (In a forked child of a task, the future is of share's loop, as asyncio
+    disowns the child's copy of its running loop.)
+    """
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
-        pass
-    done = loop.create_future()
-    done.set_result(None)
+        loop = share.loop
+    done: asyncio.Future[None] = loop.create_future()
+    _resume(share, steps, done, None, None)
     return done
 
 
-def _still_valid(member: Member) -> None:
-    """Check a member just granted still has its lease.
+def _resume(
+    share: LoopShare,
+    steps: Steps[None],
+    done: asyncio.Future[None],
+    answer: Any,
+    error: BaseException | None,
+) -> None:
+    """Send answer (or throw error) into steps; perform their ops until one is waited for."""
+    while True:
+        try:
+            op = steps.send(answer) if error is None else steps.throw(error)
+        except StopIteration:
+            if not done.done():  # (its awaiter may have cancelled it: the release went on)
+                done.set_result(None)
+            return
+        answer = error = None
+        if op[0] == QUIT:
+            share.quit(op[1], op[2], op[3])
+            continue
+        assert op[0] == LEAVE  # (a release's steps)
+        leave = share.calls.leave(op[1], op[2]).future
+        if not leave.done():
+            leave.add_done_callback(functools.partial(_answered, share, steps, done))
+            return
+        answer, error = _outcome(leave)
 
-    :raises ~inturn.BackendUnavailable: this process was frozen, or its loop
-        blocked, past the lease meanwhile: Redis may have given the turn to
-        another since (the grant's message waited in the socket). The work
-        must not run on it.
-    """
-    if member.lapsed:
-        raise BackendUnavailable(
-            f"inturn: the place in Redis of this waiter for {show(member.key)} may be gone (this "
-            "process was frozen, or its event loop blocked, for longer than the lease); "
-            "the work did not run"
-        )
+
+def _answered(
+    share: LoopShare, steps: Steps[None], done: asyncio.Future[None], call: asyncio.Future[Any]
+) -> None:
+    _resume(share, steps, done, *_outcome(call))
+
+
+def _outcome(call: asyncio.Future[Any]) -> tuple[Any, BaseException | None]:
+    """A done call's (result, None), or (None, its error)."""
+    if call.cancelled():
+        return None, asyncio.CancelledError("the call was cancelled")
+    error = call.exception()
+    return (None, error) if error is not None else (call.result(), None)
+
+
+async def _by(
+    share: LoopShare, future: asyncio.Future[Any], until: float | None, silent: bool = False
+) -> Any:
+    """future's result, or None if it is not done by ``until`` (None: no bound; but with
+    ``silent``, a cluster's call fails after a lease: see LoopShare._silent)."""
+    loop = share.loop
+    if until is not None:
+        timer = loop.call_later(until - now(), _settle, future)
+    elif silent and share.calls.link is None:
+        timer = loop.call_later(share.config.lease, _expire, future, share._silent)
+    else:
+        return await future
+    try:
+        return await future
+    finally:
+        timer.cancel()
+
+
+def _settle(future: asyncio.Future[Any]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _expire(future: asyncio.Future[Any], error: Callable[[], BaseException]) -> None:
     if not future.done():
         future.set_exception(error())
-
-
-def late_for(key: Hashable, timeout: float | None, waited: Waited) -> Callable[[], BaseException]:
-    """What makes the TimeoutError of a turn on key not reached within timeout: waited is its
-    place in Redis's line (the grant), or an answer from Redis (the enqueue's)."""
-
-    def error() -> BaseException:
-        detail = " from Redis" if waited is Waited.ANSWER else ""
-        return missed((key,), waited, timeout, detail)
-
-    return error
 
 
 def _slow_start(key: Hashable, bound: float, timeout: float) -> Callable[[], BaseException]:
@@ -573,20 +492,6 @@ def _slow_start(key: Hashable, bound: float, timeout: float) -> Callable[[], Bas
         return missed((key,), Waited.ANSWER, timeout, detail)
 
     return error
-
-
-async def _wait(
-    waiting: asyncio.Future[int], deadline: float | None, key: Hashable, timeout: float | None
-) -> int:
-    """Await the grant's token, or fail with TimeoutError at deadline."""
-    if deadline is None:
-        return await waiting
-    late = late_for(key, timeout, Waited.LINE)
-    timer = asyncio.get_running_loop().call_at(deadline, _expire, waiting, late)
-    try:
-        return await waiting
-    finally:
-        timer.cancel()
 
 
 async def _guard(share: LoopShare) -> AsyncGenerator[None, None]:

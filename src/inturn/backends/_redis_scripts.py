@@ -1,23 +1,26 @@
 """The Lua scripts that keep a Redis line, and how a call to each is laid out.
 
 Each key's line is four Redis keys in one hash slot (KEYS, in this order:
-line, q, lease, info); see :mod:`inturn.backends.redis` for what they hold.
-Every change to a line is one of these scripts, so it is atomic.
+line, q, lease, info), and a fifth for the members that left before they
+came (gone); see :mod:`inturn.backends.redis` for what they hold. Every
+change to a line is one of these scripts, so it is atomic.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from typing import Final
+from collections.abc import Hashable
+from typing import Final, final
 
+from .._order import portable_name
 from ._resp import bulk
 
-# KEYS: line, q, lease, info. Shared by every script: the clock, dropping
+# KEYS: line, q, lease, info, gone. Shared by every script: the clock, dropping
 # expired members, granting a free key to the head, and deleting or
 # refreshing the line's keys.
 _PRELUDE = """
-local line, q, lease, info = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local line, q, lease, info, gone = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -51,17 +54,22 @@ local function finish(ttl)
   if redis.call('HEXISTS', line, 'holder') == 0 and redis.call('ZCARD', q) == 0 then
     redis.call('DEL', line, q, lease, info)
   else
-    for _, k in ipairs(KEYS) do redis.call('PEXPIRE', k, ttl) end
+    for _, k in ipairs({line, q, lease, info}) do redis.call('PEXPIRE', k, ttl) end
   end
 end
 """
 
 # ARGV: member, lease ms, ttl ms, channel prefix, info, the key as given.
-# Returns {1, token} when the key was free, else {0, place in line}.
+# Returns {1, token} when the key was free, else {0, place in line}; {2, 0}
+# when the member left before it came (its leave ran first: see _LEAVE).
 _ENQUEUE = (
     _PRELUDE
     + """
 local member, lease_ms, ttl, channels = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+if redis.call('ZSCORE', gone, member) then
+  redis.call('ZREM', gone, member)
+  return {2, 0}
+end
 if redis.call('EXISTS', line, q) == 0 then
   -- the line starts anew (its keys come and go together): the key is free
   local token = string.format('%.0f', now_us)
@@ -88,9 +96,14 @@ return {0, redis.call('ZRANK', q, member) + 1}
 """
 )
 
-# ARGV: member, ttl ms, channel prefix. Releases the key, or leaves the line.
+# ARGV: member, ttl ms, channel prefix, whether its enqueue may still come
+# ('1': no answer to it was read). Releases the key, or leaves the line.
 # Returns 1: was the holder; 2: was waiting; 3: had released already (a
-# retried call); 0: was in neither place (its lease ran out).
+# retried call); 0: was in neither place (its lease ran out, or its enqueue
+# has not come yet). A leave that may have overtaken its enqueue (sent on
+# another connection: Redis runs the connections' calls in any order) and
+# finds the member in neither place marks it gone, for a ttl: the enqueue,
+# if it comes, then does nothing (see _ENQUEUE). Expired marks are dropped.
 _LEAVE = (
     _PRELUDE
     + """
@@ -111,6 +124,12 @@ elseif redis.call('ZREM', q, member) == 1 then
   status = 2
 elseif redis.call('HGET', line, 'last') == member then
   status = 3
+elseif ARGV[4] == '1' then
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', gone, '-inf', now)) do
+    redis.call('ZREM', gone, m)
+  end
+  redis.call('ZADD', gone, now + ttl, member)
+  redis.call('PEXPIRE', gone, ttl)
 end
 redis.call('ZREM', lease, member)
 redis.call('HDEL', info, member)
@@ -210,6 +229,29 @@ return {tostring(now), redis.call('HGETALL', KEYS[1]), redis.call('ZRANGE', KEYS
 """
 
 
+@final
+class Line:
+    """One key's line in Redis: the names of its keys (KEYS, in the scripts' order), and
+    what every call on it repeats, packed: the keys, and the key as given (the enqueue's
+    last argument)."""
+
+    __slots__ = ("given", "names", "packed")
+
+    def __init__(self, namespace: str, key: Hashable) -> None:
+        name = portable_name(key)
+        digest = hashlib.sha256(name).hexdigest()[:40]
+        prefix = f"inturn:{{{namespace}:{digest}}}:"
+        #: line, q, lease, info, gone: one hash slot (the hash tag), so a cluster takes them.
+        self.names = tuple(prefix + part for part in ("line", "q", "lease", "info", "gone"))
+        #: The names as a script call's keys (on one server's connection; a cluster's client
+        #: packs them itself).
+        self.packed = b"".join([bulk(name.encode()) for name in self.names])
+        self.given = bulk(name)
+
+    def __repr__(self) -> str:
+        return f"<Line {self.names[0][: -len('line')]}>"
+
+
 class Script:
     """One script: its number, body, SHA-1 (to call it by), and its counts of KEYS and ARGV."""
 
@@ -226,9 +268,9 @@ class Script:
         return f"<Script {self.index} {self.sha.decode()[:8]}>"
 
 
-ENQUEUE: Final = Script(0, _ENQUEUE, 4, 6)
-LEAVE: Final = Script(1, _LEAVE, 4, 3)
-RENEW: Final = Script(2, _RENEW, 4, 4)
+ENQUEUE: Final = Script(0, _ENQUEUE, 5, 6)
+LEAVE: Final = Script(1, _LEAVE, 5, 4)
+RENEW: Final = Script(2, _RENEW, 5, 4)
 HELLO: Final = Script(3, _HELLO, 1, 1)
 LOOK: Final = Script(4, _LOOK, 4, 0)
 #: Every script, by number.

@@ -1,13 +1,11 @@
 """A thread's Redis turn, on a blocking connection of its own: no hop to an event loop.
 
-The second driver of a turn's steps (``LoopShare.bounds``, ``join``,
-``enqueued``, ``hold``, ``ending``, ``left``; the first is
-``LoopShare.acquire``, for a task). A thread writes its enqueue and its
-leave itself, each one round trip on one of the backend's blocking
-connections, and waits for a grant on an :class:`~inturn._bridge.Answer`
-that the share's subscription completes. The share, on this process's
-backend loop, keeps what goes on between calls: the subscription, the
-heartbeat, the greeting.
+The thread's driver of a turn's steps (``_redis_steps``; a task's is in
+``_redis_loop``). A thread writes its enqueue and its leave itself, each
+one round trip on one of the backend's blocking connections, and waits for
+a grant on an :class:`~inturn._bridge.Answer` that the share's
+subscription completes. The share, on this process's backend loop, keeps
+what goes on between calls: the subscription, the heartbeat, the greeting.
 
 The connections are redis-py's sync ``Connection`` (or its SSL or Unix
 socket kind), made with the async client's settings (TLS, AUTH, HELLO,
@@ -25,25 +23,35 @@ import asyncio
 import contextlib
 import functools
 import inspect
-import logging
 import threading
-import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import redis.asyncio as aioredis
 import redis.connection
 import redis.sentinel
 from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .._bridge import Answer
-from .._checks import Waited
-from ._redis_errors import UNREACHABLE, demoted, unavailable
+from ._redis_errors import demoted
 from ._redis_lease import Member
-from ._redis_loop import LoopShare, RedisGrant, late_for
-from ._redis_scripts import ENQUEUE, HEADS, LEAVE, SCRIPTS, Script
-
-logger = logging.getLogger("inturn.redis")
+from ._redis_loop import LoopShare
+from ._redis_scripts import ENQUEUE as ENQUEUE_SCRIPT
+from ._redis_scripts import HEADS, SCRIPTS, Line, Script
+from ._redis_scripts import LEAVE as LEAVE_SCRIPT
+from ._redis_steps import (
+    ENQUEUE,
+    GRANT,
+    LEAVE,
+    UNCONNECTED,
+    RedisGrant,
+    Steps,
+    T,
+    now,
+    releasing,
+    taking,
+)
 
 #: The async client's connection settings a sync connection takes as they are (and any
 #: ``ssl_*``); the rest are the async client's own objects (its parser, retry, hooks).
@@ -136,143 +144,187 @@ def _mirrored(given: dict[str, Any], mirror: type, lease: float) -> dict[str, An
 
 
 class _Pooled:
-    """One blocking connection, and how many leaves' replies it still owes (see Blocking)."""
+    """One blocking connection, and how many replies it still owes (see Blocking)."""
 
     __slots__ = ("connection", "owed")
 
     def __init__(self, connection: Any) -> None:
         self.connection = connection
-        self.owed = 0
+        self.owed = 0  # calls written on it whose replies its next user reads first
+
+
+class _Run:
+    """One thread's steps under way: the connection of their call, and what it did."""
+
+    __slots__ = ("broken", "unread", "using", "written")
+
+    def __init__(self) -> None:
+        self.using: _Pooled | None = None  # taken for the op under way, not given back yet
+        self.unread = False  # a call was written on it, and its reply is not read
+        self.broken = False  # its write or read did not end cleanly: its state is unknown
+        self.written = False  # a call of these steps may have reached Redis
 
 
 class Blocking:
-    """Threads' turns on blocking connections: each call one round trip on the thread's own.
+    """Threads' turns on blocking connections, each call one round trip on the thread's own.
 
-    A thread takes an idle connection for a call and gives it back after
-    (any number of threads at once: one connection each). Guarantees, as a
-    task's turn (``LoopShare.acquire``):
+    The thread's driver of a turn's steps (``_redis_steps``; a task's is
+    ``_redis_loop.drive``). A thread takes an idle connection for a call and
+    gives it back after (any number of threads at once: one connection
+    each). Guarantees, as a task's turn:
 
     - The place is given up when the turn is not taken (a timeout, an
       interrupt such as ``KeyboardInterrupt``, Redis failing): the leave is
-      written on the enqueue's own connection, so Redis runs it after the
-      enqueue (its reply is read by the connection's next user), or, when
-      that connection broke, on the share's. Should that overtake an
-      enqueue still on its way (Redis busy), the place lapses within the
-      lease, as a crashed waiter's does.
+      written on the enqueue's own connection when that is whole, so Redis
+      runs it after the enqueue (its reply is read by the connection's next
+      user); else (an interrupt came while the enqueue was written or its
+      reply read) on another, marked, so that an enqueue it overtakes does
+      nothing (see ``_redis_scripts``). A give-up never waits, nor connects.
+    - Every wait is bounded by the turn's: the enqueue's answer, the grant,
+      the replies a connection owes, and connecting, whose handshake gets
+      the time left (a try-lock: up to a tenth of the lease). A connection
+      made too late joins the idle ones, and the next thread that needs
+      one waits for it, not for another.
     - A release never fails: what Redis did not take is logged, and the key
       frees itself within the lease. An interrupted release goes on: its
-      leave is written again on the share's connection.
+      leave is written again.
     """
 
-    __slots__ = ("_idle", "_make")
+    __slots__ = ("_closed", "_idle", "_make", "_orphans")
 
     def __init__(self, make: Callable[[], Any]) -> None:
         self._make = make
         self._idle: list[_Pooled] = []
+        #: Connections being made that no thread waits for now (it gave up): the next
+        #: thread that needs one adopts one of these before it makes another.
+        self._orphans: list[Answer] = []
+        self._closed = False
 
     def acquire(
-        self, share: LoopShare, key: Hashable, names: Sequence[str], timeout: float | None
+        self, share: LoopShare, key: Hashable, line: Line, timeout: float | None
     ) -> RedisGrant:
         """As ``LoopShare.acquire``, blocking this thread; share has started."""
-        began = time.monotonic()
-        deadline, late = share.bounds(timeout, began, began)
-        waiting = Answer()
-        member_id, member = share.join(key, names, waiting)
-        pooled = None
-        pending = False  # the enqueue was written and its reply is not read yet
-        try:
-            pooled = self._take(share.loop)
-            rest = share.calls.enqueue_rest(member, member_id)
-            sent = time.monotonic()
-            pending = True
-            reply = _call(pooled.connection, ENQUEUE, rest, late)
-            if reply is _LATE:
-                raise late_for(key, timeout, Waited.ANSWER)()  # noqa: TRY301 - given up below, as any failure
-            pending = False
-            token = share.enqueued(member, sent, reply)
-            self._idle.append(pooled)
-            pooled = None
-            if token is None:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                if not waiting.wait(left):
-                    raise late_for(key, timeout, Waited.LINE)()  # noqa: TRY301 - given up below, as any failure
-                token = int(waiting.result())
-            return share.hold(member_id, member, token)
-        except BaseException as error:
-            share.leases.members.pop(member_id, None)  # (no more renewals)
-            self._quit(share, member, member_id, pooled, pending, error)
-            if isinstance(error, (*UNREACHABLE, ResponseError)) and not isinstance(
-                error, TimeoutError
-            ):
-                raise unavailable(error) from error
-            raise
-
-    def _quit(
-        self,
-        share: LoopShare,
-        member: Member,
-        member_id: str,
-        pooled: _Pooled | None,
-        pending: bool,
-        error: BaseException,
-    ) -> None:
-        """Give up member's place after error (see the class's guarantees)."""
-        if pooled is None or not pending:  # not written, or answered: a leave of its own
-            if pooled is not None:
-                self._idle.append(pooled)
-            if member.joined or pooled is not None:
-                self._leave_later(share, member, member_id)
-            return
-        if isinstance(error, TimeoutError):  # (the connection is whole: the answer is late)
-            self._owe(pooled, share, member, member_id)
-        elif isinstance(error, ResponseError):  # refused: it did not run
-            self._give(pooled, error)
-        else:  # interrupted, or broken: whether it ran is unknown
-            pooled.connection.disconnect()
-            share.leave_soon(member, member_id)
-
-    def _leave_later(self, share: LoopShare, member: Member, member_id: str) -> None:
-        """Write member's leave and go on: the connection's next user reads the reply."""
-        try:
-            pooled = self._take(share.loop)
-        except Exception:
-            share.leave_soon(member, member_id)
-            return
-        self._owe(pooled, share, member, member_id)
-
-    def _owe(self, pooled: _Pooled, share: LoopShare, member: Member, member_id: str) -> None:
-        """Write member's leave on pooled (with the script's body: flushed or not, it runs)."""
-        rest = share.calls.leave_rest(member, member_id)
-        try:
-            pooled.connection.send_packed_command(
-                (HEADS[LEAVE.index + len(SCRIPTS)] + rest,), check_health=False
-            )
-        except Exception:
-            share.leave_soon(member, member_id)
-            return
-        pooled.owed += 1
-        self._idle.append(pooled)
+        return self._driven(share, taking(share, key, line, timeout, now(), Answer()))
 
     def release(self, share: LoopShare, grant: RedisGrant) -> None:
         """As ``LoopShare.release``, returning once Redis answered (or failed, logged)."""
-        ending = share.ending(grant)
-        if ending is None:
-            return
-        member_id, member = ending
-        pooled = None
+        self._driven(share, releasing(share, grant))
+
+    def _driven(self, share: LoopShare, steps: Steps[T]) -> T:
+        """steps, driven (see drive); an interrupt that came between two of their ops
+        (where the driver loops) is thrown in, so that they give the place up."""
+        run = _Run()
         try:
-            pooled = self._take(share.loop)
-            status = _call(pooled.connection, LEAVE, share.calls.leave_rest(member, member_id))
-        except Exception as error:
-            if pooled is not None and isinstance(error, ResponseError):  # (refused: it is whole)
-                self._give(pooled, error)
-            share.left(member, None, error)
-            return
-        except BaseException:  # interrupted: the release goes on, on the share's connection
-            share.leave_soon(member, member_id)
+            return self.drive(share, steps, run, None)
+        except BaseException as error:
+            if inspect.getgeneratorstate(steps) == inspect.GEN_SUSPENDED:
+                self.drive(share, steps, run, error)  # (they re-raise it)
             raise
+
+    def drive(self, share: LoopShare, steps: Steps[T], run: _Run, error: BaseException | None) -> T:
+        """Perform steps' ops in this thread, blocking it; their return (error: thrown in first).
+
+        An op's error, or an interrupt (a signal handler's exception) during
+        it, is thrown in at that op.
+        """
+        answer: Any = None
+        lease = share.config.lease
+        while True:
+            try:
+                op = steps.send(answer) if error is None else steps.throw(error)
+            except StopIteration as done:
+                result: T = done.value
+                return result
+            answer = error = None
+            try:
+                verb = op[0]
+                if verb == ENQUEUE:  # (sent, reply); None: no reply by late; or UNCONNECTED
+                    late = op[3]
+                    answer = pooled = self._take(share, late, lease)
+                    if type(pooled) is _Pooled:
+                        run.using = pooled
+                        rest = share.calls.enqueue_rest(op[1], op[2])
+                        sent = now()
+                        reply = self._call(pooled, ENQUEUE_SCRIPT, rest, late, run)
+                        answer = None if reply is _LATE else (sent, reply)
+                elif verb == GRANT:
+                    answer = _granted(op[1].waiting, op[2])
+                elif verb == LEAVE:  # the leave script's status (a release)
+                    pooled = self._take(share, None, lease)
+                    if type(pooled) is not _Pooled:
+                        raise RedisTimeoutError(f"no connection within {lease:g} s (the lease)")  # noqa: TRY301 - thrown in below
+                    run.using = pooled
+                    rest = share.calls.leave_rest(op[1], op[2])
+                    answer = self._call(pooled, LEAVE_SCRIPT, rest, None, run)
+                else:
+                    self._quit(share, op[1], op[2], op[3], run)
+            except BaseException as problem:  # thrown in
+                error = problem
+
+    def _call(
+        self, pooled: _Pooled, script: Script, rest: bytes, late: float | None, run: _Run
+    ) -> Any:
+        """Call script on pooled with rest (keys and arguments, packed): its reply.
+
+        _LATE if none came by ``late`` (the connection is whole: the reply is
+        on its way). Answered, pooled goes back to the idle ones; a
+        ResponseError is raised (redis-py's parser), as any failure.
+        """
+        connection = pooled.connection
+        run.written = run.unread = run.broken = True
+        connection.send_packed_command((HEADS[script.index] + rest,), check_health=False)
+        if late is not None and not connection.can_read(max(0.0, late - now())):
+            run.broken = False
+            return _LATE
+        try:
+            try:
+                reply = connection.read_response()
+            except NoScriptError:  # flushed: send it again, with its body (which loads it)
+                connection.send_packed_command(
+                    (HEADS[script.index + len(SCRIPTS)] + rest,), check_health=False
+                )
+                reply = connection.read_response()
+        except ResponseError as refusal:  # (read whole: the connection is too)
+            run.broken = run.unread = False
+            run.using = None
+            self._give(pooled, refusal)
+            raise
+        run.broken = run.unread = False
+        run.using = None
         self._idle.append(pooled)
-        share.left(member, status, None)
+        return reply
+
+    def _quit(
+        self, share: LoopShare, member: Member, member_id: str, marked: bool, run: _Run
+    ) -> None:
+        """QUIT: write member's leave and go on (see the class's guarantees)."""
+        pooled, run.using = run.using, None
+        unread = run.unread
+        if pooled is not None and run.broken:  # interrupted, or failed, in the middle
+            pooled.connection.disconnect()
+            pooled = None
+        if marked and not run.written:  # nothing of the turn reached Redis
+            if pooled is not None:
+                self._idle.append(pooled)
+            return
+        if pooled is None:  # (the enqueue's connection was given back, or dropped)
+            unread = False
+            taken = self._take(share, now(), share.config.lease, grow=False)
+            pooled = taken if isinstance(taken, _Pooled) else None
+        if pooled is None:
+            share.leave_soon(member, member_id, marked)
+            return
+        rest = share.calls.leave_rest(member, member_id, marked)
+        try:  # (with the script's body: flushed or not, it runs)
+            pooled.connection.send_packed_command(
+                (HEADS[LEAVE_SCRIPT.index + len(SCRIPTS)] + rest,), check_health=False
+            )
+        except Exception:
+            pooled.connection.disconnect()
+            share.leave_soon(member, member_id, marked)
+            return
+        pooled.owed += 1 + unread
+        self._idle.append(pooled)
 
     def _give(self, pooled: _Pooled, refusal: ResponseError) -> None:
         """Give pooled back after Redis refused a call on it, unless the refusal says the
@@ -283,39 +335,79 @@ class Blocking:
         else:
             self._idle.append(pooled)
 
-    def _take(self, loop: asyncio.AbstractEventLoop) -> _Pooled:
-        """An idle connection, its owed replies read and nothing else pending (or a new one).
+    def _take(
+        self, share: LoopShare, until: float | None, lease: float, grow: bool = True
+    ) -> _Pooled | str | None:
+        """An idle connection, its owed replies read and nothing else pending, or a new one.
 
         As redis-py's pool, it checks that an idle connection has nothing to
         read: one Redis closed meanwhile (its idle ``timeout``) is replaced.
+        One whose owed replies are not in by ``until`` is left for later.
+        None: no answer came by ``until`` (or, not to ``grow``, none is idle);
+        UNCONNECTED: no new connection was made by then (a lease, if None).
         """
         idle = self._idle
-        while True:
-            try:
-                pooled = idle.pop()
-            except IndexError:  # none idle: one more
-                self._grow(loop)
-                continue
-            if pooled.owed and not _settled(pooled):
-                continue
-            try:
-                if not pooled.connection.can_read(0):
-                    return pooled
-            except Exception:
-                continue
-            pooled.connection.disconnect()  # closed by Redis, or stray data: another
+        aside: list[_Pooled] = []  # owing replies still on their way
+        try:
+            while True:
+                try:
+                    pooled = idle.pop()
+                except IndexError:  # none idle: one more
+                    if not grow or (until is not None and now() >= until):
+                        return None
+                    if not self._grow(share.loop, until, lease):
+                        return UNCONNECTED
+                    continue
+                settled = _settled(pooled, until) if pooled.owed else True
+                if settled is None:
+                    aside.append(pooled)
+                    continue
+                try:
+                    if settled and not pooled.connection.can_read(0):
+                        return pooled
+                except Exception:  # (closed by Redis: dropped below)
+                    pass
+                pooled.connection.disconnect()  # closed by Redis, or stray data: another
+        finally:
+            if aside:
+                idle[:0] = aside  # (taken last)
 
-    def _grow(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Add a new connection to the idle ones; return once it is there.
+    def _grow(self, loop: asyncio.AbstractEventLoop, until: float | None, lease: float) -> bool:
+        """Add a new connection to the idle ones; whether it is there by ``until`` (None:
+        within a lease).
 
-        It is made in a thread of its own, which loop's thread starts: an
+        A connection being made that no thread waits for is adopted first.
+        Each is made in a thread of its own, which loop's thread starts: an
         exception that a signal handler raises in the caller's thread could
         leave redis-py's socket half made and open (or a thread half
-        started). Interrupted meanwhile, the caller leaves, and the
-        connection joins the idle ones all the same.
+        started). One made too late (or whose caller was interrupted) joins
+        the idle ones all the same.
 
         :raises: why it could not be made (redis-py's ConnectionError...).
         """
+        orphans = self._orphans
+        while True:
+            adopted = bool(orphans)
+            made = orphans.pop() if adopted else self._start(loop)
+            try:
+                ready = made.wait(lease if until is None else max(0.0, until - now()))
+            except BaseException:  # interrupted: the wait may have taken the answer (if done)
+                if not made.done():
+                    orphans.append(made)
+                raise
+            if not ready:
+                orphans.append(made)
+                return False
+            try:
+                made.result()
+            except Exception:
+                if adopted:  # (an earlier try's failure: try now)
+                    continue
+                raise
+            return True
+
+    def _start(self, loop: asyncio.AbstractEventLoop) -> Answer:
+        """Start making a connection, which joins the idle ones; what tells when it did."""
         made = Answer()
 
         def make() -> None:
@@ -326,11 +418,12 @@ class Blocking:
                 made.set_exception(error)
                 return
             self._idle.append(_Pooled(connection))
+            if self._closed:  # (closed meanwhile)
+                self.close()
             made.set_result(None)
 
         loop.call_soon_threadsafe(_start, make)
-        made.wait(None)  # (bounded: connecting and its handshake time out after a lease)
-        made.result()
+        return made
 
     def forked(self) -> Blocking:
         """(In a forked child.) A pool of its own; the child's copies of the parent's idle
@@ -340,32 +433,23 @@ class Blocking:
         return Blocking(self._make)
 
     def close(self) -> None:
-        """Close the idle connections (one in use is closed as it is given back: never)."""
+        """Close the idle connections (one in use is closed as it is given back: never),
+        and those made from now on."""
+        self._closed = True
         idle, self._idle = self._idle, []
         for pooled in idle:
             pooled.connection.disconnect()
 
 
-#: What _call returns for a reply that did not come in time.
+#: What Blocking._call returns for a reply that did not come in time.
 _LATE: Any = object()
 
 
-def _call(connection: Any, script: Script, rest: bytes, late: float | None = None) -> Any:
-    """Call script on connection with rest (keys and arguments, packed): its reply.
-
-    _LATE if none came by monotonic ``late`` (the connection is whole: the
-    reply is on its way). A ResponseError is raised (redis-py's parser).
-    """
-    connection.send_packed_command((HEADS[script.index] + rest,), check_health=False)
-    if late is not None and not connection.can_read(max(0.0, late - time.monotonic())):
-        return _LATE
-    try:
-        return connection.read_response()
-    except NoScriptError:  # flushed: send it again, with its body (which loads it)
-        connection.send_packed_command(
-            (HEADS[script.index + len(SCRIPTS)] + rest,), check_health=False
-        )
-        return connection.read_response()
+def _granted(waiting: Any, deadline: float | None) -> int | None:
+    """GRANT: the token handed to waiting (an Answer), or None if none came by deadline."""
+    if not waiting.wait(None if deadline is None else max(0.0, deadline - now())):
+        return None
+    return int(waiting.result())
 
 
 def _start(make: Callable[[], None]) -> None:
@@ -373,13 +457,19 @@ def _start(make: Callable[[], None]) -> None:
     threading.Thread(target=make, name="inturn-redis-connect", daemon=True).start()
 
 
-def _settled(pooled: _Pooled) -> bool:
-    """Read the replies pooled owes (up to its leaves'): whether the connection is whole."""
+def _settled(pooled: _Pooled, until: float | None) -> bool | None:
+    """Read the replies pooled owes: whether the connection is whole (broken: dropped);
+    None if they are not all in by ``until`` (None: no bound but its socket's)."""
     connection = pooled.connection
     try:
         while pooled.owed:
-            if type(connection.read_response()) is int:  # a leave's (an enqueue's is a list)
-                pooled.owed -= 1
+            if until is not None and not connection.can_read(max(0.0, until - now())):
+                return None
+            try:
+                connection.read_response()
+            except ResponseError:  # (a refusal, read whole: the connection is too)
+                pass
+            pooled.owed -= 1
     except Exception:
         connection.disconnect()
         return False

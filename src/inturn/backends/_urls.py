@@ -57,6 +57,23 @@ def _scheme(url: str) -> str | None:
     return None if match is None else match.group(1)
 
 
+#: A redis:// or rediss:// URL written without its two slashes (redis:/host, redis:host):
+#: redis-py reads no host in it, and would connect to localhost.
+_NO_SLASHES = re.compile(r"(rediss?):(?!//)", re.IGNORECASE)
+
+
+def slashless_redis_url(url: str) -> ValueError | None:
+    """The error for url if it is ``redis:`` or ``rediss:`` without ``//`` (else None)."""
+    match = _NO_SLASHES.match(url)
+    if match is None:
+        return None
+    return ValueError(
+        f"inturn: in the Redis URL {show(hidden(url, url))}, {show(match.group(0))} must be "
+        f"followed by two slashes (redis-py would read no host in it, and connect to "
+        f"localhost); use {REDIS_FORMS}"
+    )
+
+
 def refused_redis_url(url: str, reason: str) -> ValueError:
     """The error for a url that redis-py could not read (reason: its error's message)."""
     shown = hidden(url, url)

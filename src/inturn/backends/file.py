@@ -92,7 +92,7 @@ from ._base import Capabilities, Grant
 from ._directory import Directory
 from ._file_fds import forks
 from ._file_inspect import pids_in_line, snapshots
-from ._file_limits import out_of_files
+from ._file_limits import refusal
 from ._file_line import Home, Place, deleted, drive, drive_blocking, leave, taking
 from ._file_tidy import retry, retry_blocking
 from ._lines import LineInfo
@@ -279,12 +279,14 @@ class FileBackend:
         """Log why a turn on key was not taken (see _failed).
 
         :raises ~inturn.BackendUnavailable: from error, which says that no
-            file descriptor was left (see _file_limits).
+            file descriptor was left, or that the directory's file system takes
+            no write: full, read-only, ... (see _file_limits).
         """
         self._failed(key, error, "take a turn on")
-        refusal = out_of_files(key, self.directory, error)
-        if refusal is not None:
-            raise refusal from error
+        # (while the directory is not found, its own OSError says what to fix: see Home)
+        refused = refusal(key, self._home.shown, error, writing=self._home.found)
+        if refused is not None:
+            raise refused from error
 
     async def acquire(self, key: Hashable, timeout: float | None) -> FileGrant:
         """Queue in key's line file and wait until every ticket before ours has left.
@@ -294,8 +296,10 @@ class FileBackend:
 
         :raises TimeoutError: the turn was not reached within ``timeout``;
             this process's ticket left the line.
-        :raises ~inturn.BackendUnavailable: no file descriptor was left (its
-            cause: the OSError); nothing of the turn stays.
+        :raises ~inturn.BackendUnavailable: no file descriptor was left, or
+            the directory could not be written (a full disk or quota, a
+            read-only file system, no permission, an I/O error); its cause is
+            the OSError, and the work did not run.
         :raises OSError: the directory, made at the first turn, was refused
             or could not be made (see the class's ``directory`` parameter).
         """

@@ -19,7 +19,9 @@ so every script touches one slot and runs on a cluster:
 - ``inturn:{ns:d}:q``, a sorted set of the waiters by arrival;
 - ``inturn:{ns:d}:lease``, a sorted set of every member's lease expiry
   (holder and waiters), by Redis's own clock;
-- ``inturn:{ns:d}:info``, a hash: each member's host, pid and arrival time.
+- ``inturn:{ns:d}:info``, a hash: each member's host, pid and arrival time;
+- ``inturn:{ns:d}:gone``, a sorted set, rarely there: the members that gave
+  up before Redis answered their joining, by when the mark expires.
 
 Every change is one Lua script (``_redis_scripts``), loaded once and called
 by SHA: *enqueue* (join the line, take the key if free), *leave* (release,
@@ -27,7 +29,12 @@ or give up waiting) and *renew* (extend a lease). Each first drops members
 whose lease expired, and each grants a free key to the head of the line,
 with a token one above the last (or Redis's clock in microseconds when a
 line starts anew), then publishes the grant on the new holder's channel.
-When a line empties, its keys are deleted; all four carry a TTL besides.
+When a line empties, its keys are deleted; all five carry a TTL besides.
+A waiter that gives up before Redis answered its joining (a timeout, an
+interrupt) may send its leave on another connection than its enqueue, and
+Redis may run the leave first: the leave, finding it in neither place,
+marks it gone, and the enqueue, when it comes, does nothing. So a leave
+never leaves a member behind, whatever the order the two arrive in.
 
 Who talks to Redis. Each process, and in it each event loop that uses the
 backend, has a *share* (``_redis_loop``) of its own: an id (so its own
@@ -51,7 +58,6 @@ process's backend loop, which keeps its subscription and heartbeat.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import re
 import socket
@@ -77,9 +83,11 @@ except ImportError as error:  # pragma: no cover - depends on the install
 
 from ._redis_calls import Config
 from ._redis_errors import UNREACHABLE, describe, server_of
-from ._redis_loop import LoopShare, RedisGrant, owner
+from ._redis_loop import LoopShare
+from ._redis_scripts import Line
+from ._redis_steps import RedisGrant, owner
 from ._redis_threads import Blocking, sync_connector
-from ._urls import refused_redis_url
+from ._urls import refused_redis_url, slashless_redis_url
 
 __all__ = ("HolderInfo", "LineInfo", "RedisBackend", "RedisGrant", "WaiterInfo")
 
@@ -87,8 +95,8 @@ _NAMESPACE = re.compile(r"[A-Za-z0-9_.:\-]{1,100}")
 
 #: Every backend of this process, so that a forked child can give each a fresh start.
 _BACKENDS: weakref.WeakSet[RedisBackend] = weakref.WeakSet()
-#: Loop shares a forked child inherited: their connections are the parent's, never
-#: to be touched (nor closed: their loop is the parent's), so they are kept here.
+#: Loop shares a forked child inherited: their connections are the parent's, never to
+#: be used (the child closes its copies of their sockets: see _forked), kept here.
 _INHERITED: list[object] = []
 
 
@@ -126,8 +134,9 @@ class RedisBackend:
       to 3 s (half the lease at most) whatever its timeout, and Redis's
       answer to joining gets one round trip from there, up to a tenth of
       the lease (``timeout=0``, a try-lock, asks once whether the key is
-      free). With Redis unreachable, a call with a timeout ends after the
-      larger of its timeout and those.
+      free); a thread that must open a new connection for it gets as long
+      (then TimeoutError, saying it was connecting). With Redis unreachable,
+      a call with a timeout ends after the larger of its timeout and those.
     - Errors tell the truth: :exc:`~inturn.BackendUnavailable` means the
       work did not run (with what Redis said: unreachable, a missing
       permission, out of memory, wrong credentials); a holder whose lease
@@ -146,7 +155,10 @@ class RedisBackend:
       keeps the key until it leaves the turn itself.
     - Threads: a thread's turn (``acquire_sync``) is its own round trips to
       Redis, on a connection no other thread uses meanwhile, with the same
-      scripts, leases, grants and errors as a task's; the subscription and
+      steps (``_redis_steps``), scripts, leases, grants and errors as a
+      task's; wherever an interrupt lands while it takes its turn, no member
+      of it stays in Redis (a leave that may overtake its enqueue makes the
+      enqueue a no-op); the subscription and
       heartbeat that serve threads run on one backend thread per process.
       On a Sentinel client, threads' connections go to the master a sync
       twin of its Sentinel discovers. With a cluster client, a replica's, or
@@ -179,6 +191,7 @@ class RedisBackend:
         "_client",
         "_config",
         "_current",
+        "_lines",
         "_lock",
         "_namespace",
         "_owns_client",
@@ -210,6 +223,7 @@ class RedisBackend:
             )
         self._client = client
         self._namespace = namespace
+        self._lines: dict[tuple[type, Hashable], Line] = {}  # see _line_for
         self._owns_client = owns_client
         single = isinstance(client, aioredis.Redis)
         self._config = Config(
@@ -252,11 +266,15 @@ class RedisBackend:
 
         :raises TypeError: url is not a ``str``.
         :raises ValueError: redis-py cannot read url (no scheme, another
-            scheme, a port that is not a number, ...): the message says what
-            is wrong and how a right URL looks, without the password.
+            scheme, a port that is not a number, ...), or would read no host
+            in it (``redis:/host``, one slash: redis-py would connect to
+            localhost): the message says what is wrong and how a right URL
+            looks, without the password.
         """
         if not isinstance(url, str):
             raise TypeError(f"inturn: a Redis URL must be a str, got {show(url)}")
+        if (slashless := slashless_redis_url(url)) is not None:
+            raise slashless
         try:
             client = aioredis.Redis.from_url(url, **options)
         except ValueError as error:
@@ -281,10 +299,20 @@ class RedisBackend:
         """
         return order_portable(keys)
 
-    def _names(self, key: Hashable) -> tuple[str, str, str, str]:
-        digest = hashlib.sha256(portable_name(key)).hexdigest()[:40]
-        prefix = f"inturn:{{{self._namespace}:{digest}}}:"
-        return prefix + "line", prefix + "q", prefix + "lease", prefix + "info"
+    def _line_for(self, key: Hashable) -> Line:
+        """key's line in Redis (its keys' names, packed), kept for the keys used last.
+
+        A digest and five names packed cost a turn more than the rest of its
+        own work here; the last _LINES_KEPT keys' are kept (then forgotten
+        at once, and made again as they are used).
+        """
+        kept = self._lines.get((type(key), key))  # (1 and True name one line; 1.0 none)
+        if kept is None:
+            kept = Line(self._namespace, key)
+            if len(self._lines) >= _LINES_KEPT:
+                self._lines.clear()
+            self._lines[(type(key), key)] = kept
+        return kept
 
     # -- loop shares ----------------------------------------------------------------------
 
@@ -330,8 +358,16 @@ class RedisBackend:
         return None
 
     def _forked(self) -> None:
-        """In a forked child: forget the parent's shares; the next call starts afresh."""
+        """In a forked child: forget the parent's shares; the next call starts afresh.
+
+        The child's copies of their sockets are closed (their descriptors
+        only: the parent's connections go on), so that Redis sees the
+        parent's connections end when the parent closes them, not when its
+        last child exits.
+        """
         _INHERITED.append(self._shares)
+        for share in self._shares.values():
+            share.abandon()  # (the child never runs their loops)
         self._shares = {}
         self._threads_share = None
         if self._threads is not None:
@@ -392,7 +428,7 @@ class RedisBackend:
             refused (a missing permission, out of memory, wrong credentials),
             or lost the place; the turn was not taken.
         """
-        return await self._session().acquire(key, self._names(key), timeout)
+        return await self._session().acquire(key, self._line_for(key), timeout)
 
     def release(self, grant: Grant) -> asyncio.Future[None]:
         """End grant's turn: Redis hands the key to the next in line and wakes it.
@@ -408,7 +444,7 @@ class RedisBackend:
         """The share that granted grant, which this backend made."""
         if isinstance(grant, RedisGrant):
             share = owner(grant)
-            if share.config is self._config:
+            if isinstance(share, LoopShare) and share.config is self._config:
                 return share
         raise TypeError(f"inturn: {self!r} cannot release {show(grant)}, which it did not grant")
 
@@ -435,7 +471,7 @@ class RedisBackend:
             if share is None or share.closing:  # (a forked child resets it: see _forked)
                 share = self._threads_share = self._share_on(backend_loop())
             if share.ready:
-                return threads.acquire(share, key, self._names(key), timeout)
+                return threads.acquire(share, key, self._line_for(key), timeout)
         # (its first: the share starts there)
         return acquire_there(self, self, key, timeout)  # type: ignore[return-value]
 
@@ -492,7 +528,7 @@ class RedisBackend:
         """The line whose ``line`` key is name, as LineInfo; None if it emptied meanwhile."""
         prefix = _text(name)[: -len("line")]
         now_text, line_flat, waiting, lease_flat, info_flat = await share.calls.look(
-            [prefix + part for part in ("line", "q", "lease", "info")]
+            [prefix + part for part in _PARTS]
         )
         if not line_flat:
             return None  # emptied meanwhile
@@ -522,6 +558,11 @@ class RedisBackend:
         return f"RedisBackend({_where(self._client)!r}, namespace={self._namespace!r})"
 
 
+#: The Redis keys of a line that LOOK reads, after its prefix (see _names, and the module's
+#: docstring).
+_PARTS: Final = ("line", "q", "lease", "info")
+#: Lines whose Redis keys a backend keeps named and packed (see RedisBackend._line_for).
+_LINES_KEPT: Final = 1024
 #: A SCAN pattern for the 40 hex digits of a key's digest.
 _DIGEST: Final = "[0-9a-f]" * 40
 
