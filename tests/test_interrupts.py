@@ -26,6 +26,7 @@ import inspect
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -45,7 +46,9 @@ pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX: the file
 #: How long a later turn may wait for the key before the test says it was left held.
 FREE_WITHIN = 2.0
 #: The Python functions a thread blocks in while it waits for a turn.
-_WAITS = frozenset({"until_left_blocking", "lock_blocking", "_wait_in_sync", "wait", "answer_sync"})
+_WAITS = frozenset(
+    {"until_left_blocking", "lock_blocking", "_wait_in_sync", "_ticket_sync", "wait", "answer_sync"}
+)
 
 
 #: Where a call is: the function it enters (at the line it starts or resumes
@@ -74,6 +77,8 @@ class Interrupter:
     def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
         code = frame.f_code
         if event != "call" or code.co_filename in _NOT_COUNTED:
+            if code.co_filename == _TIMED_OUT:  # (the test failed: let the report be made)
+                self.armed = False
             return
         if code.co_name in _WAITS:
             self.waiting.set()
@@ -146,8 +151,13 @@ class CloseInterrupter(Interrupter):
 _RESUMES_OUTSIDE = sys.version_info < (3, 11)
 
 
+#: pytest-timeout's module: its SIGALRM handler runs on top of a try that
+#: took too long; an interrupt raised in it (or in the report it makes)
+#: would stop the report and hang the test.
+_TIMED_OUT = getattr(sys.modules.get("pytest_timeout"), "__file__", None)
+
 _NOT_COUNTED = frozenset(
-    {__file__, os.path.join(os.path.dirname(__file__), "helpers.py")}
+    {__file__, os.path.join(os.path.dirname(__file__), "helpers.py"), _TIMED_OUT}
     | {module.__file__ for module in (sys.modules["weakref"], sys.modules["_weakrefset"])}
 )
 
@@ -300,6 +310,8 @@ SHAPES = {
     "alone": ("memory", {}, "k"),  # one key, untimed: the turn taken alone (no steps)
     "steps": ("memory", {"timeout": PATIENCE}, "k"),  # timed: taken by its steps
     "slot": ("memory", {"max_running": 1}, "other"),  # it waits for a running slot
+    # latest wins: it waits on its ticket, is handed the key, and starts its work
+    "latest": ("memory", {"pending": "latest"}, "k"),
     "file": ("file", {}, "k"),  # a shared backend: the backend's grant too
     "redis": ("redis", {}, "k"),  # a thread's calls run on the backend's loop
 }
@@ -387,3 +399,74 @@ def test_an_interrupt_anywhere_in_a_threads_taking_leaves_the_key_free(
 @contextmanager
 def _nothing() -> Iterator[None]:
     yield
+
+
+# -- latest wins: a call that replaces another's waiting work ---------------------------------
+
+
+@pytest.mark.parametrize("on_superseded", ["join", "raise"])
+def test_an_interrupt_anywhere_in_a_replacing_call_leaves_the_replaced_caller_answered(
+    on_superseded: str,
+) -> None:
+    """A newer call interrupted as it replaces an older one's waiting work: the older caller
+    is answered (its own work ran, or the newer work's outcome, or Superseded), never left
+    waiting; each work runs at most once; the key ends free.
+
+    An interrupt before the replacement leaves the older work in its place; after it,
+    the replaced caller has its answer, whatever of the newer call's entry was cut short.
+    """
+    queue = KeyedQueue(pending="latest", on_superseded=on_superseded)  # type: ignore[arg-type]
+
+    def trial(interrupter: Interrupter) -> str | None:
+        key = f"k{interrupter.number}"
+        ran: list[str] = []
+        older: list[object] = []
+
+        def work(name: str) -> str:
+            interrupter.armed = False  # the turn is taken: its end is not under test here
+            ran.append(name)
+            return name
+
+        def call_older() -> None:
+            try:
+                older.append(queue.run_sync(key, work, "older"))
+            except BaseException as error:  # reported
+                older.append(error)
+
+        release = threading.Event()
+        with holder(lambda: queue.keyed(key), release):
+            thread = threading.Thread(target=call_older, name="older")
+            thread.start()
+            assert _until(lambda: queue.pending(key) == 1), "the older call never waited"
+            threading.Thread(
+                target=lambda: interrupter.waiting.wait(PATIENCE) and release.set(), daemon=True
+            ).start()
+            try:
+                interrupter.run(lambda: queue.run_sync(key, work, "newer"))
+            except KeyboardInterrupt:
+                pass
+        interrupter.waiting.set()
+        thread.join(PATIENCE)
+        problems = []
+        if thread.is_alive() or not older:
+            problems.append("the older caller was never answered")
+        if len(ran) != len(set(ran)):
+            problems.append(f"a work ran twice ({ran})")
+        if queue.is_active(key):
+            problems.append("the key is still active in its queue")
+        failed = free_in_another_thread(lambda: queue.keyed(key, timeout=FREE_WITHIN))
+        if failed is not None:
+            problems.append(f"a later turn failed ({failed})")
+        return "; ".join(problems) or None
+
+    each_interrupt(trial)
+
+
+def _until(done: Callable[[], bool]) -> bool:
+    """Whether done() becomes true within PATIENCE (checked as another thread gets there)."""
+    deadline = time.monotonic() + PATIENCE
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True

@@ -360,7 +360,8 @@ class Book:
         """Let tickets (newer) wait in latest: its newest waiting work is replaced.
 
         NOTE: they join before the replaced one leaves, so that a Latest in a line
-        is never empty (a hand-off would skip it), whatever an exception cuts short.
+        is never empty (a hand-off would skip it), whatever an exception cuts short;
+        and the replaced one is answered before it leaves (see _replaced).
         """
         waiting = latest.tickets
         newest = waiting[-1] if waiting and tickets else None
@@ -369,20 +370,33 @@ class Book:
             if ticket.state is not WAITING:  # (else it comes from another Latest)
                 self._move(ticket, WAITING)
         waiting += tickets
-        if newest is None:
-            return
-        if not newest.join:  # answered now: Superseded
-            waiting.remove(newest)
-            self._answer(newest, (superseded(latest.key), None), True)
-        elif not isinstance(newest.waiter, asyncio.Future | Parked):
-            waiting.remove(newest)  # a handle lets its work go, and follows what runs
-            self._move(newest, JOINED)
-            newest.work = None
-            newest.waiter.let_go()  # type: ignore[union-attr]
+        if newest is not None and not (
+            newest.join and isinstance(newest.waiter, asyncio.Future | Parked)
+        ):  # (a task or thread that joins stays, and follows what runs)
+            self._replaced(latest, newest)
+
+    def _replaced(self, latest: Latest, ticket: Ticket) -> None:
+        """ticket's work, replaced by newer work in latest, leaves it: its caller is answered
+        Superseded, or a handle lets its work go and follows what runs.
+
+        NOTE: restartable (see handed): the answer comes first, and the ticket
+        leaves latest last, so that the caller whose call an exception cut short
+        completes it (see _tidy), or, if it had not started, finds the replaced
+        work back in its place.
+        """
+        if not ticket.join:
+            self._answer(ticket, (superseded(latest.key), None), True)
+        else:
+            if ticket.state is WAITING:
+                self._move(ticket, JOINED)
+                self.registry.tally.superseded(None, ticket.label)
+            ticket.work = None
+            ticket.waiter.let_go()  # type: ignore[union-attr]
             if latest.joined is None:
                 latest.joined = weakref.WeakSet()
-            latest.joined.add(newest)
-            self.registry.tally.superseded(None, newest.label)
+            latest.joined.add(ticket)
+        if ticket in latest.tickets:
+            latest.tickets.remove(ticket)
 
     def _arm(self, latest: Latest, loop: asyncio.AbstractEventLoop) -> None:
         """Tick latest's quiet period in loop when it ends, unless a live timer does it.
@@ -515,8 +529,8 @@ class Book:
         """ticket's caller holds the key now, in its Latest's place. Under the guard."""
         latest = ticket.latest
         assert latest is not None
+        self.registry.start(latest.key, latest, holder)  # NOTE: first (see gave_up)
         self._move(ticket, HOLDS)
-        self.registry.start(latest.key, latest, holder)
 
     def start(self, ticket: Ticket) -> Work | None:
         """ticket's turn starts its work now: None for its own; or the newest work of its
@@ -594,16 +608,12 @@ class Book:
             if state is ANSWERED or state is STARTED or state is LEFT:
                 return False
             self._move(ticket, LEFT)
-            if latest is None:
-                return True  # (NEW: nothing of it was kept)
-            if state is WAITING:
-                latest.tickets.remove(ticket)
-                if not latest.tickets:  # nobody waits for it: it leaves
-                    self._close(latest)
-                    if latest.line is not None:
-                        self.registry.abandon(latest.key, latest.line, latest, guarded=True)
-                    # (nothing runs in the place of the handles that let their work go)
-                    self._answer_joined(latest, (asyncio.CancelledError(), None))
+            if state is NEW or state is WAITING:  # (NEW: an exception cut its entry short)
+                if latest is not None and ticket in latest.tickets:
+                    latest.tickets.remove(ticket)
+                self._tidy(ticket.key)
+            elif latest is None:
+                pass
             elif state is FOLLOWS:
                 latest.followers.remove(ticket)
                 return latest.ran is not ticket  # (its work runs in another caller's turn)
@@ -614,10 +624,36 @@ class Book:
             else:  # RUNS or HOLDS: its turn came, and its work never started
                 followers, latest.followers = latest.followers, []
                 self._again(latest, followers)
-                if state is RUNS:  # (else its turn holds the key, and gives it back)
-                    assert latest.line is not None
-                    self.registry.abandon(latest.key, latest.line, latest, guarded=True)
+                line = latest.line
+                if line is not None and held_by(line, latest):  # (else its turn holds the
+                    self.registry.abandon(latest.key, line, latest, guarded=True)  # key)
             return True
+
+    def _tidy(self, key: Hashable) -> None:
+        """What a caller that left leaves of key's Latests is tidied: one nobody waits in
+        leaves (its line passes on), and a replaced ticket an exception kept from leaving
+        leaves (answered again: see _replaced). Under the guard.
+
+        An exception thrown into a thread (an interrupt) may cut a call's entry
+        short anywhere: after its Latest opened or joined the line, before its
+        ticket was in it; or as it replaced the newest work there.
+        """
+        for latest in list(self.waiting.get(key, ())):
+            tickets = latest.tickets
+            while tickets and (tickets[-1].state is ANSWERED or tickets[-1].state is JOINED):
+                self._replaced(latest, tickets[-1])
+            if tickets:
+                continue
+            self._close(latest)
+            line = latest.line
+            if line is None:  # (cut short as it joined: found in the line, or not there)
+                found = self.registry.lines.get(key)
+                if type(found) is Line and (found.holder is latest or latest in found.waiters):
+                    line = latest.line = found
+            if line is not None:
+                self.registry.abandon(key, line, latest, guarded=True)
+            # (nothing runs in the place of the handles that let their work go)
+            self._answer_joined(latest, (asyncio.CancelledError(), None))
 
     def ending(self, ticket: Ticket, error: BaseException | None) -> None:
         """ticket's turn ends with error, before it releases its key. If the run was cut

@@ -583,9 +583,11 @@ def failures(message: str, errors: list[BaseException]) -> BaseExceptionGroup[Ba
     Before Python 3.11 the backport is imported here, when a group is raised, not at
     ``import inturn``: it imports typing_extensions, which costs more than inturn itself.
     """
-    if sys.version_info < (3, 11):  # pragma: no cover - depends on the interpreter
-        from exceptiongroup import BaseExceptionGroup
-    return BaseExceptionGroup(message, errors)
+    if sys.version_info >= (3, 11):  # pragma: no branch - depends on the interpreter
+        return BaseExceptionGroup(message, errors)
+    from exceptiongroup import BaseExceptionGroup as backport  # pragma: no cover
+
+    return backport(message, errors)  # pragma: no cover
 
 
 def unawaited(failed: list[Handle[Any]]) -> list[BaseException]:

@@ -745,11 +745,11 @@ async def call_in_turn(
     try:
         await turn._enter(task, since, lined)
         ticket = turn._ticket
-        if ticket is not None:
-            if ticket.answer is not None:  # (its work is not to run)
-                return _answered(ticket.answer)
-            fn, args, kwargs = _work(ticket, fn, args, kwargs)
+        if ticket is not None and ticket.answer is not None:  # (its work is not to run)
+            return _answered(ticket.answer)
         try:
+            if ticket is not None:
+                fn, args, kwargs = _work(ticket, fn, args, kwargs)
             result = fn(*args, **kwargs)
             if type(result) is CoroutineType or (result is not None and isawaitable(result)):
                 result = await result
@@ -781,11 +781,11 @@ def call_in_turn_sync(
     """
     turn._enter_sync(lined, since, fn)
     ticket = turn._ticket
-    if ticket is not None:
-        if ticket.answer is not None:
-            return _answered(ticket.answer)
-        fn, args, kwargs = _work(ticket, fn, args, kwargs)
-    try:
+    if ticket is not None and ticket.answer is not None:  # (its work is not to run)
+        return _answered(ticket.answer)
+    try:  # NOTE: from the start of its work on, an interrupt ends the turn
+        if ticket is not None:
+            fn, args, kwargs = _work(ticket, fn, args, kwargs)
         result = fn(*args, **kwargs)
         if type(result) is CoroutineType:
             _refuse_coroutine(fn, result)
