@@ -23,7 +23,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from file_checks import line_file, spec
-from inturn import KeyedQueue, LeaseLost
+from inturn import BackendUnavailable, KeyedQueue, LeaseLost
 from inturn import _bridge as bridge
 from inturn.backends import _file_deaths
 from inturn.backends._directory import Directory
@@ -190,8 +190,9 @@ async def test_a_full_disk_is_logged_with_the_directory_and_the_key(
     take = (
         asyncio.to_thread(backend.acquire_sync, KEY, None) if sync else backend.acquire(KEY, None)
     )
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(BackendUnavailable, match="No space left") as refused:
         await take
+    assert isinstance(refused.value.__cause__, OSError)
     (line,) = records(logs, "inturn.file", logging.WARNING)
     assert f"could not take a turn on key 'orders/42' in {directory}" in line
     assert "No space left" in line
