@@ -30,8 +30,8 @@ import pytest
 
 from file_checks import files, line_file
 from inturn import BackendUnavailable, KeyedQueue
-from inturn.backends._linefile import parse
 from inturn.backends.file import FileBackend
+from inturn.backends.file._linefile import parse
 from processes import until
 
 from helpers import PATIENCE
@@ -165,7 +165,7 @@ def retried() -> bool:
 
     That happens only when the two tidies met (a matter of timing), and
     such a tidy is best effort: one with no descriptor left to open the
-    line file leaves it to the key's next turn (see _file_tidy.retry).
+    line file leaves it to the key's next turn (see the file backend's _tidy.retry).
     """
     frame = sys._getframe(1)
     while frame is not None:

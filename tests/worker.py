@@ -210,18 +210,19 @@ class _Watched:
 
 def file_modules() -> tuple[ModuleType, ...]:
     """The modules of the file backend that make the calls in STEPS."""
-    from inturn.backends import _file_fds, _file_line, _file_locks, _file_tidy, file
+    from inturn.backends import file
+    from inturn.backends.file import _fds, _line, _locks, _tidy
 
-    return file, _file_fds, _file_line, _file_locks, _file_tidy
+    return file, _fds, _line, _locks, _tidy
 
 
 async def victim(spec: str, key: str, step: int, flags: list[str]) -> None:
     """Take key and release it, killed just before the step-th watched call."""
     queue = KeyedQueue(backend=make_backend(spec))
     if "compact" in flags:
-        from inturn.backends import _file_tidy
+        from inturn.backends.file import _tidy
 
-        _file_tidy._COMPACT_AT = 0
+        _tidy._COMPACT_AT = 0
     Tripwire(kill_before=step).install(*file_modules())
     try:
         async with queue.keyed(key, timeout=0 if "impatient" in flags else None):

@@ -26,11 +26,10 @@ import sys
 import time
 from collections.abc import Hashable
 
-from .._describe import describe
+from ..._describe import describe
+from ._deaths import died_joining
 from ._directory import Directory
-from ._file_deaths import died_joining
-from ._file_fds import OPEN_TIDY, close_tracked, open_tracked
-from ._file_locks import LOCK_PAUSES, flock_now, flock_soon
+from ._fds import OPEN_TIDY, close_tracked, open_tracked
 from ._linefile import (
     line_name,
     parse,
@@ -41,6 +40,7 @@ from ._linefile import (
     render,
     ticket_of,
 )
+from ._locks import LOCK_PAUSES, flock_now, flock_soon
 from ._tickets import alive
 
 if sys.platform != "win32":  # (the file backend refuses other platforms at construction)

@@ -12,8 +12,8 @@ import logging
 import os
 from collections.abc import Hashable
 
-from .._describe import describe
-from .._order import portable_key
+from ..._describe import describe
+from ..._order import portable_key
 from ._directory import Directory
 from ._linefile import pid_of
 

@@ -12,9 +12,9 @@ import errno
 import os
 import time
 
-from .._order import portable_key, portable_name
+from ..._order import portable_key, portable_name
+from .._lines import HolderInfo, LineInfo, WaiterInfo
 from ._linefile import Records, line_name, parse, pid_of, pipe_name, read_records
-from ._lines import HolderInfo, LineInfo, WaiterInfo
 from ._tickets import peek
 
 #: How a line file is read by whoever is not in its line: never through a link.

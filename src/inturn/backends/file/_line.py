@@ -5,7 +5,7 @@ of FileBackend.acquire and acquire_sync. Where a step would block, it
 yields what it waits for (_Locked, _Left); drive (a task, in its event
 loop) or drive_blocking (a thread) waits and sends the answer. Leaving
 (leave) never waits: it hands the key on and tidies the line up
-(``_file_tidy.py``). ``file.py`` tells how a line is kept, and why it is safe.
+(``_tidy.py``). ``__init__.py`` tells how a line is kept, and why it is safe.
 """
 
 from __future__ import annotations
@@ -23,14 +23,12 @@ from collections.abc import Callable, Generator, Hashable
 from pathlib import Path
 from typing import NamedTuple, TypeVar, final
 
-from .._checks import Waited, missed
-from .._describe import describe
-from .._order import portable_name
+from ..._checks import Waited, missed
+from ..._describe import describe
+from ..._order import portable_name
+from ._deaths import died
 from ._directory import Directory
-from ._file_deaths import died
-from ._file_fds import OPEN_TIDY, close_tracked, line_in_place_of, open_tracked, opened
-from ._file_locks import flock_now, flock_soon, lock, lock_blocking
-from ._file_tidy import retry_soon, tidy_again, unlink, unlinked, withdraw
+from ._fds import OPEN_TIDY, close_tracked, line_in_place_of, open_tracked, opened
 from ._linefile import (
     joined,
     joining,
@@ -41,6 +39,7 @@ from ._linefile import (
     record_of,
     ticket_of,
 )
+from ._locks import flock_now, flock_soon, lock, lock_blocking
 from ._tickets import (
     LEAVING,
     hand_off,
@@ -49,6 +48,7 @@ from ._tickets import (
     until_left,
     until_left_blocking,
 )
+from ._tidy import retry_soon, tidy_again, unlink, unlinked, withdraw
 
 if sys.platform != "win32":  # (the file backend refuses other platforms at construction)
     import fcntl
@@ -267,7 +267,7 @@ def _join(
     keeps: the line file is closed once ticket is in it), and the line
     file's records as they were once ticket was in. If it fails, nothing
     it made stays: its FIFO is removed, and its mark withdrawn (see
-    _file_tidy.withdraw).
+    _tidy.withdraw).
     """
     where = home.where
     line = line_name(digest)
@@ -280,7 +280,7 @@ def _join(
             continue
         fd = -1
         made = marked = False
-        serial = 0  # its open's (see _file_fds.opened): once closed, never closed again
+        serial = 0  # its open's (see _fds.opened): once closed, never closed again
         try:
             serial = opened(line_fd)
             if not flock_soon(line_fd, fcntl.LOCK_SH):
@@ -330,7 +330,7 @@ def _wait_behind(
 
     A ticket closed without a word (no hand-off, no leaving) tells that
     its owner died in line: logged once this process knows whether it
-    was holding (see _file_deaths.died).
+    was holding (see _deaths.died).
     """
     directory = where.fd
     dead: list[str] | None = None  # such tickets met, nearest first (rare: made then)
@@ -369,7 +369,7 @@ def leave(place: Place, key: Hashable, token: int) -> tuple[Directory, str, str,
     """Hand key on (token: the holder's) and tidy place's line file: a release's system calls.
 
     Returns where, digest, ticket and key of a line whose tidy must be
-    tried again shortly (see _file_tidy.retry), else None (also for a place
+    tried again shortly (see _tidy.retry), else None (also for a place
     left already). place.lost tells whether its files were gone meanwhile.
     """
     fd, place.fd = place.fd, -1
@@ -475,7 +475,7 @@ def _lists(fd: int, ticket: str) -> bool:
 
 
 def _open_line(directory: Directory, name: str) -> int:
-    """Open (making it if missing) the line file name in directory; it is tracked (_file_fds)."""
+    """Open (making it if missing) the line file name in directory; it is tracked (_fds)."""
     try:
         return open_tracked(name, _OPEN_LINE, directory.fd)
     except OSError as error:

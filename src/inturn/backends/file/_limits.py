@@ -1,7 +1,7 @@
 """What the file backend's turns need of the system, and the refusal when it is not there.
 
 A turn keeps one descriptor while it holds its key: its ticket's writer
-end (see ``file.py``). While it waits, it keeps a second one, on the
+end (see ``__init__.py``). While it waits, it keeps a second one, on the
 ticket before its own; while it joins a line or tidies it, one for the
 line file, for a few system calls. A process at its limit of open files
 (``RLIMIT_NOFILE``, or the system's table of them) cannot take a turn: it
@@ -17,8 +17,8 @@ import errno
 from collections.abc import Hashable
 from pathlib import Path
 
-from .._describe import describe
-from .._errors import BackendUnavailable
+from ..._describe import describe
+from ..._errors import BackendUnavailable
 
 #: What open() says when no descriptor is left, and why, and the fix.
 _WHY = {

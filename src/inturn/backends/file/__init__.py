@@ -9,8 +9,8 @@
 
 How a line is kept (every step is a plain file operation; nothing polls,
 but the rare wait for a line file's lock that its holder keeps for longer
-than its few system calls, see ``_file_locks.py``, and the last holder's
-retry of a tidy that found the lock busy, see ``_file_tidy.py``):
+than its few system calls, see ``_locks.py``, and the last holder's
+retry of a tidy that found the lock busy, see ``_tidy.py``):
 
 - A *ticket* is a FIFO (named pipe), ``<digest>.<pid>.<random>.t``, that
   its owner keeps open for writing from the moment it queues until it
@@ -62,11 +62,11 @@ tidied. A compaction killed between its write and its cut leaves records
 that read back right (see ``_linefile.py``), and its write is never
 longer than the kernel does at once.
 
-A process with no file descriptor left (see ``_file_limits.py``) is
+A process with no file descriptor left (see ``_limits.py``) is
 refused before it is in line, or leaves the line as at a timeout. A join
 that fails once its mark is written (no descriptor left for its FIFO)
 takes the mark out under the exclusive lock, or deletes the line file if
-the mark was all that was in it (see ``_file_tidy.py``: withdraw).
+the mark was all that was in it (see ``_tidy.py``: withdraw).
 
 Every file is opened relative to the directory's descriptor and never
 through a symbolic link (see ``_directory.py`` for which directories are
@@ -86,16 +86,16 @@ from collections.abc import Awaitable, Hashable
 from pathlib import Path
 from typing import Final, final
 
-from .._describe import describe
-from .._order import order_portable, portable_name
-from ._base import Capabilities, Grant
+from ..._describe import describe
+from ..._order import order_portable, portable_name
+from .._base import Capabilities, Grant
+from .._lines import LineInfo
 from ._directory import Directory
-from ._file_fds import forks
-from ._file_inspect import pids_in_line, snapshots
-from ._file_limits import refusal
-from ._file_line import Home, Place, deleted, drive, drive_blocking, leave, taking
-from ._file_tidy import retry, retry_blocking
-from ._lines import LineInfo
+from ._fds import forks
+from ._inspect import pids_in_line, snapshots
+from ._limits import refusal
+from ._line import Home, Place, deleted, drive, drive_blocking, leave, taking
+from ._tidy import retry, retry_blocking
 
 __all__ = ("FileBackend", "FileGrant")
 
@@ -161,7 +161,7 @@ class FileGrant:
 
         The ticket is the parent's: the parent holds the key until it leaves
         its own block, and hands it on then. The child's copy of the ticket
-        was closed at the fork (see _file_fds), and its number may name another
+        was closed at the fork (see _fds), and its number may name another
         file of the child's since.
         """
         self._place.fd = -1
@@ -280,7 +280,7 @@ class FileBackend:
 
         :raises ~inturn.BackendUnavailable: from error, which says that no
             file descriptor was left, or that the directory's file system takes
-            no write: full, read-only, ... (see _file_limits).
+            no write: full, read-only, ... (see _limits).
         """
         self._failed(key, error, "take a turn on")
         # (while the directory is not found, its own OSError says what to fix: see Home)
@@ -308,7 +308,7 @@ class FileBackend:
         try:
             grant = await drive(steps, key, timeout)
         except BaseException as error:
-            steps.close()  # leave the line (see _file_line.taking)
+            steps.close()  # leave the line (see _line.taking)
             self._not_taken(key, error)
             raise
         grant._loop = loop
@@ -343,7 +343,7 @@ class FileBackend:
         try:
             return drive_blocking(steps, key, timeout)
         except BaseException as error:
-            steps.close()  # leave the line (see _file_line.taking)
+            steps.close()  # leave the line (see _line.taking)
             self._not_taken(key, error)
             raise
 
@@ -353,7 +353,7 @@ class FileBackend:
         Done at once, in a few system calls: the answer is a finished Future,
         unless the grant left its line last and another process held the
         line file's lock; it then completes once the tidy was tried again
-        (see _file_tidy.retry). The key is handed on at once either way.
+        (see _tidy.retry). The key is handed on at once either way.
 
         In a forked child, a grant its parent holds ends in the child alone,
         with no effect on the parent's files (see FileGrant._forget): the
@@ -400,7 +400,7 @@ class FileBackend:
         return grant
 
     def _leave(self, grant: FileGrant) -> tuple[Directory, str, str, Hashable] | None:
-        """Hand grant's key on and tidy its line file (see _file_line.leave); log an error."""
+        """Hand grant's key on and tidy its line file (see _line.leave); log an error."""
         try:
             return leave(grant._place, grant.key, grant.token)
         except OSError as error:
