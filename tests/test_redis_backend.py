@@ -20,11 +20,11 @@ import redis.asyncio as aioredis
 
 from inturn import BackendUnavailable, KeyedQueue, LeaseLost, current_turn
 from inturn.__main__ import format_lines, main
-from inturn.backends import Backend, _redis_takeover, _redis_wire
-from inturn.backends._redis_link import Call, Link
-from inturn.backends._redis_scripts import ENQUEUE, LEAVE
-from inturn.backends._redis_wire import Frames
-from inturn.backends.redis import RedisBackend
+from inturn.backends import Backend
+from inturn.backends.redis import RedisBackend, _takeover, _wire
+from inturn.backends.redis._link import Call, Link
+from inturn.backends.redis._scripts import ENQUEUE, LEAVE
+from inturn.backends.redis._wire import Frames
 from processes import Worker, first_to_hold
 from redis_checks import BackendFactory, hand_over, keys_left, waiting
 from servers import Server
@@ -197,8 +197,8 @@ async def test_unknown_redis_py_internals_fall_back_to_its_public_api(
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_redis_takeover, "ENABLED", True)
-    monkeypatch.setattr(_redis_wire, "_warned", False)
+    monkeypatch.setattr(_takeover, "ENABLED", True)
+    monkeypatch.setattr(_wire, "_warned", False)
     a = make_backend(connection_class=RenamedInternals)
     b = make_backend(connection_class=RenamedInternals)
     assert await hand_over(a, b) == "next"

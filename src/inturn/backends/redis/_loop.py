@@ -2,15 +2,15 @@
 
 A :class:`LoopShare` is made per process and event loop, the first time
 that loop uses the backend: its own id (so its own channel), its own Link
-(or, on a cluster, the client's script calls: ``_redis_calls``), Inbox
-(``_redis_inbox``) and heartbeat (``_redis_lease``). So forked children, a
+(or, on a cluster, the client's script calls: ``_calls``), Inbox
+(``_inbox``) and heartbeat (``_lease``). So forked children, a
 loop per job and loops in several threads never share a member id or a
 connection. A share ends with its loop (the loop's ``shutdown_asyncgens``,
 which ``asyncio.run`` calls, closes it), or with the backend's ``aclose()``.
 This module starts and closes a share, and is a task's driver of a turn's
-steps (``_redis_steps``): :func:`drive` awaits each op's answer (taking a
+steps (``_steps``): :func:`drive` awaits each op's answer (taking a
 turn), :func:`drive_soon` is resumed by each (a release, which goes on by
-itself). A thread's driver is ``_redis_threads.Blocking``.
+itself). A thread's driver is ``_threads.Blocking``.
 """
 
 from __future__ import annotations
@@ -27,15 +27,15 @@ from typing import Any, Final
 
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .._checks import Waited, missed
-from .._errors import BackendUnavailable
-from .._tasks import abandon_task, retrieve
-from ._redis_calls import Calls, Config
-from ._redis_errors import refused, unavailable
-from ._redis_inbox import Inbox
-from ._redis_lease import Leases, Member
-from ._redis_scripts import Line
-from ._redis_steps import (
+from ..._checks import Waited, missed
+from ..._errors import BackendUnavailable
+from ..._tasks import abandon_task, retrieve
+from ._calls import Calls, Config
+from ._errors import refused, unavailable
+from ._inbox import Inbox
+from ._lease import Leases, Member
+from ._scripts import Line
+from ._steps import (
     ENQUEUE,
     GRANT,
     LEAVE,
@@ -305,7 +305,7 @@ class LoopShare:
 
         On one server the call to leave is written at once and the answer is
         a Future that completes by itself, whatever becomes of its awaiter
-        (see _redis_steps.releasing: it never fails).
+        (see _steps.releasing: it never fails).
         """
         return drive_soon(self, releasing(self, grant))
 
@@ -314,7 +314,7 @@ class LoopShare:
         return self.forks != _forks
 
     def quit(self, member: Member, member_id: str, marked: bool) -> None:
-        """Write member's leave and go on (a QUIT: see _redis_steps); its answer is retrieved.
+        """Write member's leave and go on (a QUIT: see _steps); its answer is retrieved.
 
         On a Link it runs after the share's earlier calls (the enqueue
         among them); a cluster's may overtake the enqueue (``marked``: it
@@ -330,7 +330,7 @@ class LoopShare:
         """(From any thread.) Write member's leave on this share's own connection, soon.
 
         For a thread's place whose connection broke, or is not at hand (see
-        _redis_threads).
+        _threads).
         """
         with contextlib.suppress(RuntimeError):  # (its loop closed: the lease runs out)
             self.loop.call_soon_threadsafe(self.quit, member, member_id, marked)
@@ -363,7 +363,7 @@ class LoopShare:
             self.inbox.ping()
 
 
-# -- a task's driver of a turn's steps (see _redis_steps) --------------------------------
+# -- a task's driver of a turn's steps (see _steps) --------------------------------
 
 
 async def drive(share: LoopShare, steps: Steps[T]) -> T:

@@ -12,12 +12,12 @@ A connection is then carried one of two ways (a *carrier*):
   so a reply costs one pass of the loop and no task wakes up for it;
 - through redis-py's public API (:class:`_Public`): ``send_packed_command``
   and ``read_response`` in a writer and a reader task, when the takeover
-  finds redis-py's internals other than it expects (``_redis_takeover``),
+  finds redis-py's internals other than it expects (``_takeover``),
   with one warning logged.
 
 Both hand each frame to their listener in the order read, and tell it once
-when the connection is gone. What rides on them: ``_redis_link`` (the calls)
-and ``_redis_inbox`` (the subscription).
+when the connection is gone. What rides on them: ``_link`` (the calls)
+and ``_inbox`` (the subscription).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .._tasks import abandon_task, abandon_transport
-from . import _redis_takeover as takeover
+from ..._tasks import abandon_task, abandon_transport
+from . import _takeover as takeover
 from ._resp import Incomplete, parse
 
 logger = logging.getLogger("inturn.redis")

@@ -13,7 +13,7 @@ import re
 from collections.abc import Hashable
 from typing import Final, final
 
-from .._order import portable_name
+from ..._order import portable_name
 from ._resp import bulk
 
 # KEYS: line, q, lease, info, gone. Shared by every script: the clock, dropping

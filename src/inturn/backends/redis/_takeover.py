@@ -2,7 +2,7 @@
 
 The Redis backend's hot calls skip redis-py's per-command machinery: once
 redis-py has opened and set up a connection (TLS, AUTH, HELLO, SELECT),
-the backend reads and writes its transport itself (see ``_redis_wire``).
+the backend reads and writes its transport itself (see ``_wire``).
 That needs the connection's private ``_writer`` to be an
 :class:`asyncio.StreamWriter`, as it is from redis-py 4.2 to 8.1. Nothing
 else in inturn reads or writes redis-py's privates; :func:`transport_of`
@@ -22,7 +22,7 @@ from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from .._tasks import retrieve_when_closed
+from ..._tasks import retrieve_when_closed
 
 #: Whether to take connections over at all (else: always redis-py's public API).
 ENABLED = os.environ.get("INTURN_REDIS_WIRE", "fast") != "public"

@@ -2,7 +2,7 @@
 
 Each call is written the moment it is made (pipelining) and its reply handed
 to its future as it is read; the connection itself is carried by
-``_redis_wire`` (taken over, or through redis-py's public API).
+``_wire`` (taken over, or through redis-py's public API).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from typing import Any
 
 from redis.exceptions import NoScriptError, ResponseError
 
-from .._errors import BackendUnavailable
-from .._tasks import abandon_task
-from ._redis_errors import demoted
-from ._redis_scripts import HEADS, HELLO, SCRIPTS, Script
-from ._redis_wire import Carrier, connect, fail
+from ..._errors import BackendUnavailable
+from ..._tasks import abandon_task
+from ._errors import demoted
 from ._resp import Push, command
+from ._scripts import HEADS, HELLO, SCRIPTS, Script
+from ._wire import Carrier, connect, fail
 
 logger = logging.getLogger("inturn.redis")
 

@@ -18,12 +18,12 @@ from typing import Any, Protocol
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .._describe import describe as show
-from .._errors import BackendUnavailable
-from .._tasks import retrieve
-from ._redis_errors import describe
-from ._redis_link import Call
-from ._redis_scripts import Line
+from ..._describe import describe as show
+from ..._errors import BackendUnavailable
+from ..._tasks import retrieve
+from ._errors import describe
+from ._link import Call
+from ._scripts import Line
 
 #: What this backend logs: only what is rare (connections lost and back, leases that
 #: could not be renewed or were lost), never a turn that went as it should.
@@ -54,7 +54,7 @@ class Waiting(Protocol):
 class Member:
     """One of this share's members of a line: a waiter, then a holder.
 
-    A thread's member (see ``_redis_threads``) is added and removed by the
+    A thread's member (see ``_threads``) is added and removed by the
     thread; everything else about it happens on the share's loop, which
     reads ``members`` in one call (a copy) wherever it could meet a thread's change.
     """

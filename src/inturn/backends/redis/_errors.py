@@ -24,10 +24,10 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .._describe import cut
-from .._errors import BackendUnavailable
-from ._redis_scripts import called_at
-from ._urls import REDIS_FORMS
+from ..._describe import cut
+from ..._errors import BackendUnavailable
+from .._urls import REDIS_FORMS
+from ._scripts import called_at
 
 #: Errors that mean the server could not be reached (as opposed to a refusal); among them
 #: InvalidResponse, redis-py's word for an answer that is not Redis's protocol (what

@@ -3,8 +3,8 @@
 Taking a turn (:func:`taking`) and ending it (:func:`releasing`) are
 generators that yield the I/O they need as an *op* (a tuple whose first item
 is one of the verbs below) and are sent its answer; a task's driver
-(``_redis_loop``: ``drive``, ``drive_soon``) or a thread's
-(``_redis_threads``: ``Blocking``) performs it. Nothing here does I/O, and
+(``_loop``: ``drive``, ``drive_soon``) or a thread's
+(``_threads``: ``Blocking``) performs it. Nothing here does I/O, and
 nothing here knows which driver runs it. An op's error, or an interrupt of
 the caller (a task's cancellation, a signal handler's exception in a
 thread), is thrown in at the op it came during: taking then gives its place
@@ -15,7 +15,7 @@ the drivers only carry the calls.
 A leave never leaves a member behind, whatever connection it goes on: one
 sent while no answer to its member's enqueue was read is *marked*, and if
 Redis runs it before the enqueue (another connection's call may overtake),
-the enqueue does nothing (see ``_redis_scripts``). A thread's leave goes on
+the enqueue does nothing (see ``_scripts``). A thread's leave goes on
 the enqueue's own connection where it can, so Redis runs it after.
 
 The ops and their answers (times are ``time.monotonic()`` seconds):
@@ -45,13 +45,13 @@ from typing import Any, Final, Protocol
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .._checks import Waited, missed
-from .._describe import describe as show
-from .._errors import BackendUnavailable
-from ._redis_calls import Config
-from ._redis_errors import UNREACHABLE, demoted, describe, unavailable
-from ._redis_lease import Leases, Member, Waiting
-from ._redis_scripts import Line
+from ..._checks import Waited, missed
+from ..._describe import describe as show
+from ..._errors import BackendUnavailable
+from ._calls import Config
+from ._errors import UNREACHABLE, demoted, describe, unavailable
+from ._lease import Leases, Member, Waiting
+from ._scripts import Line
 
 #: What this backend logs: only what is rare (here: a release Redis did not take), never a
 #: turn that went as it should.
@@ -77,7 +77,7 @@ now: Final = time.monotonic
 
 
 class Share(Protocol):
-    """What the steps use of one event loop's share of a backend (``_redis_loop.LoopShare``)."""
+    """What the steps use of one event loop's share of a backend (``_loop.LoopShare``)."""
 
     @property
     def config(self) -> Config:

@@ -1,6 +1,6 @@
 """The Inbox: this process's subscription to its channel, where Redis publishes its grants.
 
-Its connection is carried by ``_redis_wire`` (taken over, or through
+Its connection is carried by ``_wire`` (taken over, or through
 redis-py's public API), as the Link's is.
 """
 
@@ -16,9 +16,9 @@ from typing import Any
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .._tasks import abandon_task
-from ._redis_wire import Carrier, connect, fail
+from ..._tasks import abandon_task
 from ._resp import command
+from ._wire import Carrier, connect, fail
 
 logger = logging.getLogger("inturn.redis")
 

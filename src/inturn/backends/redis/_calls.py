@@ -14,12 +14,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._order import portable_name
-from .._tasks import retrieve
-from ._redis_lease import Member
-from ._redis_link import Call, Link
-from ._redis_scripts import ENQUEUE, HELLO, LEAVE, LOOK, RENEW, SCRIPTS, Script
+from ..._order import portable_name
+from ..._tasks import retrieve
+from ._lease import Member
+from ._link import Call, Link
 from ._resp import bulk
+from ._scripts import ENQUEUE, HELLO, LEAVE, LOOK, RENEW, SCRIPTS, Script
 
 #: A leave's last argument: whether its member's enqueue may still come (see Calls.leave).
 _MARKS = (b"0", b"1")
@@ -28,7 +28,7 @@ _MARK_BULKS = (bulk(b"0"), bulk(b"1"))
 
 @dataclass(frozen=True)
 class Config:
-    """What every loop share of one backend has in common (see _redis_loop)."""
+    """What every loop share of one backend has in common (see _loop)."""
 
     make: Callable[[], Any]  #: makes a connection of the share's own
     client: Any  #: the client, for a cluster's script calls (None on one server)
@@ -71,7 +71,7 @@ class Calls:
         # One server: the share's pipelined connection for its calls; a cluster: its client.
         self.link: Link | None = None
         self._cluster: _ClusterCalls | None = None
-        #: The greeting's probe (see _redis_scripts): a key of the namespace's own.
+        #: The greeting's probe (see _scripts): a key of the namespace's own.
         self._probe = f"inturn:{{{config.namespace}:probe}}"
         if config.client is None:
             greeting = bulk(self._probe.encode()) + bulk(channel.encode())
@@ -120,7 +120,7 @@ class Calls:
         """Call the leave script for member (after the share's earlier calls, on a Link).
 
         ``marked``: no answer to member's enqueue was read, so it may come after
-        this leave; if it does, it does nothing (see _redis_scripts._LEAVE).
+        this leave; if it does, it does nothing (see _scripts._LEAVE).
         """
         if self.link is not None:
             return self.link.call(LEAVE, self.leave_rest(member, member_id, marked))

@@ -23,7 +23,7 @@ so every script touches one slot and runs on a cluster:
 - ``inturn:{ns:d}:gone``, a sorted set, rarely there: the members that gave
   up before Redis answered their joining, by when the mark expires.
 
-Every change is one Lua script (``_redis_scripts``), loaded once and called
+Every change is one Lua script (``_scripts``), loaded once and called
 by SHA: *enqueue* (join the line, take the key if free), *leave* (release,
 or give up waiting) and *renew* (extend a lease). Each first drops members
 whose lease expired, and each grants a free key to the head of the line,
@@ -37,21 +37,21 @@ marks it gone, and the enqueue, when it comes, does nothing. So a leave
 never leaves a member behind, whatever the order the two arrive in.
 
 Who talks to Redis. Each process, and in it each event loop that uses the
-backend, has a *share* (``_redis_loop``) of its own: an id (so its own
+backend, has a *share* (``_loop``) of its own: an id (so its own
 channel and member ids), a connection that carries its calls in the order
-made (on one server; a cluster's client routes them: ``_redis_calls``), a
+made (on one server; a cluster's client routes them: ``_calls``), a
 subscription that wakes its waiters (the release pushes the turn, nothing
 polls), and a heartbeat that renews every lease it has every ``lease / 3``
-seconds (``_redis_lease``). The heartbeat's reply also hands a waiter a
+seconds (``_lease``). The heartbeat's reply also hands a waiter a
 grant whose message was lost, and tells a holder that its lease is gone. A
 forked child starts afresh (a turn it inherited ends in it alone); a share
 ends with its event loop. The connections are made by redis-py
 (``pool.make_connection()``: TLS, AUTH, HELLO, Sentinel discovery stay
-redis-py's) and then read and written by this process (``_redis_wire``;
-the calls ride ``_redis_link``, the subscription ``_redis_inbox``). A
+redis-py's) and then read and written by this process (``_wire``;
+the calls ride ``_link``, the subscription ``_inbox``). A
 thread writes its own calls, each one round trip on a blocking connection
 (redis-py's sync ``Connection``, made with the client's settings;
-``_redis_threads``), and is handed a busy key's grant by the share of the
+``_threads``), and is handed a busy key's grant by the share of the
 process's backend loop, which keeps its subscription and heartbeat.
 """
 
@@ -66,12 +66,12 @@ import weakref
 from collections.abc import Hashable
 from typing import Any, Final, final
 
-from .._bridge import acquire_there, backend_loop, release_sync
-from .._describe import describe as show
-from .._errors import BackendUnavailable
-from .._order import order_portable, portable_key, portable_name
-from ._base import Capabilities, Grant
-from ._lines import HolderInfo, LineInfo, WaiterInfo
+from ..._bridge import acquire_there, backend_loop, release_sync
+from ..._describe import describe as show
+from ..._errors import BackendUnavailable
+from ..._order import order_portable, portable_key, portable_name
+from .._base import Capabilities, Grant
+from .._lines import HolderInfo, LineInfo, WaiterInfo
 
 try:
     import redis.asyncio as aioredis
@@ -81,13 +81,13 @@ except ImportError as error:  # pragma: no cover - depends on the install
         "inturn's Redis backend needs redis-py: pip install 'inturn[redis]'"
     ) from error
 
-from ._redis_calls import Config
-from ._redis_errors import UNREACHABLE, describe, server_of
-from ._redis_loop import LoopShare
-from ._redis_scripts import Line
-from ._redis_steps import RedisGrant, owner
-from ._redis_threads import Blocking, sync_connector
-from ._urls import refused_redis_url, slashless_redis_url
+from .._urls import refused_redis_url, slashless_redis_url
+from ._calls import Config
+from ._errors import UNREACHABLE, describe, server_of
+from ._loop import LoopShare
+from ._scripts import Line
+from ._steps import RedisGrant, owner
+from ._threads import Blocking, sync_connector
 
 __all__ = ("HolderInfo", "LineInfo", "RedisBackend", "RedisGrant", "WaiterInfo")
 
@@ -155,7 +155,7 @@ class RedisBackend:
       keeps the key until it leaves the turn itself.
     - Threads: a thread's turn (``acquire_sync``) is its own round trips to
       Redis, on a connection no other thread uses meanwhile, with the same
-      steps (``_redis_steps``), scripts, leases, grants and errors as a
+      steps (``_steps``), scripts, leases, grants and errors as a
       task's; wherever an interrupt lands while it takes its turn, no member
       of it stays in Redis (a leave that may overtake its enqueue makes the
       enqueue a no-op); the subscription and
@@ -235,7 +235,7 @@ class RedisBackend:
             host=socket.gethostname(),
             server=server_of(client),
         )
-        # By event loop: this process's share on it (see _redis_loop).
+        # By event loop: this process's share on it (see _loop).
         self._shares: dict[asyncio.AbstractEventLoop, LoopShare] = {}
         self._current: LoopShare | None = None  # the last one used: most calls come from it
         self._threads_share: LoopShare | None = None  # the backend loop's, for threads

@@ -1,7 +1,7 @@
 """A thread's Redis turn, on a blocking connection of its own: no hop to an event loop.
 
-The thread's driver of a turn's steps (``_redis_steps``; a task's is in
-``_redis_loop``). A thread writes its enqueue and its leave itself, each
+The thread's driver of a turn's steps (``_steps``; a task's is in
+``_loop``). A thread writes its enqueue and its leave itself, each
 one round trip on one of the backend's blocking connections, and waits for
 a grant on an :class:`~inturn._bridge.Answer` that the share's
 subscription completes. The share, on this process's backend loop, keeps
@@ -33,14 +33,14 @@ import redis.sentinel
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .._bridge import Answer
-from ._redis_errors import demoted
-from ._redis_lease import Member
-from ._redis_loop import LoopShare
-from ._redis_scripts import ENQUEUE as ENQUEUE_SCRIPT
-from ._redis_scripts import HEADS, SCRIPTS, Line, Script
-from ._redis_scripts import LEAVE as LEAVE_SCRIPT
-from ._redis_steps import (
+from ..._bridge import Answer
+from ._errors import demoted
+from ._lease import Member
+from ._loop import LoopShare
+from ._scripts import ENQUEUE as ENQUEUE_SCRIPT
+from ._scripts import HEADS, SCRIPTS, Line, Script
+from ._scripts import LEAVE as LEAVE_SCRIPT
+from ._steps import (
     ENQUEUE,
     GRANT,
     LEAVE,
@@ -168,8 +168,8 @@ class _Run:
 class Blocking:
     """Threads' turns on blocking connections, each call one round trip on the thread's own.
 
-    The thread's driver of a turn's steps (``_redis_steps``; a task's is
-    ``_redis_loop.drive``). A thread takes an idle connection for a call and
+    The thread's driver of a turn's steps (``_steps``; a task's is
+    ``_loop.drive``). A thread takes an idle connection for a call and
     gives it back after (any number of threads at once: one connection
     each). Guarantees, as a task's turn:
 
@@ -179,7 +179,7 @@ class Blocking:
       runs it after the enqueue (its reply is read by the connection's next
       user); else (an interrupt came while the enqueue was written or its
       reply read) on another, marked, so that an enqueue it overtakes does
-      nothing (see ``_redis_scripts``). A give-up never waits, nor connects.
+      nothing (see ``_scripts``). A give-up never waits, nor connects.
     - Every wait is bounded by the turn's: the enqueue's answer, the grant,
       the replies a connection owes, and connecting, whose handshake gets
       the time left (a try-lock: up to a tenth of the lease). A connection
