@@ -23,8 +23,8 @@ import pytest
 psycopg = pytest.importorskip("psycopg")
 
 from inturn import BackendUnavailable, KeyedQueue, LeaseLost  # noqa: E402
-from inturn.backends._pg_keys import lock_id, lock_parts  # noqa: E402
 from inturn.backends.postgres import PostgresBackend  # noqa: E402
+from inturn.backends.postgres._keys import lock_id, lock_parts  # noqa: E402
 from pg_checks import advisory_locks_left  # noqa: E402
 
 from helpers import PATIENCE  # noqa: E402

@@ -1,7 +1,7 @@
 """The PostgreSQL backend's lines, for people: what pg_locks shows, with the keys and clients.
 
 An advisory lock is named by a 64-bit digest of the namespace and the key
-(:mod:`._pg_keys`), which cannot be turned back into the key, and a server
+(:mod:`._keys`), which cannot be turned back into the key, and a server
 session by the server's process id, which is not the client's. So the
 backend records, in two tables beside its sequence (made with it, in the
 first schema of the ``search_path``):
@@ -9,7 +9,7 @@ first schema of the ``search_path``):
 - ``inturn_keys``: a key's portable name (:func:`inturn._order.portable_name`,
   as the Redis and the file backends record it) by namespace and lock id,
   written by a process before its first wait for the key, then again at most
-  once per :data:`._pg_sql.RECORD_EVERY` seconds while it uses the key: once
+  once per :data:`._sql.RECORD_EVERY` seconds while it uses the key: once
   per key per process, not per turn. :class:`Names` remembers which keys
   this process recorded, and when (a bounded number of them).
 - ``inturn_sessions``: the client's host and process id by server session,
@@ -37,15 +37,15 @@ from typing import TYPE_CHECKING, Any, Final, final
 import psycopg
 from psycopg import errors
 
-from .._describe import describe as show
-from .._errors import BackendUnavailable
-from .._order import portable_key, portable_name
-from . import _pg_sql
-from ._lines import HolderInfo, LineInfo, WaiterInfo
-from ._pg_steps import Op, now, said
+from ..._describe import describe as show
+from ..._errors import BackendUnavailable
+from ..._order import portable_key, portable_name
+from .._lines import HolderInfo, LineInfo, WaiterInfo
+from . import _sql
+from ._steps import Op, now, said
 
 if TYPE_CHECKING:
-    from ._pg_connections import Connections
+    from ._connections import Connections
 
 logger = logging.getLogger("inturn.postgres")
 
@@ -58,8 +58,7 @@ _RETRY: Final = 60.0
 
 #: What an owner runs for a user who may not make or write the tables.
 _OWNER_RUNS: Final = (
-    f"{_pg_sql.TABLES} GRANT SELECT, INSERT, UPDATE, DELETE ON "
-    f"{_pg_sql.KEYS}, {_pg_sql.SESSIONS} TO ..."
+    f"{_sql.TABLES} GRANT SELECT, INSERT, UPDATE, DELETE ON {_sql.KEYS}, {_sql.SESSIONS} TO ..."
 )
 
 
@@ -95,7 +94,7 @@ class Names:
         """The statement that records the client of a session being readied ('' if off)."""
         if not self.on:
             return ""
-        return _pg_sql.recording_session(self._host, os.getpid())
+        return _sql.recording_session(self._host, os.getpid())
 
     def recording(
         self, key: Hashable, lock: int, namespace: str, ask: Callable[[bytes], Any]
@@ -103,22 +102,22 @@ class Names:
         """Record key (its lock: lock) in the tables, tidying them if it is time.
 
         ask: the steps that send a statement on the turn's connection (and raise if
-        it is lost, or does not answer in time: see _pg_ready.Readiness.asking).
+        it is lost, or does not answer in time: see _ready.Readiness.asking).
         """
         tidy = now() >= self._tidy_at
-        sql = _pg_sql.recording_key(namespace, lock, portable_name(key), tidy)
+        sql = _sql.recording_key(namespace, lock, portable_name(key), tidy)
         answer = yield from ask(sql)
         if isinstance(answer, errors.UndefinedTable):  # dropped meanwhile: made again
-            self.made((yield from ask(_pg_sql.MAKE_TABLES)))
+            self.made((yield from ask(_sql.MAKE_TABLES)))
             if self.on:
                 answer = yield from ask(sql)
         due = self._due
         if isinstance(answer, list):
             self._failing = False
             if tidy:
-                self._tidy_at = now() + _pg_sql.RECORD_EVERY
+                self._tidy_at = now() + _sql.RECORD_EVERY
             due.pop(lock, None)  # (kept oldest first)
-            due[lock] = now() + _pg_sql.RECORD_EVERY
+            due[lock] = now() + _sql.RECORD_EVERY
             if len(due) > _REMEMBERED:
                 try:
                     del due[next(iter(due))]
@@ -165,8 +164,8 @@ class Names:
             "once as an owner: %s",
             self.owner,
             what,
-            _pg_sql.KEYS,
-            _pg_sql.SESSIONS,
+            _sql.KEYS,
+            _sql.SESSIONS,
             said(error),
             _OWNER_RUNS,
         )
@@ -176,7 +175,7 @@ async def snapshot(connections: Connections, namespace: str) -> list[LineInfo]:
     """Every line of namespace that someone holds or waits for, sorted by key (see
     PostgresBackend.lines)."""
     found: dict[int, tuple[bytes, list[tuple[Any, ...]]]] = {}
-    for row in await _asked(connections, _pg_sql.LINES, [namespace]):
+    for row in await _asked(connections, _sql.LINES, [namespace]):
         found.setdefault(row[0], (bytes(row[1]), []))[1].append(row[2:])
     lines = []
     for name, sessions in found.values():
@@ -200,7 +199,7 @@ async def snapshot(connections: Connections, namespace: str) -> list[LineInfo]:
 
 async def namespaces(connections: Connections) -> list[str]:
     """The namespaces whose keys someone holds or waits for now, sorted."""
-    return [row[0] for row in await _asked(connections, _pg_sql.NAMESPACES, [])]
+    return [row[0] for row in await _asked(connections, _sql.NAMESPACES, [])]
 
 
 async def _asked(connections: Connections, sql: str, params: list[Any]) -> list[tuple[Any, ...]]:
@@ -210,14 +209,14 @@ async def _asked(connections: Connections, sql: str, params: list[Any]) -> list[
     except errors.UndefinedTable as error:
         raise BackendUnavailable(
             f"inturn: no process has recorded its keys in this database: the tables "
-            f"{_pg_sql.KEYS} and {_pg_sql.SESSIONS} are not in the search_path ({said(error)}). "
+            f"{_sql.KEYS} and {_sql.SESSIONS} are not in the search_path ({said(error)}). "
             "A PostgresBackend makes them at its first turn; one whose user may not create "
             f"them says so in its log, and an owner makes them once: {_OWNER_RUNS}"
         ) from error
     except errors.InsufficientPrivilege as error:
         raise BackendUnavailable(
             f"inturn: this user may not read the tables of inturn's keys ({said(error)}); "
-            f"an owner grants it: GRANT SELECT ON {_pg_sql.KEYS}, {_pg_sql.SESSIONS} TO ..."
+            f"an owner grants it: GRANT SELECT ON {_sql.KEYS}, {_sql.SESSIONS} TO ..."
         ) from error
     except (psycopg.Error, OSError, asyncio.TimeoutError) as error:
         why = said(error) if isinstance(error, psycopg.Error) else str(error) or "timed out"

@@ -4,8 +4,8 @@ A turn of a KeyedQueue takes all its keys through one :class:`PgSession`
 (``inturn.backends.TurnSession``), driven by a task (``acquire``, ``release``,
 ``close``) or by a thread (``acquire_sync``, ``release_sync``,
 ``close_sync``, called natively by the queue). Each is written once, as
-steps (:mod:`._pg_steps`), and driven by :class:`._pg_drive.Run` for a task
-or :func:`._pg_drive.drive_sync` for a thread. Its calls run one at a time:
+steps (:mod:`._steps`), and driven by :class:`._drive.Run` for a task
+or :func:`._drive.drive_sync` for a thread. Its calls run one at a time:
 ``close`` waits for an ``acquire`` its caller gave up on.
 
 A task's unlock is sent the moment ``close`` is called, and the future it
@@ -22,15 +22,15 @@ from typing import TYPE_CHECKING, Any, Final, final
 import psycopg
 from psycopg import errors
 
-from .._checks import Waited, missed
-from .._describe import describe as show
-from .._errors import BackendUnavailable
-from . import _pg_sql
-from ._pg_drive import Run, drive_sync
-from ._pg_keys import lock_id
-from ._pg_places import Lease
-from ._pg_ready import logger
-from ._pg_steps import (
+from ..._checks import Waited, missed
+from ..._describe import describe as show
+from ..._errors import BackendUnavailable
+from . import _sql
+from ._drive import Run, drive_sync
+from ._keys import lock_id
+from ._places import Lease
+from ._ready import logger
+from ._steps import (
     AUTOCOMMIT,
     UNSURE,
     Ended,
@@ -43,12 +43,12 @@ from ._pg_steps import (
     said,
     waiting,
 )
-from ._pg_wire import discard
+from ._wire import discard
 
 if TYPE_CHECKING:
-    from ._base import Grant
-    from ._pg_connections import Connections
-    from ._pg_wire import Outcome, Rows
+    from .._base import Grant
+    from ._connections import Connections
+    from ._wire import Outcome, Rows
 
 _OK: Final = psycopg.pq.ConnStatus.OK
 
@@ -113,7 +113,7 @@ class PgSession:
         self._namespace = namespace
         self._count = count  # keys the turn will take
         self._transaction = transaction
-        # the tier of connection slots (see _pg_connections); None: a connection of its
+        # the tier of connection slots (see _connections); None: a connection of its
         # own, outside the slots (a short-lived loop)
         self._tier: int | None = None if own else depth
         self._lease: Lease | None = None
@@ -262,7 +262,7 @@ class PgSession:
             if lease is None:
                 lease = self._lease = yield from connections.taking(key, timeout, until, tier)
         names = connections.ready.names
-        if names.due(lock):  # (once per key per process: see _pg_lines)
+        if names.due(lock):  # (once per key per process: see _lines)
             ask = connections.ready.asking(
                 lease.connection, key, timeout, until, True, "recording the key's name"
             )
@@ -419,7 +419,7 @@ class PgSession:
         if isinstance(answer, errors.InsufficientPrivilege):
             fix = (
                 f"; the user needs USAGE on the sequence of fencing tokens: GRANT USAGE ON "
-                f"SEQUENCE {_pg_sql.SEQUENCE} TO ..."
+                f"SEQUENCE {_sql.SEQUENCE} TO ..."
             )
         what = "lost its session during" if lost(answer) else "failed"
         failure = BackendUnavailable(

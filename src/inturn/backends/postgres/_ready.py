@@ -1,12 +1,12 @@
 """Readying a PostgresBackend's connection: once per connection, before its first wait.
 
-Written once as steps (:mod:`._pg_steps`), for both kinds of connection:
+Written once as steps (:mod:`._steps`), for both kinds of connection:
 autocommit on, the sequence of fencing tokens and the tables of lines()
-(:mod:`._pg_lines`) made on first use (a race with another session making
+(:mod:`._lines`) made on first use (a race with another session making
 them at the same moment is no error; a user who may not make the tables
 is told so in the log, and its turns go on), then, in one round trip, the
 record of the session's client, the session's settings and the backend's
-statements (:func:`._pg_sql.prepare`). Bounded by the turn's time and
+statements (:func:`._sql.prepare`). Bounded by the turn's time and
 ``unreachable_after``: a connection that does not answer in time, or
 whose caller is interrupted meanwhile, is closed.
 """
@@ -20,12 +20,12 @@ from typing import Any, final
 import psycopg
 from psycopg import errors
 
-from .._checks import Waited, missed
-from .._describe import describe as show
-from .._errors import BackendUnavailable
-from . import _pg_sql, _pg_wire
-from ._pg_lines import Names
-from ._pg_steps import ASK, AUTOCOMMIT, CLOSE, Limits, Op, lost, now, said
+from ..._checks import Waited, missed
+from ..._describe import describe as show
+from ..._errors import BackendUnavailable
+from . import _sql, _wire
+from ._lines import Names
+from ._steps import ASK, AUTOCOMMIT, CLOSE, Limits, Op, lost, now, said
 
 #: The backend's logger, under the core's "inturn".
 logger = logging.getLogger("inturn.postgres")
@@ -53,7 +53,7 @@ class Readiness:
         self.owner = owner  # the backend, as its logs name it
         self._made = False  # whether the sequence and the tables were found or made
         self._pooled = False  # a pooler was seen between the backend and the server
-        #: What this process recorded for lines() (see _pg_lines).
+        #: What this process recorded for lines() (see _lines).
         self.names = Names(owner)
 
     def sequence_gone(self) -> None:
@@ -87,18 +87,18 @@ class Readiness:
         names = self.names
         for _ in range(3):
             if not self._made:
-                found = yield from ask(_pg_sql.FIND)
+                found = yield from ask(_sql.FIND)
                 row = found[0] if isinstance(found, list) and found else (None, None)
                 if row[0] != b"t":
-                    made = yield from ask(_pg_sql.MAKE_SEQUENCE)
+                    made = yield from ask(_sql.MAKE_SEQUENCE)
                     self._refused(made)
                 if row[1] != b"t" and names.on:
-                    names.made((yield from ask(_pg_sql.MAKE_TABLES)))
+                    names.made((yield from ask(_sql.MAKE_TABLES)))
                 self._made = True
             version = connection.info.server_version
-            rows = yield from ask(_pg_sql.prepare(version, names.session()))
+            rows = yield from ask(_sql.prepare(version, names.session()))
             if isinstance(rows, errors.DuplicatePreparedStatement):  # (by another backend)
-                ours = yield from ask(_pg_sql.PREPARED)
+                ours = yield from ask(_sql.PREPARED)
                 if isinstance(ours, list) and ours:
                     yield from ask(b";".join(row[0] or b"" for row in ours))
                 continue
@@ -173,7 +173,7 @@ class Readiness:
             )
         return answer
 
-    def _readied(self, connection: Any, rows: _pg_wire.Rows) -> Ready:
+    def _readied(self, connection: Any, rows: _wire.Rows) -> Ready:
         role_timeout = (rows[0][0] or b"0").decode() if rows else "0"
         pid = int(rows[0][1] or 0) if rows else connection.info.backend_pid
         ready = Ready(pid, role_timeout)
@@ -195,10 +195,10 @@ class Readiness:
             return  # made, or made at the same moment by another session
         if isinstance(made, errors.InsufficientPrivilege):
             raise BackendUnavailable(
-                f"inturn: the sequence {_pg_sql.SEQUENCE} of fencing tokens does not exist "
+                f"inturn: the sequence {_sql.SEQUENCE} of fencing tokens does not exist "
                 f"and this user may not create it ({said(made)}); make it once as an owner: "
-                f"CREATE SEQUENCE {_pg_sql.SEQUENCE}; GRANT USAGE ON SEQUENCE "
-                f"{_pg_sql.SEQUENCE} TO ...; the work did not run"
+                f"CREATE SEQUENCE {_sql.SEQUENCE}; GRANT USAGE ON SEQUENCE "
+                f"{_sql.SEQUENCE} TO ...; the work did not run"
             ) from made
         raise made
 

@@ -2,7 +2,7 @@
 
 A *place* (one per event loop, :class:`LoopPlace`, and one for the threads
 of a process, :class:`ThreadPlace`) holds the slots of ``max_sessions``
-connections per tier (see :mod:`._pg_connections`) and the connections kept
+connections per tier (see :mod:`._connections`) and the connections kept
 between turns, the last used on top. A :class:`Lease` is one turn's slot
 and connection, given back once.
 """
@@ -19,8 +19,8 @@ from typing import Any, Final, Protocol, final
 
 import psycopg
 
-from .._tasks import retrieve
-from . import _pg_wire
+from ..._tasks import retrieve
+from . import _wire
 
 _OK: Final = psycopg.pq.ConnStatus.OK
 _IDLE: Final = psycopg.pq.TransactionStatus.IDLE
@@ -36,9 +36,9 @@ class Lease:
         self.tier = tier
         self.connection: Any = None
         #: A lock the session may hold without a grant for it: (lock, held before), from
-        #: the moment its wait is sent until its outcome is taken (see _pg_steps.waiting).
+        #: the moment its wait is sent until its outcome is taken (see _steps.waiting).
         self.unsure: tuple[int, bool] | None = None
-        #: What readying the connection learnt (a ``_pg_ready.Ready``), once it is readied.
+        #: What readying the connection learnt (a ``_ready.Ready``), once it is readied.
         self.ready: Any = None
         #: the slot, of a loop or of the threads (None: a connection of its own, or none yet)
         self.place: LoopPlace | ThreadPlace | None = None
@@ -63,7 +63,7 @@ class Lease:
         if place is not None:
             place.give_back(connection, self.ready, self.tier)
         elif connection is not None:
-            _pg_wire.discard(connection)
+            _wire.discard(connection)
 
 
 @final
@@ -159,7 +159,7 @@ class LoopPlace:
         # first (a turn's ending in flight then never completes)
         self.active: set[psycopg.AsyncConnection[Any]] = set()
         self.tiers: list[Slots] = []
-        # the connections kept, each with what readying it learnt (a _pg_ready.Ready)
+        # the connections kept, each with what readying it learnt (a _ready.Ready)
         self.idle: list[tuple[psycopg.AsyncConnection[Any], Any]] = []
         self.given = given  # the caller's pool, whose connections these are
         # closes the idle connections when the loop shuts down (see _guard)
@@ -198,7 +198,7 @@ class LoopPlace:
 
     def _drop(self, connection: psycopg.AsyncConnection[Any]) -> None:
         if self.given is None:
-            _pg_wire.discard(connection)
+            _wire.discard(connection)
         else:  # (the caller's pool closes or resets a connection it gets back in a bad state)
             asyncio.ensure_future(self.given.putconn(connection)).add_done_callback(retrieve)
 
@@ -210,11 +210,11 @@ class LoopPlace:
         if ending:
             active, self.active = self.active, set()
             for connection in active:
-                _pg_wire.discard(connection)
+                _wire.discard(connection)
         idle, self.idle = self.idle, []
         for connection, _ in idle:
             if self.given is None:
-                _pg_wire.discard(connection)
+                _wire.discard(connection)
             else:
                 await self.given.putconn(connection)
 
@@ -327,7 +327,7 @@ class ThreadPlace:
                 self.idle.pop()
             if not stale(lease.connection):
                 return
-            _pg_wire.discard(lease.connection)
+            _wire.discard(lease.connection)
             lease.connection = lease.ready = None
 
     def give_back(self, connection: psycopg.Connection[Any] | None, ready: Any, tier: int) -> None:
@@ -345,7 +345,7 @@ class ThreadPlace:
                     return
         try:
             if connection is not None:
-                _pg_wire.discard(connection)
+                _wire.discard(connection)
         finally:
             slots.give()
 
@@ -354,7 +354,7 @@ class ThreadPlace:
         with self.lock:
             self.closed = True
         while self.idle:
-            _pg_wire.discard(self.idle.pop()[0])
+            _wire.discard(self.idle.pop()[0])
 
 
 def stale(connection: Any) -> bool:
@@ -368,7 +368,7 @@ def stale(connection: Any) -> bool:
     """
     pgconn = connection.pgconn
     for _ in range(3):  # (the goodbye, then the end of the stream)
-        if pgconn.status != _OK or not _pg_wire.readable(pgconn.socket):
+        if pgconn.status != _OK or not _wire.readable(pgconn.socket):
             break
         try:
             pgconn.consume_input()
@@ -377,7 +377,7 @@ def stale(connection: Any) -> bool:
     return bool(pgconn.status != _OK)
 
 
-def alive(answer: _pg_wire.Outcome | None) -> bool:
+def alive(answer: _wire.Outcome | None) -> bool:
     """Whether the answer of PROBE counts a session."""
     return isinstance(answer, list) and bool(answer) and answer[0][0] not in (None, b"0")
 

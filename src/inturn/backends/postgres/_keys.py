@@ -21,7 +21,7 @@ import functools
 import hashlib
 from collections.abc import Hashable
 
-from .._order import portable_name
+from ..._order import portable_name
 
 #: BLAKE2b's personalisation: a new mapping (which would move every key) gets a new one.
 _PERSON = b"inturn-pg-lock-1"

@@ -26,7 +26,7 @@ from typing import Final
 
 import psycopg
 
-from .._describe import describe as show
+from ..._describe import describe as show
 
 #: libpq's first message (an SSLRequest: its length, then the code 1234 5679).
 _FIRST: Final = struct.pack("!ii", 8, 80877103)

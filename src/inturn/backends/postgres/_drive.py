@@ -1,4 +1,4 @@
-"""The two drivers of the PostgreSQL backend's steps (:mod:`._pg_steps`).
+"""The two drivers of the PostgreSQL backend's steps (:mod:`._steps`).
 
 :class:`Run` drives steps for a task: the ops it waits on resume it from
 callbacks (the socket's reader, a timer), so a turn costs no task of its
@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any, final
 
 import psycopg
 
-from ._pg_steps import ANSWER, ASK, AUTOCOMMIT, CANCEL, CLOSE, CONNECT, PROBE, SLOT, Steps
-from ._pg_wire import Reply, answer_sync, ask, discard, send, settle
+from ._steps import ANSWER, ASK, AUTOCOMMIT, CANCEL, CLOSE, CONNECT, PROBE, SLOT, Steps
+from ._wire import Reply, answer_sync, ask, discard, send, settle
 
 if TYPE_CHECKING:
-    from ._pg_connections import Connections
+    from ._connections import Connections
 
 
 @final

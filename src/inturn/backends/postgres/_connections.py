@@ -21,7 +21,7 @@
   or the process ends.
 - With a ``psycopg_pool.AsyncConnectionPool`` of the caller's, its loop's
   connections come from it (``getconn``), and go back to it at ``aclose()``.
-- Readying a connection: :mod:`._pg_ready`.
+- Readying a connection: :mod:`._ready`.
 - Fork: a child leaves its parent's connections alone (closing them would
   end the parent's sessions) and makes its own; :attr:`Connections.generation`
   tells a session made before the fork from one made after.
@@ -40,15 +40,15 @@ from typing import Any, final
 
 import psycopg
 
-from .._checks import Waited, missed
-from .._describe import describe as show
-from .._errors import BackendUnavailable
-from .._tasks import loop_here
-from . import _pg_handshake as handshake
-from . import _pg_sql, _pg_wire
-from ._pg_places import Lease, LoopPlace, ThreadPlace, Watch, alive, guard
-from ._pg_ready import Readiness
-from ._pg_steps import CONNECT, SLOT, Limits, Op, now, said
+from ..._checks import Waited, missed
+from ..._describe import describe as show
+from ..._errors import BackendUnavailable
+from ..._tasks import loop_here
+from . import _handshake as handshake
+from . import _sql, _wire
+from ._places import Lease, LoopPlace, ThreadPlace, Watch, alive, guard
+from ._ready import Readiness
+from ._steps import CONNECT, SLOT, Limits, Op, now, said
 
 #: Connections a forked child inherited: its parent's, never to be used nor closed
 #: (closing one would end the parent's session), so they are kept from the collector.
@@ -114,7 +114,7 @@ class Connections:
         self._lock = threading.Lock()  # held to change _places and _threads
         self.ready = Readiness(limits, owner)  # which connections are readied, and how
         self.generation = 0  # forks of this process since the backend was made
-        #: A connection was made: the server is PostgreSQL (see _pg_handshake).
+        #: A connection was made: the server is PostgreSQL (see _handshake).
         self.spoken = False
         _ALL.add(self)
 
@@ -242,7 +242,7 @@ class Connections:
         """(A task's.) A new connection for lease by until (from the caller's pool, if any).
 
         Until one was made, what listens there is asked first whether it is
-        PostgreSQL (see _pg_handshake): another kind of server fails it at once.
+        PostgreSQL (see _handshake): another kind of server fails it at once.
         """
         place = lease.place
         try:
@@ -301,12 +301,12 @@ class Connections:
         assert self._conninfo is not None
         checking = await psycopg.AsyncConnection.connect(self._conninfo, **kwargs)
         try:
-            reply = _pg_wire.ask(
-                checking, _pg_sql.PROBE, [str(pid).encode()], False, asyncio.get_running_loop()
+            reply = _wire.ask(
+                checking, _sql.PROBE, [str(pid).encode()], False, asyncio.get_running_loop()
             )
-            return alive(await _pg_wire.answer(reply))
+            return alive(await _wire.answer(reply))
         finally:
-            _pg_wire.discard(checking)
+            _wire.discard(checking)
 
     def probe_sync(self, pid: int, until: float) -> bool:
         """(A thread's.) As :meth:`probe`."""
@@ -319,12 +319,12 @@ class Connections:
         except psycopg.Error:
             return False
         try:
-            _pg_wire.send(checking, _pg_sql.PROBE, [str(pid).encode()])
-            answer = _pg_wire.answer_sync(checking.pgconn, [], until, True)
+            _wire.send(checking, _sql.PROBE, [str(pid).encode()])
+            answer = _wire.answer_sync(checking.pgconn, [], until, True)
         except psycopg.Error:
             return False
         finally:
-            _pg_wire.discard(checking)
+            _wire.discard(checking)
         return alive(answer)
 
     async def rows(self, sql: str, params: list[Any]) -> list[tuple[Any, ...]]:

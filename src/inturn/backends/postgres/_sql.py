@@ -22,13 +22,13 @@ from __future__ import annotations
 import math
 from typing import Final
 
-from ._pg_keys import lock_parts
+from ._keys import lock_parts
 
 #: The sequence that fencing tokens are drawn from (in the search_path's first schema).
 SEQUENCE: Final = "inturn_token"
 #: The tables that let lines() name what pg_locks shows (beside the sequence): the key of
 #: each lock id a process took (its portable name), and the client of each server
-#: session the backend readied (see _pg_lines).
+#: session the backend readied (see _lines).
 KEYS: Final = "inturn_keys"
 SESSIONS: Final = "inturn_sessions"
 
@@ -183,14 +183,14 @@ def undoing(lock: int) -> list[bytes | None]:
     return [str(lock).encode(), str(classid).encode(), str(objid).encode()]
 
 
-# -- what lines() reads, and what the backend records for it (see _pg_lines) ---------------
+# -- what lines() reads, and what the backend records for it (see _lines) ---------------
 
 #: Seconds between two records of one key by one process (the row's ``seen``): a row not
 #: seen for twice as long, whose lock nobody holds or waits for, is tidied away.
 RECORD_EVERY: Final = 3600
 
 #: A row of pg_locks (``l``) that is an advisory lock of this database taken with one
-#: int8, and that int8 (see _pg_keys.lock_parts).
+#: int8, and that int8 (see _keys.lock_parts).
 _ADVISORY: Final = (
     "l.locktype = 'advisory' AND l.objsubid = 1 AND l.pid IS NOT NULL"
     " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
@@ -215,7 +215,7 @@ _TIDY: Final = (
 def recording_session(host: str, pid: int) -> str:
     """The statement that records the client (host, process id) of the session it runs in.
 
-    host: letters, digits and ``._:-`` only (see _pg_lines.this_host).
+    host: letters, digits and ``._:-`` only (see _lines.this_host).
     """
     return (
         f"SELECT {_NO_FLUSH}; INSERT INTO {SESSIONS} (pid, started, host, client_pid)"

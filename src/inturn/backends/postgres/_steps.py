@@ -3,7 +3,7 @@
 Each operation of the backend (take a connection, ready it, wait for a
 lock, give back a lock a failed wait may hold, end a turn) is a generator
 that yields the I/O it needs as an *op* (a tuple whose first item is one of
-the verbs below) and is sent the op's answer; :mod:`._pg_drive` performs
+the verbs below) and is sent the op's answer; :mod:`._drive` performs
 the ops for a task (callbacks on the event loop) or for a thread (blocking,
 with deadlines). Nothing here does I/O, and nothing here knows which driver
 runs it. An interrupt of the caller (a task's cancellation, a signal
@@ -16,7 +16,7 @@ checked every ``unreachable_after`` seconds (see :class:`Limits`).
 The ops and their answers:
 
 - ``(ASK, connection, sql, params, prepared, until)``: send a statement now
-  (see :func:`._pg_wire.send`); its outcome (rows, or its psycopg error: the
+  (see :func:`._wire.send`); its outcome (rows, or its psycopg error: the
   ``OperationalError`` of one that could not be sent), or None if it did
   not come by ``until`` (None: no bound).
 - ``(ANSWER, until)``: as ASK, for the statement asked last, still running.
@@ -45,9 +45,9 @@ from typing import Any, Final, final
 import psycopg
 from psycopg import errors
 
-from .._errors import BackendUnavailable
-from . import _pg_sql
-from ._pg_wire import Outcome, Rows
+from ..._errors import BackendUnavailable
+from . import _sql
+from ._wire import Outcome, Rows
 
 ASK: Final = 0
 ANSWER: Final = 1
@@ -160,7 +160,7 @@ def waiting(
         check += limits.unreachable_after
         if bound < check:
             check = bound
-    sql, params = _pg_sql.waiting(lock, timeout, left, ready.role_timeout if last else "0")
+    sql, params = _sql.waiting(lock, timeout, left, ready.role_timeout if last else "0")
     answer: Outcome | None
     lease.unsure = (lock, held)  # (until the outcome is taken: by the caller, if rows)
     try:
@@ -218,9 +218,9 @@ def giving_back(
         if isinstance(answer, list):
             if not answer:
                 return  # timeout=0, and the key was busy
-            undo = (_pg_sql.UNLOCK, _pg_sql.unlocking([lock]), True)
+            undo = (_sql.UNLOCK, _sql.unlocking([lock]), True)
         else:  # it failed after the grant, or where: ask the server
-            undo = (_pg_sql.UNDO, _pg_sql.undoing(lock), False)
+            undo = (_sql.UNDO, _sql.undoing(lock), False)
         undone = yield (ASK, connection, *undo, until)
         if not isinstance(undone, list):
             yield (CLOSE, connection)
@@ -244,11 +244,11 @@ def ending(connection: Any, locks: list[int], until: float) -> Generator[Op, Any
     connection is never kept holding a lock); whether its keys were held
     until now is then unknown.
     """
-    params = _pg_sql.unlocking(locks)
+    params = _sql.unlocking(locks)
     try:
-        answer = yield (ASK, connection, _pg_sql.UNLOCK, params, True, until)
+        answer = yield (ASK, connection, _sql.UNLOCK, params, True, until)
         if isinstance(answer, errors.InvalidSqlStatementName):  # deallocated (a pool's reset)
-            answer = yield (ASK, connection, _pg_sql.UNLOCK_SQL, params, False, until)
+            answer = yield (ASK, connection, _sql.UNLOCK_SQL, params, False, until)
     except GeneratorExit:  # (abandoned: its event loop ended; no more ops)
         raise
     except BaseException:  # a thread interrupted meanwhile: the session ends with its locks
@@ -263,14 +263,14 @@ def ending_transaction(
     connection: Any, locks: list[int], commit: bool, pid: int, limits: Limits
 ) -> Generator[Op, Any, tuple[Ended, BaseException | None]]:
     """End a transaction turn: COMMIT (or ROLLBACK), then unlock locks and reset the
-    session (see :func:`._pg_sql.resetting`); returns what :func:`ending` does, and
+    session (see :func:`._sql.resetting`); returns what :func:`ending` does, and
     the error to raise after the work, if any."""
     try:
         failure, alive = yield from _finishing(connection, commit, pid, limits)
         if _ended(connection):  # (closed here, alive until then: its keys were held)
             return ([True] * len(locks) if alive else None, None), failure
         yield (AUTOCOMMIT, connection, True)
-        reset = _pg_sql.resetting(locks, connection.info.server_version)
+        reset = _sql.resetting(locks, connection.info.server_version)
         answer = yield (ASK, connection, reset, None, False, now() + limits.unreachable_after)
     except GeneratorExit:  # (abandoned: its event loop ended; no more ops)
         raise

@@ -19,9 +19,9 @@ import re
 from collections.abc import Hashable
 from typing import Any, Final, final
 
-from .._describe import describe as show
-from .._order import order_portable
-from ._base import Capabilities, Grant
+from ..._describe import describe as show
+from ..._order import order_portable
+from .._base import Capabilities, Grant
 
 try:
     import psycopg
@@ -34,13 +34,13 @@ try:  # (only for a pool of the caller's)
 except ImportError:  # pragma: no cover - depends on the install
     AsyncConnectionPool = None  # type: ignore[assignment, misc]
 
-from .._checks import check_seconds
-from . import _pg_lines
-from ._lines import LineInfo
-from ._pg_connections import Connections
-from ._pg_session import PgSession, PostgresGrant
-from ._pg_steps import Limits
-from ._urls import refused_conninfo
+from ..._checks import check_seconds
+from .._lines import LineInfo
+from .._urls import refused_conninfo
+from . import _lines
+from ._connections import Connections
+from ._session import PgSession, PostgresGrant
+from ._steps import Limits
 
 __all__ = ("PostgresBackend", "PostgresGrant")
 
@@ -359,7 +359,7 @@ class PostgresBackend:
             ``unreachable_after``, or refused; the tables are not there yet (no
             process made them: the message says what an owner runs).
         """
-        return await _pg_lines.snapshot(self._connections, self._namespace)
+        return await _lines.snapshot(self._connections, self._namespace)
 
     async def namespaces(self) -> list[str]:
         """The namespaces whose keys someone holds or waits for now on the server, sorted.
@@ -369,7 +369,7 @@ class PostgresBackend:
 
         :raises ~inturn.BackendUnavailable: as :meth:`lines`.
         """
-        return await _pg_lines.namespaces(self._connections)
+        return await _lines.namespaces(self._connections)
 
     async def aclose(self) -> None:
         """Close the connections the backend keeps: their sessions end, and their locks with them.
