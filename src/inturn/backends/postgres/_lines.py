@@ -32,7 +32,7 @@ import os
 import re
 import socket
 from collections.abc import Callable, Generator, Hashable
-from typing import TYPE_CHECKING, Any, Final, final
+from typing import Any, Final, Protocol, final
 
 import psycopg
 from psycopg import errors
@@ -43,9 +43,6 @@ from ..._order import portable_key, portable_name
 from .._lines import HolderInfo, LineInfo, WaiterInfo
 from . import _sql
 from ._steps import Op, now, said
-
-if TYPE_CHECKING:
-    from ._connections import Connections
 
 logger = logging.getLogger("inturn.postgres")
 
@@ -60,6 +57,15 @@ _RETRY: Final = 60.0
 _OWNER_RUNS: Final = (
     f"{_sql.TABLES} GRANT SELECT, INSERT, UPDATE, DELETE ON {_sql.KEYS}, {_sql.SESSIONS} TO ..."
 )
+
+
+class Asking(Protocol):
+    """What lines() uses of the backend's connections (a Connections): the rows of one
+    statement, asked on a connection of its own, and the backend's name in its logs."""
+
+    owner: str
+
+    async def rows(self, sql: str, params: list[Any]) -> list[tuple[Any, ...]]: ...
 
 
 def this_host() -> str:
@@ -171,7 +177,7 @@ class Names:
         )
 
 
-async def snapshot(connections: Connections, namespace: str) -> list[LineInfo]:
+async def snapshot(connections: Asking, namespace: str) -> list[LineInfo]:
     """Every line of namespace that someone holds or waits for, sorted by key (see
     PostgresBackend.lines)."""
     found: dict[int, tuple[bytes, list[tuple[Any, ...]]]] = {}
@@ -197,12 +203,12 @@ async def snapshot(connections: Connections, namespace: str) -> list[LineInfo]:
     return sorted(lines, key=lambda line: portable_name(line.key))
 
 
-async def namespaces(connections: Connections) -> list[str]:
+async def namespaces(connections: Asking) -> list[str]:
     """The namespaces whose keys someone holds or waits for now, sorted."""
     return [row[0] for row in await _asked(connections, _sql.NAMESPACES, [])]
 
 
-async def _asked(connections: Connections, sql: str, params: list[Any]) -> list[tuple[Any, ...]]:
+async def _asked(connections: Asking, sql: str, params: list[Any]) -> list[tuple[Any, ...]]:
     """The rows of sql, asked on a connection of its own; its failures said for people."""
     try:
         return await connections.rows(sql, params)
