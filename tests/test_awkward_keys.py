@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 
-from file_checks import line_file
 from inturn import HoldTimeout, KeyedQueue, LeaseLost, QueueClosed, QueueFull, _order
 from inturn._order import order_keys
 from inturn.backends.file import FileBackend
 
-from helpers import PATIENCE, settle, wait_until
+from support.file_checks import line_file
+from support.helpers import PATIENCE, settle, wait_until
 
 
 class Unshowable:

@@ -2,7 +2,7 @@
 
 Several queues on one directory in one process stand for several processes
 where a test needs exact control of the interleaving; real processes
-(tests/worker.py), really killed, where the guarantee is about processes.
+(tests/support/worker.py), really killed, where the guarantee is about processes.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ from typing import Any
 
 import pytest
 
-from file_checks import files, line_file, spec
 from inturn import KeyedQueue, current_turn
 from inturn.backends import Backend
 from inturn.backends import file as file_backend
 from inturn.backends.file import FileBackend
-from processes import Worker, first_to_hold, until
 
-from helpers import PATIENCE, checkpoints, settle
+from support.file_checks import files, line_file, spec
+from support.helpers import PATIENCE, checkpoints, settle
+from support.processes import Worker, first_to_hold, until
 
 
 @pytest.fixture

@@ -28,13 +28,13 @@ from typing import Any
 
 import pytest
 
-from file_checks import files, line_file
 from inturn import BackendUnavailable, KeyedQueue
 from inturn.backends.file import FileBackend
 from inturn.backends.file._linefile import parse
-from processes import until
 
-from helpers import PATIENCE
+from support.file_checks import files, line_file
+from support.helpers import PATIENCE
+from support.processes import until
 
 #: The child's limit of open files, and how many keys it tries to hold at once.
 LIMIT = 64

@@ -1,6 +1,6 @@
 """The file backend from threads: acquire_sync and release_sync, with no event loop.
 
-Threads, tasks and real processes (tests/worker.py) share one key's line:
+Threads, tasks and real processes (tests/support/worker.py) share one key's line:
 the same exclusion and arrival order for all of them, timeouts and
 interrupts that leave no trace, crash safety from the kernel.
 """
@@ -20,12 +20,12 @@ from typing import Any
 
 import pytest
 
-from file_checks import files, line_file, spec
 from inturn.backends import Grant
 from inturn.backends.file import FileBackend, FileGrant, _fds, _line
-from processes import Worker, until
 
-from helpers import PATIENCE, wait_until
+from support.file_checks import files, line_file, spec
+from support.helpers import PATIENCE, wait_until
+from support.processes import Worker, until
 
 
 @pytest.fixture

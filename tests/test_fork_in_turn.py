@@ -40,7 +40,7 @@ import pytest
 
 from inturn import KeyedQueue, current_turn
 
-from helpers import PATIENCE, holding, wait_until
+from support.helpers import PATIENCE, holding, wait_until
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX: fork")
 

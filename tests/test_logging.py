@@ -22,16 +22,16 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from file_checks import line_file, spec
 from inturn import KeyedQueue, LeaseLost
 from inturn import _bridge as bridge
 from inturn.backends.file import FileBackend, _deaths
 from inturn.backends.file._directory import Directory
 from inturn.backends.redis import RedisBackend
-from processes import Worker, until
-from servers import Server
 
-from helpers import PATIENCE, settle
+from support.file_checks import line_file, spec
+from support.helpers import PATIENCE, settle
+from support.processes import Worker, until
+from support.servers import Server
 
 #: Short leases, so that a fault's consequences come soon.
 LEASE = 0.5

@@ -23,7 +23,7 @@ from inturn.backends.postgres._connections import Connections
 from inturn.backends.postgres._places import Lease
 from inturn.backends.postgres._steps import Limits
 
-from helpers import PATIENCE
+from support.helpers import PATIENCE
 
 
 def connections(size: int = 1) -> Connections:

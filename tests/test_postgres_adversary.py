@@ -23,10 +23,11 @@ psycopg = pytest.importorskip("psycopg")
 
 from psycopg.conninfo import make_conninfo  # noqa: E402
 
-from faults import Proxy  # noqa: E402
 from inturn import BackendUnavailable, KeyedQueue, LeaseLost  # noqa: E402
 from inturn.backends.postgres import PostgresBackend, _session  # noqa: E402
 from inturn.backends.postgres._keys import lock_id, lock_parts  # noqa: E402
+
+from support.faults import Proxy  # noqa: E402
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(40)]
 

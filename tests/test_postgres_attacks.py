@@ -42,7 +42,7 @@ from psycopg.conninfo import make_conninfo  # noqa: E402
 from inturn import BackendUnavailable, KeyedQueue  # noqa: E402
 from inturn.backends.postgres import PostgresBackend, _drive  # noqa: E402
 
-from helpers import PATIENCE, checkpoints, main_thread_raises_on_sigint  # noqa: E402
+from support.helpers import PATIENCE, checkpoints, main_thread_raises_on_sigint  # noqa: E402
 
 pytestmark = pytest.mark.server
 

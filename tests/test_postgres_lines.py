@@ -28,12 +28,12 @@ from inturn import BackendUnavailable, KeyedQueue  # noqa: E402
 from inturn.__main__ import main  # noqa: E402
 from inturn.backends import LineInfo  # noqa: E402
 from inturn.backends.postgres import PostgresBackend, _sql  # noqa: E402
-from processes import Worker  # noqa: E402
-from servers import free_port  # noqa: E402
 
-from helpers import PATIENCE  # noqa: E402
+from support.helpers import PATIENCE  # noqa: E402
+from support.processes import Worker  # noqa: E402
+from support.servers import free_port  # noqa: E402
 
-WORKER = Path(__file__).with_name("pg_worker.py")
+WORKER = Path(__file__).parent / "support" / "pg_worker.py"
 
 
 @pytest.fixture
@@ -79,7 +79,7 @@ async def lines_until(
 
 
 async def start(url: str, namespace: str, command: str, key: str, workers: list[Worker]) -> Worker:
-    """A worker process on the backend (tests/pg_worker.py): ``hold`` or ``take`` key."""
+    """A worker process on the backend (tests/support/pg_worker.py): ``hold`` or ``take`` key."""
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         str(WORKER),

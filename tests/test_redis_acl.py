@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 from inturn import BackendUnavailable, KeyedQueue
 from inturn.backends.redis import RedisBackend, _scripts
 
-from helpers import PATIENCE
+from support.helpers import PATIENCE
 
 BACKENDS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "backends.md"
 #: A lease short enough that a held turn is renewed within a test.

@@ -2,7 +2,7 @@
 
 Several backends in one process (each with its own client, subscription and
 heartbeat, as a process has) stand for several processes where a test
-needs exact control of the interleaving; real processes (tests/worker.py),
+needs exact control of the interleaving; real processes (tests/support/worker.py),
 really killed or frozen, where the guarantee is about processes.
 """
 
@@ -25,11 +25,11 @@ from inturn.backends.redis import RedisBackend, _takeover, _wire
 from inturn.backends.redis._link import Call, Link
 from inturn.backends.redis._scripts import ENQUEUE, LEAVE
 from inturn.backends.redis._wire import Frames
-from processes import Worker, first_to_hold
-from redis_checks import BackendFactory, hand_over, keys_left, waiting
-from servers import Server
 
-from helpers import PATIENCE, checkpoints, settle
+from support.helpers import PATIENCE, checkpoints, settle
+from support.processes import Worker, first_to_hold
+from support.redis_checks import BackendFactory, hand_over, keys_left, waiting
+from support.servers import Server
 
 #: A short lease, so that crash recovery shows within a test.
 LEASE = 1.0

@@ -1,7 +1,7 @@
 """The Redis backend through faults: forks, partitions, frozen and restarted servers, refusals.
 
 Every test here brings a fault about on purpose, against a real server of
-its own (``own_redis``), through a real TCP proxy (tests/faults.py) or in
+its own (``own_redis``), through a real TCP proxy (tests/support/faults.py) or in
 real processes, and checks the backend's promises through it:
 
 - never two holders while both leases are valid;
@@ -38,14 +38,14 @@ import redis.asyncio as aioredis
 from redis.asyncio.sentinel import Sentinel
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from faults import Proxy
 from inturn import BackendUnavailable, KeyedQueue, LeaseLost, Turn
 from inturn.backends.redis import RedisBackend, _takeover, _wire
-from processes import Worker
-from redis_checks import BackendFactory, hand_over, waiting
-from servers import SentinelSetup, Server
 
-from helpers import PATIENCE, settle
+from support.faults import Proxy
+from support.helpers import PATIENCE, settle
+from support.processes import Worker
+from support.redis_checks import BackendFactory, hand_over, waiting
+from support.servers import SentinelSetup, Server
 
 #: A short lease: a lost one shows within a test.
 LEASE = 1.0

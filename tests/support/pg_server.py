@@ -31,9 +31,8 @@ from pathlib import Path
 
 import pytest
 
-from servers import free_port
-
-from helpers import unavailable
+from .helpers import unavailable
+from .servers import free_port
 
 #: Where Debian's postgresql packages put their programs, newest first.
 _DEBIAN = Path("/usr/lib/postgresql")

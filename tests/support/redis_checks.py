@@ -11,7 +11,7 @@ from redis.asyncio.cluster import RedisCluster
 from inturn import KeyedQueue
 from inturn.backends.redis import LineInfo, RedisBackend
 
-from helpers import PATIENCE
+from .helpers import PATIENCE
 
 #: Makes a RedisBackend for a test: ``make_backend(lease=..., url=..., **client_options)``.
 BackendFactory = Callable[..., RedisBackend]

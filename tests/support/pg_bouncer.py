@@ -21,10 +21,9 @@ from pathlib import Path
 
 import psycopg
 
-from pg_server import run_as
-from servers import free_port
-
-from helpers import PATIENCE, unavailable
+from .helpers import PATIENCE, unavailable
+from .pg_server import run_as
+from .servers import free_port
 
 __all__ = ("bouncer",)
 

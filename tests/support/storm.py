@@ -37,7 +37,7 @@ import pytest
 
 from inturn import KeyedQueue, QueueClosed, QueueFull, Superseded
 
-from helpers import PATIENCE
+from .helpers import PATIENCE
 
 #: A storm that makes no progress (no caller answered) for this long has hung.
 STALL = 10.0

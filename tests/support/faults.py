@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
-from servers import free_port
+from .servers import free_port
 
 T = TypeVar("T")
 

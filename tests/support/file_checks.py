@@ -10,7 +10,7 @@ from inturn._order import portable_name
 
 
 def spec(directory: Path) -> str:
-    """The worker's (tests/worker.py) name of a file backend on directory."""
+    """The worker's (tests/support/worker.py) name of a file backend on directory."""
     return f"file:{directory}"
 
 

@@ -1,4 +1,6 @@
-"""A worker process for the multi-process tests: ``python tests/worker.py BACKEND COMMAND ...``.
+"""A worker process for the multi-process tests.
+
+``python tests/support/worker.py BACKEND COMMAND ...``
 
 BACKEND is ``file:DIRECTORY``, ``redis:URL#NAMESPACE#LEASE`` or
 ``postgres:URL#NAMESPACE``. It reports on stdout, one line per event, and

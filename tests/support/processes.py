@@ -1,4 +1,4 @@
-"""Drive real worker processes (tests/worker.py) step by step from a test."""
+"""Drive real worker processes (tests/support/worker.py) step by step from a test."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from helpers import PATIENCE
+from .helpers import PATIENCE
 
 WORKER = Path(__file__).with_name("worker.py")
 

@@ -1,6 +1,7 @@
-"""A worker process on the PostgreSQL backend: ``python tests/pg_worker.py URL NAMESPACE CMD ...``.
+"""A worker process on the PostgreSQL backend.
 
-The backend is ``PostgresBackend.from_url(URL, namespace=NAMESPACE)``; the
+``python tests/support/pg_worker.py URL NAMESPACE CMD ...``: the backend is
+``PostgresBackend.from_url(URL, namespace=NAMESPACE)``; the
 test puts an ``application_name`` of the worker's own in URL, so that it can
 tell this worker's sessions apart in ``pg_stat_activity`` and ``pg_locks``.
 The worker reports on stdout, one line per event, and waits for a line on
