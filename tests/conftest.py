@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from inturn import KeyedQueue
-from processes import Worker
-from servers import (
+
+from support.helpers import Recorder, unavailable
+from support.processes import Worker
+from support.servers import (
     Cluster,
     SentinelSetup,
     Server,
@@ -23,10 +25,8 @@ from servers import (
     valkey_server_binary,
 )
 
-from helpers import Recorder, unavailable
-
-#: The PostgreSQL server's fixtures (postgres_url, own_postgres) live in pg_server.py.
-pytest_plugins = ["pg_server"]
+#: The PostgreSQL server's fixtures (postgres_url, own_postgres) live in support/pg_server.py.
+pytest_plugins = ["support.pg_server"]
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
@@ -34,7 +34,7 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
     A worker waits much of its time (on its servers, leases, subprocesses),
     so two workers a CPU keep it busy. No test must run alone: each worker
-    starts servers of its own (ports from a slice of its own: servers.py),
+    starts servers of its own (ports from a slice of its own: support/servers.py),
     keeps its files in its own temporary directories, and freezes, kills or
     interrupts only processes it started, or itself.
     """

@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 
-from file_checks import line_file
 from inturn import HoldTimeout, KeyedQueue, LeaseLost, QueueClosed, QueueFull, _order
 from inturn._order import order_keys
 from inturn.backends.file import FileBackend
 
-from helpers import PATIENCE, settle, wait_until
+from support.file_checks import line_file
+from support.helpers import PATIENCE, settle, wait_until
 
 
 class Unshowable:
@@ -212,8 +212,8 @@ async def test_a_file_backend_names_a_huge_int_key_in_its_messages(directory: Pa
 
 
 def test_redis_messages_name_a_huge_int_key() -> None:
-    from inturn.backends._redis_calls import Config
-    from inturn.backends._redis_steps import _unanswered
+    from inturn.backends.redis._calls import Config
+    from inturn.backends.redis._steps import _unanswered
 
     config = Config(make=lambda: None, client=None, namespace="n", lease=10.0, channels="", host="")
     assert_shown(str(_unanswered(HUGE, 0.5, config, connecting=True)), "0x")

@@ -25,7 +25,7 @@ from inturn import KeyedQueue, QueueClosed, QueueFull
 from inturn.backends import Backend
 from inturn.backends.file import FileBackend
 
-from helpers import (
+from support.helpers import (
     PATIENCE,
     QueueFactory,
     Recorder,
@@ -57,7 +57,8 @@ async def backend(
     elif kind == "postgres":
         pytest.importorskip("psycopg")
         from inturn.backends.postgres import PostgresBackend
-        from pg_checks import advisory_locks_left
+
+        from support.pg_checks import advisory_locks_left
 
         url = request.getfixturevalue("postgres_url")  # a server only for this backend
         backend = PostgresBackend.from_url(url, namespace=f"t-{uuid.uuid4().hex[:12]}")
@@ -69,7 +70,8 @@ async def backend(
         assert left == []
     else:
         from inturn.backends.redis import RedisBackend
-        from redis_checks import cluster_keys_left, keys_left
+
+        from support.redis_checks import cluster_keys_left, keys_left
 
         if kind not in redis_urls:
             unavailable(f"a {kind} server")

@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 
-import decorated
 import inturn
 from inturn import KeyedQueue
 
-from helpers import PATIENCE, Recorder, checkpoints, settle
+from support import decorated
+from support.helpers import PATIENCE, Recorder, checkpoints, settle
 
 # -- key forms -------------------------------------------------------------------------
 
@@ -369,7 +369,7 @@ def test_a_decorated_function_pickles_by_reference(function: Any) -> None:
 
 
 def test_a_process_pool_runs_a_decorated_def_in_its_turn_in_the_child() -> None:
-    context = multiprocessing.get_context("spawn")  # the child imports decorated.py by name
+    context = multiprocessing.get_context("spawn")  # the child imports support.decorated by name
     with ProcessPoolExecutor(max_workers=2, mp_context=context) as pool:
         first = pool.submit(decorated.settle, 1).result(PATIENCE)
         rest = list(pool.map(decorated.settle, [2, 3], timeout=PATIENCE))

@@ -37,9 +37,9 @@ from typing import Any
 import pytest
 
 import inturn
-from servers import free_port
 
-from helpers import PATIENCE
+from support.helpers import PATIENCE
+from support.servers import free_port
 
 DEPLOY = Path(__file__).with_name("deploy")
 FLASK = "flask_app:app"

@@ -2,7 +2,7 @@
 
 Several queues on one directory in one process stand for several processes
 where a test needs exact control of the interleaving; real processes
-(tests/worker.py), really killed, where the guarantee is about processes.
+(tests/support/worker.py), really killed, where the guarantee is about processes.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ from typing import Any
 
 import pytest
 
-from file_checks import files, line_file, spec
 from inturn import KeyedQueue, current_turn
 from inturn.backends import Backend
 from inturn.backends import file as file_backend
 from inturn.backends.file import FileBackend
-from processes import Worker, first_to_hold, until
 
-from helpers import PATIENCE, checkpoints, settle
+from support.file_checks import files, line_file, spec
+from support.helpers import PATIENCE, checkpoints, settle
+from support.processes import Worker, first_to_hold, until
 
 
 @pytest.fixture
@@ -96,7 +96,7 @@ async def test_the_last_to_leave_deletes_the_line_file_though_a_tidier_held_its_
 async def test_a_waiter_that_gives_up_as_the_key_is_handed_to_it_deletes_the_line_file(
     backend: FileBackend,
 ) -> None:
-    """Issue 42 (found by reading _file_tidy): the holder releases while the waiter behind it
+    """Issue 42 (found by reading file/_tidy): the holder releases while the waiter behind it
     is giving up, and the holder's tidy sees it still in line, so leaves the line file to
     it; the waiter, tidying as it gives up, finds the lock taken (by that tidy, or
     another's) and nobody behind it. It tried no more: the file stayed for the key's next

@@ -28,13 +28,13 @@ from typing import Any
 
 import pytest
 
-from file_checks import files, line_file
 from inturn import BackendUnavailable, KeyedQueue
-from inturn.backends._linefile import parse
 from inturn.backends.file import FileBackend
-from processes import until
+from inturn.backends.file._linefile import parse
 
-from helpers import PATIENCE
+from support.file_checks import files, line_file
+from support.helpers import PATIENCE
+from support.processes import until
 
 #: The child's limit of open files, and how many keys it tries to hold at once.
 LIMIT = 64
@@ -165,7 +165,7 @@ def retried() -> bool:
 
     That happens only when the two tidies met (a matter of timing), and
     such a tidy is best effort: one with no descriptor left to open the
-    line file leaves it to the key's next turn (see _file_tidy.retry).
+    line file leaves it to the key's next turn (see the file backend's _tidy.retry).
     """
     frame = sys._getframe(1)
     while frame is not None:

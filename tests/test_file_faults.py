@@ -1,6 +1,6 @@
 """The file backend attacked: crashes and freezes at every step, shared and removed directories.
 
-Real processes (tests/worker.py), really killed (SIGKILL) or frozen
+Real processes (tests/support/worker.py), really killed (SIGKILL) or frozen
 (SIGSTOP). Where a fault must strike at one exact step, the worker's
 Tripwire makes the process signal itself at that call of the backend: a
 deterministic point, never a timing.
@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from file_checks import files, line_file, spec
 from inturn import BackendUnavailable, KeyedQueue, LeaseLost
 from inturn.backends.file import FileBackend
-from processes import Worker, stopped, until
 
-from helpers import PATIENCE, unavailable
+from support.file_checks import files, line_file, spec
+from support.helpers import PATIENCE, unavailable
+from support.processes import Worker, stopped, until
 
 
 @pytest.fixture

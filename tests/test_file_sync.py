@@ -1,6 +1,6 @@
 """The file backend from threads: acquire_sync and release_sync, with no event loop.
 
-Threads, tasks and real processes (tests/worker.py) share one key's line:
+Threads, tasks and real processes (tests/support/worker.py) share one key's line:
 the same exclusion and arrival order for all of them, timeouts and
 interrupts that leave no trace, crash safety from the kernel.
 """
@@ -20,12 +20,12 @@ from typing import Any
 
 import pytest
 
-from file_checks import files, line_file, spec
-from inturn.backends import Grant, _file_fds, _file_line
-from inturn.backends.file import FileBackend, FileGrant
-from processes import Worker, until
+from inturn.backends import Grant
+from inturn.backends.file import FileBackend, FileGrant, _fds, _line
 
-from helpers import PATIENCE, wait_until
+from support.file_checks import files, line_file, spec
+from support.helpers import PATIENCE, wait_until
+from support.processes import Worker, until
 
 
 @pytest.fixture
@@ -234,7 +234,7 @@ def test_many_threads_on_a_few_keys_count_exactly_and_leak_no_file(backend: File
             expected[keys[(offset + turn) % len(keys)]] += 1
     assert counts == expected
     assert open_fds() == before
-    assert not _file_fds._OPEN  # (what a forked child would close)
+    assert not _fds._OPEN  # (what a forked child would close)
     # A release_sync leaves a tidy that found the lock busy to the key's next turn.
     for key in keys:
         backend.release_sync(backend.acquire_sync(key, 0))
@@ -342,13 +342,13 @@ def test_an_exception_from_a_signal_handler_leaves_the_line(
     wait_until(lambda: holder.grant is not None, "the holder holds")
     waiting = threading.Event()  # the main thread is inside the wait: signal it
     name = "until_left_blocking" if wait == "ticket" else "lock_blocking"
-    real = getattr(_file_line, name)
+    real = getattr(_line, name)
 
     def entered(*args: Any) -> Any:
         waiting.set()
         return real(*args)
 
-    monkeypatch.setattr(_file_line, name, entered)
+    monkeypatch.setattr(_line, name, entered)
     frozen = os.open(line_file(backend.directory, "k"), os.O_RDONLY)
     try:
         if wait == "lock":

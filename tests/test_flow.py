@@ -28,9 +28,9 @@ import pytest
 import inturn
 from inturn import HoldTimeout, InturnError, KeyedQueue, QueueClosed
 from inturn.backends.file import FileBackend
-from virtual_time import Deadlock, VirtualTimeLoop
 
-from helpers import PATIENCE, Recorder, checkpoints, settle, wait_until
+from support.helpers import PATIENCE, Recorder, checkpoints, settle, wait_until
+from support.virtual_time import Deadlock, VirtualTimeLoop
 
 if sys.version_info < (3, 11):
     from exceptiongroup import ExceptionGroup

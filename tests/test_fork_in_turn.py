@@ -40,7 +40,7 @@ import pytest
 
 from inturn import KeyedQueue, current_turn
 
-from helpers import PATIENCE, holding, wait_until
+from support.helpers import PATIENCE, holding, wait_until
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX: fork")
 
@@ -221,7 +221,7 @@ def lock_holders(place: str, namespace: str) -> list[int]:
     """(PostgreSQL.) The server pids of the sessions granted the advisory lock of "k"."""
     import psycopg
 
-    from inturn.backends._pg_keys import lock_id, lock_parts
+    from inturn.backends.postgres._keys import lock_id, lock_parts
 
     with psycopg.connect(place, autocommit=True) as admin:
         rows = admin.execute(
@@ -417,7 +417,7 @@ def waiters_of(where: Place, queue: KeyedQueue, key: str) -> int:
         return sum(len(line.waiters) for line in lines if line.key == key)
     import psycopg
 
-    from inturn.backends._pg_keys import lock_id, lock_parts
+    from inturn.backends.postgres._keys import lock_id, lock_parts
 
     with psycopg.connect(where.place, autocommit=True) as admin:
         row = admin.execute(

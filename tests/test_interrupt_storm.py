@@ -38,9 +38,9 @@ from typing import Any
 import pytest
 
 from inturn import KeyedQueue
-from storm import FULL, Alarm, Interrupts, Stalled, Thrown, seeds
 
-from helpers import PATIENCE
+from support.helpers import PATIENCE
+from support.storm import FULL, Alarm, Interrupts, Stalled, Thrown, seeds
 
 pytestmark = [
     pytest.mark.storm,

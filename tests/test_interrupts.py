@@ -39,7 +39,7 @@ import pytest
 from inturn import KeyedQueue
 from inturn.backends.file import FileBackend
 
-from helpers import PATIENCE
+from support.helpers import PATIENCE
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX: the file backend")
 
@@ -157,7 +157,7 @@ _RESUMES_OUTSIDE = sys.version_info < (3, 11)
 _TIMED_OUT = getattr(sys.modules.get("pytest_timeout"), "__file__", None)
 
 _NOT_COUNTED = frozenset(
-    {__file__, os.path.join(os.path.dirname(__file__), "helpers.py"), _TIMED_OUT}
+    {__file__, os.path.join(os.path.dirname(__file__), "support", "helpers.py"), _TIMED_OUT}
     | {module.__file__ for module in (sys.modules["weakref"], sys.modules["_weakrefset"])}
 )
 

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from inturn import InturnError, KeyedQueue, QueueFull, Superseded
-from virtual_time import run_virtual
 
-from helpers import PATIENCE, checkpoints, settle, wait_until
+from support.helpers import PATIENCE, checkpoints, settle, wait_until
+from support.virtual_time import run_virtual
 
 
 class Busy:

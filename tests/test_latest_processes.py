@@ -12,12 +12,12 @@ import asyncio
 import os
 from pathlib import Path
 
-from file_checks import spec
 from inturn import KeyedQueue
 from inturn.backends.file import FileBackend
-from processes import Worker
 
-from helpers import settle
+from support.file_checks import spec
+from support.helpers import settle
+from support.processes import Worker
 
 BURST = 20
 

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from inturn import KeyedQueue, Superseded
-from virtual_time import run_virtual
 
-from helpers import checkpoints, settle
+from support.helpers import checkpoints, settle
+from support.virtual_time import run_virtual
 
 
 class Works:

@@ -22,17 +22,16 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from file_checks import line_file, spec
 from inturn import BackendUnavailable, KeyedQueue, LeaseLost
 from inturn import _bridge as bridge
-from inturn.backends import _file_deaths
-from inturn.backends._directory import Directory
-from inturn.backends.file import FileBackend
+from inturn.backends.file import FileBackend, _deaths
+from inturn.backends.file._directory import Directory
 from inturn.backends.redis import RedisBackend
-from processes import Worker, until
-from servers import Server
 
-from helpers import PATIENCE, settle
+from support.file_checks import line_file, spec
+from support.helpers import PATIENCE, settle
+from support.processes import Worker, until
+from support.servers import Server
 
 #: Short leases, so that a fault's consequences come soon.
 LEASE = 0.5
@@ -386,14 +385,14 @@ def test_a_ticket_closed_without_a_word_by_a_live_process_is_no_death(
     dead = subprocess_pid_that_exited()
     where = Directory(os.open(tmp_path, os.O_RDONLY), tmp_path)
     tickets = [f"{os.getpid()}.aaaa", f"{dead}.bbbb"]
-    _file_deaths.died("k", where, tickets, held=True)  # the dead one held
+    _deaths.died("k", where, tickets, held=True)  # the dead one held
     assert ours(logs) == [
         f"inturn.file WARNING inturn: process {dead} died holding key 'k' (or as it was "
         f"handed the key), without releasing it; process {os.getpid()} takes the key over "
         f"(directory {tmp_path})"
     ]
     logs.clear()
-    _file_deaths.died("k", where, list(reversed(tickets)), held=True)  # the live one held
+    _deaths.died("k", where, list(reversed(tickets)), held=True)  # the live one held
     assert ours(logs) == [
         f"inturn.file INFO inturn: process {dead} died waiting for key 'k'; its place in "
         f"line is skipped (directory {tmp_path})"
@@ -418,9 +417,9 @@ def test_a_death_is_logged_though_its_parent_reaps_it_meanwhile(
             child.wait()
             return open(*args, **kwargs)
 
-        monkeypatch.setattr(_file_deaths, "open", reaping_open, raising=False)
+        monkeypatch.setattr(_deaths, "open", reaping_open, raising=False)
         where = Directory(os.open(tmp_path, os.O_RDONLY), tmp_path)
-        _file_deaths.died("k", where, [f"{child.pid}.bbbb"], held=False)
+        _deaths.died("k", where, [f"{child.pid}.bbbb"], held=False)
     finally:
         child.wait()
     assert ours(logs) == [

@@ -20,15 +20,15 @@ from pathlib import Path
 import pytest
 
 import inturn
-from file_checks import spec
 from inturn import KeyedQueue
 from inturn.__main__ import format_lines, main, show_key
 from inturn.backends import HolderInfo, LineInfo, WaiterInfo
 from inturn.backends.file import FileBackend
-from processes import Worker, until
-from servers import free_port
 
-from helpers import PATIENCE, holding
+from support.file_checks import spec
+from support.helpers import PATIENCE, holding
+from support.processes import Worker, until
+from support.servers import free_port
 
 
 def test_demo_loses_updates_without_inturn_and_none_with_it() -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from inturn import KeyedQueue, LeaseLost, Observer, QueueFull, default_queue
 
-from helpers import LosingBackend, settle
+from support.helpers import LosingBackend, settle
 
 
 class Recorder:

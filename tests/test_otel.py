@@ -17,7 +17,7 @@ import inturn
 from inturn import HoldTimeout, KeyedQueue, LeaseLost, QueueFull
 from inturn.otel import instrument, uninstrument
 
-from helpers import LosingBackend
+from support.helpers import LosingBackend
 
 QUEUE = "inturn.queue.name"
 FUNCTION = "code.function.name"

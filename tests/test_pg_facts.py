@@ -1,7 +1,7 @@
 """What PostgreSQL's advisory locks do: the ground truth for the PostgreSQL backend (issue 20).
 
 Each test asserts one behaviour of the server, observed on a real one
-(``postgres_url``: tests/pg_server.py). Ordering is driven by checkpoints on
+(``postgres_url``: tests/support/pg_server.py). Ordering is driven by checkpoints on
 the server's own state (``pg_locks`` shows a waiter queued), never by sleeps.
 A waiter is a thread with a psycopg connection of its own (a session).
 """

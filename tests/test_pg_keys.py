@@ -1,4 +1,4 @@
-"""Keys to advisory lock ids (src/inturn/backends/_pg_keys.py): a sketch for issue 20."""
+"""Keys to advisory lock ids (src/inturn/backends/postgres/_keys.py): a sketch for issue 20."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from inturn.backends._pg_keys import lock_id, lock_parts
+from inturn.backends.postgres._keys import lock_id, lock_parts
 
 #: lock_id("shop", "order-1") as the sketch computes it.
 PINNED = -2450914393569313720
@@ -30,7 +30,7 @@ def test_ids_are_pinned() -> None:
 def test_ids_are_the_same_in_another_process_with_another_hash_seed() -> None:
     program = (
         "import sys\n"
-        "from inturn.backends._pg_keys import lock_id\n"
+        "from inturn.backends.postgres._keys import lock_id\n"
         "print(lock_id('shop', 'order-1'), lock_id('shop', b'order-1'), lock_id('shop', 7))\n"
     )
     out = subprocess.run(

@@ -1,4 +1,4 @@
-"""The connection slots of a PostgresBackend's threads (src/inturn/backends/_pg_places.py).
+"""The connection slots of a PostgresBackend's threads (src/inturn/backends/postgres/_places.py).
 
 No server: a slot is taken before any connection is made. Orderings come
 from checkpoints on the slots' own line of waiting threads; the only real
@@ -19,11 +19,11 @@ import pytest
 
 pytest.importorskip("psycopg")
 
-from inturn.backends._pg_connections import Connections
-from inturn.backends._pg_places import Lease
-from inturn.backends._pg_steps import Limits
+from inturn.backends.postgres._connections import Connections
+from inturn.backends.postgres._places import Lease
+from inturn.backends.postgres._steps import Limits
 
-from helpers import PATIENCE
+from support.helpers import PATIENCE
 
 
 def connections(size: int = 1) -> Connections:

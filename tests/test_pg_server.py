@@ -1,4 +1,4 @@
-"""The session's PostgreSQL server answers (the fixture of tests/pg_server.py)."""
+"""The session's PostgreSQL server answers (the fixture of tests/support/pg_server.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def test_the_server_answers(postgres_url: str) -> None:
 
 
 def test_a_server_of_its_own_takes_settings_and_restarts() -> None:
-    from pg_server import new_server
+    from support.pg_server import new_server
 
     server = new_server({"idle_session_timeout": "2s", "tcp_keepalives_idle": "1"})
     try:

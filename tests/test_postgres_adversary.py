@@ -23,11 +23,11 @@ psycopg = pytest.importorskip("psycopg")
 
 from psycopg.conninfo import make_conninfo  # noqa: E402
 
-from faults import Proxy  # noqa: E402
 from inturn import BackendUnavailable, KeyedQueue, LeaseLost  # noqa: E402
-from inturn.backends import _pg_session  # noqa: E402
-from inturn.backends._pg_keys import lock_id, lock_parts  # noqa: E402
-from inturn.backends.postgres import PostgresBackend  # noqa: E402
+from inturn.backends.postgres import PostgresBackend, _session  # noqa: E402
+from inturn.backends.postgres._keys import lock_id, lock_parts  # noqa: E402
+
+from support.faults import Proxy  # noqa: E402
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(40)]
 
@@ -179,7 +179,7 @@ def test_a_threads_interrupt_just_after_the_grant_came_leaves_no_lock_on_a_kept_
     queue = KeyedQueue(backend=backend)
     with queue.keyed("warm-up"):
         pass
-    real = _pg_session.PgSession._token
+    real = _session.PgSession._token
     armed = [True]
 
     def token(self: Any, *args: Any) -> int:
@@ -188,7 +188,7 @@ def test_a_threads_interrupt_just_after_the_grant_came_leaves_no_lock_on_a_kept_
             raise KeyboardInterrupt
         return real(self, *args)
 
-    monkeypatch.setattr(_pg_session.PgSession, "_token", token)
+    monkeypatch.setattr(_session.PgSession, "_token", token)
     try:
         with pytest.raises(KeyboardInterrupt), queue.keyed("k"):
             raise AssertionError("the work ran")

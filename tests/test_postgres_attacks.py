@@ -40,10 +40,9 @@ psycopg = pytest.importorskip("psycopg")
 from psycopg.conninfo import make_conninfo  # noqa: E402
 
 from inturn import BackendUnavailable, KeyedQueue  # noqa: E402
-from inturn.backends import _pg_drive  # noqa: E402
-from inturn.backends.postgres import PostgresBackend  # noqa: E402
+from inturn.backends.postgres import PostgresBackend, _drive  # noqa: E402
 
-from helpers import PATIENCE, checkpoints, main_thread_raises_on_sigint  # noqa: E402
+from support.helpers import PATIENCE, checkpoints, main_thread_raises_on_sigint  # noqa: E402
 
 pytestmark = pytest.mark.server
 
@@ -428,7 +427,7 @@ def test_an_interrupt_between_two_statements_of_a_thread_gives_back_at_once(
     interrupt is thrown into the steps as any other, and they give back at once."""
     backend = database.backend(max_sessions=1)
     queue = KeyedQueue(backend=backend)
-    drives = str(Path(_pg_drive.__file__))
+    drives = str(Path(_drive.__file__))
     seen = [0]
 
     def interrupt(frame: Any, event: str, arg: Any) -> Any:

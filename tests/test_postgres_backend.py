@@ -1,4 +1,4 @@
-"""What only the PostgreSQL backend does, against a real server (tests/pg_server.py).
+"""What only the PostgreSQL backend does, against a real server (tests/support/pg_server.py).
 
 The guarantees every backend keeps are in test_backend_conformance.py. Here:
 the constructor's checks, no trace in ``pg_locks`` after a timeout or a
@@ -23,11 +23,11 @@ import pytest
 psycopg = pytest.importorskip("psycopg")
 
 from inturn import BackendUnavailable, KeyedQueue, LeaseLost  # noqa: E402
-from inturn.backends._pg_keys import lock_id, lock_parts  # noqa: E402
 from inturn.backends.postgres import PostgresBackend  # noqa: E402
-from pg_checks import advisory_locks_left  # noqa: E402
+from inturn.backends.postgres._keys import lock_id, lock_parts  # noqa: E402
 
-from helpers import PATIENCE  # noqa: E402
+from support.helpers import PATIENCE  # noqa: E402
+from support.pg_checks import advisory_locks_left  # noqa: E402
 
 
 @pytest.fixture

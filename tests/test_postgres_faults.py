@@ -1,6 +1,6 @@
 """The PostgreSQL backend through faults and deployments, in real processes against a real server.
 
-Every test here drives real worker processes (tests/pg_worker.py) or real
+Every test here drives real worker processes (tests/support/pg_worker.py) or real
 threads, forks and event loops through the public API, and brings faults
 about on purpose: SIGKILL of a holder or a waiter, SIGSTOP of a holder,
 ``pg_terminate_backend``, a restart of the server, a pool too small for
@@ -34,15 +34,15 @@ psycopg = pytest.importorskip("psycopg")
 
 from inturn import BackendUnavailable, KeyedQueue, LeaseLost  # noqa: E402
 from inturn.backends.postgres import PostgresBackend  # noqa: E402
-from pg_server import PostgresServer, new_server  # noqa: E402
-from pg_worker import increment_sync  # noqa: E402
-from processes import Worker, stopped  # noqa: E402
 
-from helpers import PATIENCE  # noqa: E402
+from support.helpers import PATIENCE  # noqa: E402
+from support.pg_server import PostgresServer, new_server  # noqa: E402
+from support.pg_worker import increment_sync  # noqa: E402
+from support.processes import Worker, stopped  # noqa: E402
 
 pytestmark = pytest.mark.server
 
-WORKER = Path(__file__).with_name("pg_worker.py")
+WORKER = Path(__file__).parent / "support" / "pg_worker.py"
 
 #: How long a fault may take to show beyond what causes it (a session's end
 #: seen by the server, a waiter woken): far below PATIENCE, so that "promptly"

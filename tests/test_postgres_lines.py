@@ -26,14 +26,14 @@ psycopg = pytest.importorskip("psycopg")
 
 from inturn import BackendUnavailable, KeyedQueue  # noqa: E402
 from inturn.__main__ import main  # noqa: E402
-from inturn.backends import LineInfo, _pg_sql  # noqa: E402
-from inturn.backends.postgres import PostgresBackend  # noqa: E402
-from processes import Worker  # noqa: E402
-from servers import free_port  # noqa: E402
+from inturn.backends import LineInfo  # noqa: E402
+from inturn.backends.postgres import PostgresBackend, _sql  # noqa: E402
 
-from helpers import PATIENCE  # noqa: E402
+from support.helpers import PATIENCE  # noqa: E402
+from support.processes import Worker  # noqa: E402
+from support.servers import free_port  # noqa: E402
 
-WORKER = Path(__file__).with_name("pg_worker.py")
+WORKER = Path(__file__).parent / "support" / "pg_worker.py"
 
 
 @pytest.fixture
@@ -79,7 +79,7 @@ async def lines_until(
 
 
 async def start(url: str, namespace: str, command: str, key: str, workers: list[Worker]) -> Worker:
-    """A worker process on the backend (tests/pg_worker.py): ``hold`` or ``take`` key."""
+    """A worker process on the backend (tests/support/pg_worker.py): ``hold`` or ``take`` key."""
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         str(WORKER),
@@ -290,7 +290,7 @@ async def test_rows_nobody_needs_are_tidied_by_the_next_process_that_records_a_k
         # both recorded more than 2 * RECORD_EVERY ago; "held" is locked now
         await admin.execute(
             "UPDATE inturn_keys SET seen = now() - make_interval(secs => %s) WHERE namespace = %s",
-            [2 * _pg_sql.RECORD_EVERY + 60, namespace],
+            [2 * _sql.RECORD_EVERY + 60, namespace],
         )
         # a session that ended without a word (no server process has its pid)
         await admin.execute(

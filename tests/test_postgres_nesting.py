@@ -41,7 +41,7 @@ from psycopg.conninfo import make_conninfo  # noqa: E402
 from inturn import BackendUnavailable, KeyedQueue  # noqa: E402
 from inturn.backends.postgres import PostgresBackend  # noqa: E402
 
-from helpers import PATIENCE  # noqa: E402
+from support.helpers import PATIENCE  # noqa: E402
 
 pytestmark = pytest.mark.server
 

@@ -43,11 +43,11 @@ psycopg = pytest.importorskip("psycopg")
 
 from psycopg.conninfo import conninfo_to_dict, make_conninfo  # noqa: E402
 
-from faults import Proxy  # noqa: E402
 from inturn import BackendUnavailable, KeyedQueue, LeaseLost  # noqa: E402
 from inturn.backends.postgres import PostgresBackend  # noqa: E402
 
-from helpers import PATIENCE  # noqa: E402
+from support.faults import Proxy  # noqa: E402
+from support.helpers import PATIENCE  # noqa: E402
 
 pytestmark = pytest.mark.server
 

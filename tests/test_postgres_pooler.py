@@ -1,4 +1,5 @@
-"""PostgresBackend behind a real PgBouncer (tests/pg_bouncer.py), in session and transaction mode.
+"""PostgresBackend behind a real PgBouncer (tests/support/pg_bouncer.py), in session and
+transaction mode.
 
 Session locks need one server session per client: PgBouncer's session mode
 keeps that, its transaction mode does not (it runs each transaction on any
@@ -20,9 +21,9 @@ psycopg = pytest.importorskip("psycopg")
 
 from inturn import KeyedQueue, LeaseLost  # noqa: E402
 from inturn.backends.postgres import PostgresBackend  # noqa: E402
-from pg_bouncer import bouncer  # noqa: E402
 
-from helpers import PATIENCE  # noqa: E402
+from support.helpers import PATIENCE  # noqa: E402
+from support.pg_bouncer import bouncer  # noqa: E402
 
 
 @pytest.fixture

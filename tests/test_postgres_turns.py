@@ -1,6 +1,6 @@
 """Turns of a KeyedQueue on PostgreSQL: one connection per turn, and transaction=True.
 
-Against a real server (tests/pg_server.py). What every backend does is in
+Against a real server (tests/support/pg_server.py). What every backend does is in
 test_backend_conformance.py; the faults across processes are in
 test_postgres_faults.py.
 """
@@ -19,9 +19,9 @@ psycopg = pytest.importorskip("psycopg")
 
 from inturn import BackendUnavailable, KeyedQueue, LeaseLost  # noqa: E402
 from inturn.backends.postgres import PostgresBackend  # noqa: E402
-from pg_checks import advisory_locks_left  # noqa: E402
 
-from helpers import PATIENCE  # noqa: E402
+from support.helpers import PATIENCE  # noqa: E402
+from support.pg_checks import advisory_locks_left  # noqa: E402
 
 
 def _backend(url: str, **settings: Any) -> PostgresBackend:

@@ -33,7 +33,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from inturn import HoldTimeout, KeyedQueue
-from virtual_time import Deadlock, run_virtual
+
+from support.virtual_time import Deadlock, run_virtual
 
 KEYS = ("a", "b", "c")
 

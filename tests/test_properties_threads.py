@@ -44,7 +44,7 @@ from hypothesis import strategies as st
 
 from inturn import KeyedQueue
 
-from helpers import PATIENCE, wait_until
+from support.helpers import PATIENCE, wait_until
 
 KEYS = ("a", "b", "c")
 MAX_ACTIONS = 12

@@ -16,7 +16,7 @@ import pytest
 import inturn
 from inturn import KeyedQueue
 
-from helpers import settle
+from support.helpers import settle
 
 
 class Key:

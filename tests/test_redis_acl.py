@@ -23,10 +23,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from inturn import BackendUnavailable, KeyedQueue
-from inturn.backends import _redis_scripts
-from inturn.backends.redis import RedisBackend
+from inturn.backends.redis import RedisBackend, _scripts
 
-from helpers import PATIENCE
+from support.helpers import PATIENCE
 
 BACKENDS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "backends.md"
 #: A lease short enough that a held turn is renewed within a test.
@@ -57,14 +56,14 @@ GRANTS = sorted(granted(documented_acl_line()))
 
 
 def test_the_documented_acl_line_grants_what_the_backend_calls_and_nothing_more() -> None:
-    called = {name.lower() for name in _redis_scripts.CALLED}
+    called = {name.lower() for name in _scripts.CALLED}
     assert granted(documented_acl_line()) == called | OWN_CALLS
 
 
 def test_the_greeting_tries_every_command_the_scripts_call() -> None:
     # (so that a user lacking one is told at the first call: see the per-grant tests)
-    tried = set(re.findall(r"try\('([A-Z]+)'", _redis_scripts.HELLO.body.decode()))
-    assert tried == _redis_scripts.CALLED - {"INFO"}
+    tried = set(re.findall(r"try\('([A-Z]+)'", _scripts.HELLO.body.decode()))
+    assert tried == _scripts.CALLED - {"INFO"}
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ import pytest
 from inturn import BackendUnavailable, KeyedQueue
 from inturn.backends.redis import RedisBackend
 
-from helpers import PATIENCE
+from support.helpers import PATIENCE
 
 
 class _Quiet(http.server.BaseHTTPRequestHandler):

@@ -2,7 +2,7 @@
 
 Several backends in one process (each with its own client, subscription and
 heartbeat, as a process has) stand for several processes where a test
-needs exact control of the interleaving; real processes (tests/worker.py),
+needs exact control of the interleaving; real processes (tests/support/worker.py),
 really killed or frozen, where the guarantee is about processes.
 """
 
@@ -20,16 +20,16 @@ import redis.asyncio as aioredis
 
 from inturn import BackendUnavailable, KeyedQueue, LeaseLost, current_turn
 from inturn.__main__ import format_lines, main
-from inturn.backends import Backend, _redis_takeover, _redis_wire
-from inturn.backends._redis_link import Call, Link
-from inturn.backends._redis_scripts import ENQUEUE, LEAVE
-from inturn.backends._redis_wire import Frames
-from inturn.backends.redis import RedisBackend
-from processes import Worker, first_to_hold
-from redis_checks import BackendFactory, hand_over, keys_left, waiting
-from servers import Server
+from inturn.backends import Backend
+from inturn.backends.redis import RedisBackend, _takeover, _wire
+from inturn.backends.redis._link import Call, Link
+from inturn.backends.redis._scripts import ENQUEUE, LEAVE
+from inturn.backends.redis._wire import Frames
 
-from helpers import PATIENCE, checkpoints, settle
+from support.helpers import PATIENCE, checkpoints, settle
+from support.processes import Worker, first_to_hold
+from support.redis_checks import BackendFactory, hand_over, keys_left, waiting
+from support.servers import Server
 
 #: A short lease, so that crash recovery shows within a test.
 LEASE = 1.0
@@ -197,8 +197,8 @@ async def test_unknown_redis_py_internals_fall_back_to_its_public_api(
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_redis_takeover, "ENABLED", True)
-    monkeypatch.setattr(_redis_wire, "_warned", False)
+    monkeypatch.setattr(_takeover, "ENABLED", True)
+    monkeypatch.setattr(_wire, "_warned", False)
     a = make_backend(connection_class=RenamedInternals)
     b = make_backend(connection_class=RenamedInternals)
     assert await hand_over(a, b) == "next"

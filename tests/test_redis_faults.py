@@ -1,7 +1,7 @@
 """The Redis backend through faults: forks, partitions, frozen and restarted servers, refusals.
 
 Every test here brings a fault about on purpose, against a real server of
-its own (``own_redis``), through a real TCP proxy (tests/faults.py) or in
+its own (``own_redis``), through a real TCP proxy (tests/support/faults.py) or in
 real processes, and checks the backend's promises through it:
 
 - never two holders while both leases are valid;
@@ -38,15 +38,14 @@ import redis.asyncio as aioredis
 from redis.asyncio.sentinel import Sentinel
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from faults import Proxy
 from inturn import BackendUnavailable, KeyedQueue, LeaseLost, Turn
-from inturn.backends import _redis_takeover, _redis_wire
-from inturn.backends.redis import RedisBackend
-from processes import Worker
-from redis_checks import BackendFactory, hand_over, waiting
-from servers import SentinelSetup, Server
+from inturn.backends.redis import RedisBackend, _takeover, _wire
 
-from helpers import PATIENCE, settle
+from support.faults import Proxy
+from support.helpers import PATIENCE, settle
+from support.processes import Worker
+from support.redis_checks import BackendFactory, hand_over, waiting
+from support.servers import SentinelSetup, Server
 
 #: A short lease: a lost one shows within a test.
 LEASE = 1.0
@@ -555,12 +554,10 @@ async def public_carrier(
     own_redis: Server, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[tuple[Any, Gone]]:
     """A carrier through redis-py's public API (no takeover), and the listener it tells."""
-    monkeypatch.setattr(_redis_takeover, "ENABLED", False)
+    monkeypatch.setattr(_takeover, "ENABLED", False)
     client = aioredis.Redis.from_url(own_redis.url)
     listener = Gone()
-    carrier = await _redis_wire.connect(
-        client.connection_pool.make_connection, listener, LEASE, False
-    )
+    carrier = await _wire.connect(client.connection_pool.make_connection, listener, LEASE, False)
     try:
         yield carrier, listener
     finally:
@@ -578,7 +575,7 @@ async def test_a_write_that_breaks_the_pipe_leaves_no_error_for_the_collector_to
     # order, and "Future exception was never retrieved" came once in CI. Here the waiter
     # is finalized first on purpose.
     carrier, listener = public_carrier
-    transport = _redis_takeover.writer_transport(carrier._connection)
+    transport = _takeover.writer_transport(carrier._connection)
     assert transport is not None
     closed = transport.get_protocol()._closed  # type: ignore[attr-defined]
     transport.get_extra_info("socket").shutdown(socket.SHUT_WR)  # the next write: EPIPE
@@ -626,7 +623,7 @@ async def test_a_connect_cancelled_into_an_error_leaves_no_task_unretrieved(
         async def disconnect(self, nowait: bool = False) -> None:
             pass
 
-    opening = asyncio.create_task(_redis_wire.connect(Connecting, Gone(), LEASE, False))
+    opening = asyncio.create_task(_wire.connect(Connecting, Gone(), LEASE, False))
     await within(LEASE, started.wait())
     opening.cancel()
     with pytest.raises((asyncio.CancelledError, RedisConnectionError)):
@@ -766,7 +763,7 @@ async def test_the_public_api_path_works_with_decode_responses(
     make_backend: BackendFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Through redis-py's public API, a client with decode_responses=True works too.
-    monkeypatch.setattr(_redis_takeover, "ENABLED", False)
+    monkeypatch.setattr(_takeover, "ENABLED", False)
     a = make_backend(decode_responses=True)
     b = make_backend(decode_responses=True)
     assert await within(LEASE, KeyedQueue(backend=a).run("k", lambda: "ran")) == "ran"
@@ -785,7 +782,7 @@ async def test_the_public_api_writer_ends_with_its_connection(
 ) -> None:
     # Through redis-py's public API, under connection kills: no task outlives its
     # connection (redis-py may swallow the writer's cancellation on Python 3.10/3.11).
-    monkeypatch.setattr(_redis_takeover, "ENABLED", False)
+    monkeypatch.setattr(_takeover, "ENABLED", False)
     queue = KeyedQueue(backend=make_backend(lease=2.0))
     stop = asyncio.Event()
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from servers import free_port
+from support.servers import free_port
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "redis_stream_consumer.py"
 GROUP = "appliers"

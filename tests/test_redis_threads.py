@@ -23,14 +23,14 @@ import redis.asyncio as aioredis
 from bench.delay_proxy import delayed
 from redis.asyncio.sentinel import Sentinel
 
-from faults import Proxy
 from inturn import BackendUnavailable, KeyedQueue, LeaseLost, current_turn
 from inturn._bridge import backend_loop
 from inturn.backends.redis import RedisBackend
-from redis_checks import keys_left, waiting
-from servers import SentinelSetup, Server
 
-from helpers import PATIENCE
+from support.faults import Proxy
+from support.helpers import PATIENCE
+from support.redis_checks import keys_left, waiting
+from support.servers import SentinelSetup, Server
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ at once (nor more than ``max_running``), no answer from a run that started befor
 its call, the newest still-wanted work runs last, ``stats()`` adds up to the calls,
 and every key is free again, a new turn on each taken at once.
 
-Task storms run on a virtual clock (tests/virtual_time.py): a seed replays exactly.
+Task storms run on a virtual clock (tests/support/virtual_time.py): a seed replays exactly.
 Storms with threads run on the real clock, with times of a few milliseconds.
 
 Every storm is marked ``storm``. By default a few seeds run; ``INTURN_STORM_SEEDS=200``
@@ -39,7 +39,9 @@ from typing import Any
 import pytest
 
 from inturn import Superseded
-from storm import (
+
+from support.helpers import PATIENCE
+from support.storm import (
     LATE,
     STALL,
     Call,
@@ -50,9 +52,7 @@ from storm import (
     WorkError,
     seeds,
 )
-from virtual_time import run_virtual
-
-from helpers import PATIENCE
+from support.virtual_time import run_virtual
 
 pytestmark = pytest.mark.storm
 

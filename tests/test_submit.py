@@ -25,7 +25,7 @@ import pytest
 from inturn import Handle, KeyedQueue, QueueFull
 from inturn.backends.file import FileBackend
 
-from helpers import PATIENCE, Recorder, checkpoints, settle, wait_until
+from support.helpers import PATIENCE, Recorder, checkpoints, settle, wait_until
 
 if sys.version_info < (3, 11):
     from exceptiongroup import ExceptionGroup

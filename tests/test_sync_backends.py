@@ -28,9 +28,9 @@ import pytest
 
 from inturn import BackendUnavailable, KeyedQueue, LeaseLost, QueueFull, current_turn
 from inturn.backends import Capabilities
-from servers import free_port
 
-from helpers import PATIENCE, holding, main_thread_raises_on_sigint, wait_until
+from support.helpers import PATIENCE, holding, main_thread_raises_on_sigint, wait_until
+from support.servers import free_port
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -324,7 +324,7 @@ def test_a_storm_of_interrupts_leaves_nothing_held_or_waiting(
         "postgres": f"postgres:{place}#{namespace}",
     }[kind]
     rival = make()
-    worker = Path(__file__).with_name("worker.py")
+    worker = Path(__file__).parent / "support" / "worker.py"
     count, seconds = turns
     spread = SPREAD[kind]
     said = tmp_path / "storm.err"  # (a file: a pipe left unread would block the storm)

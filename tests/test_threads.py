@@ -24,7 +24,7 @@ import pytest
 import inturn
 from inturn import KeyedQueue, QueueClosed, QueueFull
 
-from helpers import PATIENCE, main_thread_raises_on_sigint, settle, wait_until
+from support.helpers import PATIENCE, main_thread_raises_on_sigint, settle, wait_until
 
 T = TypeVar("T")
 

@@ -18,7 +18,7 @@ import pytest
 
 from inturn import KeyedQueue, QueueClosed, QueueFull
 
-from helpers import PATIENCE, checkpoints, settle
+from support.helpers import PATIENCE, checkpoints, settle
 
 # -- 10: close() lets a several-key turn already waiting go on ---------------------------------
 

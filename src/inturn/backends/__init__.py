@@ -16,9 +16,9 @@ a turn's keys on one connection, the in-process :class:`LocalBackend`, and the
 snapshots of shared lines that ``lines()`` of the Redis, the file and the
 PostgreSQL backends returns (:class:`LineInfo`, :class:`HolderInfo`,
 :class:`WaiterInfo`). Each backend
-that shares lines lives in a public module of its own
-(``inturn.backends.file``, ``.redis``, ``.postgres``), imported only by
-those who use it.
+that shares lines lives in a package of its own (``inturn.backends.file``,
+``.redis``, ``.postgres``: its public face in the package's ``__init__``, its
+parts in private modules beside it), imported only by those who use it.
 """
 
 from __future__ import annotations
