@@ -41,7 +41,11 @@ from inturn.backends.file import FileBackend
 
 from support.helpers import PATIENCE
 
-pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX: the file backend")
+pytestmark = [
+    pytest.mark.skipif(sys.platform == "win32", reason="POSIX: the file backend"),
+    # (a sweep is many tries: it may take a while on a loaded machine)
+    pytest.mark.timeout(120),
+]
 
 #: How long a later turn may wait for the key before the test says it was left held.
 FREE_WITHIN = 2.0

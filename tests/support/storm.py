@@ -610,6 +610,39 @@ class Interrupts:
                 for thread in self.armed:
                     _set_async_exc(thread, ctypes.py_object())
                 self.armed.clear()
+            _land_one()
+
+
+class _Landed(Exception):
+    """The harmless exception _land_one throws."""
+
+
+def _land_one() -> None:
+    """Throw one exception into a thread of its own, and let it land there.
+
+    Before Python 3.12, clearing a thrown exception that has not landed
+    (``PyThreadState_SetAsyncExc`` with NULL, as ``hold()`` does) leaves the
+    interpreter's "an exception is pending" flag set until one lands; and while
+    it is set, an exception a trace function raises at a call sends the main
+    thread into an endless loop (the interrupt sweeps that ran after a storm in
+    the same process hung so). One that lands clears it.
+    """
+    started, landed = threading.Event(), threading.Event()
+
+    def spin() -> None:
+        started.set()
+        try:
+            while not landed.is_set():
+                time.sleep(0)
+        except _Landed:
+            landed.set()
+
+    thread = threading.Thread(target=spin, name="lands one", daemon=True)
+    thread.start()
+    started.wait(PATIENCE)
+    assert thread.ident is not None
+    _set_async_exc(thread.ident, _Landed)
+    thread.join(PATIENCE)
 
 
 class Alarm:
