@@ -50,6 +50,7 @@ from support.storm import (
     Storm,
     Thrown,
     WorkError,
+    inside,
     seeds,
 )
 from support.virtual_time import run_virtual
@@ -188,10 +189,16 @@ class Tasks:
 KeyedQueueLike = Any  # (a KeyedQueue: its decorators are typed per function)
 
 
-async def answered(storm: Storm, done: Callable[[], bool], what: str, stall: float = STALL) -> None:
+async def answered(
+    storm: Storm,
+    done: Callable[[], bool],
+    what: str,
+    stall: float = STALL,
+    queue: KeyedQueueLike | None = None,
+) -> None:
     """Wait until done(), failing the storm if no caller is answered for ``stall`` seconds
     (on the loop's clock: a virtual clock's seconds cost nothing) or it takes ten times
-    PATIENCE in all."""
+    PATIENCE in all; the failure shows what queue holds then (see inside)."""
     loop = asyncio.get_running_loop()
     began = loop.time()
     progress, since = -1, began
@@ -202,7 +209,11 @@ async def answered(storm: Storm, done: Callable[[], bool], what: str, stall: flo
         if now - since > stall or now - began > PATIENCE * 10:
             waiting = [call for call in storm.calls if not call.answers]
             storm.fail(
-                [f"hung: {what}; {len(waiting)} callers never answered", *map(repr, waiting)],
+                [
+                    f"hung: {what}; {len(waiting)} callers never answered",
+                    *map(repr, waiting),
+                    *(inside(queue) if queue is not None else ()),
+                ],
                 "hang",
             )
         await asyncio.sleep(0.005)
@@ -349,7 +360,7 @@ class Threads:
         return not any(thread.is_alive() for thread in self.threads)
 
 
-def wait_for_threads(storm: Storm, threads: Threads) -> None:
+def wait_for_threads(storm: Storm, threads: Threads, queue: KeyedQueueLike) -> None:
     """Block until every thread ended; fail the storm if no caller is answered for STALL s."""
     began = since = time.monotonic()
     progress = -1
@@ -360,7 +371,12 @@ def wait_for_threads(storm: Storm, threads: Threads) -> None:
         if now - since > STALL or now - began > PATIENCE:
             waiting = [call for call in storm.calls if not call.answers]
             storm.fail(
-                [f"hung: {len(waiting)} callers never answered", *map(repr, waiting)], "hang"
+                [
+                    f"hung: {len(waiting)} callers never answered",
+                    *map(repr, waiting),
+                    *inside(queue),
+                ],
+                "hang",
             )
         time.sleep(0.005)
 
@@ -388,7 +404,7 @@ def test_a_storm_of_threads(seed: int) -> None:
     threads = Threads(storm, queue, interrupts)
     with interrupts.running():
         threads.start(rng, keys)
-        wait_for_threads(storm, threads)
+        wait_for_threads(storm, threads, queue)
     problems = [f"a caller thread died: {error!r}" for error in threads.crashed]
     storm.fail([*problems, *storm.problems(), *thread_problems(storm, queue, keys)], "threads")
 
@@ -411,6 +427,7 @@ def test_a_storm_of_tasks_and_threads(seed: int) -> None:
             storm,
             lambda: threads.done() and all(t.done() for t in tasks.tasks),
             "tasks and threads",
+            queue=queue,
         )
         problems = [f"a caller thread died: {error!r}" for error in threads.crashed]
         problems += storm.problems()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import gc
 import itertools
 import os
 import random
@@ -27,6 +28,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
@@ -695,6 +697,37 @@ class Alarm:
             signal.signal(signal.SIGALRM, previous)
             if timer[0] > 0:
                 signal.setitimer(signal.ITIMER_REAL, *timer)
+
+
+def inside(queue: Any) -> list[str]:
+    """What a hung storm's queue holds, for its report: every conflating call's ticket still
+    waiting, following or holding (found by the collector), with its Latest; each key's
+    line; and where each thread in inturn's code is."""
+    from inturn._latest import Ticket
+
+    found = []
+    for thing in gc.get_objects():
+        if type(thing) is Ticket and thing.state.name not in ("ANSWERED", "LEFT", "STARTED"):
+            latest = thing.latest
+            found.append(
+                f"{thing!r} ({type(thing.waiter).__name__}) in {latest!r}"
+                + (
+                    f": tickets {latest.tickets}, runner {latest.runner}, followers "
+                    f"{latest.followers}, started {latest.started}"
+                    if latest is not None
+                    else ""
+                )
+            )
+    for key, line in list(queue._registry.lines.items()):
+        waiters = list(getattr(line, "waiters", ()))
+        found.append(f"line {key!r}: held by {getattr(line, 'holder', line)!r}, {waiters}")
+    for ident, frame in sys._current_frames().items():
+        stack = traceback.format_stack(frame)
+        if any("inturn" in step for step in stack):
+            found.append(
+                f"thread {ident}: " + " < ".join(s.split(",")[2].strip() for s in stack[-6:])
+            )
+    return found
 
 
 __all__ = [
