@@ -111,24 +111,30 @@ def test_a_thread_interrupted_while_it_waits_for_a_slot_leaves_the_line() -> Non
     holder = Lease(0)
     assert place.try_slot(holder)
 
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt("interrupted while waiting for a slot")
+    main, left, raised = threading.get_ident(), threading.Event(), []
 
-    main = threading.get_ident()
-    kicker = threading.Thread(
-        target=lambda: (
-            until(parked(place, 1), "the main thread waits"),
-            signal.pthread_kill(main, signal.SIGUSR1),
-        )
-    )
+    def interrupt(signum: int, frame: object) -> None:
+        if not raised:  # (once: see kick)
+            raised.append(frame)
+            raise KeyboardInterrupt("interrupted while waiting for a slot")
+
+    def kick() -> None:
+        """Signal the main thread once it waits, again until it left: a signal that comes
+        just before its lock's wait begins is handled only once that wait ends."""
+        until(parked(place, 1), "the main thread waits")
+        while not left.wait(0.05):
+            signal.pthread_kill(main, signal.SIGUSR1)
+
+    kicker = threading.Thread(target=kick)
     previous = signal.signal(signal.SIGUSR1, interrupt)
     try:
         kicker.start()
         with pytest.raises(KeyboardInterrupt):
             place.slot_sync(Lease(0), None)
     finally:
-        signal.signal(signal.SIGUSR1, previous)
+        left.set()
         kicker.join(PATIENCE)
+        signal.signal(signal.SIGUSR1, previous)
     assert parked(place, 0)()
     holder.give_back()
     assert place.try_slot(Lease(0))
