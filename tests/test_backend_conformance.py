@@ -536,7 +536,8 @@ async def test_a_timeout_in_the_backends_line_names_it_and_the_callers_limit(
     # (no backend), both turns are one queue's, and it waits in that queue's line.
     queue = make_queue(timeout=0.3)
     holder_queue = queue if backend is None else make_queue()
-    await queue.run("warm-up", lambda: None)  # (connected: the wait is the line's)
+    async with queue.keyed("warm-up", timeout=None):  # (connected, however long that
+        pass  # takes on a loaded machine: the wait below is the line's)
     gate = asyncio.Event()
     holding = asyncio.Event()
 
