@@ -300,8 +300,12 @@ SPREAD = {"file": "1", "redis": "1", "postgres": "10"}
 @pytest.mark.parametrize(
     "turns",
     [
-        pytest.param(STORM, id="short"),
-        pytest.param(LONG_STORM, id="long", marks=pytest.mark.server),
+        pytest.param(STORM, id="short", marks=pytest.mark.timeout(STORM[1] + 60)),
+        pytest.param(
+            LONG_STORM,
+            id="long",
+            marks=[pytest.mark.server, pytest.mark.timeout(LONG_STORM[1] + 60)],
+        ),
     ],
 )
 def test_a_storm_of_interrupts_leaves_nothing_held_or_waiting(
@@ -357,7 +361,10 @@ def test_a_storm_of_interrupts_leaves_nothing_held_or_waiting(
         assert report[:1] == ["stormed"], f"the storm ended: {said.read_text()[-2000:]}"
         taken, interrupted = int(report[1]), int(report[2])
         print(f"storm: {report}, rival: {rivals[0]} turns")  # (shown with -s)
-        assert taken + interrupted == count, f"the storm took {taken}+{interrupted} turns"
+        # (up to count turns within the seconds: how many a loaded machine makes is not
+        # under test, but both kinds of turn must have come)
+        assert taken > 0, f"the storm took {taken}+{interrupted} turns"
+        assert interrupted > 0, f"the storm took {taken}+{interrupted} turns"
         assert failures == [], f"a rival's turn failed after {rivals[0]} turns: {failures}"
         assert asyncio.run(rival.backend.lines()) == []  # type: ignore[union-attr]
         with rival.keyed("k", timeout=0):  # (a try-lock: the key is free)
