@@ -502,6 +502,7 @@ class Book:
         runner = latest.runner
         if runner is None:
             self._close(latest)
+            self._settle(latest)
             tickets = latest.tickets
             while tickets:
                 runner = tickets[-1]
@@ -560,7 +561,10 @@ class Book:
         work (see start): its callers follow that turn. Under the guard."""
         latests = self.waiting.get(ticket.key)
         latest = latests[-1] if latests else None
-        if latest is None or latest.line is None or not latest.keeps or not latest.tickets:
+        if latest is None or latest.line is None or not latest.keeps:
+            return None
+        self._settle(latest)
+        if not latest.tickets:
             return None
         newest = latest.tickets[-1]
         if newest.work is None or newest.home is not ticket.home or newest.seq < ticket.seq:
@@ -629,6 +633,15 @@ class Book:
                     self.registry.abandon(latest.key, line, latest, guarded=True)  # key)
             return True
 
+    def _settle(self, latest: Latest) -> None:
+        """Complete each replacement an exception cut short in latest (see _replaced): a
+        ticket answered or joined, but not gone from its waiting tickets, leaves them (its
+        caller woken again). Under the guard, before the tickets are read as waiting: an
+        interrupted caller's clean-up comes after the guard was let go, and another thread
+        may hand the Latest on or take its work meanwhile."""
+        for ticket in [t for t in latest.tickets if t.state is ANSWERED or t.state is JOINED]:
+            self._replaced(latest, ticket)
+
     def _tidy(self, key: Hashable) -> None:
         """What a caller that left leaves of key's Latests is tidied: one nobody waits in
         leaves (its line passes on), and a replaced ticket an exception kept from leaving
@@ -639,10 +652,8 @@ class Book:
         ticket was in it; or as it replaced the newest work there.
         """
         for latest in list(self.waiting.get(key, ())):
-            tickets = latest.tickets
-            while tickets and (tickets[-1].state is ANSWERED or tickets[-1].state is JOINED):
-                self._replaced(latest, tickets[-1])
-            if tickets:
+            self._settle(latest)
+            if latest.tickets:
                 continue
             self._close(latest)
             line = latest.line
