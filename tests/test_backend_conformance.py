@@ -536,8 +536,9 @@ async def test_a_timeout_in_the_backends_line_names_it_and_the_callers_limit(
     # (no backend), both turns are one queue's, and it waits in that queue's line.
     queue = make_queue(timeout=0.3)
     holder_queue = queue if backend is None else make_queue()
-    async with queue.keyed("warm-up", timeout=None):  # (connected, however long that
-        pass  # takes on a loaded machine: the wait below is the line's)
+    # (connected, by a run as the one below, however long that takes on a loaded machine:
+    # the wait below is the line's)
+    await make_queue().run("warm-up", lambda: None)
     gate = asyncio.Event()
     holding = asyncio.Event()
 
