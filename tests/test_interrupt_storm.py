@@ -40,7 +40,7 @@ import pytest
 from inturn import KeyedQueue
 
 from support.helpers import PATIENCE
-from support.storm import FULL, Alarm, Interrupts, Stalled, Thrown, seeds
+from support.storm import FULL, Alarm, Interrupts, Stalled, Thrown, inside, seeds
 
 pytestmark = [
     pytest.mark.storm,
@@ -216,6 +216,7 @@ def interrupt_storm(seed: int, threads: int, turns: int, where: str, into_thread
     problems += tally.overlaps[:5]
     if queue.active_count:
         problems.append(f"{queue.active_count} keys still active: {queue!r}")
+        problems += inside(queue)
     for key in KEYS:
         if queue.pending(key):
             problems.append(f"key {key!r}: {queue.pending(key)} pending")

@@ -342,7 +342,11 @@ class Book:
 
     def _open(self, key: Hashable, policy: Policy, clock: Callable[[], float]) -> Latest:
         latest = Latest(self, key, policy, clock)
-        self.waiting.setdefault(key, []).append(latest)
+        latests = self.waiting.get(key)
+        if latests is None:  # NOTE: no setdefault: an interrupt after it left an empty list
+            self.waiting[key] = [latest]
+        else:
+            latests.append(latest)
         return latest
 
     def _close(self, latest: Latest) -> None:

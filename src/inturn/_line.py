@@ -221,6 +221,13 @@ class Places(Waiting):
 
     The base of a key's Gate and of a queue's running slots (``_slots.Slots``).
     A holder that leaves hands its place to exactly the next live waiter.
+
+    Interrupt-safe: each change of the places (one taken, handed, settled or
+    left) is one step of bytecode with no call and no jump in it, where CPython
+    never runs a signal handler: an exception from one (or one thrown into the
+    thread), which lands only at a call's start or end or at a jump, finds the
+    places whole, as they were before the step or after it. (Holders and
+    waiters hash by identity, in C: no Python code runs in a set's step.)
     """
 
     __slots__ = ("free", "handed", "holders", "marks", "producers", "size", "unplaced")
@@ -268,30 +275,52 @@ class Places(Waiting):
 
     def seat(self, waiter: Waiter, holder: object, shared: bool) -> None:
         """Record holder in the place its waiter was handed; hand on a place that waited for it."""
-        self.swap(waiter, holder)
+        holders = self.holders
+        holders ^= {waiter, holder}  # NOTE: with the next line, one step (see the class)
         self.handed -= 1
-        if self.free and not self.handed and self._hand(shared):
-            self.free -= 1
+        if self.marks is not None:
+            self._swap_marks(waiter, holder)
+        if self.free and not self.handed:
+            self._hand(shared)
 
     def swap(self, old: object, new: object) -> None:
         """Let new hold the place old holds (submitted work's task, for the work)."""
-        self.holders.discard(old)
-        self.holders.add(new)
+        holders = self.holders
+        holders ^= {old, new}  # NOTE: one step (see the class)
         if self.marks is not None:
-            for _, remaining in self.marks:
-                if old in remaining:
-                    remaining.discard(old)
-                    remaining.add(new)
+            self._swap_marks(old, new)
+
+    def _swap_marks(self, old: object, new: object) -> None:
+        for _, remaining in self.marks or ():
+            if old in remaining:
+                remaining ^= {old, new}
 
     def leave(self, holder: object, shared: bool) -> None:
-        """End holder's place: hand it to the next live waiter, or free it."""
-        self.holders.remove(holder)
+        """End holder's place: hand it to the next live waiter, or free it. Idempotent."""
+        holders = self.holders
+        if holder not in holders:
+            return
+        holders -= {holder}  # NOTE: with the next line, one step (see the class)
+        self.free += 1
+        self._freed(holder, shared)
+
+    def _freed(self, holder: object, shared: bool) -> None:
+        """holder's place is free: a drain mark stops waiting for it, and the place goes to
+        the next live waiter, or wakes a producer. Idempotent."""
         if self.marks is not None:
             self._passed(holder)
-        if not self.waiters or not self._hand(shared):
-            self.free += 1
-            if self.producers:
-                self.wake_producer()
+        if self.waiters and self.free:
+            self._hand(shared)
+        if self.free and self.producers:
+            self.wake_producer()
+
+    def settle_up(self, holder: object, shared: bool) -> None:
+        """Complete holder's leave that an exception cut short (a thread's exit): its place
+        is left, handed on, and the waiter it went to woken. Idempotent."""
+        self.leave(holder, shared)
+        self._freed(holder, shared)
+        for other in tuple(self.holders):
+            rewake(other, shared)
 
     def wake_producer(self) -> None:
         """Wake the first producer waiting in submit() for a slot, if any."""
@@ -303,28 +332,38 @@ class Places(Waiting):
                 return
 
     def _hand(self, shared: bool) -> bool:
-        """Hand a place to the next live waiter; False if there is none."""
+        """Hand a free place to the next live waiter; False if there is none."""
         waiters = self.waiters
         while waiters:
-            waiter = waiters.popleft()
+            waiter = waiters[0]
             if type(waiter) is Drain:
                 self.mark(waiter)
-            elif not waiter.done():
+                del waiters[0]
+            elif waiter.done():
+                del waiters[0]
+            else:
+                # NOTE: one step, no call: the waiter leaves the line holding the place
+                del waiters[0]
                 self.waiting -= 1
-                self.holders.add(waiter)  # the waiter's before it is woken, as in Line
+                holders = self.holders
+                holders |= {waiter}  # the waiter's before it is woken, as in Line
                 self.handed += 1
-                if not hand(waiter, shared):  # its loop is closed: its task is gone
-                    self.holders.discard(waiter)
-                    self.handed -= 1
-                    continue
-                return True
+                self.free -= 1
+                if hand(waiter, shared):
+                    return True
+                holders -= {waiter}  # its loop is closed: its task is gone (one step again)
+                self.handed -= 1
+                self.free += 1
         return False
 
     def drop(self, waiter: Waiter, shared: bool) -> None:
         """Take a waiter that was interrupted out of the line, passing on a place it was handed."""
-        if waiter in self.holders:  # handed, never settled
+        holders = self.holders
+        if waiter in holders:  # handed, never settled
+            holders -= {waiter}  # NOTE: with the next two lines, one step (see the class)
             self.handed -= 1
-            self.leave(waiter, shared)
+            self.free += 1
+            self._freed(waiter, shared)
         else:
             waiter.cancel()  # so that the hand-off skips it
             self.waiting -= 1

@@ -416,9 +416,14 @@ class Registry:
         give back each it still holds, and wake the waiter a hand-off made holder but did
         not wake. Idempotent."""
         with self.mode.guard():
+            lines = self.lines
             for key in reversed(keys):
-                line = self.lines.get(key)
-                if line is not None and held_by(line, holder):
+                line = lines.get(key)
+                if type(line) is Gate:  # (its place left, handed on, the gate gone if idle)
+                    line.settle_up(holder, self.mode.shared)
+                    if line.idle:
+                        del lines[key]
+                elif line is not None and held_by(line, holder):
                     self._give_back(key, holder, None, None)
                 self._rewake(key)
 

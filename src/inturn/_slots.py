@@ -118,6 +118,12 @@ class Slots(Places):
         detail = f" (all max_running={self.size} busy, {waiting})"
         return missed(cast("tuple[Hashable, ...]", key), Waited.SLOT, limit, detail)
 
+    def vacated(self, holder: object) -> None:
+        """Complete holder's vacate that an exception cut short (a thread's exit): the slot
+        is left, and a waiter it was handed to is woken. Idempotent."""
+        with self.registry.mode.guard():
+            self.settle_up(holder, self.registry.mode.shared)
+
     def vacate(self, holder: object) -> None:
         """End holder's running slot, handing it to the next in the slot line."""
         mode = self.registry.mode

@@ -383,10 +383,12 @@ class Turn:
     ) -> None:
         """Leave the turn for this thread, its work ended with error or result: a thread's one
         way out. Interrupt-safe: what an interrupt left of the release is completed."""
-        self._net = _DISARMED  # NOTE: first (see ThreadTurn)
         holder = self._holder
         path = self._path
         keys = self.keys if path is None else self._taken if path is _STEPS else ()
+        # NOTE: disarmed right before the try, nothing between: where an interrupt may land
+        # before it (3.10 checks at every jump taken, as of this `if`), the net ends the turn.
+        self._net = _DISARMED
         try:
             if path is None and self._ticket is None:  # (_leave's first case, one call less)
                 self._holder = None
@@ -413,6 +415,9 @@ class Turn:
         ticket = self._ticket
         if ticket is not None:
             ticket.book.ending(ticket, error)
+        if self._path is _STEPS and self._slot:  # (the flag goes once the slot surely did)
+            self._registry.slots.vacated(holder)  # type: ignore[union-attr]
+            self._slot = False
         self._registry.settle_up(keys, holder)
         if ticket is not None:
             ticket.book.ended(ticket, error, result)
@@ -647,8 +652,8 @@ class Turn:
             taken += (waited,)
         try:
             if self._slot:
-                self._slot = False
                 registry.slots.vacate(holder)  # type: ignore[union-attr]
+                self._slot = False  # NOTE: after (vacate is idempotent)
             shared = self._shared
             if shared is not None:
                 yield from shared.give_back(registry.backend, error)  # type: ignore[arg-type]
@@ -676,8 +681,8 @@ class Turn:
         if ticket is not None:
             ticket.book.ending(ticket, error)
         if self._slot:  # first: the next work here may start meanwhile
-            self._slot = False
             registry.slots.vacate(holder)  # type: ignore[union-attr]
+            self._slot = False  # NOTE: after (vacate is idempotent: see _settle_up)
         shared = self._shared
         failure: Exception | None = None
         try:
@@ -779,21 +784,25 @@ def call_in_turn_sync(
 
     :raises TypeError: fn returned a coroutine (closed, never run: a thread cannot await it).
     """
-    turn._enter_sync(lined, since, fn)
     ticket = turn._ticket
-    if ticket is not None and ticket.answer is not None:  # (its work is not to run)
-        return _answered(ticket.answer)
-    try:  # NOTE: from the start of its work on, an interrupt ends the turn
-        if ticket is not None:
-            fn, args, kwargs = _work(ticket, fn, args, kwargs)
-        result = fn(*args, **kwargs)
-        if type(result) is CoroutineType:
-            _refuse_coroutine(fn, result)
+    try:  # NOTE: the entry in it: an interrupt as the entry returns ends the turn (3.10)
+        turn._enter_sync(lined, since, fn)
+        answer = None if ticket is None else ticket.answer
+        if answer is None:
+            if ticket is not None:
+                fn, args, kwargs = _work(ticket, fn, args, kwargs)
+            result = fn(*args, **kwargs)
+            if type(result) is CoroutineType:
+                _refuse_coroutine(fn, result)
     except BaseException as error:
+        if turn._holder is None:  # (its entry failed, and gave back what it took)
+            raise
         turn._exit_sync(None, error)
         if ticket is None:
             raise
         return ticket.outcome(error, None)
+    if answer is not None:  # (its work was not to run)
+        return _answered(answer)
     turn._exit_sync(None, None, None, result)
     return result if ticket is None else ticket.outcome(None, result)
 
