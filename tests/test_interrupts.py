@@ -186,6 +186,8 @@ class CheckInterrupter(Interrupter):
             if not self.armed or code.co_name == "__del__":
                 return None
             frame.f_trace_opcodes = True
+            if _RETRACE:
+                sys.settrace(self)  # type: ignore[arg-type]  # (3.12: see _RETRACE)
             self._last[id(frame)] = -1
             return self
         if event != "opcode" or not self.armed:
@@ -219,6 +221,9 @@ class CheckInterrupter(Interrupter):
         return super().run(call)
 
 
+#: 3.12 traces a frame's instructions only once tracing is set again after its call event
+#: asked for them (f_trace_opcodes); 3.11 and 3.13 at once (and 3.13 not if it is set again).
+_RETRACE = sys.version_info[:2] == (3, 12)
 #: Whether CPython checks after every call returns (3.10), not only after a call into C.
 _CALL_CHECKS = sys.version_info < (3, 11)
 #: The instructions that call (after which CPython 3.10 checks, later ones after C's).
