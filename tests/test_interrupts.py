@@ -185,6 +185,7 @@ class CheckInterrupter(Interrupter):
                 self.waiting.set()
             if not self.armed or code.co_name == "__del__":
                 return None
+            frame.f_trace = self  # (3.13: else only a code's first frame is traced so)
             frame.f_trace_opcodes = True
             if _RETRACE:
                 sys.settrace(self)  # type: ignore[arg-type]  # (3.12: see _RETRACE)
