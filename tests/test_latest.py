@@ -853,6 +853,59 @@ def test_a_thread_that_joined_the_running_work_waits_past_its_timeout() -> None:
     assert ran == ["holder", "newer"]
 
 
+def test_a_thread_that_times_out_never_has_its_work_run_by_an_older_turn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A thread's timeout that finds its work still waiting takes the work out of the line in
+    the same hold of the guard: an older turn starting just after (here: handed the one
+    running slot) runs its own work, never the work whose caller got TimeoutError.
+
+    The thread is held between its timeout and the rest of its clean-up (Book.gave_up),
+    the window where, before, the older turn took its work.
+    """
+    from inturn._latest import Book
+
+    queue = KeyedQueue(pending="latest", max_running=1)
+    busy = ThreadBusy()
+    slot = busy.holding(lambda: queue.run_sync("other", busy.work, "holder"))
+    outcomes: dict[str, Any] = {}
+
+    def call(name: str, timeout: float | None = None) -> threading.Thread:
+        def run() -> None:
+            try:
+                outcomes[name] = queue.queue_by_key(key="k", timeout=timeout)(busy.work)(name)
+            except BaseException as error:  # (the outcome is checked below)
+                outcomes[name] = error
+
+        thread = threading.Thread(target=run, name=name)
+        thread.start()
+        return thread
+
+    older = call("older")  # takes k at once, and waits for the slot
+    wait_until(lambda: queue.stats().waiting_for_slot == 1, "the older waits for the slot")
+    quitting, go_on = threading.Event(), threading.Event()
+    gave_up = Book.gave_up
+
+    def held_back(book: Book, ticket: Any, error: BaseException) -> bool:
+        if threading.current_thread().name == "newer":
+            quitting.set()
+            go_on.wait(PATIENCE)
+        return gave_up(book, ticket, error)
+
+    monkeypatch.setattr(Book, "gave_up", held_back)
+    newer = call("newer", timeout=0.2)  # waits behind the older's turn, and times out
+    assert quitting.wait(PATIENCE), "the newer caller did not time out"
+    busy.release.set()  # the slot frees: the older's turn starts
+    older.join(PATIENCE)
+    go_on.set()
+    for thread in (newer, slot):
+        thread.join(PATIENCE)
+    assert isinstance(outcomes["newer"], TimeoutError)
+    assert busy.ran == ["holder", "older"], "the newer's work ran though its caller timed out"
+    assert outcomes["older"] == "older"
+    assert not queue.is_active("k")
+
+
 # -- work that holds its key but has not started is replaced too -------------------------------
 
 

@@ -320,8 +320,8 @@ def _late(ticket: Ticket, registry: Registry, limit: float | None) -> None:
     """A task's ticket whose caller's time ran out: it gives up, unless its turn came."""
     future = ticket.waiter
     with registry.mode.guard():
-        if ticket.book.waits(ticket) and not future.done():  # type: ignore[union-attr]
-            future.set_exception(registry.too_late(ticket.key, limit, False))  # type: ignore[union-attr]
+        if not future.done() and (late := ticket.book.timed_out(ticket, limit)) is not None:  # type: ignore[union-attr]
+            future.set_exception(late)  # type: ignore[union-attr]
 
 
 def drive_sync(
@@ -388,8 +388,8 @@ def _ticket_sync(
         now = _monotonic()
         if deadline is not None and now >= deadline.at:
             with registry.mode.guard():
-                if parked.answer is None and book.waits(ticket):
-                    raise registry.too_late(ticket.key, limit, False)
+                if parked.answer is None and (late := book.timed_out(ticket, limit)) is not None:
+                    raise late
             deadline = None  # (its turn came: it follows a run that started)
         elif due is not None and now >= due and ticket.latest is not None:
             book.tick(ticket.latest)

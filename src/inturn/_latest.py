@@ -142,6 +142,7 @@ class Ticket:
         "key",
         "label",
         "latest",
+        "missed",
         "policy",
         "replaced",
         "seq",
@@ -172,6 +173,7 @@ class Ticket:
         self.latest: Latest | None = None  # the Latest it waits in, or whose run it follows
         self.replaced = False  # its turn ran newer work instead of its own (see Book.start)
         self.answer: Answer | None = None  # its caller's, when its work is not to run
+        self.missed = False  # it timed out, to be counted a missed turn (see Book.timed_out)
         self.state = NEW
 
     def outcome(self, error: BaseException | None, result: Any) -> Any:
@@ -601,6 +603,20 @@ class Book:
         latest = ticket.latest
         return (state is FOLLOWS or state is JOINED) and latest is not None and not latest.started
 
+    def timed_out(self, ticket: Ticket, limit: float | None) -> TimeoutError | None:
+        """ticket's caller's time ran out: if it still waits (see waits), it leaves (see
+        gave_up) in this same hold of the guard, and the error its caller raises is
+        returned; None if its turn came. Under the guard.
+
+        NOTE: in the same hold: a turn starting between the decision and the leaving
+        would run the work of a caller that raises TimeoutError ("did not run").
+        """
+        if not self.waits(ticket):
+            return None
+        error = self.registry.too_late(ticket.key, limit, False)
+        ticket.missed = self._leave(ticket, error)  # (for the caller's clean-up: gave_up)
+        return error
+
     def gave_up(self, ticket: Ticket, error: BaseException) -> bool:
         """ticket's caller stopped waiting for it (cancelled, timed out, interrupted: error),
         or its turn ended before its work started: the key it was handed passes on, and the
@@ -608,34 +624,42 @@ class Book:
 
         Return whether the caller counts its call as a missed turn: not if it was
         counted already (answered by the book, replaced, or its work ran in another
-        caller's turn, which counts it).
+        caller's turn, which counts it). A ticket that timed_out already says so
+        once, here.
         """
         with self.registry.mode.guard():
-            state = ticket.state
-            latest = ticket.latest
-            if state is ANSWERED or state is STARTED or state is LEFT:
-                return False
-            self._move(ticket, LEFT)
-            if state is NEW or state is WAITING:  # (NEW: an exception cut its entry short)
-                if latest is not None and ticket in latest.tickets:
-                    latest.tickets.remove(ticket)
-                self._tidy(ticket.key)
-            elif latest is None:
-                pass
-            elif state is FOLLOWS:
-                latest.followers.remove(ticket)
-                return latest.ran is not ticket  # (its work runs in another caller's turn)
-            elif state is JOINED:
-                if latest.joined is not None:
-                    latest.joined.discard(ticket)
-                return False  # (counted when it was replaced)
-            else:  # RUNS or HOLDS: its turn came, and its work never started
-                followers, latest.followers = latest.followers, []
-                self._again(latest, followers)
-                line = latest.line
-                if line is not None and held_by(line, latest):  # (else its turn holds the
-                    self.registry.abandon(latest.key, line, latest, guarded=True)  # key)
-            return True
+            if ticket.state is LEFT:
+                missed, ticket.missed = ticket.missed, False  # (one step: counted once)
+                return missed
+            return self._leave(ticket, error)
+
+    def _leave(self, ticket: Ticket, error: BaseException) -> bool:
+        """gave_up's steps. Under the guard."""
+        state = ticket.state
+        latest = ticket.latest
+        if state is ANSWERED or state is STARTED:
+            return False
+        self._move(ticket, LEFT)
+        if state is NEW or state is WAITING:  # (NEW: an exception cut its entry short)
+            if latest is not None and ticket in latest.tickets:
+                latest.tickets.remove(ticket)
+            self._tidy(ticket.key)
+        elif latest is None:
+            pass
+        elif state is FOLLOWS:
+            latest.followers.remove(ticket)
+            return latest.ran is not ticket  # (its work runs in another caller's turn)
+        elif state is JOINED:
+            if latest.joined is not None:
+                latest.joined.discard(ticket)
+            return False  # (counted when it was replaced)
+        else:  # RUNS or HOLDS: its turn came, and its work never started
+            followers, latest.followers = latest.followers, []
+            self._again(latest, followers)
+            line = latest.line
+            if line is not None and held_by(line, latest):  # (else its turn holds the
+                self.registry.abandon(latest.key, line, latest, guarded=True)  # key)
+        return True
 
     def _settle(self, latest: Latest) -> None:
         """Complete each replacement an exception cut short in latest (see _replaced): a
