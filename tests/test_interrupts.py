@@ -124,40 +124,6 @@ def _point(frame: FrameType | None) -> Point:
     return tuple(point)
 
 
-class CloseInterrupter(Interrupter):
-    """An Interrupter that raises just after an ``os.close`` came back, done (a profiler).
-
-    Python runs a signal's handler there too: just after a call into C
-    returns. Raised there, the clean-up must not close the descriptor again
-    (another file may have its number by then): issue 42's storm of real
-    signals found one that did, as the join closed its line file. Each try
-    fires after the first close at a point (the close's caller and the frames
-    under it) not tried yet.
-    """
-
-    def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code.co_name in _WAITS:
-            self.waiting.set()
-        if event != "c_return" or arg is not os.close or not self.armed:
-            return
-        if frame.f_code.co_filename in _NOT_COUNTED:
-            return
-        point = (("os.close", "", 0), *_point(frame))
-        if point not in self.tried:
-            self.armed = False
-            self.at = point
-            self.where = f"the close in {frame.f_code.co_name}:{frame.f_lineno}"
-            raise KeyboardInterrupt(f"interrupted after {self.where}")
-
-    def run(self, call: Callable[[], Any]) -> Any:
-        """call(), profiled: interrupted just after the first close at an untried point."""
-        sys.setprofile(self)  # type: ignore[arg-type]
-        try:
-            return call()
-        finally:
-            sys.setprofile(None)
-
-
 class CheckInterrupter(Interrupter):
     """An Interrupter that raises where CPython checks for a pending signal inside a function,
     not only at its start: right after a call returns, and after a jump it checks at.
@@ -374,12 +340,13 @@ def _try(trial: Callable[[Interrupter], str | None], interrupter: Interrupter) -
 # -- a file backend's own taking -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", [Interrupter, CloseInterrupter], ids=["calls", "closes"])
+@pytest.mark.parametrize("kind", [Interrupter, CheckInterrupter], ids=["calls", "checks"])
 @pytest.mark.parametrize("contended", [False, True], ids=["free", "held"])
 def test_an_interrupt_anywhere_in_a_file_backends_taking_leaves_no_ticket(
     tmp_path: Path, contended: bool, kind: type[Interrupter]
 ) -> None:
-    """FileBackend.acquire_sync either gives a grant, or raises having left nothing."""
+    """FileBackend.acquire_sync either puts a grant into its caller's list, or raises having
+    left nothing."""
 
     def trial(interrupter: Interrupter) -> str | None:
         place = tmp_path / f"lines-{interrupter.number}"
@@ -395,12 +362,14 @@ def test_an_interrupt_anywhere_in_a_file_backends_taking_leaves_no_ticket(
             threading.Thread(
                 target=lambda: interrupter.waiting.wait(PATIENCE) and release.set(), daemon=True
             ).start()
+            grants: list[Any] = []  # (where the grant goes as it is made: see acquire_sync)
             try:
-                grant = interrupter.run(lambda: backend.acquire_sync("k", PATIENCE))
+                interrupter.run(lambda: backend.acquire_sync("k", PATIENCE, grants))
             except KeyboardInterrupt:
                 pass
-            else:
-                backend.release_sync(grant)
+            finally:  # (the caller's clean-up: a grant it got, it gives back)
+                for grant in grants:
+                    backend.release_sync(grant)
         interrupter.waiting.set()
         try:
             next_grant = other.acquire_sync("k", FREE_WITHIN)
@@ -457,12 +426,8 @@ def _queues(
     return KeyedQueue(backend=make(), **options), KeyedQueue(backend=make(), **options)
 
 
-#: The shapes whose taking is swept at every check (CheckInterrupter): those in process.
-#: NOTE: a shared backend's own taking is interrupt-safe at each call's start and each
-#: close, not yet at every point after a call returns inside it: there the sweep finds a
-#: ticket file left open (after its open returned) and, on 3.10 (which checks after every
-#: call), a grant lost on its way up to the turn (the README says so, in Deploying).
-CHECKED = frozenset({"alone", "steps", "slot", "latest"})
+#: The shapes whose taking is swept at every check (CheckInterrupter): all of them.
+CHECKED = frozenset(SHAPES)
 
 
 @pytest.mark.parametrize("contended", [False, True], ids=["free", "held"])

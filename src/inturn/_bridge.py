@@ -232,8 +232,11 @@ def _loop_for(backend: Backend) -> asyncio.AbstractEventLoop:
     return _LOOP.get() if loop is None else loop
 
 
-def acquire_sync(backend: Backend, source: Source, key: Hashable, timeout: float | None) -> Grant:
-    """source.acquire(key, timeout) for this thread, blocking it while it waits.
+def acquire_sync(
+    backend: Backend, source: Source, key: Hashable, timeout: float | None, into: list[Grant]
+) -> None:
+    """source.acquire(key, timeout) for this thread, blocking it while it waits; the grant
+    goes into ``into`` as it is made (see BlockingBackend.acquire_sync).
 
     ``source`` is backend, or a turn's session of it. A blocking backend
     blocks the thread itself; another's call runs on its loop (see _loop_for).
@@ -241,30 +244,43 @@ def acquire_sync(backend: Backend, source: Source, key: Hashable, timeout: float
     :raises TimeoutError: as the backend's acquire, or its loop did not answer in time.
     """
     if backend.capabilities.blocking:
-        return cast("BlockingBackend | BlockingTurnSession", source).acquire_sync(key, timeout)
-    return acquire_there(backend, source, key, timeout)
+        cast("BlockingBackend | BlockingTurnSession", source).acquire_sync(key, timeout, into)
+    else:
+        acquire_there(backend, source, key, timeout, into)
 
 
-def acquire_there(backend: Backend, source: Source, key: Hashable, timeout: float | None) -> Grant:
+def acquire_there(
+    backend: Backend,
+    source: Source,
+    key: Hashable,
+    timeout: float | None,
+    into: list[Grant] | None = None,
+) -> Grant:
     """source.acquire(key, timeout) on the backend's loop, for this thread, blocking it.
 
     What acquire_sync does for a backend that does not block threads; a
     blocking one may call it too, for a turn it cannot take natively (the
     Redis backend's first, which sets up its subscription on that loop).
+    With ``into``, the grant goes into it as it is taken (see acquire_sync).
     """
     loop = _loop_for(backend)
     answer = Answer()
     call = _Call(source, answer)
+    got = [] if into is None else into
+    given = len(got)
     try:
         loop.call_soon_threadsafe(call.start, key, timeout)
         if not answer.wait(None if timeout is None else timeout + _GRACE):
             detail = f" from the backend's event loop, {_GRACE:g} s past the limit"
             raise missed((key,), Waited.ANSWER, timeout, detail, "")  # noqa: TRY301 - given up below
-        grant: Grant = answer.result()
+        got.extend(map(Answer.result, (answer,)))  # NOTE: one step: the grant, in got
     except BaseException:
-        # Timed out, interrupted, or refused by the backend: nothing may stay held.
-        loop.call_soon_threadsafe(call.abandon)
+        # Timed out, interrupted, or refused by the backend: nothing may stay held (a grant
+        # in into, the caller releases).
+        if into is None or len(got) == given:
+            loop.call_soon_threadsafe(call.abandon)
         raise
+    grant: Grant = got[-1]
     return grant
 
 

@@ -17,8 +17,9 @@ the steps end. What the steps raise goes to the driver's caller.
   (max_running) for the turn on keys. Both end holding the place, or raise
   (a TimeoutError, or what interrupted the wait), having left the line.
 - ``GRANT, (source, key, grants)``: the backend's turn on key, from the
-  backend or a turn's session: the driver appends the Grant to grants
-  (the steps' list) as it gets it, before anything else can run: so an
+  backend or a turn's session: the Grant goes into grants (the steps' list)
+  as it is made, before anything else can run (a thread's backend appends it
+  itself, deep in its acquire: see BlockingBackend.acquire_sync), so an
   interrupt at any later point finds it there, and the roll-back releases it.
 - ``RELEASE, (source, grant)`` and ``CLOSE, (session, error)``: give a grant
   back, or end a turn's session; they complete even if the caller is
@@ -356,7 +357,7 @@ def drive_sync(
                     value = _ticket_sync(arg, registry, deadline, limit)
                 elif kind == GRANT:
                     source, key, grants = arg
-                    grants.append(acquire_sync(backend, source, key, left))  # (see GRANT)
+                    acquire_sync(backend, source, key, left, grants)  # (into grants: see GRANT)
                 else:
                     place = registry if kind == LINE else registry.slots
                     assert place is not None

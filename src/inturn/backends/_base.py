@@ -198,8 +198,17 @@ class BlockingBackend(Backend, Protocol):
     leaves nothing held.
     """
 
-    def acquire_sync(self, key: Hashable, timeout: float | None) -> Grant:
-        """As :meth:`Backend.acquire`, blocking this thread while it waits."""
+    def acquire_sync(
+        self, key: Hashable, timeout: float | None, into: list[Grant] | None = None
+    ) -> Grant:
+        """As :meth:`Backend.acquire`, blocking this thread while it waits.
+
+        With ``into``, the grant is also appended to it where it is made,
+        with no Python code run after (``into.extend(map(...))``): an
+        exception from a signal handler, which CPython may raise after any
+        call returns on the way back (3.10 does), then finds it in ``into``,
+        and the caller's clean-up releases it.
+        """
         ...
 
     def release_sync(self, grant: Grant) -> None:
@@ -210,8 +219,12 @@ class BlockingBackend(Backend, Protocol):
 class BlockingTurnSession(TurnSession, Protocol):
     """The :class:`TurnSession` of a blocking backend, for a thread's turn."""
 
-    def acquire_sync(self, key: Hashable, timeout: float | None) -> Grant:
-        """As :meth:`TurnSession.acquire`, blocking this thread while it waits."""
+    def acquire_sync(
+        self, key: Hashable, timeout: float | None, into: list[Grant] | None = None
+    ) -> Grant:
+        """As :meth:`TurnSession.acquire`, blocking this thread while it waits (``into``: see
+        :meth:`BlockingBackend.acquire_sync`; a grant that does not reach it is released with
+        the session's close)."""
         ...
 
     def release_sync(self, grant: Grant) -> None:

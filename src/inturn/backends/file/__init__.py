@@ -321,7 +321,9 @@ class FileBackend:
         """None: a thread's turn blocks in the kernel, on no event loop."""
         return
 
-    def acquire_sync(self, key: Hashable, timeout: float | None) -> FileGrant:
+    def acquire_sync(
+        self, key: Hashable, timeout: float | None, into: list[Grant] | None = None
+    ) -> FileGrant:
         """As :meth:`acquire`, blocking this thread while it waits; it needs no event loop.
 
         The kernel does the waiting: the thread sleeps in ``poll()`` on the
@@ -335,11 +337,13 @@ class FileBackend:
         (``KeyboardInterrupt``; ``SystemExit`` from a server's handler)
         propagates, and this process's ticket leaves the line, as at a timeout.
 
+        ``into``: see :meth:`inturn.backends.BlockingBackend.acquire_sync`.
+
         :raises TimeoutError: the turn was not reached within ``timeout``;
             this process's ticket left the line.
         :raises ~inturn.BackendUnavailable: as :meth:`acquire`.
         """
-        steps = taking(self._home, key, FileGrant)
+        steps = taking(self._home, key, FileGrant, into)
         try:
             return drive_blocking(steps, key, timeout)
         except BaseException as error:

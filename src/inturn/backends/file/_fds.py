@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+from functools import partial
 
 from ._directory import Directory
 from ._linefile import line_name
@@ -21,7 +22,7 @@ OPEN_TIDY = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 # NOTE: a file is in _OPEN from its open to its close (taken out just before
 # it), both done under _OPENING, which fork() takes too: so a child forked by
 # another thread never inherits a file of a turn that _OPEN does not list. By
-# its descriptor: the serial number of its open (see opened).
+# its descriptor: the serial number of its open (see new_serial).
 _OPEN: dict[int, int] = {}
 _OPENING = threading.Lock()
 _serials = itertools.count(1)
@@ -36,32 +37,65 @@ def forks() -> int:
     return _forks
 
 
-def open_tracked(name: str, flags: int, directory: int, mode: int = 0o600) -> int:
-    """Open name in directory and list it in _OPEN, as one step for fork()."""
+def new_serial() -> int:
+    """The serial number of an open to come (see open_tracked), known to its caller first:
+    a clean-up that never got the open's descriptor finds its file by it (close_opened)."""
+    return next(_serials)
+
+
+def open_tracked(name: str, flags: int, directory: int, mode: int = 0o600, serial: int = 0) -> int:
+    """Open name in directory and list it in _OPEN (under serial: a new one if 0).
+
+    One step for fork() (under _OPENING), and for an exception from a
+    signal handler or thrown into the thread: the open and the listing are
+    one call into C, with no Python code between them, where CPython could
+    run a handler. Such an exception, raised anywhere in this call, finds
+    the file not open, or listed under serial (see close_opened).
+    """
     with _OPENING:
-        fd = os.open(name, flags, mode, dir_fd=directory)
-        _OPEN[fd] = next(_serials)
-    return fd
-
-
-def opened(fd: int) -> int:
-    """The serial number of fd's open by open_tracked (0: it is not open so)."""
-    return _OPEN.get(fd, 0)
+        return _open_listed(name, flags, directory, mode, serial)
 
 
 def close_tracked(fd: int, serial: int = 0) -> None:
     """Close fd, a file that open_tracked opened, and take it out of _OPEN, as one step.
 
-    With ``serial`` (its open's: see opened), only if it is still open from
+    With ``serial`` (its open's: see new_serial), only if it is still open from
     that open: a clean-up after an exception that a signal handler raised
     just as fd was closed leaves it, and another file that the number may
-    name since, alone.
+    name since, alone. The listing and the close are one call into C (see
+    open_tracked): no such exception lands between them.
     """
     with _OPENING:
         if serial and _OPEN.get(fd) != serial:
             return
-        _OPEN.pop(fd, None)
-        os.close(fd)
+        _close_listed(fd)
+
+
+def close_opened(serial: int) -> None:
+    """Close the file that the open with serial opened, if it is open still (see new_serial).
+
+    For a clean-up that may not have its descriptor: an exception landed
+    as open_tracked returned it.
+    """
+    with _OPENING:
+        for fd, listed in _OPEN.items():
+            if listed == serial:
+                _close_listed(fd)
+                return
+
+
+def _open_listed(name: str, flags: int, directory: int, mode: int, serial: int) -> int:
+    """open_tracked's open and listing, one call into C (see there). Under _OPENING."""
+    opening = map(partial(os.open, flags=flags, mode=mode, dir_fd=directory), (name,))
+    listing, fds = itertools.tee(opening)  # (the one open, its descriptor seen twice)
+    _OPEN.update(zip(listing, (serial or next(_serials),), strict=True))  # NOTE: one step
+    return next(fds)
+
+
+def _close_listed(fd: int) -> None:
+    """Take fd out of _OPEN, then close it: one call into C (see open_tracked). Under _OPENING."""
+    for _ in zip(map(_OPEN.pop, (fd,), (None,)), map(os.close, (fd,)), strict=True):
+        pass
 
 
 def _close_inherited() -> None:
@@ -84,19 +118,17 @@ if hasattr(os, "register_at_fork"):
     )
 
 
-def line_in_place_of(fd: int, where: Directory, digest: str) -> int:
+def line_in_place_of(fd: int, where: Directory, digest: str, serial: int = 0) -> int:
     """Close ticket fd and open digest's line file in its descriptor; -1 if it cannot be.
 
     One step for this process's other turns (see _OPENING): none of them
     can take the descriptor in between, so a turn that leaves with no other
     descriptor left (and its owner's other threads busy) can tidy its line.
+    The line file is listed under serial (see open_tracked).
     """
     with _OPENING:
-        _OPEN.pop(fd, None)
-        os.close(fd)
+        _close_listed(fd)
         try:
-            line = os.open(line_name(digest), OPEN_TIDY, dir_fd=where.fd)
+            return _open_listed(line_name(digest), OPEN_TIDY, where.fd, 0o600, serial)
         except OSError:  # gone (or taken by a thread outside inturn): see tidy_again
             return -1
-        _OPEN[line] = next(_serials)
-    return line

@@ -21,14 +21,21 @@ import threading
 import time
 from collections.abc import Callable, Generator, Hashable
 from pathlib import Path
-from typing import NamedTuple, TypeVar, final
+from typing import Any, NamedTuple, TypeVar, final
 
 from ..._checks import Waited, missed
 from ..._describe import describe
 from ..._order import portable_name
 from ._deaths import died
 from ._directory import Directory
-from ._fds import OPEN_TIDY, close_tracked, line_in_place_of, open_tracked, opened
+from ._fds import (
+    OPEN_TIDY,
+    close_opened,
+    close_tracked,
+    line_in_place_of,
+    new_serial,
+    open_tracked,
+)
 from ._linefile import (
     joined,
     joining,
@@ -216,7 +223,12 @@ def drive_blocking(steps: _Taking[G], key: Hashable, timeout: float | None) -> G
         return took
 
 
-def taking(home: Home, key: Hashable, grant: Callable[[Hashable, int, Place], G]) -> _Taking[G]:
+def taking(
+    home: Home,
+    key: Hashable,
+    grant: Callable[[Hashable, int, Place], G],
+    into: list[Any] | None = None,
+) -> _Taking[G]:
     """Take key's turn: every system call of acquire and acquire_sync, written once.
 
     Where a step would block, it yields what it waits for (see _Locked,
@@ -228,7 +240,10 @@ def taking(home: Home, key: Hashable, grant: Callable[[Hashable, int, Place], G]
     in line, made into a grant here, in the steps, so that an interrupt at
     any call before the grant exists (a signal handler's exception at the
     start of a Python function) leaves the line too: nothing of a turn that
-    its caller never got stays held.
+    its caller never got stays held. With ``into`` (a thread's), the grant
+    goes into it as it is made (see BlockingBackend.acquire_sync): on its way
+    up from here, CPython may raise a signal handler's exception after any
+    call returns (3.10 does), and the caller's clean-up then finds it there.
     """
     begun = time.monotonic()
     name = portable_name(key)
@@ -241,16 +256,27 @@ def taking(home: Home, key: Hashable, grant: Callable[[Hashable, int, Place], G]
         token = yield from _wait_behind(key, where, digest, before)
         if time.monotonic() - begun > _LATE:
             os.utime(fd)  # the ticket's time is when its turn began: for inspect
-        taken = grant(key, token, place)
+        if into is None:
+            taken = grant(key, token, place)
+        else:  # NOTE: one step: no Python code between the grant and into
+            into.extend(map(grant, (key,), (token,), (place,)))
+            taken = into[-1]
     except BaseException:
-        _give_up(place, key)
+        _give_up(place, key)  # (a grant in into is left already when its caller releases it)
         raise
     return taken
 
 
 def _give_up(place: Place, key: Hashable) -> None:
-    """Leave the line place joined: with no writer, the tickets behind skip its ticket."""
-    fd, where, digest, ticket = place.fd, place.where, place.digest, place.ticket
+    """Leave the line place joined: with no writer, the tickets behind skip its ticket.
+
+    The place is left then (its fd -1): a grant of it that went to its caller
+    nevertheless (see taking's into) is released as a no-op (see leave).
+    """
+    fd, place.fd = place.fd, -1  # NOTE: one step
+    if fd < 0:
+        return
+    where, digest, ticket = place.where, place.digest, place.ticket
     _quit(fd)
     line_fd = line_in_place_of(fd, where, digest)
     unlink(where.fd, pipe_name(digest, ticket))
@@ -273,16 +299,13 @@ def _join(
     line = line_name(digest)
     pipe = pipe_name(digest, ticket)
     while True:
-        try:
-            line_fd = _open_line(where, line)
-        except FileNotFoundError:
-            where = home.again(where, key)  # the directory was removed
-            continue
-        fd = -1
+        # Its opens' serials, known before them: a clean-up finds a file by its serial,
+        # also one whose descriptor it never got; once closed, never closed again.
+        serial, ticket_serial = new_serial(), new_serial()
+        line_fd = fd = -1
         made = marked = False
-        serial = 0  # its open's (see _fds.opened): once closed, never closed again
         try:
-            serial = opened(line_fd)
+            line_fd = _open_line(where, line, serial)
             if not flock_soon(line_fd, fcntl.LOCK_SH):
                 yield _Locked(line_fd, fcntl.LOCK_SH)
             info = os.fstat(line_fd)
@@ -295,23 +318,22 @@ def _join(
             marked = True
             os.mkfifo(pipe, 0o600, dir_fd=where.fd)
             made = True
-            fd = open_tracked(pipe, _OPEN_TICKET, where.fd)
+            fd = open_tracked(pipe, _OPEN_TICKET, where.fd, serial=ticket_serial)
             os.write(line_fd, joined(ticket))  # one append: atomic
             end = os.lseek(line_fd, 0, os.SEEK_CUR)
             records = read_records(line_fd)
             fcntl.flock(line_fd, fcntl.LOCK_UN)
             place = Place(where, digest, ticket, fd, (info.st_dev, info.st_ino), end)
         except BaseException as error:
-            if fd >= 0:
-                close_tracked(fd)
+            close_opened(ticket_serial)
             if made:
                 unlink(where.fd, pipe)
             if marked:  # (no descriptor left for its FIFO, say)
                 withdraw(where, digest, ticket, line_fd, key)
             else:
-                close_tracked(line_fd, serial)
-            if isinstance(error, FileNotFoundError) and where.gone():
-                where = home.again(where, key)
+                close_opened(serial)
+            if isinstance(error, FileNotFoundError) and (line_fd < 0 or where.gone()):
+                where = home.again(where, key)  # the directory was removed
                 continue
             raise
         try:  # (opened again to tidy: a turn keeps one descriptor, its ticket)
@@ -474,10 +496,10 @@ def _lists(fd: int, ticket: str) -> bool:
         fcntl.flock(fd, fcntl.LOCK_UN)
 
 
-def _open_line(directory: Directory, name: str) -> int:
+def _open_line(directory: Directory, name: str, serial: int) -> int:
     """Open (making it if missing) the line file name in directory; it is tracked (_fds)."""
     try:
-        return open_tracked(name, _OPEN_LINE, directory.fd)
+        return open_tracked(name, _OPEN_LINE, directory.fd, serial=serial)
     except OSError as error:
         if error.errno == errno.ELOOP:
             raise PermissionError(

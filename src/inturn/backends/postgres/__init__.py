@@ -295,11 +295,14 @@ class PostgresBackend:
             await session.close(None)
             raise
 
-    def acquire_sync(self, key: Hashable, timeout: float | None) -> PostgresGrant:
-        """As :meth:`acquire`, for a thread, blocking it while it waits."""
+    def acquire_sync(
+        self, key: Hashable, timeout: float | None, into: list[Grant] | None = None
+    ) -> PostgresGrant:
+        """As :meth:`acquire`, for a thread, blocking it while it waits (``into``: see
+        :meth:`inturn.backends.BlockingBackend.acquire_sync`)."""
         session = self.session(1, False, False)
         try:
-            return session.acquire_sync(key, timeout)
+            return session.acquire_sync(key, timeout, into)
         except BaseException:
             session.close_sync(None)
             raise

@@ -214,11 +214,16 @@ class PgSession:
 
     # -- a thread's turn ---------------------------------------------------------------------
 
-    def acquire_sync(self, key: Hashable, timeout: float | None) -> PostgresGrant:
+    def acquire_sync(
+        self, key: Hashable, timeout: float | None, into: list[Grant] | None = None
+    ) -> PostgresGrant:
         """As :meth:`acquire`, for a thread, on a sync connection, blocking it while it waits.
 
         Interrupted (a signal handler's exception), even between two of its
-        statements, it gives back a lock it may hold without a grant.
+        statements, it gives back a lock it may hold without a grant. With
+        ``into``, the grant goes into it too: an interrupt on its way there
+        leaves the lock to this session's close, which its caller's clean-up
+        makes (the lock is the session's connection's).
         """
         try:
             grant: PostgresGrant = drive_sync(self._acquiring(key, timeout), self._connections)
@@ -231,6 +236,8 @@ class PgSession:
                         discard(self._lease.connection)
                     raise
             raise
+        if into is not None:
+            into.append(grant)
         return grant
 
     def release_sync(self, grant: Grant) -> None:

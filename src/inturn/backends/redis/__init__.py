@@ -448,7 +448,9 @@ class RedisBackend:
                 return share
         raise TypeError(f"inturn: {self!r} cannot release {show(grant)}, which it did not grant")
 
-    def acquire_sync(self, key: Hashable, timeout: float | None) -> RedisGrant:
+    def acquire_sync(
+        self, key: Hashable, timeout: float | None, into: list[Grant] | None = None
+    ) -> RedisGrant:
         """As :meth:`acquire`, for a thread: its calls block on a connection of its own.
 
         Each call is one round trip from the thread (no event loop in
@@ -460,7 +462,8 @@ class RedisBackend:
 
         An exception that a signal handler raises while the thread waits
         (``KeyboardInterrupt``; ``SystemExit`` from a server's handler)
-        propagates, and the place is given up, as at a timeout.
+        propagates, and the place is given up, as at a timeout. ``into``:
+        see :meth:`inturn.backends.BlockingBackend.acquire_sync`.
 
         :raises TimeoutError: as :meth:`acquire`.
         :raises ~inturn.BackendUnavailable: as :meth:`acquire`.
@@ -471,9 +474,9 @@ class RedisBackend:
             if share is None or share.closing:  # (a forked child resets it: see _forked)
                 share = self._threads_share = self._share_on(backend_loop())
             if share.ready:
-                return threads.acquire(share, key, self._line_for(key), timeout)
+                return threads.acquire(share, key, self._line_for(key), timeout, into)
         # (its first: the share starts there)
-        return acquire_there(self, self, key, timeout)  # type: ignore[return-value]
+        return acquire_there(self, self, key, timeout, into)  # type: ignore[return-value]
 
     def release_sync(self, grant: Grant) -> None:
         """As :meth:`release`, for a thread: returns once Redis answered (or failed, logged)."""

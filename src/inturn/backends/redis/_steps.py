@@ -145,6 +145,7 @@ def taking(
     timeout: float | None,
     began: float,
     waiting: Waiting,
+    into: list[Any] | None = None,
 ) -> Steps[RedisGrant]:
     """Take key's turn (line: its line in Redis): join the line, wait for the grant.
 
@@ -155,7 +156,9 @@ def taking(
     however short the timeout (0: a try-lock); without a timeout, or with
     one as long as the lease, a Redis that does not answer for a lease
     fails the turn (see bounds). Whatever ends it before its grant (an op's
-    error, a timeout, an interrupt thrown in), the place is given up.
+    error, a timeout, an interrupt thrown in), the place is given up. With
+    ``into`` (a thread's), the grant goes into it as it is made (see
+    BlockingBackend.acquire_sync), for its caller's clean-up to release.
 
     :raises TimeoutError: the turn was not reached within timeout (the
         message says what it waited for); the work did not run.
@@ -176,7 +179,9 @@ def taking(
             token = yield (GRANT, member, deadline)
             if token is None:
                 raise missed((key,), Waited.LINE, timeout)  # noqa: TRY301 - given up below, as any failure
-        return hold(share, member_id, member, token)
+        if into is None:
+            return hold(share, member_id, member, token)
+        into.extend(map(hold, (share,), (member_id,), (member,), (token,)))  # NOTE: one step
     except GeneratorExit:  # (abandoned: its event loop ended; no more ops)
         raise
     except BaseException as error:
@@ -191,6 +196,9 @@ def taking(
         if isinstance(error, (*UNREACHABLE, ResponseError)) and not isinstance(error, TimeoutError):
             raise unavailable(error, share.config.server) from error
         raise
+    else:  # (in into: an interrupt from here on leaves it to its caller to release)
+        grant: RedisGrant = into[-1]
+        return grant
 
 
 def releasing(share: Share, grant: RedisGrant) -> Steps[None]:

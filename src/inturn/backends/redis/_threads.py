@@ -201,10 +201,16 @@ class Blocking:
         self._closed = False
 
     def acquire(
-        self, share: LoopShare, key: Hashable, line: Line, timeout: float | None
+        self,
+        share: LoopShare,
+        key: Hashable,
+        line: Line,
+        timeout: float | None,
+        into: list[Any] | None = None,
     ) -> RedisGrant:
-        """As ``LoopShare.acquire``, blocking this thread; share has started."""
-        return self._driven(share, taking(share, key, line, timeout, now(), Answer()))
+        """As ``LoopShare.acquire``, blocking this thread; share has started (``into``: see
+        BlockingBackend.acquire_sync)."""
+        return self._driven(share, taking(share, key, line, timeout, now(), Answer(), into))
 
     def release(self, share: LoopShare, grant: RedisGrant) -> None:
         """As ``LoopShare.release``, returning once Redis answered (or failed, logged)."""
