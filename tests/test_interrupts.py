@@ -496,6 +496,9 @@ ENDINGS: dict[str, tuple[dict[str, Any], tuple[str, ...], str]] = {
     "slot": ({"max_running": 1}, (), "key"),  # a running slot too
     "slot-handed": ({"max_running": 1}, (), "slot"),  # its slot goes to a thread waiting
     "latest": ({"pending": "latest"}, (), "key"),  # a conflating call: its Latest ends too
+    # a key of two holders (a gate), the other place held throughout: its place goes to
+    # the thread waiting
+    "gate": ({"concurrency": 2}, (), "key"),
 }
 
 
@@ -548,11 +551,12 @@ def test_an_interrupt_anywhere_in_a_threads_ending_of_its_turn_leaves_the_key_fr
                 queue.run_sync(key, work)
 
         interrupter.armed = False
-        try:
-            interrupter.run(take)
-        except KeyboardInterrupt:
-            pass
-        waiter.join(PATIENCE)
+        with _other_holder(queue, key) if "concurrency" in options else _nothing():
+            try:
+                interrupter.run(take)
+            except KeyboardInterrupt:
+                pass
+            waiter.join(PATIENCE)
         problems = []
         if len(ran) != 1:
             problems.append(f"the work ran {len(ran)} times")
@@ -571,6 +575,26 @@ def test_an_interrupt_anywhere_in_a_threads_ending_of_its_turn_leaves_the_key_fr
 @contextmanager
 def _nothing() -> Iterator[None]:
     yield
+
+
+@contextmanager
+def _other_holder(queue: KeyedQueue, key: str) -> Iterator[None]:
+    """A thread holding one of key's places while the block runs (a key of several holders)."""
+    holding, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with queue.keyed(key):
+            holding.set()
+            done.wait(PATIENCE)
+
+    thread = threading.Thread(target=hold, name="other holder")
+    thread.start()
+    assert holding.wait(PATIENCE)
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(PATIENCE)
 
 
 # -- latest wins: a call that replaces another's waiting work ---------------------------------

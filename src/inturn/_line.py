@@ -319,8 +319,12 @@ class Places(Waiting):
         is left, handed on, and the waiter it went to woken. Idempotent."""
         self.leave(holder, shared)
         self._freed(holder, shared)
-        for other in tuple(self.holders):
-            rewake(other, shared)
+        self.rewake(shared)
+
+    def rewake(self, shared: bool) -> None:
+        """Wake each holder a hand-on made but an exception kept from waking (see rewake)."""
+        for holder in tuple(self.holders):
+            rewake(holder, shared)
 
     def wake_producer(self) -> None:
         """Wake the first producer waiting in submit() for a slot, if any."""

@@ -434,8 +434,7 @@ class Registry:
         if type(line) is Line:
             rewake(line.holder, shared)
         elif type(line) is Gate:
-            for holder in tuple(line.holders):
-                rewake(holder, shared)
+            line.rewake(shared)
 
     def hand_on(self, key: Hashable, line: Line, result: Any) -> None:
         """Hand on key's line, just popped by run()'s inline release (its holder returned)."""
