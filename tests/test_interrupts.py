@@ -45,7 +45,7 @@ from typing import Any
 
 import pytest
 
-from inturn import KeyedQueue
+from inturn import KeyedQueue, current_turn
 from inturn.backends.file import FileBackend
 
 from support.helpers import PATIENCE
@@ -474,6 +474,8 @@ def test_an_interrupt_anywhere_in_a_threads_taking_leaves_the_key_free(
             problems.append("the work ran, yet the caller was told it was interrupted")
         if queue.is_active(key):
             problems.append("the key is still active in its queue")
+        if current_turn() is not None:
+            problems.append(f"current_turn() still names a turn ({current_turn()!r})")
         failed = free_in_another_thread(lambda: other.keyed(key, timeout=FREE_WITHIN))
         if failed is not None:
             problems.append(f"a later turn failed ({failed})")

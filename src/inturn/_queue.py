@@ -583,7 +583,6 @@ class KeyedQueue:
         """
         limit = self._timeout if timeout is UNSET else check_timeout(timeout)  # type: ignore[arg-type]
         hold = self._max_hold if max_hold is UNSET else check_hold(max_hold)  # type: ignore[arg-type]
-        made = Turn if loop_here() is not None else ThreadTurn  # (a thread's: see ThreadTurn)
         if transaction is not False:
             check_transaction(transaction, self._backend)  # (then it is True)
         elif len(keys) == 1 and self._backend is None:
@@ -591,10 +590,10 @@ class KeyedQueue:
                 hash(keys[0])
             except TypeError:
                 raise unhashable(keys[0]) from None
-            return made(self._registry, keys, limit, hold)
+            return Turn(self._registry, keys, limit, hold)
         if not keys:
             raise TypeError("inturn: keyed() needs at least one key")
-        return made(self._registry, self._registry.ordered(keys), limit, hold, transaction)
+        return Turn(self._registry, self._registry.ordered(keys), limit, hold, transaction)
 
     # -- fire and forget ---------------------------------------------------------------
 

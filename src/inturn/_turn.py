@@ -134,6 +134,7 @@ class Turn:
     """
 
     __slots__ = (
+        "__weakref__",  # (a thread's net: see ThreadTurn)
         "_clock",
         "_hold",
         "_holder",
@@ -279,7 +280,7 @@ class Turn:
         holder = self._holder
         if self._path is None and self._ticket is None:  # (_leave's first case, one call less)
             self._holder = None
-            self._registry.release(self.keys, holder, error, result, 0.0)
+            self._registry.release_one(self.keys[0], holder, error, result)
             return
         begun = self._leave(error, result)
         if begun is not None:
@@ -336,8 +337,9 @@ class Turn:
         else:
             fresh = tuple(key for key in keys if not held_by(lines.get(key), me))
         self._steps = None
-        if type(self) is ThreadTurn:  # NOTE: armed before it takes anything
-            self._net = partial(_abandoned, weakref.ref(self))
+        if type(self) is not ThreadTurn:  # (made where no thread was known: see ThreadTurn)
+            self.__class__ = ThreadTurn
+        self._net = partial(_abandoned, weakref.ref(self))  # NOTE: armed before it takes anything
         try:
             self._enter_now(me, lined)
             if self._holder is _ENTERING:
@@ -392,7 +394,7 @@ class Turn:
         try:
             if path is None and self._ticket is None:  # (_leave's first case, one call less)
                 self._holder = None
-                self._registry.release(keys, holder, error, result, 0.0)
+                self._registry.release_one(keys[0], holder, error, result)
                 return
             self._steps = None
             begun = self._leave(error, result)
@@ -530,7 +532,7 @@ class Turn:
         if ticket is not None:
             ticket.book.ending(ticket, error)
         if path is None:  # one key, taken by try_take alone
-            self._registry.release(self.keys, holder, error, result, 0.0)
+            self._registry.release_one(self.keys[0], holder, error, result)
         if ticket is not None:
             ticket.book.ended(ticket, error, result)
         return None
@@ -656,6 +658,7 @@ class Turn:
                 self._slot = False  # NOTE: after (vacate is idempotent)
             shared = self._shared
             if shared is not None:
+                CURRENT.set(shared.outer)  # (set as the turn was held: an interrupt came after)
                 yield from shared.give_back(registry.backend, error)  # type: ignore[arg-type]
         finally:
             self._taken = ()
@@ -710,16 +713,21 @@ class Turn:
 
 @final
 class ThreadTurn(Turn):  # type: ignore[misc]  # (Turn is final to users; this is its thread's)
-    """A turn made for a thread (``keyed()`` outside an event loop, a sync call): a Turn with
-    a net under its ``with`` block.
+    """A turn taken by a thread (``with``, a sync call): a Turn with a net under its block.
 
     A signal handler's exception (or one thrown into the thread) that lands
     at the very start of ``__exit__``, before any of its code runs, leaves
     the turn held with nobody to end it. The turn object goes then (once the
     exception and its traceback go), and its net ends it (see _abandoned).
+
+    ``keyed()`` makes a Turn, as it cannot tell whether a ``with`` or an
+    ``async with`` will enter it (asking whether an event loop runs here
+    costs a system call on CPython 3.10 and 3.11); a thread's entry makes it
+    a ThreadTurn (``__class__``: the same slots, so the same layout), a sync
+    call makes one at once.
     """
 
-    __slots__ = ("__weakref__",)
+    __slots__ = ()
 
     # NOTE: finalizing a turn runs no Python code unless its net is armed: this reads the
     # _net slot (in C) and calls what it holds, _DISARMED (in C), or the net (Python, then
