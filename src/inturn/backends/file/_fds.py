@@ -47,10 +47,10 @@ def open_tracked(name: str, flags: int, directory: int, mode: int = 0o600, seria
     """Open name in directory and list it in _OPEN (under serial: a new one if 0).
 
     One step for fork() (under _OPENING), and for an exception from a
-    signal handler or thrown into the thread: the open and the listing are
-    one call into C, with no Python code between them, where CPython could
-    run a handler. Such an exception, raised anywhere in this call, finds
-    the file not open, or listed under serial (see close_opened).
+    signal handler or thrown into the thread: no point where CPython could
+    run a handler lies between the open and the listing. Such an exception,
+    raised anywhere in this call, finds the file not open, or listed under
+    serial (see close_opened).
     """
     with _OPENING:
         return _open_listed(name, flags, directory, mode, serial)
@@ -85,17 +85,23 @@ def close_opened(serial: int) -> None:
 
 
 def _open_listed(name: str, flags: int, directory: int, mode: int, serial: int) -> int:
-    """open_tracked's open and listing, one call into C (see there). Under _OPENING."""
-    opening = map(partial(os.open, flags=flags, mode=mode, dir_fd=directory), (name,))
-    listing, fds = itertools.tee(opening)  # (the one open, its descriptor seen twice)
-    _OPEN.update(zip(listing, (serial or next(_serials),), strict=True))  # NOTE: one step
-    return next(fds)
+    """open_tracked's open and listing, one step (see there). Under _OPENING."""
+    serial = serial or next(_serials)
+    fd = -1
+    # NOTE: one step: the open is called by the loop's FOR_ITER, in C, and no CPython
+    # (3.10 to 3.13) checks for a signal at FOR_ITER, at the store of fd, or at the store
+    # in _OPEN: only at the jump back, once the file is listed.
+    for fd in map(partial(os.open, dir_fd=directory), (name,), (flags,), (mode,)):
+        _OPEN[fd] = serial
+    return fd
 
 
 def _close_listed(fd: int) -> None:
-    """Take fd out of _OPEN, then close it: one call into C (see open_tracked). Under _OPENING."""
-    for _ in zip(map(_OPEN.pop, (fd,), (None,)), map(os.close, (fd,)), strict=True):
-        pass
+    """Take fd out of _OPEN, then close it, as one step (see _open_listed). Under _OPENING."""
+    # NOTE: the loop's FOR_ITER takes it out (in C), and nothing checks for a signal from
+    # there to the call of os.close: only after it returns.
+    for _ in map(_OPEN.pop, (fd,), (None,)):
+        os.close(fd)
 
 
 def _close_inherited() -> None:
