@@ -62,8 +62,8 @@ def close_tracked(fd: int, serial: int = 0) -> None:
     With ``serial`` (its open's: see new_serial), only if it is still open from
     that open: a clean-up after an exception that a signal handler raised
     just as fd was closed leaves it, and another file that the number may
-    name since, alone. The listing and the close are one call into C (see
-    open_tracked): no such exception lands between them.
+    name since, alone. The unlisting and the close are one step (see
+    _close_listed): no such exception lands between them.
     """
     with _OPENING:
         if serial and _OPEN.get(fd) != serial:
