@@ -101,7 +101,7 @@ def _close_listed(fd: int) -> None:
     # NOTE: one step: no CPython (3.10 to 3.13) checks for a signal at a `del` (no call),
     # nor before a call runs: only after os.close returns.
     if fd in _OPEN:
-        del _OPEN[fd]
+        del _OPEN[fd]  # noqa: RUF051 - a del, not pop(): no call (see the NOTE)
     os.close(fd)
 
 
