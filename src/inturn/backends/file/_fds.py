@@ -87,13 +87,13 @@ def close_opened(serial: int) -> None:
 def _open_listed(name: str, flags: int, directory: int, mode: int, serial: int) -> int:
     """open_tracked's open and listing, one step (see there). Under _OPENING."""
     serial = serial or next(_serials)
-    fd = -1
     # NOTE: one step: the open is called by the loop's FOR_ITER, in C, and no CPython
     # (3.10 to 3.13) checks for a signal at FOR_ITER, at the store of fd, or at the store
-    # in _OPEN: only at the jump back, once the file is listed.
-    for fd in map(partial(os.open, dir_fd=directory), (name,), (flags,), (mode,)):
+    # in _OPEN, before the loop is left.
+    for fd in iter(partial(os.open, name, flags, mode, dir_fd=directory), None):
         _OPEN[fd] = serial
-    return fd
+        return fd
+    raise AssertionError("os.open returned None")  # pragma: no cover - (it returns an int)
 
 
 def _close_listed(fd: int) -> None:
