@@ -614,7 +614,7 @@ class Book:
         if not self.waits(ticket):
             return None
         error = self.registry.too_late(ticket.key, limit, False)
-        ticket.missed = self._leave(ticket, error)  # (for the caller's clean-up: gave_up)
+        ticket.missed = self._leave(ticket)  # (for the caller's clean-up: gave_up)
         return error
 
     def gave_up(self, ticket: Ticket, error: BaseException) -> bool:
@@ -631,9 +631,9 @@ class Book:
             if ticket.state is LEFT:
                 missed, ticket.missed = ticket.missed, False  # (one step: counted once)
                 return missed
-            return self._leave(ticket, error)
+            return self._leave(ticket)
 
-    def _leave(self, ticket: Ticket, error: BaseException) -> bool:
+    def _leave(self, ticket: Ticket) -> bool:
         """gave_up's steps. Under the guard."""
         state = ticket.state
         latest = ticket.latest

@@ -317,8 +317,10 @@ class Places(Waiting):
     def settle_up(self, holder: object, shared: bool) -> None:
         """Complete holder's leave that an exception cut short (a thread's exit): its place
         is left, handed on, and the waiter it went to woken. Idempotent."""
-        self.leave(holder, shared)
-        self._freed(holder, shared)
+        if holder in self.holders:
+            self.leave(holder, shared)
+        else:  # (left, perhaps not handed on: see leave's one step)
+            self._freed(holder, shared)
         self.rewake(shared)
 
     def rewake(self, shared: bool) -> None:

@@ -125,17 +125,16 @@ if hasattr(os, "register_at_fork"):
     )
 
 
-def line_in_place_of(fd: int, where: Directory, digest: str, serial: int = 0) -> int:
+def line_in_place_of(fd: int, where: Directory, digest: str) -> int:
     """Close ticket fd and open digest's line file in its descriptor; -1 if it cannot be.
 
     One step for this process's other turns (see _OPENING): none of them
     can take the descriptor in between, so a turn that leaves with no other
     descriptor left (and its owner's other threads busy) can tidy its line.
-    The line file is listed under serial (see open_tracked).
     """
     with _OPENING:
         _close_listed(fd)
         try:
-            return _open_listed(line_name(digest), OPEN_TIDY, where.fd, 0o600, serial)
+            return _open_listed(line_name(digest), OPEN_TIDY, where.fd, 0o600, 0)
         except OSError:  # gone (or taken by a thread outside inturn): see tidy_again
             return -1

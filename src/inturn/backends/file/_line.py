@@ -256,11 +256,9 @@ def taking(
         token = yield from _wait_behind(key, where, digest, before)
         if time.monotonic() - begun > _LATE:
             os.utime(fd)  # the ticket's time is when its turn began: for inspect
-        if into is None:
-            taken = grant(key, token, place)
-        else:  # NOTE: one step: no Python code between the grant and into
-            into.extend(map(grant, (key,), (token,), (place,)))
-            taken = into[-1]
+        made = [] if into is None else into
+        made.extend(map(grant, (key,), (token,), (place,)))  # NOTE: one step (see into)
+        taken: G = made[-1]
     except BaseException:
         _give_up(place, key)  # (a grant in into is left already when its caller releases it)
         raise

@@ -169,6 +169,7 @@ def taking(
     deadline, late = bounds(lease, timeout, began, now())
     member_id = f"{share.id}/{next(share.counter)}"
     member = Member(key, line, waiting)
+    made = [] if into is None else into
     try:
         share.leases.members[member_id] = member  # (renewed by the heartbeat once joined)
         answer = yield (ENQUEUE, member, member_id, late)
@@ -179,9 +180,7 @@ def taking(
             token = yield (GRANT, member, deadline)
             if token is None:
                 raise missed((key,), Waited.LINE, timeout)  # noqa: TRY301 - given up below, as any failure
-        if into is None:
-            return hold(share, member_id, member, token)
-        into.extend(map(hold, (share,), (member_id,), (member,), (token,)))  # NOTE: one step
+        made.extend(map(hold, (share,), (member_id,), (member,), (token,)))  # NOTE: one step
     except GeneratorExit:  # (abandoned: its event loop ended; no more ops)
         raise
     except BaseException as error:
@@ -196,8 +195,8 @@ def taking(
         if isinstance(error, (*UNREACHABLE, ResponseError)) and not isinstance(error, TimeoutError):
             raise unavailable(error, share.config.server) from error
         raise
-    else:  # (in into: an interrupt from here on leaves it to its caller to release)
-        grant: RedisGrant = into[-1]
+    else:  # (in made: an interrupt from here on leaves it to its caller to release)
+        grant: RedisGrant = made[-1]
         return grant
 
 
