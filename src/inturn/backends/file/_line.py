@@ -37,6 +37,7 @@ from ._fds import (
     open_tracked,
 )
 from ._linefile import (
+    alone_in,
     joined,
     joining,
     line_name,
@@ -140,10 +141,10 @@ class Home:
 class Place:
     """A turn's place in its key's line: its ticket, kept open for writing while it holds."""
 
-    __slots__ = ("digest", "end", "fd", "line", "lost", "ticket", "where")
+    __slots__ = ("digest", "fd", "line", "lost", "ticket", "where")
 
     def __init__(
-        self, where: Directory, digest: str, ticket: str, fd: int, line: _Identity, end: int
+        self, where: Directory, digest: str, ticket: str, fd: int, line: _Identity
     ) -> None:
         self.where = where  # the directory of its ticket and its line file
         self.digest = digest  # of its key's portable name: names the line file
@@ -152,7 +153,6 @@ class Place:
             fd  # the writer end of its ticket: open while it holds, its one file; -1 once left
         )
         self.line = line  # the identity of its line file, as it queued in it
-        self.end = end  # where its record ends in the line file: later ones are written past it
         self.lost = False  # (once left) whether its files were gone when it left
 
     def __repr__(self) -> str:
@@ -318,10 +318,9 @@ def _join(
             made = True
             fd = open_tracked(pipe, _OPEN_TICKET, where.fd, serial=ticket_serial)
             os.write(line_fd, joined(ticket))  # one append: atomic
-            end = os.lseek(line_fd, 0, os.SEEK_CUR)
             records = read_records(line_fd)
             fcntl.flock(line_fd, fcntl.LOCK_UN)
-            place = Place(where, digest, ticket, fd, (info.st_dev, info.st_ino), end)
+            place = Place(where, digest, ticket, fd, (info.st_dev, info.st_ino))
         except BaseException as error:
             close_opened(ticket_serial)
             if made:
@@ -399,7 +398,8 @@ def leave(place: Place, key: Hashable, token: int) -> tuple[Directory, str, str,
     line_fd = -1
     try:
         # Before the hand-off: once it is written, the next holder may tidy both away.
-        line_fd, line, replaced = _own_line(where, digest, ticket, place.line)
+        line_fd, records = _own_line(where, digest, ticket, place.line)
+        replaced = records is None
         place.lost = replaced or unlinked(fd)
         os.write(fd, hand_off(token))  # whoever waits on this ticket goes on
     except BaseException:
@@ -421,7 +421,9 @@ def leave(place: Place, key: Hashable, token: int) -> tuple[Directory, str, str,
             describe(key),
             where.path,
         )
-    if line is not None and line.st_size > place.end:
+    # Whether anyone queued behind this turn, as its line file was read (see _own_line).
+    behind = bool(records and records[-1] != record_of(ticket))
+    if behind:
         # Someone queued behind this turn, and was most likely just
         # handed the key: let it have this CPU first. Its work holds
         # up the whole line; this process's tidy and next turn do
@@ -432,7 +434,8 @@ def leave(place: Place, key: Hashable, token: int) -> tuple[Directory, str, str,
         if line_fd >= 0:
             close_tracked(line_fd)
         return None
-    if tidy_again(where, digest, ticket, key, line_fd=line_fd):
+    alone = records is not None and alone_in(records, ticket)
+    if tidy_again(where, digest, ticket, key, line_fd=line_fd, alone=alone):
         return where, digest, ticket, key
     return None
 
@@ -441,55 +444,56 @@ def deleted(place: Place) -> bool:
     """Whether the ticket or the line file of place, still in line, was deleted or replaced."""
     if unlinked(place.fd):
         return True
-    fd, _, replaced = _own_line(place.where, place.digest, place.ticket, place.line)
+    fd, records = _own_line(place.where, place.digest, place.ticket, place.line)
     if fd >= 0:
         close_tracked(fd)
-    return replaced
+    return records is None
 
 
 def _own_line(
     where: Directory, digest: str, ticket: str, line: _Identity
-) -> tuple[int, os.stat_result | None, bool]:
-    """Open digest's line file, which ticket is in: (fd, its stat, whether it was replaced).
+) -> tuple[int, list[str] | None]:
+    """Open digest's line file, which ticket is in: (fd, its records), records None if replaced.
 
     Replaced: the file at its name is not the one ticket queued in (the
     identity line), or does not list ticket (a file made anew may get the
     inode number of the one deleted, and ext4 gives it at once). fd is -1
     if there is none (deleted: replaced), or no descriptor is left (then
-    only its identity is compared, by its name).
+    only its identity is compared, by its name, and its records are []).
     """
     try:
         fd = open_tracked(line_name(digest), OPEN_TIDY, where.fd)
     except FileNotFoundError:
-        return -1, None, True
+        return -1, None
     except OSError:
         try:
             info = os.stat(line_name(digest), dir_fd=where.fd, follow_symlinks=False)
         except FileNotFoundError:
-            return -1, None, True
-        return -1, info, (info.st_dev, info.st_ino) != line
+            return -1, None
+        return -1, [] if (info.st_dev, info.st_ino) == line else None
     try:
         info = os.fstat(fd)
-        return fd, info, (info.st_dev, info.st_ino) != line or not _lists(fd, ticket)
+        return fd, None if (info.st_dev, info.st_ino) != line else _listing(fd, ticket)
     except BaseException:
         close_tracked(fd)
         raise
 
 
-def _lists(fd: int, ticket: str) -> bool:
-    """Whether line file fd lists ticket (read again under the shared lock if it seems not to).
+def _listing(fd: int, ticket: str) -> list[str] | None:
+    """Line file fd's records if they list ticket (read again under the shared lock if they
+    seem not to), else None.
 
     Read without the lock, a compaction that writes meanwhile may tear the
     record; if a tidier holds the lock, it cannot be read again: the file,
     the one ticket queued in, is trusted to list it still.
     """
     record = record_of(ticket)
-    if record in read_records(fd):
-        return True
-    if not flock_now(fd, fcntl.LOCK_SH):
-        return True
+    records = read_records(fd)
+    if record in records or not flock_now(fd, fcntl.LOCK_SH):
+        return records
     try:
-        return record in read_records(fd)
+        records = read_records(fd)
+        return records if record in records else None
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
 

@@ -155,7 +155,7 @@ def _untidy(key: Hashable, where: Directory, error: OSError) -> None:
     )
 
 
-def _tidy(where: Directory, digest: str, own: str, fd: int, held: bool) -> bool:
+def _tidy(where: Directory, digest: str, own: str, fd: int, held: bool, alone: bool) -> bool:
     """Drop the tickets that left from the line file, or delete it if nobody is in line.
 
     Done when no ticket behind own is in line any more, or the file grew
@@ -168,8 +168,17 @@ def _tidy(where: Directory, digest: str, own: str, fd: int, held: bool) -> bool:
     Return True if the lock was taken and nobody may be left behind own:
     the other process may be a tidier that saw own still in line (so left
     the file to own), and own must try again shortly (see retry).
+
+    alone: own, which held, read nobody but itself in the file just before it
+    left (a turn on a free key): the exclusive lock is tried first, and the
+    file deleted (or compacted: someone joined since) under it, with no
+    ticket to look at first.
     """
     try:
+        if alone and held and flock_now(fd, fcntl.LOCK_EX):
+            if not unlinked(fd):
+                _compact(where, digest, fd, own, {own}, held)
+            return False
         if not flock_now(fd, fcntl.LOCK_SH):
             # A tidier holds it: if anyone queued behind own, that one
             # tidies after its turn; else own tries again (read unlocked:
@@ -283,11 +292,12 @@ def tidy_again(
     key: Hashable,
     held: bool = True,
     line_fd: int = -1,
+    alone: bool = False,
 ) -> bool:
     """Tidy digest's (key's) line file after own left it; whether it was busy (see _tidy).
 
     Opened again, unless line_fd is it. Best effort: an error is logged
-    (see _untidy), and the key's next turn tidies.
+    (see _untidy), and the key's next turn tidies. alone: see _tidy.
     """
     try:
         fd = line_fd if line_fd >= 0 else open_tracked(line_name(digest), OPEN_TIDY, where.fd)
@@ -297,7 +307,7 @@ def tidy_again(
         _untidy(key, where, error)
         return False
     try:
-        return _tidy(where, digest, own, fd, held)
+        return _tidy(where, digest, own, fd, held, alone)
     except OSError as error:
         _untidy(key, where, error)
         return False
