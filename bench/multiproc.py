@@ -278,6 +278,10 @@ class Settings:
     before: str | None = None
     #: Only these scenarios (their names: f1, r1...); None: every one of the kinds.
     scenarios: list[str] | None = None
+    #: Where each run's work directory is made (the file locks' and inturn's files
+    #: live in it): None, the system's temporary directory. Its file system sets
+    #: what making and deleting a file costs (ext4 journals it; a tmpfs does not).
+    directory: str | None = None
 
     @classmethod
     def make(cls, quick: bool, repeats: int = 3) -> Settings:
@@ -365,7 +369,7 @@ def run_once(
     versions: by git revision, where its inturn was unpacked and the package's name;
     env: variables to set in the workers' environment (``INTURN_REDIS_WIRE``, say).
     """
-    with tempfile.TemporaryDirectory(prefix="inturn-bench-") as directory:
+    with tempfile.TemporaryDirectory(prefix="inturn-bench-", dir=settings.directory) as directory:
         workdir = Path(directory)
         tag = secrets.token_hex(4)  # server-side names of this run: no run sees another's
         on_server = scenario.on_redis or scenario.on_postgres
@@ -653,7 +657,8 @@ def report(result: dict[str, Any]) -> str:
     settings = Settings(**result["settings"])
     lines = [
         f"## Across processes: {result['machine']}{loaded(result)}, "
-        f"{settings.workers} workers x {settings.seconds:g} s, median of {settings.repeats}\n",
+        f"{settings.workers} workers x {settings.seconds:g} s, median of {settings.repeats}"
+        f"{on_file_system(settings.directory)}\n",
         table(result["medians"], settings),
     ]
     for name, reason in result.get("unavailable", {}).items():
@@ -668,6 +673,21 @@ def report(result: dict[str, Any]) -> str:
     lines.append("\nMetrics:\n")
     lines.extend(f"- {ROWS[metric][0]}: {meaning}" for metric, meaning in METRICS.items())
     return "\n".join(lines)
+
+
+def on_file_system(directory: str | None) -> str:
+    """Where the runs' files were, for a report's heading: the file system's type too (Linux)."""
+    where = Path(directory or tempfile.gettempdir()).resolve()
+    kind = ""
+    try:
+        mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
+    except OSError:
+        mounts = []
+    best = ""
+    for fields in mounts:  # the longest mount point that holds where
+        if len(fields) > 2 and where.is_relative_to(fields[1]) and len(fields[1]) > len(best):
+            best, kind = fields[1], f" ({fields[2]})"
+    return f", files in {where}{kind}"
 
 
 def machine() -> str:
@@ -711,6 +731,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="comma-separated: only these scenarios of the kinds chosen (f1, r1, p1...)",
     )
+    parser.add_argument(
+        "--dir",
+        default=None,
+        help="make each run's work directory in this one (default: the system's temporary "
+        "directory): the file system the file contenders run on, /dev/shm for a tmpfs",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument(
         "--plot",
@@ -734,6 +760,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = Settings.make(options.quick, options.repeats)
     settings.before = options.before
     settings.workers = options.workers
+    settings.directory = options.dir
     if options.only is not None:
         settings.kinds = list(GROUPS.get(options.only, (options.only,)))
     if options.seconds is not None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -530,9 +532,13 @@ async def test_a_directory_that_cannot_be_made_fails_the_first_turn_naming_it_an
     assert queue.active_count == 0
 
 
-def test_the_default_directory_is_per_user_in_the_temp_dir() -> None:
+def test_the_default_directory_is_per_user_and_in_memory_on_linux() -> None:
     backend = FileBackend()
     assert backend.directory.name == f"inturn-{os.geteuid()}"
+    if sys.platform.startswith("linux") and os.access("/dev/shm", os.W_OK | os.X_OK):
+        assert backend.directory.parent == Path("/dev/shm")
+    else:
+        assert backend.directory.parent == Path(tempfile.gettempdir())
 
 
 def test_a_directory_of_another_user_is_refused(tmp_path: Path) -> None:
