@@ -109,9 +109,10 @@ class _Path(enum.Enum):
     NOTHING = "a reentrant turn on one key: it took nothing"
     ALONE = "a turn alone whose key is busy (see Turn._enter_now)"
     STEPS = "a turn taken by its steps, whose parts are the Turn's _-fields"
+    KEYED = "a task's stepped turn whose key the fast verb took: its steps go on from there"
 
 
-_NOTHING, _ALONE, _STEPS = _Path.NOTHING, _Path.ALONE, _Path.STEPS
+_NOTHING, _ALONE, _STEPS, _KEYED = _Path.NOTHING, _Path.ALONE, _Path.STEPS, _Path.KEYED
 
 
 @final
@@ -448,8 +449,12 @@ class Turn:
         taken by the fast verb if its key is free or held by holder already
         (``_holder`` is set), else it is ``_ALONE`` (the caller waits in the
         key's line alone: see wait_alone), or ``_STEPS`` if it conflates (it
-        waits on its ticket: see _taking); any other, ``_STEPS``. Until it is
-        held, ``_holder`` is ``_ENTERING``.
+        waits on its ticket: see _taking). A task's stepped turn on one key
+        in process (timed, max_hold, max_running: see _seat_now) takes its
+        key by the fast verb too, then a free slot, its token and clock
+        (``_STEPS``, held); if no slot is free, ``_KEYED`` (its steps go on
+        from the key). Any other, ``_STEPS``. Until it is held, ``_holder``
+        is ``_ENTERING``.
 
         :raises RuntimeError: the turn is entered, or being entered, already.
         """
@@ -471,22 +476,72 @@ class Turn:
                 mode.settle(loop_of(holder))
         self._holder = _ENTERING
         ticket = self._ticket
+        stepped = registry.timed or self._hold is not None
         if (
-            registry.timed
-            or self._hold is not None
-            or len(self.keys) != 1
-            or (ticket is not None and ticket.policy.debounce is not None)
+            len(self.keys) != 1
+            or (ticket is not None and (stepped or ticket.policy.debounce is not None))
+            or (stepped and (lined or registry.backend is not None or type(self) is not Turn))
         ):
             self._path = _STEPS
             return holder
         got = True if lined else registry.try_take(self.keys[0], holder)  # the fast verb first
         if got is False:
-            self._path = _ALONE if ticket is None else _STEPS  # (busy: it waits)
+            self._path = _ALONE if ticket is None and not stepped else _STEPS  # (busy: it waits)
+            return holder
+        if stepped:
+            self._path = _STEPS  # (HELD: reentrant, its steps take nothing again)
+            if got is True:
+                self._seat_now(holder)
             return holder
         self._path = None if got is True else _NOTHING  # (HELD: reentrant, took nothing)
         self.token = next(registry.tokens)
         self._holder = holder
         return holder
+
+    def _seat_now(self, holder: object) -> None:
+        """Seat a task's stepped turn, whose key the fast verb just took, if no wait is needed.
+
+        A free slot (max_running), then _seated: the turn is held. Else
+        ``_KEYED``: its steps go on from the key (see _start). What fails
+        here gives the key (and slot) back, as its steps would (_untaking).
+        """
+        registry = self._registry
+        self._since = _monotonic() if registry.timed else 0.0
+        self._clock = self._shared = None
+        self._taken = ()
+        self._slot = False
+        slots = registry.slots
+        waited: object = _SLOT
+        try:
+            if slots is not None:
+                got = slots.try_take(holder)
+                if got is False:
+                    self._path = _KEYED
+                    return
+                self._slot = got is not HELD
+            waited = _NO_KEY
+            self._seated(holder, self.keys)
+            self._holder = holder  # NOTE: last, with no call after: the turn is held
+        except BaseException as error:
+            next(self._untaking(holder, self.keys, waited, error), None)  # (in process: no wait)
+            raise
+
+    def _seated(self, holder: object, taken: tuple[Hashable, ...]) -> None:
+        """The end of a taking (_taking's, _seat_now's): the turn's token, its start counted
+        (timed), its clock started (max_hold), its session current. The caller then
+        marks it held, with no call after (see _untaking)."""
+        registry = self._registry
+        shared = self._shared
+        self._taken = taken
+        self.token = (
+            shared.tokens[self.keys[0]] if shared and shared.tokens else next(registry.tokens)
+        )
+        if registry.timed and taken:  # (a reentrant turn is part of the outer one)
+            self._since = registry.started(self._since)
+        if self._hold is not None and taken:
+            self._clock = start_clock(holder, self._hold)  # type: ignore[arg-type]
+        if shared is not None:
+            CURRENT.set(shared)
 
     def _held(self, holder: object) -> None:
         """The turn is holder's: its one key, waited for alone (see _enter_now), is taken."""
@@ -501,6 +556,9 @@ class Turn:
         when it was asked for (0: now); ``lined``: see _taking.
         """
         registry = self._registry
+        if self._path is _KEYED:  # (its key taken by the fast verb: see _seat_now)
+            self._path = _STEPS
+            lined = True
         self._since = since or (_monotonic() if registry.timed else 0.0)
         self._taken = ()
         self._slot = False
@@ -597,16 +655,7 @@ class Turn:
                     yield SLOT, self.keys  # (the keys: for the error if it is not reached)
                 self._slot = got is not HELD
                 waited = _NO_KEY
-            self._taken = taken
-            self.token = (
-                shared.tokens[self.keys[0]] if shared and shared.tokens else next(registry.tokens)
-            )
-            if registry.timed and taken:  # (a reentrant turn is part of the outer one)
-                self._since = registry.started(self._since)
-            if self._hold is not None and taken:
-                self._clock = start_clock(holder, self._hold)  # type: ignore[arg-type]
-            if shared is not None:
-                CURRENT.set(shared)
+            self._seated(holder, taken)
             self._holder = holder  # NOTE: last, with no call after: the turn is held
         except BaseException as error:
             yield from self._untaking(holder, taken, waited, error)
