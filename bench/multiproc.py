@@ -233,7 +233,9 @@ SCENARIOS = (
         0.0,
         **_SYNC_REDIS,
         workers=SYNC_WORKERS,
-        min_ops=(("redis-py-lock-lease", 1.2),),
+        # Issue 45: redis-py's Lock is unfair (arrival order 0.1%), so not the yardstick;
+        # the least any fair hand-off costs on Redis (a ticket lock woken by BLPOP) is.
+        min_ops=(("redis-fifo-floor", 0.95),),
         min_order_pct=99.0,
         min_fairness=0.95,
     ),

@@ -393,6 +393,46 @@ async def test_a_leave_that_overtakes_its_enqueue_leaves_no_member(
         assert await client.eval(LEAVE.body, *leave, b"0") == 1
 
 
+async def test_a_hand_off_calls_redis_only_for_what_it_does_not_know(
+    own_redis: Server,
+) -> None:
+    """A release that hands the key on, and an enqueue behind a holder, read the holder
+    once and never ask again whether the key is free; the release leaves the line's TTLs
+    (its members' enqueues and renewals keep them), which still hold after it."""
+    # Before: the release read the holder three times and asked whether the key was
+    # free, then whether the line was empty, and set four TTLs; the enqueue read the
+    # holder twice and asked twice whether the key was free.
+    client = aioredis.Redis.from_url(own_redis.url)
+    backend = RedisBackend.from_url(own_redis.url, namespace="calls", lease=LEASE)
+    try:
+        names = backend._line_for("k").names
+        config = backend._config
+        tail = (config.lease_ms, config.ttl_ms, config.channels, b"host 1 0", b"s:k")
+        for member in ("a/1", "b/1"):  # a holds, b waits
+            await client.eval(ENQUEUE.body, 5, *names, member, *tail)
+        await client.config_resetstat()
+        assert (await client.eval(ENQUEUE.body, 5, *names, "c/1", *tail))[0] == 0
+        enqueued = await client.info("commandstats")
+        await client.config_resetstat()
+        leave = (5, *names, "a/1", config.ttl_ms, config.channels, b"0")
+        assert await client.eval(LEAVE.body, *leave) == 1  # b holds now, c waits
+        left = await client.info("commandstats")
+        calls = {
+            name: {k[len("cmdstat_") :]: v["calls"] for k, v in stats.items()}
+            for name, stats in (("enqueue", enqueued), ("leave", left))
+        }
+        assert calls["enqueue"].get("hget") == 1, calls
+        assert "hexists" not in calls["enqueue"], calls
+        assert calls["leave"].get("hget") == 2, calls  # the holder; the last token
+        assert not {"hexists", "zcard", "pexpire"} & calls["leave"].keys(), calls
+        assert [line.holder is not None for line in await backend.lines()] == [True]
+        for name in names[:4]:
+            assert 0 < await client.pttl(name) <= 3 * LEASE * 1000
+    finally:
+        await backend.aclose()
+        await client.aclose()
+
+
 async def test_keys_other_than_str_bytes_int_are_refused(make_backend: BackendFactory) -> None:
     queue = KeyedQueue(backend=make_backend())
     with pytest.raises(TypeError, match=r"\(tuple\) cannot name a line shared between processes"):

@@ -19,12 +19,24 @@ from ._resp import bulk
 # KEYS: line, q, lease, info, gone. Shared by every script: the clock, dropping
 # expired members, granting a free key to the head, and deleting or
 # refreshing the line's keys.
+#
+# Each redis.call costs a script about a microsecond besides its command's own
+# work, and a release's script is on the way of every hand-off: so a script
+# calls Redis for what it does not know yet, never twice for the same thing
+# (the holder, whether the key is free, whether the line is empty).
+#
+# The line's keys' TTL (three leases) is set by every enqueue and renewal:
+# every member renews its lease every third of one, so a line that has a
+# member that lives keeps its keys; a line whose members all died loses them
+# within three leases. A release that hands the key on leaves the TTLs as they
+# are (the new holder renews them); one that empties the line deletes its keys.
 _PRELUDE = """
 local line, q, lease, info, gone = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
 
+-- Drop the members whose lease expired; how many there were.
 local function purge()
   local expired = redis.call('ZRANGEBYSCORE', lease, '-inf', now)
   for _, m in ipairs(expired) do
@@ -35,12 +47,14 @@ local function purge()
       redis.call('HDEL', line, 'holder')
     end
   end
+  return #expired
 end
 
-local function grant(channels, me)
-  if redis.call('HEXISTS', line, 'holder') == 1 then return end
+-- The key is free: hand it to the head of the line (told on its channel, unless it
+-- is me); the head and its token, or nil if nobody waits.
+local function hand_on(channels, me)
   local head = redis.call('ZRANGE', q, 0, 0)[1]
-  if not head then return end
+  if not head then return nil end
   redis.call('ZREM', q, head)
   local token = math.max(tonumber(redis.call('HGET', line, 'token') or '0') + 1, now_us)
   token = string.format('%.0f', token)
@@ -48,13 +62,22 @@ local function grant(channels, me)
   if head ~= me then
     redis.call('PUBLISH', channels .. string.match(head, '^[^/]+'), head .. ' ' .. token)
   end
+  return head, token
+end
+
+local function grant(channels, me)
+  if redis.call('HEXISTS', line, 'holder') == 0 then hand_on(channels, me) end
+end
+
+local function refresh(ttl)
+  for _, k in ipairs({line, q, lease, info}) do redis.call('PEXPIRE', k, ttl) end
 end
 
 local function finish(ttl)
   if redis.call('HEXISTS', line, 'holder') == 0 and redis.call('ZCARD', q) == 0 then
     redis.call('DEL', line, q, lease, info)
   else
-    for _, k in ipairs({line, q, lease, info}) do redis.call('PEXPIRE', k, ttl) end
+    refresh(ttl)
   end
 end
 """
@@ -80,17 +103,18 @@ if redis.call('EXISTS', line, q) == 0 then
   return {1, token}
 end
 purge()
-if redis.call('HGET', line, 'holder') ~= member then
+local holder, token = redis.call('HGET', line, 'holder'), nil
+if holder ~= member then
   local seq = redis.call('HINCRBY', line, 'seq', 1)
   redis.call('ZADD', q, 'NX', seq, member)
   redis.call('ZADD', lease, now + lease_ms, member)
   redis.call('HSET', info, member, ARGV[5])
   redis.call('HSETNX', line, 'key', ARGV[6])
-  grant(channels, member)
+  if not holder then holder, token = hand_on(channels, member) end
 end
-finish(ttl)
-if redis.call('HGET', line, 'holder') == member then
-  return {1, redis.call('HGET', line, 'token')}
+refresh(ttl)  -- (never empty: member is in it)
+if holder == member then
+  return {1, token or redis.call('HGET', line, 'token')}
 end
 return {0, redis.call('ZRANK', q, member) + 1}
 """
@@ -108,17 +132,19 @@ _LEAVE = (
     _PRELUDE
     + """
 local member, ttl, channels = ARGV[1], tonumber(ARGV[2]), ARGV[3]
-if redis.call('HGET', line, 'holder') == member and redis.call('EXISTS', q) == 0
+local holder = redis.call('HGET', line, 'holder')
+if holder == member and redis.call('EXISTS', q) == 0
     and tonumber(redis.call('ZSCORE', lease, member) or 0) > now then
   -- the holder leaves, its lease good, nobody waits: the line ends
   redis.call('DEL', line, lease, info)
   return 1
 end
-purge()
+if purge() > 0 then holder = redis.call('HGET', line, 'holder') end
 local status = 0
-if redis.call('HGET', line, 'holder') == member then
+if holder == member then
   redis.call('HDEL', line, 'holder')
   redis.call('HSET', line, 'last', member)
+  holder = false
   status = 1
 elseif redis.call('ZREM', q, member) == 1 then
   status = 2
@@ -133,7 +159,9 @@ elseif ARGV[4] == '1' then
 end
 redis.call('ZREM', lease, member)
 redis.call('HDEL', info, member)
-grant(channels, '')
+if not holder and hand_on(channels, '') then
+  return status  -- the key is handed on: the line goes on, its TTLs kept by its members
+end
 finish(ttl)
 return status
 """
