@@ -476,22 +476,24 @@ class Turn:
                 mode.settle(loop_of(holder))
         self._holder = _ENTERING
         ticket = self._ticket
-        stepped = registry.timed or self._hold is not None
-        if (
-            len(self.keys) != 1
-            or (ticket is not None and (stepped or ticket.policy.debounce is not None))
-            or (stepped and (lined or registry.backend is not None or type(self) is not Turn))
-        ):
+        if registry.timed or self._hold is not None:  # stepped
+            self._path = _STEPS
+            if (
+                len(self.keys) == 1
+                and ticket is None
+                and not lined
+                and registry.backend is None
+                and type(self) is Turn
+                and registry.try_take(self.keys[0], holder) is True  # the fast verb first
+            ):
+                self._seat_now(holder)  # (HELD: reentrant; False: busy. Its steps go on)
+            return holder
+        if len(self.keys) != 1 or (ticket is not None and ticket.policy.debounce is not None):
             self._path = _STEPS
             return holder
         got = True if lined else registry.try_take(self.keys[0], holder)  # the fast verb first
         if got is False:
-            self._path = _ALONE if ticket is None and not stepped else _STEPS  # (busy: it waits)
-            return holder
-        if stepped:
-            self._path = _STEPS  # (HELD: reentrant, its steps take nothing again)
-            if got is True:
-                self._seat_now(holder)
+            self._path = _ALONE if ticket is None else _STEPS  # (busy: it waits)
             return holder
         self._path = None if got is True else _NOTHING  # (HELD: reentrant, took nothing)
         self.token = next(registry.tokens)
