@@ -205,10 +205,14 @@ _NO_FLUSH: Final = "set_config('synchronous_commit', 'off', true)"
 #: Rows nobody needs: keys not recorded for 2 * RECORD_EVERY and not locked now (any
 #: process that uses a key records it again within RECORD_EVERY), sessions that ended.
 _TIDY: Final = (
-    f"; DELETE FROM {KEYS} WHERE seen < now() - interval '{2 * RECORD_EVERY} seconds'"
-    f" AND lock_id NOT IN (SELECT {_LOCK_ID} FROM pg_locks l WHERE {_ADVISORY})"
-    f"; DELETE FROM {SESSIONS} WHERE pid NOT IN"
-    " (SELECT pid FROM pg_stat_activity WHERE pid IS NOT NULL)"
+    (
+        f"DELETE FROM {KEYS} WHERE seen < now() - interval '{2 * RECORD_EVERY} seconds'"
+        f" AND lock_id NOT IN (SELECT {_LOCK_ID} FROM pg_locks l WHERE {_ADVISORY})"
+    ).encode(),
+    (
+        f"DELETE FROM {SESSIONS} WHERE pid NOT IN"
+        " (SELECT pid FROM pg_stat_activity WHERE pid IS NOT NULL)"
+    ).encode(),
 )
 
 
@@ -225,23 +229,30 @@ def recording_session(host: str, pid: int) -> str:
     )
 
 
-#: How long recording a key may wait for a row lock (another process's record or tidy):
-#: past it, it gives up (and tries again later); the turn goes on.
+#: How long recording a key may wait for a lock (another process's record or tidy, of a
+#: row, or an owner's of the table): past it, it gives up (and tries again later); the
+#: turn goes on.
 _RECORD_WAIT: Final = "250ms"
+#: A record's settings, for its transaction only.
+_RECORD_SETTINGS: Final = (
+    f"SELECT set_config('lock_timeout', '{_RECORD_WAIT}', true), {_NO_FLUSH}"
+).encode()
 
 
-def recording_key(namespace: str, lock: int, name: bytes, tidy: bool) -> bytes:
+def recording_key(namespace: str, lock: int, name: bytes, tidy: bool) -> tuple[bytes, ...]:
     """The statements that record the key whose portable name is name (its lock: lock), once
-    per RECORD_EVERY / 2 whoever records it; ``tidy``: :data:`_TIDY` too. Simple protocol,
-    one transaction (namespace: letters, digits and ``_.:-`` only, as PostgresBackend checks)."""
-    return (
-        f"SELECT set_config('lock_timeout', '{_RECORD_WAIT}', true), {_NO_FLUSH};"
-        f" INSERT INTO {KEYS} (namespace, lock_id, name)"
+    per RECORD_EVERY / 2 whoever records it; ``tidy``: :data:`_TIDY` too. One statement
+    each, without parameters, for one transaction: sent ahead of a wait (see
+    ``_wire.Ahead``), or joined by ``;`` (namespace: letters, digits and ``_.:-`` only, as
+    PostgresBackend checks). The settings come first, in a statement of their own: a
+    statement that writes a table waits for the table's lock as it is parsed."""
+    record = (
+        f"INSERT INTO {KEYS} (namespace, lock_id, name)"
         f" VALUES ('{namespace}', {lock:d}, decode('{name.hex()}', 'hex'))"
         " ON CONFLICT (namespace, lock_id) DO UPDATE SET seen = now()"
         f" WHERE {KEYS}.seen < now() - interval '{RECORD_EVERY // 2} seconds'"
-        + (_TIDY if tidy else "")
     ).encode()
+    return (_RECORD_SETTINGS, record, *_TIDY) if tidy else (_RECORD_SETTINGS, record)
 
 
 #: lines() of namespace %s: each lock id with a recorded key, and each session in its
