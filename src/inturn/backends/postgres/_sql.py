@@ -89,10 +89,15 @@ _TRY: Final = "PREPARE inturn_try (int8, text) AS" + _TOKEN + " FROM (" + _TRIED
 _TRY_AFTER: Final = (
     "PREPARE inturn_try_after (int8, text, text) AS" + _TOKEN + _AFTER + " FROM (" + _TRIED
 )
-# The end of a turn: unlock each of its keys; whether each was held, in order.
+# The end of a turn: unlock each of its keys; whether each was held, in order. (A turn's
+# usual, one key: without the array, its unnest and its sort, which cost the server
+# more than the unlock itself.)
 _UNLOCK: Final = (
     "PREPARE inturn_unlock (int8[]) AS SELECT pg_advisory_unlock(id), pg_backend_pid()"
     " FROM unnest($1) WITH ORDINALITY AS locks(id, n) ORDER BY n;"
+)
+_UNLOCK_ONE: Final = (
+    "PREPARE inturn_unlock_one (int8) AS SELECT pg_advisory_unlock($1), pg_backend_pid();"
 )
 # Which server session this is (not the one the client was told of at connect when a
 # pooler sits in between), and the role's own statement_timeout (in ms): the first row.
@@ -105,6 +110,7 @@ WAIT_AFTER: Final = b"inturn_wait_after"
 TRY: Final = b"inturn_try"
 TRY_AFTER: Final = b"inturn_try_after"
 UNLOCK: Final = b"inturn_unlock"
+UNLOCK_ONE: Final = b"inturn_unlock_one"
 
 #: UNLOCK, unprepared: for a connection whose statements were deallocated meanwhile
 #: (``DEALLOCATE ALL`` by a pool's reset).
@@ -140,7 +146,16 @@ def prepare(server_version: int, record: str = "") -> bytes:
     ``record``: :func:`recording_session`'s statement, or ''."""
     check = _CHECK if server_version >= 140000 else ""
     return (
-        _WHO + record + _SETTINGS + check + _WAIT + _WAIT_AFTER + _TRY + _TRY_AFTER + _UNLOCK
+        _WHO
+        + record
+        + _SETTINGS
+        + check
+        + _WAIT
+        + _WAIT_AFTER
+        + _TRY
+        + _TRY_AFTER
+        + _UNLOCK
+        + _UNLOCK_ONE
     ).encode()
 
 
@@ -170,10 +185,15 @@ def waiting(
     return TRY_AFTER if timeout == 0 else WAIT_AFTER, params
 
 
-def unlocking(locks: list[int]) -> list[bytes | None]:
-    """The parameters of UNLOCK (and UNLOCK_SQL) for locks: one int8 array."""
+def unlocking(locks: list[int]) -> tuple[bytes, list[bytes | None]]:
+    """The prepared statement that unlocks locks (rows as UNLOCK's), and its parameters."""
     if len(locks) == 1:  # (a turn's usual)
-        return [b"{%d}" % locks[0]]
+        return UNLOCK_ONE, [b"%d" % locks[0]]
+    return UNLOCK, unlocking_array(locks)
+
+
+def unlocking_array(locks: list[int]) -> list[bytes | None]:
+    """The parameters of UNLOCK and UNLOCK_SQL for locks: one int8 array."""
     return [("{" + ",".join(map(str, locks)) + "}").encode()]
 
 

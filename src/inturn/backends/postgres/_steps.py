@@ -223,7 +223,7 @@ def giving_back(
         if isinstance(answer, list):
             if not answer:
                 return  # timeout=0, and the key was busy
-            undo = (_sql.UNLOCK, _sql.unlocking([lock]), True)
+            undo = (*_sql.unlocking([lock]), True)
         else:  # it failed after the grant, or where: ask the server
             undo = (_sql.UNDO, _sql.undoing(lock), False)
         undone = yield (ASK, connection, *undo, until)
@@ -249,10 +249,11 @@ def ending(connection: Any, locks: list[int], until: float) -> Generator[Op, Any
     connection is never kept holding a lock); whether its keys were held
     until now is then unknown.
     """
-    params = _sql.unlocking(locks)
+    sql, params = _sql.unlocking(locks)
     try:
-        answer = yield (ASK, connection, _sql.UNLOCK, params, True, until)
+        answer = yield (ASK, connection, sql, params, True, until)
         if isinstance(answer, errors.InvalidSqlStatementName):  # deallocated (a pool's reset)
+            params = _sql.unlocking_array(locks)
             answer = yield (ASK, connection, _sql.UNLOCK_SQL, params, False, until)
     except GeneratorExit:  # (abandoned: its event loop ended; no more ops)
         raise
