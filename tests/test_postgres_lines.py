@@ -29,7 +29,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo  # noqa: E402
 from inturn import BackendUnavailable, KeyedQueue  # noqa: E402
 from inturn.__main__ import main  # noqa: E402
 from inturn.backends import LineInfo  # noqa: E402
-from inturn.backends.postgres import PostgresBackend, _sql  # noqa: E402
+from inturn.backends.postgres import PostgresBackend, _session, _sql  # noqa: E402
 
 from support.faults import Proxy  # noqa: E402
 from support.helpers import PATIENCE  # noqa: E402
@@ -327,6 +327,21 @@ async def test_a_new_keys_record_goes_out_with_its_wait_in_one_round_trip(
         proxy.thaw()
         done = await asyncio.wait_for(asyncio.gather(new, return_exceptions=True), PATIENCE)
     assert done == ["new"]
+    assert await recorded(admin, namespace) == [b"s:known", b"s:new"]
+
+
+@pytest.mark.parametrize("way", ["task", "thread"])
+async def test_without_pipeline_mode_a_new_keys_record_goes_first_in_a_round_trip_of_its_own(
+    backend: PostgresBackend,
+    admin: Any,
+    namespace: str,
+    way: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # (a libpq before 14 has no pipeline mode: psycopg's Pipeline.is_supported() is False)
+    monkeypatch.setattr(_session, "PIPELINES", False)
+    turn = taking(KeyedQueue(backend=backend), way)
+    assert [await turn(key) for key in ("known", "new", "new")] == ["known", "new", "new"]
     assert await recorded(admin, namespace) == [b"s:known", b"s:new"]
 
 

@@ -50,6 +50,11 @@ _SYNCED: Final = pq.ExecStatus.PIPELINE_SYNC
 _SQLSTATE: Final = pq.DiagnosticField.SQLSTATE
 
 
+#: Whether libpq has pipeline mode (14+): without it, there is no :class:`Ahead`, and
+#: what would go ahead of a statement goes in a round trip of its own before it.
+PIPELINES: Final = psycopg.Pipeline.is_supported()
+
+
 class Ahead:
     """Statements sent ahead of another in its round trip, as one transaction of their own
     (see the module); their outcome once in (None until then, or if it never came)."""
@@ -189,7 +194,8 @@ def send(
     Its answer is read by :func:`answer_sync`, or by a :class:`Reply` (a
     task's: :func:`ask`). ``ahead``: statements sent before it in the same
     round trip, in a transaction of their own (``sql`` then has params, or
-    is prepared: the extended protocol, one statement).
+    is prepared: the extended protocol, one statement; only if
+    :data:`PIPELINES`).
 
     :raises psycopg.OperationalError: the statement could not be sent.
     """
