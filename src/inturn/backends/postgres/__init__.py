@@ -66,7 +66,8 @@ class PostgresBackend:
     - One round trip takes a key (the lock, then the fencing token from the
       sequence ``inturn_token``), and one frees every key of a turn. A key
       new to the process costs no more: its name is recorded (see below) in
-      the same round trip as its lock.
+      the same round trip as its lock (libpq 14+, as ``psycopg[binary]``
+      has; an older libpq records it in a round trip of its own first).
     - A holder or waiter whose process dies frees its place as soon as the
       server sees its connection close (a waiter within about a second, by
       ``client_connection_check_interval``, on PostgreSQL 14+).
