@@ -394,6 +394,8 @@ SHAPES = {
     "latest": ("memory", {"pending": "latest"}, "k"),
     "file": ("file", {}, "k"),  # a shared backend: the backend's grant too
     "redis": ("redis", {}, "k"),  # a thread's calls run on the backend's loop
+    # a thread's own connection: a new key's record goes ahead of its wait (issue 45)
+    "postgres": ("postgres", {}, "k"),
 }
 
 
@@ -417,6 +419,10 @@ def _queues(
             from inturn.backends.redis import RedisBackend
 
             backend: Any = RedisBackend.from_url(url, namespace=namespace)
+        elif kind == "postgres":
+            from inturn.backends.postgres import PostgresBackend
+
+            backend = PostgresBackend.from_url(url, namespace=namespace)
         else:
             backend = FileBackend(place)
             backend.line("k")  # (it opens the directory at its first use: not a turn's file)
@@ -426,16 +432,52 @@ def _queues(
     return KeyedQueue(backend=make(), **options), KeyedQueue(backend=make(), **options)
 
 
+#: The PostgreSQL backend's package: its shape is swept there only (psycopg's connect alone
+#: makes thousands of calls, and an interrupt in it leaves nothing: there is no connection).
+_POSTGRES = str(Path(__file__).resolve().parent.parent / "src" / "inturn" / "backends" / "postgres")
+
+
+class PostgresInterrupter(Interrupter):
+    """An Interrupter that fires at calls of the PostgreSQL backend's own code only."""
+
+    def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
+        if frame.f_code.co_filename.startswith(_POSTGRES):
+            super().__call__(frame, event, arg)
+
+
+class PostgresCheckInterrupter(CheckInterrupter):
+    """A CheckInterrupter that fires inside the PostgreSQL backend's own code only."""
+
+    def __call__(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "call" and not frame.f_code.co_filename.startswith(_POSTGRES):
+            if frame.f_back is not None:
+                self._entered.add(id(frame.f_back))  # (its call ran Python: see _CALL_CHECKS)
+            return None
+        return super().__call__(frame, event, arg)
+
+
 #: The shapes whose taking is swept at every check (CheckInterrupter): all of them.
 CHECKED = frozenset(SHAPES)
+#: The kinds of sweep of each shape, and their names.
+_SWEEPS = {"postgres": (PostgresInterrupter, PostgresCheckInterrupter)}
+_KINDS = {
+    Interrupter: "calls",
+    CheckInterrupter: "checks",
+    PostgresInterrupter: "calls",
+    PostgresCheckInterrupter: "checks",
+}
 
 
 @pytest.mark.parametrize("contended", [False, True], ids=["free", "held"])
 @pytest.mark.parametrize(
     ("shape", "kind"),
-    [(shape, Interrupter) for shape in SHAPES]
-    + [(shape, CheckInterrupter) for shape in SHAPES if shape in CHECKED],
-    ids=lambda value: {Interrupter: "calls", CheckInterrupter: "checks"}.get(value, value),
+    [
+        (shape, kind)
+        for shape in SHAPES
+        for kind in _SWEEPS.get(shape, (Interrupter, CheckInterrupter))
+        if kind is not CheckInterrupter or shape in CHECKED
+    ],
+    ids=lambda value: _KINDS.get(value, value),
 )
 def test_an_interrupt_anywhere_in_a_threads_taking_leaves_the_key_free(
     request: pytest.FixtureRequest, shape: str, contended: bool, kind: type[Interrupter]

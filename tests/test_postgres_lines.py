@@ -24,12 +24,16 @@ import pytest
 
 psycopg = pytest.importorskip("psycopg")
 
+from psycopg.conninfo import conninfo_to_dict, make_conninfo  # noqa: E402
+
 from inturn import BackendUnavailable, KeyedQueue  # noqa: E402
 from inturn.__main__ import main  # noqa: E402
 from inturn.backends import LineInfo  # noqa: E402
-from inturn.backends.postgres import PostgresBackend, _sql  # noqa: E402
+from inturn.backends.postgres import PostgresBackend, _session, _sql  # noqa: E402
 
+from support.faults import Proxy  # noqa: E402
 from support.helpers import PATIENCE  # noqa: E402
+from support.pg_checks import advisory_locks_left  # noqa: E402
 from support.processes import Worker  # noqa: E402
 from support.servers import free_port  # noqa: E402
 
@@ -264,6 +268,132 @@ async def test_a_process_records_a_key_once_not_per_turn(
     await admin.execute("DELETE FROM inturn_keys WHERE namespace = %s", [namespace])
     async with queue.keyed("k"):
         assert await backend.lines() == []
+
+
+@pytest.fixture
+async def proxied(postgres_url: str, namespace: str) -> AsyncIterator[tuple[Proxy, KeyedQueue]]:
+    """A queue whose backend reaches the server through a Proxy, and that proxy."""
+    port = int(conninfo_to_dict(postgres_url).get("port") or 5432)
+    proxy = Proxy(port).start()
+    url = make_conninfo(postgres_url, port=proxy.port)
+    backend = PostgresBackend.from_url(url, namespace=namespace)
+    try:
+        yield proxy, KeyedQueue(backend=backend)
+    finally:
+        proxy.thaw()
+        await backend.aclose()
+        proxy.close()
+
+
+def taking(queue: KeyedQueue, way: str) -> Callable[[str], Awaitable[str]]:
+    """A turn on a key, by way ("task", or "thread": in a thread of its own), that
+    returns the key."""
+
+    async def turn(key: str) -> str:
+        if way == "task":
+            return await queue.run(key, lambda: key)
+        return await asyncio.to_thread(queue.run_sync, key, lambda: key)
+
+    return turn
+
+
+async def recorded(admin: Any, namespace: str) -> list[bytes]:
+    """The names of namespace's keys in the table of keys."""
+    cursor = await admin.execute(
+        "SELECT name FROM inturn_keys WHERE namespace = %s ORDER BY 1", [namespace]
+    )
+    return [bytes(row[0]) for row in await cursor.fetchall()]
+
+
+@pytest.mark.parametrize("way", ["task", "thread"])
+async def test_a_new_keys_record_goes_out_with_its_wait_in_one_round_trip(
+    proxied: tuple[Proxy, KeyedQueue], admin: Any, namespace: str, way: str
+) -> None:
+    # Before issue 45, a process's first turn on a key sent its record and waited for the
+    # answer before it sent the wait: a round trip more per new key.
+    proxy, queue = proxied
+    turn = taking(queue, way)
+    assert await turn("known") == "known"  # (a connection readied and kept, and the tables)
+    proxy.hold_replies()  # (the server's answers to the kept connection wait)
+    proxy.forget()
+    new = asyncio.ensure_future(turn("new"))
+    try:
+        # both go out before any answer comes back: the wait does not wait for the record
+        sent = await asyncio.to_thread(proxy.hears, b"inturn_wait", PATIENCE)
+        assert sent is not None, "the wait was not sent before the record's answer came"
+        assert sent.count(b"INSERT INTO inturn_keys") == 1
+        assert sent.index(b"INSERT INTO inturn_keys") < sent.index(b"inturn_wait")
+    finally:
+        proxy.thaw()
+        done = await asyncio.wait_for(asyncio.gather(new, return_exceptions=True), PATIENCE)
+    assert done == ["new"]
+    assert await recorded(admin, namespace) == [b"s:known", b"s:new"]
+
+
+@pytest.mark.parametrize("way", ["task", "thread"])
+async def test_without_pipeline_mode_a_new_keys_record_goes_first_in_a_round_trip_of_its_own(
+    backend: PostgresBackend,
+    admin: Any,
+    namespace: str,
+    way: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # (a libpq before 14 has no pipeline mode: psycopg's Pipeline.is_supported() is False)
+    monkeypatch.setattr(_session, "PIPELINES", False)
+    turn = taking(KeyedQueue(backend=backend), way)
+    assert [await turn(key) for key in ("known", "new", "new")] == ["known", "new", "new"]
+    assert await recorded(admin, namespace) == [b"s:known", b"s:new"]
+
+
+@pytest.mark.parametrize("way", ["task", "thread"])
+async def test_a_connection_lost_with_a_record_and_its_wait_in_flight_leaves_no_lock(
+    proxied: tuple[Proxy, KeyedQueue], postgres_url: str, admin: Any, namespace: str, way: str
+) -> None:
+    # The record and the wait went out together; the server granted the lock, but its
+    # answer never came back: the turn fails, the session (and its lock) ends with the
+    # connection, and the key, whose record was never answered, is recorded again.
+    proxy, queue = proxied
+    turn = taking(queue, way)
+    assert await turn("known") == "known"
+    proxy.hold_replies()
+    proxy.forget()
+    new = asyncio.ensure_future(turn("new"))
+    try:
+        assert await asyncio.to_thread(proxy.hears, b"inturn_wait", PATIENCE) is not None
+        await until(lambda: _granted_to_someone(admin), "the server granted the wait that went out")
+    finally:
+        proxy.cut()
+        proxy.thaw()
+        [failed] = await asyncio.wait_for(asyncio.gather(new, return_exceptions=True), PATIENCE)
+    assert isinstance(failed, BackendUnavailable), repr(failed)
+    assert await advisory_locks_left(postgres_url) == []
+    await admin.execute("DELETE FROM inturn_keys WHERE namespace = %s", [namespace])
+    assert await turn("new") == "new"  # (a new connection)
+    assert await recorded(admin, namespace) == [b"s:new"]
+
+
+async def _granted_to_someone(admin: Any) -> bool:
+    cursor = await admin.execute(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+    )
+    row = await cursor.fetchone()
+    return bool(row and row[0])
+
+
+@pytest.mark.parametrize("way", ["task", "thread"])
+async def test_a_record_that_finds_the_tables_gone_makes_them_and_the_turn_goes_on(
+    backend: PostgresBackend, admin: Any, namespace: str, way: str
+) -> None:
+    # (the record goes with the wait; the tables are made again after the grant, before
+    # the work, and the key recorded then)
+    turn = taking(KeyedQueue(backend=backend), way)
+    assert await turn("known") == "known"
+    await admin.execute("DROP TABLE inturn_keys, inturn_sessions")
+    try:
+        assert await turn("new") == "new"
+        assert await recorded(admin, namespace) == [b"s:new"]
+    finally:
+        await admin.execute(_sql.MAKE_TABLES.decode())
 
 
 async def test_a_record_leaves_the_sessions_settings_as_they_were(

@@ -587,6 +587,25 @@ async def test_missing_privileges_are_named_and_the_work_does_not_run(own_postgr
         assert ran == []
 
 
+@pytest.mark.parametrize("keys", [("a",), ("a", "b")], ids=["one key", "two keys"])
+async def test_statements_deallocated_under_a_plain_turn_still_unlock_its_keys(
+    postgres_url: str, keys: tuple[str, ...]
+) -> None:
+    """A plain turn's unlock (one key's statement, or an array's) finds the statements
+    gone (DEALLOCATE ALL, as a pool's reset runs): it unlocks unprepared, and holds."""
+    backend = _backend(postgres_url, max_sessions=1)
+    try:
+        session = backend.session(len(keys), False, False)  # (a plain turn's, as the queue's)
+        grants = [await session.acquire(key, None) for key in keys]
+        await session.connection.execute("DEALLOCATE ALL")
+        await session.close(None)
+        assert [grant.lost for grant in grants] == [False] * len(keys)
+        assert await advisory_locks_left(postgres_url) == []
+        assert await KeyedQueue(backend=backend).run("a", lambda: "again") == "again"
+    finally:
+        await backend.aclose()
+
+
 async def test_statements_deallocated_by_the_work_still_unlock_the_keys(
     postgres_url: str, table: str
 ) -> None:

@@ -12,7 +12,10 @@ Through it a test can
   connections flow), as when a network drops one direction of a flow;
 - :meth:`~Proxy.cut` every connection at once (the peer sees a reset);
 - :meth:`~Proxy.inject` bytes into every server-to-client stream (RESP3 push
-  frames, say), written between two chunks the server sent.
+  frames, say), written between two chunks the server sent;
+- :meth:`~Proxy.hears` whether the clients sent given bytes (a statement's
+  name, say), waiting for them: with :meth:`~Proxy.hold_replies`, what a
+  client sends before any answer comes back.
 
 Plain sockets and one selector: every socket the proxy opens is in one set,
 and :meth:`~Proxy.close` closes each of them.
@@ -57,6 +60,8 @@ class Proxy:
         self._closed = False
         self._lock = threading.Lock()  # held to change the pipes or the state
         self._wake_r, self._wake_w = socket.socketpair()  # wakes the selector for a change
+        self._heard = bytearray()  # what the clients sent, since the start or forget()
+        self._hearing = threading.Condition(self._lock)  # notified as the clients send
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     @property
@@ -124,7 +129,12 @@ class Proxy:
         if not data:
             self._drop(pipe)
             return
-        (pipe.to_server if sock is pipe.client else pipe.to_client).extend(data)
+        if sock is pipe.client:
+            pipe.to_server.extend(data)
+            self._heard.extend(data)
+            self._hearing.notify_all()
+        else:
+            pipe.to_client.extend(data)
 
     def _flush(self) -> None:
         """Pass on what every pipe holds (the proxy is not frozen)."""
@@ -211,6 +221,19 @@ class Proxy:
             return len(pipes)
 
         return self._change(inject)
+
+    def hears(self, data: bytes, timeout: float) -> bytes | None:
+        """What the clients sent since the start or :meth:`forget`, once it holds data
+        (waiting for it up to timeout seconds); None if it did not come by then."""
+        with self._hearing:
+            if not self._hearing.wait_for(lambda: data in self._heard, timeout):
+                return None
+            return bytes(self._heard)
+
+    def forget(self) -> None:
+        """Forget what the clients sent until now (for :meth:`hears`)."""
+        with self._lock:
+            self._heard.clear()
 
     def connections(self) -> int:
         """Client connections open through the proxy now."""

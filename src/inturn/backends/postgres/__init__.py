@@ -64,7 +64,10 @@ class PostgresBackend:
     - No polling: each waiting key is one ``pg_advisory_lock`` call, and the
       server shows the waiter with ``wait_event = 'advisory'``.
     - One round trip takes a key (the lock, then the fencing token from the
-      sequence ``inturn_token``), and one frees every key of a turn.
+      sequence ``inturn_token``), and one frees every key of a turn. A key
+      new to the process costs no more: its name is recorded (see below) in
+      the same round trip as its lock (libpq 14+, as ``psycopg[binary]``
+      has; an older libpq records it in a round trip of its own first).
     - A holder or waiter whose process dies frees its place as soon as the
       server sees its connection close (a waiter within about a second, by
       ``client_connection_check_interval``, on PostgreSQL 14+).
@@ -136,9 +139,10 @@ class PostgresBackend:
 
     Beside it, two tables let :meth:`lines` name what ``pg_locks`` shows (a
     lock id is a digest, a server pid not the client's): ``inturn_keys``, a
-    key's name by namespace and lock id, written by a process before its
-    first wait for the key and then at most once an hour while it uses it
-    (not per turn: one round trip per new key per process), and
+    key's name by namespace and lock id, written by a process as it first
+    waits for the key (sent ahead of the wait in the same round trip, in a
+    transaction of its own, whose failure never fails the wait) and then at
+    most once an hour while it uses it (not per turn), and
     ``inturn_sessions``, the client's host and process id of each session,
     written in the round trip that readies a connection. A process deletes
     the rows nobody needs (keys unused for two hours and not locked,

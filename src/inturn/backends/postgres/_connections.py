@@ -173,14 +173,14 @@ class Connections:
                     return None
             lease.place = place
             place.take_idle(lease)
+            if lease.connection is None:
+                lease.abandon()
+                return None
+            if isinstance(place, LoopPlace):
+                place.active.add(lease.connection)
         except BaseException:  # (a signal handler's: what the lease has, it gives back)
             lease.abandon()
             raise
-        if lease.connection is None:
-            lease.abandon()
-            return None
-        if isinstance(place, LoopPlace):
-            place.active.add(lease.connection)
         return lease
 
     # -- what the drivers do for the steps ------------------------------------------------

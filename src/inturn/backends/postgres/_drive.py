@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, final
 import psycopg
 
 from ._steps import ANSWER, ASK, AUTOCOMMIT, CANCEL, CLOSE, CONNECT, PROBE, SLOT, Steps
-from ._wire import Reply, answer_sync, ask, discard, send, settle
+from ._wire import Ahead, Reply, answer_sync, ask, discard, send, settle
 
 if TYPE_CHECKING:
     from ._connections import Connections
@@ -117,7 +117,8 @@ class Run:
                 if verb == ASK:
                     self._reply = None
                     try:
-                        self._reply = ask(op[1], op[2], op[3], op[4], self.loop)
+                        ahead = op[6] if len(op) > 6 else None
+                        self._reply = ask(op[1], op[2], op[3], op[4], self.loop, ahead)
                     except psycopg.OperationalError as failed:
                         value = failed
                         continue
@@ -241,11 +242,12 @@ class _Asked:
     """The statement a thread asked last: where it runs (None: it never went out), and what
     of its answer was read."""
 
-    __slots__ = ("pgconn", "results")
+    __slots__ = ("ahead", "pgconn", "results")
 
     def __init__(self) -> None:
         self.pgconn: Any = None
         self.results: list[Any] = []
+        self.ahead: Ahead | None = None  # (the statements sent ahead of it, if any)
 
 
 def _driving(
@@ -263,16 +265,21 @@ def _driving(
         try:
             if verb == ASK:
                 asked.pgconn = None
+                ahead = op[6] if len(op) > 6 else None
                 try:
-                    send(op[1], op[2], op[3], prepared=op[4])
+                    send(op[1], op[2], op[3], prepared=op[4], ahead=ahead)
                 except psycopg.OperationalError as failed:
                     value = failed
                 else:
-                    asked.pgconn, asked.results = op[1].pgconn, []
-                    value = answer_sync(asked.pgconn, asked.results, op[5], True)
+                    asked.pgconn, asked.results, asked.ahead = op[1].pgconn, [], ahead
+                    value = answer_sync(asked.pgconn, asked.results, op[5], True, ahead)
             elif verb == ANSWER:
                 pgconn = asked.pgconn
-                value = None if pgconn is None else answer_sync(pgconn, asked.results, op[1], False)
+                value = (
+                    None
+                    if pgconn is None
+                    else answer_sync(pgconn, asked.results, op[1], False, asked.ahead)
+                )
             elif verb == CLOSE:
                 discard(op[1])
                 asked.pgconn = None

@@ -8,10 +8,15 @@ first schema of the ``search_path``):
 
 - ``inturn_keys``: a key's portable name (:func:`inturn._order.portable_name`,
   as the Redis and the file backends record it) by namespace and lock id,
-  written by a process before its first wait for the key, then again at most
+  written by a process as it first waits for the key, then again at most
   once per :data:`._sql.RECORD_EVERY` seconds while it uses the key: once
-  per key per process, not per turn. :class:`Names` remembers which keys
-  this process recorded, and when (a bounded number of them).
+  per key per process, not per turn. The record goes ahead of the wait in
+  the same round trip (a :class:`Record`, see :func:`._wire.send`), in a
+  transaction of its own that commits before the wait begins: a new key
+  costs no round trip more, its name is there while it waits, and a record
+  that fails (a row lock held too long, the tables gone) leaves the wait
+  as it is. :class:`Names` remembers which keys this process recorded, and
+  when (a bounded number of them).
 - ``inturn_sessions``: the client's host and process id by server session,
   written once per connection, in the round trip that readies it.
 
@@ -43,6 +48,7 @@ from ..._order import portable_key, portable_name
 from .._lines import HolderInfo, LineInfo, WaiterInfo
 from . import _sql
 from ._steps import Op, now, said
+from ._wire import Ahead
 
 logger = logging.getLogger("inturn.postgres")
 
@@ -66,6 +72,17 @@ class Asking(Protocol):
     owner: str
 
     async def rows(self, sql: str, params: list[Any]) -> list[tuple[Any, ...]]: ...
+
+
+@final
+class Record(Ahead):
+    """The statements that record a key, sent ahead of its wait; whether they tidy too."""
+
+    __slots__ = ("tidy",)
+
+    def __init__(self, statements: tuple[bytes, ...], tidy: bool) -> None:
+        super().__init__(statements)
+        self.tidy = tidy
 
 
 def this_host() -> str:
@@ -102,25 +119,24 @@ class Names:
             return ""
         return _sql.recording_session(self._host, os.getpid())
 
-    def recording(
-        self, key: Hashable, lock: int, namespace: str, ask: Callable[[bytes], Any]
-    ) -> Generator[Op, Any, None]:
-        """Record key (its lock: lock) in the tables, tidying them if it is time.
-
-        ask: the steps that send a statement on the turn's connection (and raise if
-        it is lost, or does not answer in time: see _ready.Readiness.asking).
-        """
+    def record(self, key: Hashable, lock: int, namespace: str) -> Record:
+        """The record of key (its lock: lock), tidying the tables if it is time: to send
+        ahead of key's wait (see _wire.Ahead), then to give to :meth:`recorded`."""
         tidy = now() >= self._tidy_at
-        sql = _sql.recording_key(namespace, lock, portable_name(key), tidy)
-        answer = yield from ask(sql)
-        if isinstance(answer, errors.UndefinedTable):  # dropped meanwhile: made again
-            self.made((yield from ask(_sql.MAKE_TABLES)))
-            if self.on:
-                answer = yield from ask(sql)
+        return Record(_sql.recording_key(namespace, lock, portable_name(key), tidy), tidy)
+
+    def recorded(self, key: Hashable, lock: int, record: Record) -> bool:
+        """Note what record came to (nothing if its outcome never came: key stays due);
+        True if the tables are gone (dropped meanwhile: :meth:`remaking` makes them)."""
+        answer = record.outcome
+        if answer is None:
+            return False
+        if isinstance(answer, errors.UndefinedTable):
+            return True
         due = self._due
         if isinstance(answer, list):
             self._failing = False
-            if tidy:
+            if record.tidy:
                 self._tidy_at = now() + _sql.RECORD_EVERY
             due.pop(lock, None)  # (kept oldest first)
             due[lock] = now() + _sql.RECORD_EVERY
@@ -141,6 +157,21 @@ class Names:
                     _RETRY,
                 )
             due[lock] = now() + _RETRY
+        return False
+
+    def remaking(
+        self, key: Hashable, lock: int, namespace: str, ask: Callable[[bytes], Any]
+    ) -> Generator[Op, Any, None]:
+        """Make the tables again (a record found them gone), then record key again.
+
+        ask: the steps that send a statement on the turn's connection (and raise if
+        it is lost, or does not answer in time: see _ready.Readiness.asking).
+        """
+        self.made((yield from ask(_sql.MAKE_TABLES)))
+        if self.on:
+            record = self.record(key, lock, namespace)
+            record.outcome = yield from ask(b";".join(record.statements))
+            self.recorded(key, lock, record)
 
     def made(self, answer: Any) -> None:
         """What making the tables came to: made (or by another session at once), or refused."""

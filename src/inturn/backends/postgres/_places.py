@@ -24,6 +24,7 @@ from . import _wire
 
 _OK: Final = psycopg.pq.ConnStatus.OK
 _IDLE: Final = psycopg.pq.TransactionStatus.IDLE
+_OFF: Final = psycopg.pq.PipelineStatus.OFF
 
 
 @final
@@ -383,10 +384,14 @@ def alive(answer: _wire.Outcome | None) -> bool:
 
 
 def reusable(connection: Any) -> bool:
+    """Whether connection may serve another turn: alive, idle, in autocommit, not in
+    pipeline mode (see _wire.Ahead)."""
+    pgconn = connection.pgconn
     return bool(
-        connection.pgconn.status == _OK
+        pgconn.status == _OK
         and connection.autocommit
-        and connection.pgconn.transaction_status == _IDLE
+        and pgconn.transaction_status == _IDLE
+        and pgconn.pipeline_status == _OFF
     )
 
 

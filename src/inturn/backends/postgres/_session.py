@@ -43,7 +43,7 @@ from ._steps import (
     said,
     waiting,
 )
-from ._wire import discard
+from ._wire import PIPELINES, discard
 
 if TYPE_CHECKING:
     from .._base import Grant
@@ -269,20 +269,34 @@ class PgSession:
             if lease is None:
                 lease = self._lease = yield from connections.taking(key, timeout, until, tier)
         names = connections.ready.names
-        if names.due(lock):  # (once per key per process: see _lines)
+        # the key's name, sent ahead of its wait (once per key per process: see _lines)
+        record = names.record(key, lock, self._namespace) if names.due(lock) else None
+        remake = False
+        if record is not None and not PIPELINES:  # (libpq before 14: a round trip first)
             ask = connections.ready.asking(
                 lease.connection, key, timeout, until, True, "recording the key's name"
             )
-            yield from names.recording(key, lock, self._namespace, ask)
+            record.outcome = yield from ask(b";".join(record.statements))
+            remake, record = names.recorded(key, lock, record), None
         grants = self._grants
         held = bool(grants) and lock in [grant.lock for grant in grants]
         last = self._transaction and len(grants) + 1 >= self._count
-        answer = yield from waiting(lease, lock, timeout, until, held, last, connections.limits)
+        limits = connections.limits
+        answer = yield from waiting(lease, lock, timeout, until, held, last, limits, record)
+        if record is not None:
+            remake = names.recorded(key, lock, record)
         if not isinstance(answer, list):
             answer = yield from self._again(key, lock, timeout, until, held, last, answer)
         if not answer:  # timeout=0, and the key was busy
             lease.unsure = None
             raise missed((key,), Waited.LINE, timeout)
+        if remake and (until is None or now() < until):
+            # the tables were dropped meanwhile: made again before the work (rare; with no
+            # time left, by a later turn on a new key, as this key stays due)
+            ask = connections.ready.asking(
+                lease.connection, key, timeout, until, True, "recording the key's name"
+            )
+            yield from names.remaking(key, lock, self._namespace, ask)
         grant = PostgresGrant(key, self._token(key, answer, timeout), lock, self)
         grants.append(grant)
         lease.unsure = None

@@ -89,10 +89,15 @@ _TRY: Final = "PREPARE inturn_try (int8, text) AS" + _TOKEN + " FROM (" + _TRIED
 _TRY_AFTER: Final = (
     "PREPARE inturn_try_after (int8, text, text) AS" + _TOKEN + _AFTER + " FROM (" + _TRIED
 )
-# The end of a turn: unlock each of its keys; whether each was held, in order.
+# The end of a turn: unlock each of its keys; whether each was held, in order. (A turn's
+# usual, one key: without the array, its unnest and its sort, which cost the server
+# more than the unlock itself.)
 _UNLOCK: Final = (
     "PREPARE inturn_unlock (int8[]) AS SELECT pg_advisory_unlock(id), pg_backend_pid()"
     " FROM unnest($1) WITH ORDINALITY AS locks(id, n) ORDER BY n;"
+)
+_UNLOCK_ONE: Final = (
+    "PREPARE inturn_unlock_one (int8) AS SELECT pg_advisory_unlock($1), pg_backend_pid();"
 )
 # Which server session this is (not the one the client was told of at connect when a
 # pooler sits in between), and the role's own statement_timeout (in ms): the first row.
@@ -105,6 +110,7 @@ WAIT_AFTER: Final = b"inturn_wait_after"
 TRY: Final = b"inturn_try"
 TRY_AFTER: Final = b"inturn_try_after"
 UNLOCK: Final = b"inturn_unlock"
+UNLOCK_ONE: Final = b"inturn_unlock_one"
 
 #: UNLOCK, unprepared: for a connection whose statements were deallocated meanwhile
 #: (``DEALLOCATE ALL`` by a pool's reset).
@@ -140,7 +146,16 @@ def prepare(server_version: int, record: str = "") -> bytes:
     ``record``: :func:`recording_session`'s statement, or ''."""
     check = _CHECK if server_version >= 140000 else ""
     return (
-        _WHO + record + _SETTINGS + check + _WAIT + _WAIT_AFTER + _TRY + _TRY_AFTER + _UNLOCK
+        _WHO
+        + record
+        + _SETTINGS
+        + check
+        + _WAIT
+        + _WAIT_AFTER
+        + _TRY
+        + _TRY_AFTER
+        + _UNLOCK
+        + _UNLOCK_ONE
     ).encode()
 
 
@@ -170,10 +185,15 @@ def waiting(
     return TRY_AFTER if timeout == 0 else WAIT_AFTER, params
 
 
-def unlocking(locks: list[int]) -> list[bytes | None]:
-    """The parameters of UNLOCK (and UNLOCK_SQL) for locks: one int8 array."""
+def unlocking(locks: list[int]) -> tuple[bytes, list[bytes | None]]:
+    """The prepared statement that unlocks locks (rows as UNLOCK's), and its parameters."""
     if len(locks) == 1:  # (a turn's usual)
-        return [b"{%d}" % locks[0]]
+        return UNLOCK_ONE, [b"%d" % locks[0]]
+    return UNLOCK, unlocking_array(locks)
+
+
+def unlocking_array(locks: list[int]) -> list[bytes | None]:
+    """The parameters of UNLOCK and UNLOCK_SQL for locks: one int8 array."""
     return [("{" + ",".join(map(str, locks)) + "}").encode()]
 
 
@@ -205,10 +225,14 @@ _NO_FLUSH: Final = "set_config('synchronous_commit', 'off', true)"
 #: Rows nobody needs: keys not recorded for 2 * RECORD_EVERY and not locked now (any
 #: process that uses a key records it again within RECORD_EVERY), sessions that ended.
 _TIDY: Final = (
-    f"; DELETE FROM {KEYS} WHERE seen < now() - interval '{2 * RECORD_EVERY} seconds'"
-    f" AND lock_id NOT IN (SELECT {_LOCK_ID} FROM pg_locks l WHERE {_ADVISORY})"
-    f"; DELETE FROM {SESSIONS} WHERE pid NOT IN"
-    " (SELECT pid FROM pg_stat_activity WHERE pid IS NOT NULL)"
+    (
+        f"DELETE FROM {KEYS} WHERE seen < now() - interval '{2 * RECORD_EVERY} seconds'"
+        f" AND lock_id NOT IN (SELECT {_LOCK_ID} FROM pg_locks l WHERE {_ADVISORY})"
+    ).encode(),
+    (
+        f"DELETE FROM {SESSIONS} WHERE pid NOT IN"
+        " (SELECT pid FROM pg_stat_activity WHERE pid IS NOT NULL)"
+    ).encode(),
 )
 
 
@@ -225,23 +249,30 @@ def recording_session(host: str, pid: int) -> str:
     )
 
 
-#: How long recording a key may wait for a row lock (another process's record or tidy):
-#: past it, it gives up (and tries again later); the turn goes on.
+#: How long recording a key may wait for a lock (another process's record or tidy, of a
+#: row, or an owner's of the table): past it, it gives up (and tries again later); the
+#: turn goes on.
 _RECORD_WAIT: Final = "250ms"
+#: A record's settings, for its transaction only.
+_RECORD_SETTINGS: Final = (
+    f"SELECT set_config('lock_timeout', '{_RECORD_WAIT}', true), {_NO_FLUSH}"
+).encode()
 
 
-def recording_key(namespace: str, lock: int, name: bytes, tidy: bool) -> bytes:
+def recording_key(namespace: str, lock: int, name: bytes, tidy: bool) -> tuple[bytes, ...]:
     """The statements that record the key whose portable name is name (its lock: lock), once
-    per RECORD_EVERY / 2 whoever records it; ``tidy``: :data:`_TIDY` too. Simple protocol,
-    one transaction (namespace: letters, digits and ``_.:-`` only, as PostgresBackend checks)."""
-    return (
-        f"SELECT set_config('lock_timeout', '{_RECORD_WAIT}', true), {_NO_FLUSH};"
-        f" INSERT INTO {KEYS} (namespace, lock_id, name)"
+    per RECORD_EVERY / 2 whoever records it; ``tidy``: :data:`_TIDY` too. One statement
+    each, without parameters, for one transaction: sent ahead of a wait (see
+    ``_wire.Ahead``), or joined by ``;`` (namespace: letters, digits and ``_.:-`` only, as
+    PostgresBackend checks). The settings come first, in a statement of their own: a
+    statement that writes a table waits for the table's lock as it is parsed."""
+    record = (
+        f"INSERT INTO {KEYS} (namespace, lock_id, name)"
         f" VALUES ('{namespace}', {lock:d}, decode('{name.hex()}', 'hex'))"
         " ON CONFLICT (namespace, lock_id) DO UPDATE SET seen = now()"
         f" WHERE {KEYS}.seen < now() - interval '{RECORD_EVERY // 2} seconds'"
-        + (_TIDY if tidy else "")
     ).encode()
+    return (_RECORD_SETTINGS, record, *_TIDY) if tidy else (_RECORD_SETTINGS, record)
 
 
 #: lines() of namespace %s: each lock id with a recorded key, and each session in its

@@ -15,8 +15,10 @@ checked every ``unreachable_after`` seconds (see :class:`Limits`).
 
 The ops and their answers:
 
-- ``(ASK, connection, sql, params, prepared, until)``: send a statement now
-  (see :func:`._wire.send`); its outcome (rows, or its psycopg error: the
+- ``(ASK, connection, sql, params, prepared, until[, ahead])``: send a
+  statement now (see :func:`._wire.send`; ``ahead``, a :class:`._wire.Ahead`:
+  with those statements ahead of it in the same round trip, their outcome
+  put in it); its outcome (rows, or its psycopg error: the
   ``OperationalError`` of one that could not be sent), or None if it did
   not come by ``until`` (None: no bound).
 - ``(ANSWER, until)``: as ASK, for the statement asked last, still running.
@@ -47,7 +49,7 @@ from psycopg import errors
 
 from ..._errors import BackendUnavailable
 from . import _sql
-from ._wire import Outcome, Rows
+from ._wire import Ahead, Outcome, Rows
 
 ASK: Final = 0
 ANSWER: Final = 1
@@ -135,6 +137,7 @@ def waiting(
     held: bool,
     last: bool,
     limits: Limits,
+    ahead: Ahead | None = None,
 ) -> Generator[Op, Any, Outcome | None]:
     """Wait for lock on the lease's connection, by ``until``: the outcome of the waiting
     statement (rows: granted; an error: not granted, and given back if it may have
@@ -142,7 +145,9 @@ def waiting(
     server that is not there).
 
     ``held``: the session holds lock already (two keys of one digest); ``last``: the
-    last key of a transaction turn, whose work gets the role's statement_timeout back.
+    last key of a transaction turn, whose work gets the role's statement_timeout back;
+    ``ahead``: statements sent ahead of the wait in its round trip (the key's record),
+    whose outcome, if it came, is in it when this returns (or raises).
     The lock is never kept when this does not return rows: a wait that failed after
     its grant, or that was given up on (no answer, an interrupt), is called off by
     :func:`giving_back`, within the margin. ``lease.unsure`` names the lock while
@@ -164,7 +169,7 @@ def waiting(
     answer: Outcome | None
     lease.unsure = (lock, held)  # (until the outcome is taken: by the caller, if rows)
     try:
-        answer = yield (ASK, connection, sql, params, True, check)
+        answer = yield (ASK, connection, sql, params, True, check, ahead)
         if answer is None:
             answer = yield from checking(ready.pid, bound, limits)
     except GeneratorExit:  # (abandoned: its event loop ended; no more ops)
@@ -218,7 +223,7 @@ def giving_back(
         if isinstance(answer, list):
             if not answer:
                 return  # timeout=0, and the key was busy
-            undo = (_sql.UNLOCK, _sql.unlocking([lock]), True)
+            undo = (*_sql.unlocking([lock]), True)
         else:  # it failed after the grant, or where: ask the server
             undo = (_sql.UNDO, _sql.undoing(lock), False)
         undone = yield (ASK, connection, *undo, until)
@@ -244,10 +249,11 @@ def ending(connection: Any, locks: list[int], until: float) -> Generator[Op, Any
     connection is never kept holding a lock); whether its keys were held
     until now is then unknown.
     """
-    params = _sql.unlocking(locks)
+    sql, params = _sql.unlocking(locks)
     try:
-        answer = yield (ASK, connection, _sql.UNLOCK, params, True, until)
+        answer = yield (ASK, connection, sql, params, True, until)
         if isinstance(answer, errors.InvalidSqlStatementName):  # deallocated (a pool's reset)
+            params = _sql.unlocking_array(locks)
             answer = yield (ASK, connection, _sql.UNLOCK_SQL, params, False, until)
     except GeneratorExit:  # (abandoned: its event loop ended; no more ops)
         raise

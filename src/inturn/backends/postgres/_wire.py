@@ -17,6 +17,12 @@ who wait for it: a wait given up on can still learn later what the server
 did. A connection is closed by :func:`discard` only, which first takes its
 socket out of the event loop's selector (a socket left there would haunt
 the next connection given the same descriptor number).
+
+A statement may have others sent *ahead* of it in the same round trip
+(:class:`Ahead`: libpq's pipeline mode, each group ended by a sync, so each
+is a transaction of its own and an error in one never touches the other).
+The connection leaves pipeline mode as the statement's answer is complete;
+one whose answer never comes is closed, as any is.
 """
 
 from __future__ import annotations
@@ -40,18 +46,39 @@ Outcome = Rows | psycopg.Error
 
 _TUPLES_OK: Final = pq.ExecStatus.TUPLES_OK
 _COMMAND_OK: Final = pq.ExecStatus.COMMAND_OK
+_SYNCED: Final = pq.ExecStatus.PIPELINE_SYNC
 _SQLSTATE: Final = pq.DiagnosticField.SQLSTATE
+
+
+#: Whether libpq has pipeline mode (14+): without it, there is no :class:`Ahead`, and
+#: what would go ahead of a statement goes in a round trip of its own before it.
+PIPELINES: Final = psycopg.Pipeline.is_supported()
+
+
+class Ahead:
+    """Statements sent ahead of another in its round trip, as one transaction of their own
+    (see the module); their outcome once in (None until then, or if it never came)."""
+
+    __slots__ = ("outcome", "statements")
+
+    def __init__(self, statements: tuple[bytes, ...]) -> None:
+        #: One statement each, without parameters (the extended protocol's).
+        self.statements = statements
+        self.outcome: Outcome | None = None
 
 
 class Reply:
     """One statement's answer, for a task: read by the event loop's reader as it arrives,
     kept once complete (:attr:`outcome`, None until then), and :attr:`callback` called."""
 
-    __slots__ = ("callback", "fd", "loop", "outcome", "pgconn", "results")
+    __slots__ = ("ahead", "callback", "fd", "loop", "outcome", "pgconn", "results")
 
-    def __init__(self, pgconn: pq.abc.PGconn, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, pgconn: pq.abc.PGconn, loop: asyncio.AbstractEventLoop, ahead: Ahead | None = None
+    ) -> None:
         self.pgconn = pgconn
         self.loop = loop
+        self.ahead = ahead
         self.outcome: Outcome | None = None
         self.callback: Callable[[], None] | None = None
         self.results: list[pq.abc.PGresult] = []
@@ -61,7 +88,7 @@ class Reply:
         loop.add_reader(fd, self._read)
 
     def _read(self) -> None:
-        outcome = collect(self.pgconn, self.results)
+        outcome = collect(self.pgconn, self.results, self.ahead)
         if outcome is not None:
             self.outcome = outcome
             self._done()
@@ -88,18 +115,67 @@ class Reply:
         self.loop.remove_writer(self.fd)
 
 
-def collect(pgconn: pq.abc.PGconn, results: list[pq.abc.PGresult]) -> Outcome | None:
-    """Read what the socket has of the answer into results; its outcome once complete."""
+def collect(
+    pgconn: pq.abc.PGconn, results: list[pq.abc.PGresult], ahead: Ahead | None = None
+) -> Outcome | None:
+    """Read what the socket has of the answer into results; its outcome once complete.
+
+    ``ahead``: the statements sent ahead of it (see :func:`send`), whose
+    outcome goes into it once the answer is complete. Called again after an
+    interrupt (with the same results), it goes on where it was; a result an
+    interrupt made it lose (between libpq's hand and the list) makes the
+    outcome :data:`LOST`, never that of another statement, nor "no rows".
+    """
     try:
         pgconn.consume_input()
+        if ahead is None:
+            while not pgconn.is_busy():
+                result = pgconn.get_result()
+                if result is None:
+                    return _outcome(results)
+                results.append(result)
+            return None
+        # (pipeline mode: a None between two statements' results, a sync result after each
+        # group; two Nones in a row: nothing more to come, its last sync read before)
+        nothing = False
         while not pgconn.is_busy():
             result = pgconn.get_result()
             if result is None:
-                return _outcome(results)
+                if nothing:
+                    break
+                nothing = True
+                continue
+            nothing = False
             results.append(result)
+            if result.status == _SYNCED and _synced(results) == 2:
+                break
+        else:
+            return None
+        pgconn.exit_pipeline_mode()
     except psycopg.OperationalError as error:
         return error
-    return None
+    return _split(results, ahead)
+
+
+#: The outcome of a statement whose answer was read in part only (an interrupt took a
+#: result between libpq and the list): what the statement did is not known.
+LOST: Final = psycopg.DatabaseError("inturn: a result of the statement was lost as it was read")
+
+
+def _synced(results: list[pq.abc.PGresult]) -> int:
+    """How many groups of a pipeline results holds (by their sync results)."""
+    return sum(1 for result in results if result.status == _SYNCED)
+
+
+def _split(results: list[pq.abc.PGresult], ahead: Ahead) -> Outcome:
+    """The outcome of a statement sent with ahead (results: both groups', each with its
+    sync result), and ahead's into it."""
+    syncs = [n for n, result in enumerate(results) if result.status == _SYNCED]
+    if len(syncs) != 2:
+        ahead.outcome = LOST
+        return LOST
+    ahead.outcome = _outcome(results[: syncs[0]])
+    return _outcome(results[syncs[0] + 1 : syncs[1]])
 
 
 def send(
@@ -108,6 +184,7 @@ def send(
     params: Sequence[bytes | None] | None = None,
     *,
     prepared: bool = False,
+    ahead: Ahead | None = None,
 ) -> None:
     """Send a statement on connection now (a thread's: flushed when it returns).
 
@@ -115,12 +192,29 @@ def send(
     a statement prepared on the connection, with its params; or, without
     params, one or more statements separated by ``;`` (the simple protocol).
     Its answer is read by :func:`answer_sync`, or by a :class:`Reply` (a
-    task's: :func:`ask`).
+    task's: :func:`ask`). ``ahead``: statements sent before it in the same
+    round trip, in a transaction of their own (``sql`` then has params, or
+    is prepared: the extended protocol, one statement; only if
+    :data:`PIPELINES`).
 
     :raises psycopg.OperationalError: the statement could not be sent.
     """
     pgconn = connection.pgconn
-    if prepared:
+    if ahead is not None:
+        try:
+            pgconn.enter_pipeline_mode()
+            for statement in ahead.statements:
+                pgconn.send_query_params(statement, None)
+            pgconn.pipeline_sync()
+            if prepared:
+                pgconn.send_query_prepared(sql, params)
+            else:
+                pgconn.send_query_params(sql, params)
+            pgconn.pipeline_sync()
+        except BaseException:  # (half sent, in pipeline mode: of no more use)
+            discard(connection)
+            raise
+    elif prepared:
         pgconn.send_query_prepared(sql, params)
     elif params is None:
         pgconn.send_query(sql)
@@ -134,13 +228,14 @@ def ask(
     params: Sequence[bytes | None] | None,
     prepared: bool,
     loop: asyncio.AbstractEventLoop,
+    ahead: Ahead | None = None,
 ) -> Reply:
     """(A task's.) As :func:`send`; the reply that the loop reads the answer into.
 
     :raises psycopg.OperationalError: the statement could not be sent.
     """
-    send(connection, sql, params, prepared=prepared)
-    return Reply(connection.pgconn, loop)
+    send(connection, sql, params, prepared=prepared, ahead=ahead)
+    return Reply(connection.pgconn, loop, ahead)
 
 
 async def answer(reply: Reply) -> Outcome:
@@ -164,10 +259,15 @@ def settle(future: asyncio.Future[None]) -> None:
 
 
 def answer_sync(
-    pgconn: pq.abc.PGconn, results: list[pq.abc.PGresult], until: float | None, fresh: bool
+    pgconn: pq.abc.PGconn,
+    results: list[pq.abc.PGresult],
+    until: float | None,
+    fresh: bool,
+    ahead: Ahead | None = None,
 ) -> Outcome | None:
-    """(A thread's.) The outcome of the statement sent last on pgconn, read into results,
-    waiting for it until ``until`` (monotonic); None if it did not come in time.
+    """(A thread's.) The outcome of the statement sent last on pgconn, read into results
+    (and ``ahead``'s, if it was sent with some), waiting for it until ``until``
+    (monotonic); None if it did not come in time.
 
     ``fresh``: just sent (its bytes may still wait to go out, and its answer
     is waited for before the socket is read: measured on loopback, it is not
@@ -183,7 +283,7 @@ def answer_sync(
     read = not fresh
     while True:
         if read:
-            outcome = collect(pgconn, results)
+            outcome = collect(pgconn, results, ahead)
             if outcome is not None:
                 return outcome
         if until is None:
@@ -191,7 +291,7 @@ def answer_sync(
         else:
             left = until - time.monotonic()
             if left <= 0:
-                return None if read else collect(pgconn, results)
+                return None if read else collect(pgconn, results, ahead)
             _reader(fd).poll(int(left * 1000) + 1)
         read = True
 
@@ -245,7 +345,10 @@ def discard(connection: Any, reply: Reply | None = None) -> None:
 
 
 def _outcome(results: list[pq.abc.PGresult]) -> Outcome:
-    """The rows of a statement's results, or the error of one that failed."""
+    """The rows of a statement's results, or the error of one that failed (:data:`LOST`:
+    none, as a statement has one at least)."""
+    if not results:
+        return LOST
     rows: Rows = []
     for result in results:
         status = result.status
