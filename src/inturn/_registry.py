@@ -329,24 +329,20 @@ class Registry:
 
         Its fast verb, called first: a turn that returned, with nobody waiting,
         ends with a dict delete (_release's first case, with the checks the
-        caller's untimed turn on one key makes needless), under the lines'
-        lock once threads share them.
+        caller's untimed turn on one key makes needless); once threads share
+        the lines, _release itself, under their lock.
         """
+        mode = self.mode
+        if mode.shared:  # (threads: _release itself under the lines' lock, as release takes it)
+            with mode.lock or mode.locked():
+                self._release((key,), holder, error, result, 0.0, False, False)
+            return
         lines = self.lines
-        if error is None:
-            mode = self.mode
-            if not mode.shared:
-                if lines.get(key) is holder:
-                    del lines[key]  # NOTE: no call from here to the count (an interrupt: see _turn)
-                    self.tally.completed += 1
-                    return
-            else:  # (threads: the same under the lines' lock, which release would take)
-                with mode.lock or mode.locked():
-                    if lines.get(key) is holder:
-                        del lines[key]  # NOTE: as above
-                        self.tally.completed += 1
-                        return
-        self.release((key,), holder, error, result, 0.0)
+        if error is None and lines.get(key) is holder:
+            del lines[key]  # NOTE: no call from here to the count (an interrupt: see _turn)
+            self.tally.completed += 1
+            return
+        self._release((key,), holder, error, result, 0.0, False, False)
 
     def _release(
         self,
