@@ -508,10 +508,7 @@ class Turn:
         here gives the key (and slot) back, as its steps would (_untaking).
         """
         registry = self._registry
-        self._since = _monotonic() if registry.timed else 0.0
-        self._clock = self._shared = None
-        self._taken = ()
-        self._slot = False
+        self._fresh(0.0)
         slots = registry.slots
         waited: object = _SLOT
         try:
@@ -527,6 +524,14 @@ class Turn:
         except BaseException as error:
             next(self._untaking(holder, self.keys, waited, error), None)  # (in process: no wait)
             raise
+
+    def _fresh(self, since: float) -> None:
+        """A taking's start: nothing taken yet, asked for at since (0: now, if timed)."""
+        self._since = since or (_monotonic() if self._registry.timed else 0.0)
+        self._taken = ()
+        self._slot = False
+        self._clock = None
+        self._shared = None
 
     def _seated(self, holder: object, taken: tuple[Hashable, ...]) -> None:
         """The end of a taking (_taking's, _seat_now's): the turn's token, its start counted
@@ -561,11 +566,7 @@ class Turn:
         if self._path is _KEYED:  # (its key taken by the fast verb: see _seat_now)
             self._path = _STEPS
             lined = True
-        self._since = since or (_monotonic() if registry.timed else 0.0)
-        self._taken = ()
-        self._slot = False
-        self._clock = None
-        self._shared = None
+        self._fresh(since)
         own = False
         if registry.backend is not None:
             shared = self._shared = Shared(self, registry, holder, self._transaction)
