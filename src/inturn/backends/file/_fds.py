@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import threading
-from functools import partial
+from collections.abc import Callable
 
 from ._directory import Directory
 from ._linefile import line_name
 
+if sys.platform != "win32":  # (the file backend refuses other platforms at construction)
+    import fcntl
+
+#: Where this process's open descriptors are listed (see _close_unlisted).
+_DESCRIPTORS = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
 #: How a line file is opened again (to tidy it, or to check it): never made, never a link.
 OPEN_TIDY = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -37,20 +43,19 @@ def forks() -> int:
     return _forks
 
 
-def new_serial() -> int:
-    """The serial number of an open to come (see open_tracked), known to its caller first:
-    a clean-up that never got the open's descriptor finds its file by it (close_opened)."""
-    return next(_serials)
+#: The serial number of an open to come (see open_tracked), known to its caller first:
+#: a clean-up that never got the open's descriptor finds its file by it (close_opened).
+new_serial: Callable[[], int] = _serials.__next__
 
 
 def open_tracked(name: str, flags: int, directory: int, mode: int = 0o600, serial: int = 0) -> int:
     """Open name in directory and list it in _OPEN (under serial: a new one if 0).
 
     One step for fork() (under _OPENING), and for an exception from a
-    signal handler or thrown into the thread: no point where CPython could
-    run a handler lies between the open and the listing. Such an exception,
-    raised anywhere in this call, finds the file not open, or listed under
-    serial (see close_opened).
+    signal handler or thrown into the thread: raised anywhere in this call,
+    it finds the file not open, or open and listed under serial (see
+    close_opened), or, raised as the open returned, closes it on its way
+    out (see _open_listed).
     """
     with _OPENING:
         return _open_listed(name, flags, directory, mode, serial)
@@ -87,13 +92,55 @@ def close_opened(serial: int) -> None:
 def _open_listed(name: str, flags: int, directory: int, mode: int, serial: int) -> int:
     """open_tracked's open and listing, one step (see there). Under _OPENING."""
     serial = serial or next(_serials)
-    # NOTE: one step: the open is called by the loop's FOR_ITER, in C, and no CPython
-    # (3.10 to 3.13) checks for a signal at FOR_ITER, at the store of fd, or at the store
-    # in _OPEN, before the loop is left.
-    for fd in iter(partial(os.open, name, flags, mode, dir_fd=directory), None):
+    # NOTE: CPython may run a signal handler right as os.open returns, before the store:
+    # its exception then finds the file open and not listed, and it is found and closed
+    # (_close_unlisted). An OSError is the open's own: it opened nothing. (Calling the
+    # open from C, at a FOR_ITER that does not check, costs a third of a turn's
+    # Python: partial() with dir_fd= is the slow way into os.open.)
+    try:
+        fd = os.open(name, flags, mode, dir_fd=directory)
         _OPEN[fd] = serial
-        return fd
-    raise AssertionError("os.open returned None")  # pragma: no cover - (it returns an int)
+    except OSError:
+        raise
+    except BaseException:
+        _close_unlisted(name, directory)
+        raise
+    return fd
+
+
+def _close_unlisted(name: str, directory: int) -> None:
+    """Close this process's descriptors of file name in directory that _OPEN does not list.
+
+    The clean-up of an open that an exception cut short as it returned (see
+    _open_listed): under _OPENING, every file inturn opens for writing is
+    listed, so such a descriptor is the one that open made (the files it
+    opens only for reading, others' tickets and line files to inspect, are
+    left alone). It is found by its identity: if another process removed
+    the file meanwhile, it stays open, with no lock and in no line. Where
+    the system lists no descriptors (neither /proc/self/fd nor /dev/fd),
+    nothing is found.
+    """
+    try:
+        info = os.stat(name, dir_fd=directory, follow_symlinks=False)
+        listed = os.listdir(_DESCRIPTORS)
+    except OSError:
+        return
+    identity = (info.st_dev, info.st_ino)
+    for entry in listed:
+        fd = int(entry)
+        if fd in _OPEN:
+            continue
+        try:
+            found = os.fstat(fd)
+            if (found.st_dev, found.st_ino) == identity and _writes(fd):
+                os.close(fd)
+        except OSError:  # (the listing's own descriptor, closed since)
+            continue
+
+
+def _writes(fd: int) -> bool:
+    """Whether fd is open for reading and writing, as inturn opens its own files."""
+    return fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
 
 
 def _close_listed(fd: int) -> None:
