@@ -362,18 +362,12 @@ class Registry:
                 self._give_back(key, holder, error, result)
         if counted:
             return
-        if error is None and started == 0.0:  # (an untimed turn: unobserved, see observe)
-            self.tally.completed += 1
-        else:
-            self._count(error, started, cut)
-
-    def _count(self, error: BaseException | None, started: float | None, cut: bool) -> None:
         tally = self.tally
-        if started is None:
+        if error is None and started == 0.0:  # (an untimed turn: unobserved, see observe)
+            tally.completed += 1
+        elif started is None:
             if not isinstance(error, QueueClosed):  # (not queued: not a turn)
                 tally.missed(error)  # type: ignore[arg-type]
-        elif error is None and not started and tally.observer is None:
-            tally.completed += 1  # (Tally.ended's first case, one call less: the hot path)
         else:
             tally.ended(error, cut, (_monotonic() - started) if started else None)
 

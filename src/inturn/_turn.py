@@ -251,22 +251,31 @@ class Turn:
         ``task``: the task this runs in, if the caller knows it (and its loop
         is settled in the thread mode), else the current task; ``lined``: it
         holds the turn's lines already, asked for at ``since`` (see _taking).
+        The fast verb first (_enter_now: no coroutine), then, if it did not
+        take the turn, its waits (_entering); call_in_turn makes the same two
+        calls.
         """
-        holder: asyncio.Task[Any] = self._enter_now(task, lined)  # type: ignore[assignment]
+        holder = self._enter_now(task, lined)
         if self._holder is _ENTERING:
-            try:
-                if self._path is _ALONE:
-                    await wait_alone(self._registry, self.keys[0], holder, self._timeout)
-                    self._held(holder)
-                else:
-                    begun = self._start(holder, since, lined)
-                    if begun is not None:
-                        await self._drive(holder, *begun)
-                    self._holder = holder
-            except BaseException:
-                self._holder = None
-                raise
+            await self._entering(holder, since, lined)  # type: ignore[arg-type]
         return self
+
+    async def _entering(self, holder: asyncio.Task[Any], since: float, lined: bool) -> None:
+        """Wait for the turn that _enter_now did not take (see _enter): alone in its key's
+        line, or by its steps. What fails leaves nothing (its steps give back what they took).
+        """
+        try:
+            if self._path is _ALONE:
+                await wait_alone(self._registry, self.keys[0], holder, self._timeout)
+                self._held(holder)
+            else:
+                begun = self._start(holder, since, lined)
+                if begun is not None:
+                    await self._drive(holder, *begun)
+                self._holder = holder
+        except BaseException:
+            self._holder = None
+            raise
 
     __aenter__ = _enter
 
@@ -283,6 +292,7 @@ class Turn:
             self._holder = None
             self._registry.release_one(self.keys[0], holder, error, result)
             return
+        # The fast verb first (_leave: no coroutine), then its waits: call_in_turn does so too.
         begun = self._leave(error, result)
         if begun is not None:
             await self._drive(holder, *begun)  # type: ignore[arg-type]
@@ -808,7 +818,10 @@ async def call_in_turn(
     """
     token = None if label is None else FUNCTION.set(label)
     try:
-        await turn._enter(task, since, lined)
+        # As turn._enter and turn._exit, with no coroutine of theirs where no wait is needed.
+        holder = turn._enter_now(task, lined)
+        if turn._holder is _ENTERING:
+            await turn._entering(holder, since, lined)  # type: ignore[arg-type]
         ticket = turn._ticket
         if ticket is not None and ticket.answer is not None:  # (its work is not to run)
             return _answered(ticket.answer)
@@ -823,7 +836,10 @@ async def call_in_turn(
             if ticket is None:
                 raise
             return ticket.outcome(error, None)
-        await turn._exit(None, None, None, result)
+        holder = turn._holder
+        begun = turn._leave(None, result)
+        if begun is not None:
+            await turn._drive(holder, *begun)  # type: ignore[arg-type]
         return result if ticket is None else ticket.outcome(None, result)
     finally:
         if token is not None:
