@@ -31,7 +31,6 @@ import enum
 import weakref
 from collections.abc import Callable, Generator, Hashable, Mapping
 from contextlib import suppress
-from functools import partial
 from inspect import isawaitable
 from operator import attrgetter
 from time import monotonic as _monotonic
@@ -91,16 +90,26 @@ _NO_KEY: Final = object()  # (_taking waits for no key or slot: see _untaking)
 _ENTERING: Final = object()
 #: Turn._net unless a thread holds the turn: a callable in C that does nothing (see __del__).
 _DISARMED: Final = tuple
-#: What a turn whose __exit__ never ran is ended with (see _abandoned).
+#: What a turn whose __exit__ never ran is ended with (see _Net).
 _ABANDONED: Final = KeyboardInterrupt("inturn: the turn's block was left without its __exit__")
 
 
-def _abandoned(ref: weakref.ref[Turn]) -> None:
-    """End a thread's turn whose block was left without its __exit__ (see Turn.__del__)."""
-    turn = ref()
-    if turn is not None and turn._holder is not None and turn._holder is not _ENTERING:
-        with suppress(BaseException):
-            turn._exit_sync(None, _ABANDONED)
+@final
+class _Net(weakref.ref):  # type: ignore[type-arg]  # (of a Turn: see __call__)
+    """A thread's turn's net: ends the turn if its block was left without its __exit__.
+
+    Armed as the thread enters (one object: a weak reference, no cycle),
+    and called as the turn is finalized (see ThreadTurn), while the turn
+    is still there to be ended.
+    """
+
+    __slots__ = ()
+
+    def __call__(self) -> None:
+        turn: Turn | None = weakref.ref.__call__(self)
+        if turn is not None and turn._holder is not None and turn._holder is not _ENTERING:
+            with suppress(BaseException):
+                turn._exit_sync(None, _ABANDONED)
 
 
 class _Path(enum.Enum):
@@ -350,7 +359,7 @@ class Turn:
         self._steps = None
         if type(self) is not ThreadTurn:  # (made where no thread was known: see ThreadTurn)
             self.__class__ = ThreadTurn
-        self._net = partial(_abandoned, weakref.ref(self))  # NOTE: armed before it takes anything
+        self._net = _Net(self)  # NOTE: armed before it takes anything
         try:
             self._enter_now(me, lined)
             if self._holder is _ENTERING:
@@ -780,7 +789,7 @@ class ThreadTurn(Turn):  # type: ignore[misc]  # (Turn is final to users; this i
     A signal handler's exception (or one thrown into the thread) that lands
     at the very start of ``__exit__``, before any of its code runs, leaves
     the turn held with nobody to end it. The turn object goes then (once the
-    exception and its traceback go), and its net ends it (see _abandoned).
+    exception and its traceback go), and its net ends it (see _Net).
 
     ``keyed()`` makes a Turn, as it cannot tell whether a ``with`` or an
     ``async with`` will enter it (asking whether an event loop runs here
