@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 from inturn import BackendUnavailable, KeyedQueue
-from inturn.backends.file import FileBackend
+from inturn.backends.file import FileBackend, _fds
 from inturn.backends.file._linefile import parse
 
 from support.file_checks import files, line_file
@@ -418,3 +418,43 @@ def _child(how: str, directory: str) -> None:
 
 if __name__ == "__main__":
     _child(*sys.argv[1:])
+
+
+# -- an interrupt as an open returns -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("listed", [True, False], ids=["listed", "numbers-tried"])
+def test_an_interrupt_as_an_open_returns_closes_that_descriptor_and_no_other(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, listed: bool
+) -> None:
+    """An exception (a signal handler's) raised as the file backend's open of a file to write
+    returns, before the open is listed, closes the descriptor it made; the same file open to
+    read (an inspection, a waiter's probe), and other files open to write, stay open."""
+    directory = os.open(tmp_path, os.O_RDONLY)
+    name = "key.line"
+    reading = os.open(tmp_path / name, os.O_RDONLY | os.O_CREAT, 0o600)
+    writing_another = os.open(tmp_path / "another", os.O_RDWR | os.O_CREAT, 0o600)
+    made: list[int] = []
+    real_open = os.open
+
+    def open_then_interrupted(*args: Any, **kwargs: Any) -> int:
+        made.append(real_open(*args, **kwargs))
+        raise KeyboardInterrupt("a signal handler's, as the open returns")
+
+    try:
+        with monkeypatch.context() as patched:
+            patched.setattr(os, "open", open_then_interrupted)
+            if not listed:  # (where descriptors cannot be listed, each number is tried)
+                patched.setattr(_fds, "_DESCRIPTORS", str(tmp_path / "nowhere"))
+            with pytest.raises(KeyboardInterrupt):
+                _fds.open_tracked(name, os.O_RDWR, directory)
+        assert len(made) == 1
+        with pytest.raises(OSError, match="Bad file descriptor") as closed:
+            os.fstat(made[0])
+        assert closed.value.errno == errno.EBADF
+        os.fstat(reading)  # (open still: these raise if not)
+        os.fstat(writing_another)
+        assert made[0] not in _fds._OPEN
+    finally:
+        for fd in (reading, writing_another, directory):
+            os.close(fd)

@@ -12,16 +12,19 @@ import itertools
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from ._directory import Directory
 from ._linefile import line_name
 
 if sys.platform != "win32":  # (the file backend refuses other platforms at construction)
     import fcntl
+    import resource
 
 #: Where this process's open descriptors are listed (see _close_unlisted).
 _DESCRIPTORS = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
+#: The most descriptor numbers _close_unlisted tries where they cannot be listed.
+_MOST = 1 << 16
 #: How a line file is opened again (to tidy it, or to check it): never made, never a link.
 OPEN_TIDY = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -116,25 +119,27 @@ def _close_unlisted(name: str, directory: int) -> None:
     listed, so such a descriptor is the one that open made (the files it
     opens only for reading, others' tickets and line files to inspect, are
     left alone). It is found by its identity: if another process removed
-    the file meanwhile, it stays open, with no lock and in no line. Where
-    the system lists no descriptors (neither /proc/self/fd nor /dev/fd),
-    nothing is found.
+    the file meanwhile, it stays open, with no lock and in no line. The
+    descriptors are listed by /proc/self/fd (or /dev/fd); where they cannot
+    be, the numbers below the process's limit are tried (up to _MOST).
     """
     try:
         info = os.stat(name, dir_fd=directory, follow_symlinks=False)
-        listed = os.listdir(_DESCRIPTORS)
     except OSError:
         return
+    try:
+        listed: Iterable[int] = map(int, os.listdir(_DESCRIPTORS))
+    except OSError:  # (no descriptor left to list them with, say: each number is tried)
+        listed = range(min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], _MOST))
     identity = (info.st_dev, info.st_ino)
-    for entry in listed:
-        fd = int(entry)
+    for fd in listed:
         if fd in _OPEN:
             continue
         try:
             found = os.fstat(fd)
             if (found.st_dev, found.st_ino) == identity and _writes(fd):
                 os.close(fd)
-        except OSError:  # (the listing's own descriptor, closed since)
+        except OSError:  # (not open: the listing's own, closed since, or a number tried)
             continue
 
 
