@@ -770,6 +770,43 @@ async def test_the_public_api_path_works_with_decode_responses(
     assert await hand_over(a, b) == "next"
 
 
+# -- the public-API path writes at once -------------------------------------------------
+
+
+async def test_a_write_runs_at_once_and_only_what_blocks_is_left_to_a_task() -> None:
+    # A write through redis-py's public API runs in the caller (no pass of the loop);
+    # a write that blocks (a full socket buffer) is finished by a task: resumed with
+    # its future's answer, or cancelled where it waits.
+    record: list[str] = []
+
+    async def write(until: asyncio.Future[None] | None) -> None:
+        record.append("written")
+        if until is not None:
+            await until
+            record.append("drained")
+
+    assert _wire.eagerly(write(None)) is None
+    assert record == ["written"]
+    for cancel in (False, True):
+        record.clear()
+        drained = asyncio.get_running_loop().create_future()
+        rest = _wire.eagerly(write(drained))
+        assert rest is not None
+        assert record == ["written"]
+        finishing = asyncio.ensure_future(rest)  # (a Rest is awaitable, not a coroutine)
+        await asyncio.sleep(0)
+        if cancel:
+            finishing.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await finishing
+            assert drained.cancelled()
+            assert record == ["written"]
+        else:
+            drained.set_result(None)
+            await finishing
+            assert record == ["written", "drained"]
+
+
 # -- the public-API writer task outlives its connection -----------------------------------
 
 

@@ -11,7 +11,7 @@ A connection is then carried one of two ways (a *carrier*):
   parses the replies itself (``_resp``), in the event loop's own callbacks,
   so a reply costs one pass of the loop and no task wakes up for it;
 - through redis-py's public API (:class:`_Public`): ``send_packed_command``
-  and ``read_response`` in a writer and a reader task, when the takeover
+  run at once in the caller, and ``read_response`` in a reader task, when the takeover
   finds redis-py's internals other than it expects (``_takeover``),
   with one warning logged.
 
@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Generator
 from typing import Any, Protocol
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -212,7 +212,13 @@ class _TakenOver(asyncio.Protocol):
 
 
 class _Public:
-    """A connection carried through redis-py's public API: a writer and a reader task.
+    """A connection carried through redis-py's public API: written at once, read by one task.
+
+    A write runs redis-py's ``send_packed_command`` at once, in the caller
+    (:func:`eagerly`): it blocks only while the socket's buffer is full, and
+    then a task finishes it and the writes made meanwhile queue behind it. So
+    a call is written in the pass of the event loop that makes it, as on a
+    taken-over connection; only the reading is a task's.
 
     ``pushes``: hand RESP3 push frames to the listener (a subscription's
     messages are pushes); else redis-py deals with them and they never reach it.
@@ -225,48 +231,68 @@ class _Public:
         "_outgoing",
         "_pushes",
         "_reader",
+        "_rest",
         "_stopped",
-        "_wake",
-        "_writer",
+        "_writing",
     )
-
-    #: Seconds a read waits before it looks again (so no socket_timeout ends an idle connection).
-    POLL = 3600.0
 
     def __init__(self, connection: Any, listener: Listener, pushes: bool) -> None:
         loop = asyncio.get_running_loop()
+        # NOTE: no socket_timeout on a connection of the backend's own (a public
+        # setting; the handshake had it): under one, every write is a task and a
+        # timer (wait_for), every read a timer, and an idle subscription would
+        # time out. The backend finds a silent peer itself (Link.stale, Inbox.ping).
+        connection.socket_timeout = None
         self._connection = connection
         self._listener = listener
         self._pushes = pushes
-        self._outgoing: deque[bytes] = deque()
-        self._wake = asyncio.Event()
-        # NOTE: the writer ends on this, not only on cancel(): redis-py's
+        self._outgoing: deque[bytes] = deque()  # written after the write that blocked, in order
+        self._writing: asyncio.Task[None] | None = None  # finishes a write that blocked
+        self._rest: Rest | None = None  # that write's rest, until it is finished
+        # NOTE: writes end on this, not only on cancel(): redis-py's
         # send_packed_command may swallow a cancellation (Python 3.10, 3.11)
         self._stopped = False  # the connection is gone, or going
         self._failed: Exception | None = None  # the write that failed first, if one did
         self._reader = loop.create_task(self._read(), name="inturn-redis-read")
-        self._writer = loop.create_task(self._write(), name="inturn-redis-write")
 
     def write(self, data: bytes) -> None:
-        self._outgoing.append(data)
-        self._wake.set()
-
-    async def _write(self) -> None:
-        outgoing, wake = self._outgoing, self._wake
+        if self._stopped:
+            return
+        if self._writing is not None:
+            self._outgoing.append(data)
+            return
         try:
-            while not self._stopped:
-                await wake.wait()
-                wake.clear()
-                while outgoing and not self._stopped:
-                    data = b"".join(outgoing)
-                    outgoing.clear()
-                    await self._connection.send_packed_command(data, check_health=False)
+            rest = eagerly(self._connection.send_packed_command(data, check_health=False))
         except Exception as error:
-            logger.debug("inturn: writing to Redis failed: %s", error)
-            if not self._stopped:  # the reader has not seen the end yet: stop it, it tells
-                self._stopped = True
-                self._failed = error
-                self._reader.cancel()
+            self._write_failed(error)
+            return
+        if rest is not None:
+            self._rest = rest
+            self._writing = asyncio.get_running_loop().create_task(
+                self._write(rest), name="inturn-redis-write"
+            )
+
+    async def _write(self, rest: Rest) -> None:
+        """Finish the write that blocked, then write what queued behind it, in order."""
+        outgoing = self._outgoing
+        try:
+            await rest
+            self._rest = None
+            while outgoing and not self._stopped:
+                data = b"".join(outgoing)
+                outgoing.clear()
+                await self._connection.send_packed_command(data, check_health=False)
+        except Exception as error:
+            self._write_failed(error)
+        finally:
+            self._writing = self._rest = None
+
+    def _write_failed(self, error: Exception) -> None:
+        logger.debug("inturn: writing to Redis failed: %s", error)
+        if not self._stopped:  # the reader has not seen the end yet: stop it, it tells
+            self._stopped = True
+            self._failed = error
+            self._reader.cancel()
 
     async def _read(self) -> None:
         connection, got = self._connection, self._listener.got
@@ -276,10 +302,7 @@ class _Public:
                 try:
                     # raw bytes, as this process's own parser gives (decode_responses aside)
                     reply = await connection.read_response(
-                        disable_decoding=True,
-                        timeout=self.POLL,
-                        disconnect_on_error=False,
-                        push_request=self._pushes,
+                        disable_decoding=True, disconnect_on_error=False, push_request=self._pushes
                     )
                 except ResponseError as refusal:  # an error reply: the answer to a call
                     got(refusal)
@@ -290,18 +313,16 @@ class _Public:
         except asyncio.CancelledError:
             if not self._stopped:
                 # not by abort() or close(): the loop is ending (asyncio.run cancels
-                # every task), and the session closes with it (see close()); the
-                # writer ends too, even if redis-py swallowed its own cancellation
+                # every task), and the session closes with it (see close())
                 self._stopped = True
-                self._wake.set()
                 raise
             error = self._failed or error  # stopped by abort(), close() or a failed write
         except Exception as problem:
             error = problem
         # (a GeneratorExit, when abandoned with its loop and collected, skips all this)
         self._stopped = True
-        self._wake.set()
-        self._writer.cancel()
+        if self._writing is not None:
+            self._writing.cancel()
         with contextlib.suppress(Exception):
             await connection.disconnect(nowait=True)
         self._listener.gone(error)
@@ -312,7 +333,10 @@ class _Public:
 
     async def close(self) -> None:
         self.abort()
-        await asyncio.wait((self._reader, self._writer), timeout=1.0)
+        writing = self._writing
+        await asyncio.wait(
+            (self._reader,) if writing is None else (self._reader, writing), timeout=1.0
+        )
         with contextlib.suppress(Exception):  # (a reader cancelled by its loop's end did not)
             await self._connection.disconnect(nowait=True)
 
@@ -322,7 +346,66 @@ class _Public:
         abandon_transport(takeover.writer_transport(self._connection))
         takeover.forget(self._connection)
         abandon_task(self._reader)
-        abandon_task(self._writer)
+        abandon_task(self._writing)
+        if self._rest is not None:
+            self._rest.close()
+
+
+def eagerly(coroutine: Coroutine[Any, Any, None]) -> Rest | None:
+    """Run coroutine now, until it first blocks: None if it finished, else its rest to await.
+
+    :raises: what the coroutine raised before it blocked.
+    """
+    try:
+        blocked = coroutine.send(None)
+    except StopIteration:
+        return None
+    return Rest(coroutine, blocked)
+
+
+class Rest:
+    """The rest of a coroutine that ran until it blocked on a future: await it to finish it.
+
+    A task that awaits this passes the future on, as if it had awaited the
+    coroutine from its start, and resumes the coroutine (or throws into it)
+    as the future answers.
+    """
+
+    __slots__ = ("_blocked", "_coroutine")
+
+    def __init__(self, coroutine: Coroutine[Any, Any, None], blocked: Any) -> None:
+        self._coroutine = coroutine
+        self._blocked = blocked  # what it yielded to its task: the future it waits for
+
+    def __await__(self) -> Generator[Any, None, None]:
+        coroutine, blocked = self._coroutine, self._blocked
+        while True:
+            try:
+                yield blocked
+            except GeneratorExit:  # (the awaiting task is closed unfinished)
+                self.close()
+                raise
+            except BaseException as error:  # (a cancellation, thrown in by the task)
+                try:
+                    blocked = coroutine.throw(error)
+                except StopIteration:
+                    return
+            else:
+                try:
+                    blocked = coroutine.send(None)
+                except StopIteration:
+                    return
+
+    def close(self) -> None:
+        """End the coroutine where it waits, without its event loop (gone, or going).
+
+        redis-py cleans up after a write it never finished by awaiting a
+        disconnect, which needs the loop: that fails here, and is let go (the
+        carrier closes the connection itself), rather than left to the
+        coroutine's collection, which would log it.
+        """
+        with contextlib.suppress(BaseException):
+            self._coroutine.close()
 
 
 def fail(future: asyncio.Future[Any] | None, error: BaseException) -> None:
