@@ -770,6 +770,59 @@ async def test_the_public_api_path_works_with_decode_responses(
     assert await hand_over(a, b) == "next"
 
 
+class HiredisPush(list):  # type: ignore[type-arg]
+    """What hiredis 3.2 and later make of a RESP3 push frame (``hiredis.PushNotification``)."""
+
+
+class HiredisLikeConnection(aioredis.Connection):
+    """A connection that reads as redis-py 5.0's hiredis parser did: a push frame handed
+    over as a reply (marked as hiredis marks it), and decode_responses obeyed whatever
+    ``read_response(disable_decoding=True)`` asked."""
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs["disable_decoding"] = False
+        kwargs["push_request"] = True  # (redis-py's own parser hands the push over then)
+        reply = await super().read_response(*args, **kwargs)
+        if (
+            isinstance(reply, list)
+            and reply
+            and reply[0] in (b"server-cpu-usage", "server-cpu-usage")
+        ):
+            return HiredisPush(reply)
+        return reply
+
+
+async def test_a_push_handed_over_as_a_reply_goes_to_no_call_on_the_public_api_path(
+    make_backend: BackendFactory,
+    proxy: Proxy,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # redis-py 5.0's hiredis parser hands a RESP3 push over as the next reply: it took a
+    # call's place (every later call got the reply of the call before it), or with no
+    # call in flight broke the connection.
+    monkeypatch.setattr(_takeover, "ENABLED", False)
+    monkeypatch.setattr(_wire, "_HiredisPush", HiredisPush)
+    a = make_backend(url=proxy.url, protocol=3, connection_class=HiredisLikeConnection)
+    b = make_backend(url=proxy.url, protocol=3, connection_class=HiredisLikeConnection)
+    qa, qb = KeyedQueue(backend=a), KeyedQueue(backend=b)
+    await qa.run("warm", lambda: None)
+    await qb.run("warm", lambda: None)
+    # (what DEBUG PROTOCOL push sends: a push no redis-py handler claims)
+    assert proxy.inject(b">2\r\n$16\r\nserver-cpu-usage\r\n:42\r\n") >= 4
+    order: list[int] = []
+    await within(
+        LEASE,
+        asyncio.gather(*(q.run("k", order.append, i) for i, q in enumerate([qa, qb] * 5))),
+    )
+    assert sorted(order) == list(range(10))
+    async with qa.keyed("k") as turn:
+        token = turn.token
+    async with qb.keyed("k") as turn:
+        assert turn.token > token
+    assert not [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+
 # -- the public-API path writes at once -------------------------------------------------
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 from collections import deque
 from collections.abc import Callable, Coroutine, Generator
@@ -35,7 +36,14 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..._tasks import abandon_task, abandon_transport
 from . import _takeover as takeover
-from ._resp import Incomplete, parse
+from ._resp import Incomplete, Push, parse
+
+try:  # hiredis 3.2 and later mark a RESP3 push frame (redis-py's parser may hand one over)
+    _HiredisPush: type[list[Any]] = getattr(
+        importlib.import_module("hiredis"), "PushNotification", Push
+    )
+except ImportError:  # (no hiredis: redis-py's own parsers hand no push over unasked)
+    _HiredisPush = Push
 
 logger = logging.getLogger("inturn.redis")
 
@@ -309,6 +317,10 @@ class _Public:
                     continue
                 if reply is None and not connection.is_connected:
                     break
+                if type(reply) is _HiredisPush:
+                    # out of band: redis-py's hiredis parser (5.0 at least) hands it over as a
+                    # reply; a Push goes to no call, and to the subscription as any list
+                    reply = Push(reply)
                 got(reply)
         except asyncio.CancelledError:
             if not self._stopped:
