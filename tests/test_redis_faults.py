@@ -823,6 +823,19 @@ async def test_a_push_handed_over_as_a_reply_goes_to_no_call_on_the_public_api_p
     assert not [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
 
 
+async def test_a_parser_that_decodes_regardless_still_hears_grants_on_the_public_api_path(
+    make_backend: BackendFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # redis-py 5.0's hiredis parser decodes whatever read_response asks: with
+    # decode_responses=True, the subscription's confirmation came as a str, was never
+    # recognised, and no turn could start.
+    monkeypatch.setattr(_takeover, "ENABLED", False)
+    a = make_backend(decode_responses=True, connection_class=HiredisLikeConnection)
+    b = make_backend(decode_responses=True, connection_class=HiredisLikeConnection)
+    assert await within(LEASE, KeyedQueue(backend=a).run("k", lambda: "ran")) == "ran"
+    assert await hand_over(a, b) == "next"
+
+
 # -- the public-API path writes at once -------------------------------------------------
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import importlib
 import logging
 from collections import deque
@@ -76,6 +77,7 @@ async def connect(
     ``pushes``: the listener wants RESP3 push frames (a subscription does).
     """
     connection = make()
+    _undecoded(connection)
     takeover.retrieve_close(connection)  # (should a stream of it end with an error: see there)
     failed: BaseException | None
     try:
@@ -108,6 +110,22 @@ async def connect(
                 transport,
             )
     return _Public(connection, listener, pushes)
+
+
+def _undecoded(connection: Any) -> None:
+    """Have a connection of the backend's own hand replies over as bytes, before it connects.
+
+    Its client may decode them (``decode_responses=True``), and redis-py's
+    hiredis parser (5.0 at least) ignores ``read_response(disable_decoding=True)``:
+    the subscription's "message" would be a str, and never heard. A copy of
+    the client's encoder that does not decode (public attributes, read by the
+    parser as it connects) leaves the client's own as it was.
+    """
+    encoder = getattr(connection, "encoder", None)
+    if encoder is not None and getattr(encoder, "decode_responses", False):
+        undecoded = copy.copy(encoder)
+        undecoded.decode_responses = False
+        connection.encoder = undecoded
 
 
 async def _opened(connection: Any) -> Exception | None:
