@@ -241,10 +241,10 @@ class _Public:
     """A connection carried through redis-py's public API: written at once, read by one task.
 
     A write runs redis-py's ``send_packed_command`` at once, in the caller
-    (:func:`eagerly`): it blocks only while the socket's buffer is full, and
-    then a task finishes it and the writes made meanwhile queue behind it. So
-    a call is written in the pass of the event loop that makes it, as on a
-    taken-over connection; only the reading is a task's.
+    (:func:`eagerly`): it blocks only on a full socket buffer (or a closing
+    connection), and then a task finishes it and the writes made meanwhile
+    queue behind it. So a call is written in the pass of the event loop that
+    makes it, as on a taken-over connection; only the reading is a task's.
 
     ``pushes``: hand RESP3 push frames to the listener (a subscription's
     messages are pushes); else redis-py deals with them and they never reach it.
