@@ -7,7 +7,8 @@ every one of them).
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Coroutine, Hashable
+from typing import Any
 
 from ._describe import cut, describe, function_name
 
@@ -112,6 +113,15 @@ def blocking_in_loop(keys: tuple[Hashable, ...], function: object = None) -> Run
         "was called inside a running event loop; waiting would freeze the loop. Make it "
         "an `async def` and await it (or use `await queue.run(...)`), or call it in a "
         f"thread: `await asyncio.to_thread({name.removesuffix('()')}, ...)`"
+    )
+
+
+def thread_cannot_await(function: object, coroutine: Coroutine[Any, Any, Any]) -> TypeError:
+    """The refusal of a coroutine that a thread's turn got from function (closed: never run)."""
+    coroutine.close()
+    return TypeError(
+        f"inturn: {describe(function)} returned a coroutine, which a thread cannot await; "
+        "for async def functions use `await queue.run(...)`"
     )
 
 

@@ -188,6 +188,27 @@ class Ticket:
             raise error
         return result
 
+    def answered(self) -> Any:
+        """What this ticket's caller gets when its work did not run (its answer: it followed
+        newer work, or was replaced)."""
+        error, result = self.answer  # type: ignore[misc]
+        if error is not None:
+            raise error
+        return result
+
+    def runs(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+        """What this ticket's turn runs, its work starting now (see Book.start): its own work
+        (fn, args, kwargs), or the newest work it carries, in its caller's context."""
+        newer = self.book.start(self)
+        if newer is None:
+            return fn, args, kwargs
+        fn, args, kwargs, context = newer
+        if context is None:
+            return fn, args, kwargs
+        return in_caller_context, (context, self.home, fn, *args), kwargs
+
     def __repr__(self) -> str:
         return f"<Ticket key={describe(self.key)} {self.state.name.lower()} #{self.seq}>"
 

@@ -51,9 +51,9 @@ from ._drive import (
     wait_alone,
     wait_alone_sync,
 )
-from ._errors import blocking_in_loop
+from ._errors import blocking_in_loop, thread_cannot_await
 from ._hold import Clock, start_clock
-from ._latest import RUN, Answer, Ticket, in_caller_context
+from ._latest import RUN, Ticket
 from ._line import HELD, held_by
 from ._shared import CURRENT, Shared
 from ._stats import FUNCTION
@@ -833,10 +833,10 @@ async def call_in_turn(
             await turn._entering(holder, since, lined)  # type: ignore[arg-type]
         ticket = turn._ticket
         if ticket is not None and ticket.answer is not None:  # (its work is not to run)
-            return _answered(ticket.answer)
+            return ticket.answered()
         try:
             if ticket is not None:
-                fn, args, kwargs = _work(ticket, fn, args, kwargs)
+                fn, args, kwargs = ticket.runs(fn, args, kwargs)
             result = fn(*args, **kwargs)
             if type(result) is CoroutineType or (result is not None and isawaitable(result)):
                 result = await result
@@ -875,10 +875,10 @@ def call_in_turn_sync(
         answer = None if ticket is None else ticket.answer
         if answer is None:
             if ticket is not None:
-                fn, args, kwargs = _work(ticket, fn, args, kwargs)
+                fn, args, kwargs = ticket.runs(fn, args, kwargs)
             result = fn(*args, **kwargs)
             if type(result) is CoroutineType:
-                _refuse_coroutine(fn, result)
+                raise thread_cannot_await(fn, result)  # noqa: TRY301 - its turn ends below
     except BaseException as error:
         if turn._holder is None:  # (its entry failed, and gave back what it took)
             raise
@@ -886,36 +886,7 @@ def call_in_turn_sync(
         if ticket is None:
             raise
         return ticket.outcome(error, None)
-    if answer is not None:  # (its work was not to run)
-        return _answered(answer)
+    if answer is not None and ticket is not None:  # (its work was not to run)
+        return ticket.answered()
     turn._exit_sync(None, None, None, result)
     return result if ticket is None else ticket.outcome(None, result)
-
-
-def _answered(answer: Answer) -> Any:
-    """The answer of a call whose work did not run (it followed newer work, or was replaced)."""
-    error, result = answer
-    if error is not None:
-        raise error
-    return result
-
-
-def _work(
-    ticket: Ticket, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
-    """What a conflating call's turn runs, now that its work starts (see Book.start)."""
-    newer = ticket.book.start(ticket)
-    if newer is None:
-        return fn, args, kwargs
-    fn, args, kwargs, context = newer
-    if context is None:
-        return fn, args, kwargs
-    return in_caller_context, (context, ticket.home, fn, *args), kwargs
-
-
-def _refuse_coroutine(fn: object, result: CoroutineType[Any, Any, Any]) -> NoReturn:
-    result.close()
-    raise TypeError(
-        f"inturn: {describe(fn)} returned a coroutine, which a thread cannot await; "
-        "for async def functions use `await queue.run(...)`"
-    )
