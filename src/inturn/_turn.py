@@ -253,38 +253,38 @@ class Turn:
     # -- a task's way in and out -------------------------------------------------------
 
     async def _enter(
-        self, task: asyncio.Task[Any] | None = None, since: float = 0.0, lined: bool = False
+        self,
+        task: asyncio.Task[Any] | None = None,
+        since: float = 0.0,
+        lined: bool = False,
+        holder: asyncio.Task[Any] | None = None,
     ) -> Turn:
         """Take the turn for a task: the one way in of ``async with`` and of every async call.
 
         ``task``: the task this runs in, if the caller knows it (and its loop
         is settled in the thread mode), else the current task; ``lined``: it
         holds the turn's lines already, asked for at ``since`` (see _taking).
-        The fast verb first (_enter_now: no coroutine), then, if it did not
-        take the turn, its waits (_entering); call_in_turn makes the same two
-        calls.
+        ``holder``: the fast verb (_enter_now) was called already, and did not
+        take the turn for holder: call_in_turn calls it first, and makes this
+        coroutine only for a wait.
         """
-        holder = self._enter_now(task, lined)
+        me: asyncio.Task[Any] = (
+            self._enter_now(task, lined) if holder is None else holder  # type: ignore[assignment]
+        )
         if self._holder is _ENTERING:
-            await self._entering(holder, since, lined)  # type: ignore[arg-type]
+            try:
+                if self._path is _ALONE:
+                    await wait_alone(self._registry, self.keys[0], me, self._timeout)
+                    self._held(me)
+                else:
+                    begun = self._start(me, since, lined)
+                    if begun is not None:
+                        await self._drive(me, *begun)
+                    self._holder = me
+            except BaseException:
+                self._holder = None
+                raise
         return self
-
-    async def _entering(self, holder: asyncio.Task[Any], since: float, lined: bool) -> None:
-        """Wait for the turn that _enter_now did not take (see _enter): alone in its key's
-        line, or by its steps. What fails leaves nothing (its steps give back what they took).
-        """
-        try:
-            if self._path is _ALONE:
-                await wait_alone(self._registry, self.keys[0], holder, self._timeout)
-                self._held(holder)
-            else:
-                begun = self._start(holder, since, lined)
-                if begun is not None:
-                    await self._drive(holder, *begun)
-                self._holder = holder
-        except BaseException:
-            self._holder = None
-            raise
 
     __aenter__ = _enter
 
@@ -830,7 +830,7 @@ async def call_in_turn(
         # As turn._enter and turn._exit, with no coroutine of theirs where no wait is needed.
         holder = turn._enter_now(task, lined)
         if turn._holder is _ENTERING:
-            await turn._entering(holder, since, lined)  # type: ignore[arg-type]
+            await turn._enter(task, since, lined, holder)  # type: ignore[arg-type]
         ticket = turn._ticket
         if ticket is not None and ticket.answer is not None:  # (its work is not to run)
             return ticket.answered()
