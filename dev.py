@@ -7,9 +7,10 @@ Each command creates a virtual environment (``.venv``, or ``.venv-X.Y`` for
 library only, so it runs on a fresh machine with nothing but Python 3.10+.
 
 ``redis-tests`` runs only the Redis backend's tests, with ``--redis-py
-VERSION`` (or ``oldest``: the lowest ``pyproject.toml`` allows) in a
-virtual environment of its own; set ``INTURN_REDIS_WIRE=public`` to run
-them through redis-py's public API instead of the connection takeover.
+VERSION`` (or ``oldest``: the lowest ``pyproject.toml`` allows), and with
+``--hiredis`` hiredis too (redis-py's C parser then), in a virtual
+environment of its own; set ``INTURN_REDIS_WIRE=public`` to run them
+through redis-py's public API instead of the connection takeover.
 
 ``docs`` builds the documentation site into ``site/`` with ``mkdocs build
 --strict`` (a broken link or API reference fails it); other arguments go to
@@ -94,9 +95,15 @@ def _venv_python(venv: Path) -> Path:
 
 
 def ensure_venv(
-    python: str, groups: tuple[str, ...], *, dedicated: bool, redis_py: str = ""
+    python: str,
+    groups: tuple[str, ...],
+    *,
+    dedicated: bool,
+    redis_py: str = "",
+    hiredis: bool = False,
 ) -> Path:
-    """Return the venv's interpreter, with inturn, its groups (and redis==redis_py) installed."""
+    """Return the venv's interpreter, with inturn, its groups (and redis==redis_py, and
+    hiredis) installed."""
     major, minor = _version_of(python)
     if (major, minor) < (3, 10):
         sys.exit(f"dev.py: inturn needs Python 3.10 or newer; {python} is {major}.{minor}")
@@ -105,6 +112,9 @@ def ensure_venv(
     if redis_py:
         name += f"-redis-{redis_py}"
         pins.append(f"redis=={redis_py}")
+    if hiredis:
+        name += "-hiredis"
+        pins.append("hiredis")
     venv = ROOT / name
     interpreter = _venv_python(venv)
     if not interpreter.exists():
@@ -279,6 +289,11 @@ def main() -> None:
         help="redis-tests: with this redis-py ('oldest': the lowest pyproject.toml allows)",
     )
     parser.add_argument(
+        "--hiredis",
+        action="store_true",
+        help="redis-tests: with hiredis installed (redis-py's C parser)",
+    )
+    parser.add_argument(
         "--screenshots",
         nargs="?",
         const=str(ROOT / "screenshots"),
@@ -290,10 +305,19 @@ def main() -> None:
     python = options.python or sys.executable
     redis_py = oldest_redis_py() if options.redis_py == "oldest" else options.redis_py
     venv_python = ensure_venv(
-        python, GROUPS[options.command], dedicated=bool(options.python), redis_py=redis_py
+        python,
+        GROUPS[options.command],
+        dedicated=bool(options.python),
+        redis_py=redis_py,
+        hiredis=options.hiredis,
     )
     if options.command == "redis-tests":
-        run(venv_python, "-c", "import redis; print('redis-py', redis.__version__)")
+        run(
+            venv_python,
+            "-c",
+            "import redis, redis.utils as u; print('redis-py', redis.__version__, "
+            "'with hiredis' if u.HIREDIS_AVAILABLE else 'without hiredis')",
+        )
         run(venv_python, "-m", "pytest", *REDIS_TESTS, *rest)
         # the cluster's tests need redis-py 8.0: with an older one, the others only
         old = redis_py and int(redis_py.split(".")[0]) < 8

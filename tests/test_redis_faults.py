@@ -25,6 +25,7 @@ import gc
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -871,6 +872,65 @@ async def test_a_write_runs_at_once_and_only_what_blocks_is_left_to_a_task() -> 
             drained.set_result(None)
             await finishing
             assert record == ["written", "drained"]
+
+
+class _BlockedWrite:
+    """A connection whose write blocks, and whose clean-up of a write cut short needs the
+    running loop, as redis-py's does (it awaits a disconnect)."""
+
+    socket_timeout = None
+    is_connected = True
+
+    def __init__(self) -> None:
+        self.cleaned: list[str] = []
+
+    async def send_packed_command(self, data: bytes, check_health: bool = True) -> None:
+        try:
+            await asyncio.get_running_loop().create_future()  # (a full buffer: never drained)
+        except BaseException as cut:
+            asyncio.get_running_loop()  # (raises without a running loop, as redis-py's clean-up)
+            self.cleaned.append(type(cut).__name__)
+            raise
+
+    async def read_response(self, **options: Any) -> Any:
+        await asyncio.get_running_loop().create_future()
+
+    async def disconnect(self, nowait: bool = False) -> None:
+        pass
+
+
+class _Deaf:
+    def got(self, reply: Any) -> None:
+        pass
+
+    def gone(self, error: BaseException | None) -> None:
+        pass
+
+
+def test_a_blocked_write_whose_task_never_ran_is_closed_in_its_loop() -> None:
+    # Through redis-py's public API, a write that blocked is left to a task; that task
+    # cancelled before its first step must close the write in the loop. Before, the
+    # write was collected afterwards, without a loop, and redis-py's clean-up of it
+    # failed as "Exception ignored in: <coroutine send_packed_command>" (seen with
+    # redis-py 5.0 and hiredis, about one run in five).
+    connection = _BlockedWrite()
+    unraisable: list[Any] = []
+    hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+
+    async def write_and_end() -> None:
+        carrier = _wire._Public(connection, _Deaf(), False)  # type: ignore[arg-type]
+        carrier.write(b"PING")  # blocks: a task is to finish it, at the next pass
+        # Cancelled before that pass, as the carrier's end cancels it when the reader
+        # ends first (the connection lost): it never awaits the write.
+        carrier._writing.cancel()  # type: ignore[union-attr]
+
+    try:
+        asyncio.run(write_and_end())
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    assert connection.cleaned == ["GeneratorExit"]
+    assert unraisable == []
 
 
 # -- the public-API writer task outlives its connection -----------------------------------

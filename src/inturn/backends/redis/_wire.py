@@ -294,9 +294,13 @@ class _Public:
             return
         if rest is not None:
             self._rest = rest
-            self._writing = asyncio.get_running_loop().create_task(
+            writing = self._writing = asyncio.get_running_loop().create_task(
                 self._write(rest), name="inturn-redis-write"
             )
+            # A task cancelled before its first step (its loop ending: asyncio.run cancels
+            # it) never awaits rest: closed here, in the loop, where redis-py's clean-up
+            # runs, not by the collector without a loop ("Exception ignored in").
+            writing.add_done_callback(rest.closed)
 
     async def _write(self, rest: Rest) -> None:
         """Finish the write that blocked, then write what queued behind it, in order."""
@@ -425,6 +429,11 @@ class Rest:
                     blocked = coroutine.send(None)
                 except StopIteration:
                     return
+
+    def closed(self, _: object = None) -> None:
+        """close(), as a done callback (of the task that was to finish it): a no-op once the
+        coroutine ended."""
+        self.close()
 
     def close(self) -> None:
         """End the coroutine where it waits, without its event loop (gone, or going).
