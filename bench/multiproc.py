@@ -281,8 +281,9 @@ class Settings:
     #: Only these scenarios (their names: f1, r1...); None: every one of the kinds.
     scenarios: list[str] | None = None
     #: Where each run's work directory is made (the file locks' and inturn's files
-    #: live in it): None, the system's temporary directory. Its file system sets
-    #: what making and deleting a file costs (ext4 journals it; a tmpfs does not).
+    #: live in it): None, where ``FileBackend()`` keeps its files by default (see
+    #: default_directory), so the bench measures what a user gets. Its file system
+    #: sets what making and deleting a file costs (ext4 journals it; a tmpfs does not).
     directory: str | None = None
 
     @classmethod
@@ -371,7 +372,8 @@ def run_once(
     versions: by git revision, where its inturn was unpacked and the package's name;
     env: variables to set in the workers' environment (``INTURN_REDIS_WIRE``, say).
     """
-    with tempfile.TemporaryDirectory(prefix="inturn-bench-", dir=settings.directory) as directory:
+    where = settings.directory or default_directory()
+    with tempfile.TemporaryDirectory(prefix="inturn-bench-", dir=where) as directory:
         workdir = Path(directory)
         tag = secrets.token_hex(4)  # server-side names of this run: no run sees another's
         on_server = scenario.on_redis or scenario.on_postgres
@@ -660,7 +662,7 @@ def report(result: dict[str, Any]) -> str:
     lines = [
         f"## Across processes: {result['machine']}{loaded(result)}, "
         f"{settings.workers} workers x {settings.seconds:g} s, median of {settings.repeats}"
-        f"{on_file_system(settings.directory)}\n",
+        f"{on_file_system(settings.directory or default_directory())}\n",
         table(result["medians"], settings),
     ]
     for name, reason in result.get("unavailable", {}).items():
@@ -677,9 +679,17 @@ def report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def on_file_system(directory: str | None) -> str:
+def default_directory() -> str:
+    """Where ``FileBackend()`` makes its directory by default (/dev/shm on Linux, a tmpfs,
+    if this user may write there; else the system's temporary directory)."""
+    from inturn.backends.file import FileBackend
+
+    return str(FileBackend().directory.parent)
+
+
+def on_file_system(directory: str) -> str:
     """Where the runs' files were, for a report's heading: the file system's type too (Linux)."""
-    where = Path(directory or tempfile.gettempdir()).resolve()
+    where = Path(directory).resolve()
     kind = ""
     try:
         mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
@@ -736,8 +746,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--dir",
         default=None,
-        help="make each run's work directory in this one (default: the system's temporary "
-        "directory): the file system the file contenders run on, /dev/shm for a tmpfs",
+        help="make each run's work directory in this one (default: where FileBackend() keeps "
+        "its files, /dev/shm on Linux): the file system the file contenders run on, say /tmp "
+        "for a disk's",
     )
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument(
