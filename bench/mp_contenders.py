@@ -37,8 +37,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import hashlib
 import importlib
+import os
+import struct
 from collections.abc import Iterator
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -202,6 +205,67 @@ class Filelock(SyncContender):
         if lock is None:
             lock = self.locks[key] = self.make(str(self.workdir / f"{key}.filelock"))
         return lock
+
+
+class FileFifoFloor(SyncContender):
+    """Not a lock to use: the least a fair hand-off costs on one host's files (sync scenarios).
+
+    A ticket lock in one file per key, kept open: a turn draws a ticket
+    under ``flock`` (read and write the file's two counters), and if it is
+    not served at once, makes a named pipe for its ticket before letting the
+    ``flock`` go, then blocks opening it for reading; a release serves the
+    next ticket under ``flock`` and, if one waits, opens that ticket's pipe
+    for writing, which wakes the waiter (each open waits for the other end).
+    Nothing else: no crash safety (a holder or a waiter that dies blocks the
+    key for good), no timeout, no interrupt safety, one thread per process.
+    inturn's sync turn keeps arrival order too; this is what keeping it
+    costs at the least with files, as ``redis-fifo-floor`` is with Redis.
+    """
+
+    name = "file-fifo-floor"
+    kinds = ("sync-file",)
+
+    def setup(self, run: Run) -> None:
+        self.workdir = run.workdir
+        self.files: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def hold(self, key: str) -> Iterator[None]:
+        fd = self.files.get(key)
+        if fd is None:
+            fd = self.files[key] = os.open(self.workdir / f"{key}.floor", os.O_RDWR | os.O_CREAT)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        drawn, served = _counters(fd)
+        os.pwrite(fd, _COUNTERS.pack(drawn + 1, served), 0)
+        pipe = self.workdir / f"{key}.floor.{drawn}"
+        if drawn != served:
+            os.mkfifo(pipe)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        if drawn != served:  # (the release opens it for writing: that is the wake-up)
+            os.close(os.open(pipe, os.O_RDONLY))
+            os.unlink(pipe)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            drawn, served = _counters(fd)
+            os.pwrite(fd, _COUNTERS.pack(drawn, served + 1), 0)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            if served + 1 != drawn:  # the next ticket waits (its pipe is made: see above)
+                os.close(os.open(self.workdir / f"{key}.floor.{served + 1}", os.O_WRONLY))
+
+    def teardown(self) -> None:
+        for fd in self.files.values():
+            os.close(fd)
+
+
+#: A file-fifo-floor file: the tickets drawn, and the ticket served.
+_COUNTERS = struct.Struct("=QQ")
+
+
+def _counters(fd: int) -> tuple[int, int]:
+    data = os.pread(fd, _COUNTERS.size, 0)
+    return _COUNTERS.unpack(data) if data else (0, 0)  # type: ignore[return-value]
 
 
 class _Flocked:
@@ -597,6 +661,7 @@ CONTENDERS: dict[str, type[Contender]] = {
         InturnFile,
         InturnFileSync,
         Filelock,
+        FileFifoFloor,
         Portalocker,
         InturnRedis,
         InturnRedisSync,
@@ -639,6 +704,7 @@ DEFAULT: tuple[str, ...] = (
     "inturn-file",
     "inturn-file-sync",
     "filelock",
+    "file-fifo-floor",
     "portalocker",
     "inturn-redis",
     "inturn-redis-sync",

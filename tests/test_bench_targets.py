@@ -352,7 +352,12 @@ def test_only_sync_selects_the_sync_scenarios_and_their_contenders() -> None:
     assert [scenario.on_redis for scenario in chosen] == [False, False, True, True, False, False]
     assert [scenario.on_postgres for scenario in chosen] == [False] * 4 + [True] * 2
     names = list(multiproc.DEFAULT)
-    assert multiproc._of_kind(names, "sync-file") == ["inturn-file", "inturn-file-sync", "filelock"]
+    assert multiproc._of_kind(names, "sync-file") == [
+        "inturn-file",
+        "inturn-file-sync",
+        "filelock",
+        "file-fifo-floor",
+    ]
     assert multiproc._of_kind(names, "sync-redis") == [
         "inturn-redis",
         "inturn-redis-sync",
