@@ -31,9 +31,11 @@ import asyncio
 import gc
 import itertools
 import sys
+import threading
 import time
 from collections.abc import Callable, Coroutine, Hashable
 from pathlib import Path
+from threading import get_ident
 from typing import Any
 
 if __package__ in (None, ""):  # run as a script: python bench/floor.py
@@ -133,6 +135,48 @@ class _NamedQueue:
     def keyed(self, *keys: Hashable) -> _Named:
         hash(keys[0])
         return _Named(self._registry, keys)
+
+
+class _NamedLocked:
+    """A thread's turn on a free key through the same named calls, each of the registry's
+    under the lines' lock, as a queue that threads share must take them (issue 41)."""
+
+    __slots__ = ("_holder", "_lock", "_registry", "keys", "token")
+
+    def __init__(self, registry: _Registry, lock: Any, keys: tuple[Hashable, ...]) -> None:
+        self._registry = registry
+        self._lock = lock
+        self.keys = keys
+        self._holder: object = None
+
+    def __enter__(self) -> _NamedLocked:
+        self._enter_now()
+        return self
+
+    def _enter_now(self) -> None:
+        registry = self._registry
+        holder = get_ident()
+        with self._lock:
+            registry.try_take(self.keys[0], holder)
+        self.token = next(registry.tokens)
+        self._holder = holder
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        holder, self._holder = self._holder, None
+        with self._lock:
+            self._registry.finish(self.keys[0], holder, exc)
+
+
+class NamedLockedQueue:
+    """keyed() of the thread's named-call floor (bench/turns.py times it beside a thread's)."""
+
+    def __init__(self) -> None:
+        self._registry = _Registry()
+        self._lock = threading.Lock()
+
+    def keyed(self, *keys: Hashable) -> _NamedLocked:
+        hash(keys[0])
+        return _NamedLocked(self._registry, self._lock, keys)
 
 
 async def _bare_call(n: int) -> None:

@@ -182,6 +182,21 @@ class ThreadKeyedPair(threads.InturnKeyed):
                 threads.work()
 
 
+class ThreadNamedFloor(threads.ThreadContender):
+    """bench/floor.py's named-call turn as a thread takes it: each registry call under a lock."""
+
+    name = "thread floor: named calls, locked"
+
+    def reset(self) -> None:
+        self.queue = floor.NamedLockedQueue()
+
+    def sequential(self, n: int) -> None:
+        keyed = self.queue.keyed
+        for i in range(n):
+            with keyed(i):
+                threads.work()
+
+
 class NamedFloor(contenders.Contender):
     """bench/floor.py's named-call turn: what a turn through the one protocol's calls costs."""
 
@@ -249,6 +264,11 @@ SHAPES = (
     Shape(HandwrittenPair, "hand-written, two keys in order"),
     Shape(InturnKeyedPair, "`async with q.keyed(a, b)`", PAIR, 2.5),
     Shape(ThreadHandwritten, "thread: hand-written dict of threading.Lock, `locks.run(key, fn)`"),
+    Shape(
+        ThreadNamedFloor,
+        "thread floor: the same named calls, the registry's under the lines' lock",
+        NAMED,
+    ),
     Shape(ThreadKeyed, "thread: `with q.keyed(key)`", NAMED, ON_THE_FLOOR),
     Shape(ThreadHandwrittenPair, "thread: hand-written, two keys in order"),
     Shape(ThreadKeyedPair, "thread: `with q.keyed(a, b)`", THREAD_PAIR, 2.5),
