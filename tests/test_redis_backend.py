@@ -384,11 +384,11 @@ async def test_a_leave_that_overtakes_its_enqueue_leaves_no_member(
     enqueue = ("m/1", config.lease_ms, config.ttl_ms, config.channels, b"host 1 0", b"s:k")
     reply = await client.eval(ENQUEUE.body, 5, *names, *enqueue)
     if marked:
-        assert reply == [2, 0]  # it left before it came: nothing is held, nothing waits
+        assert reply == 0  # it left before it came: nothing is held, nothing waits
         assert await backend.lines() == []
         assert await keys_left(redis_url, namespace) == []  # (the mark went with it)
     else:
-        assert reply[0] == 1  # the ghost: it holds the key, and nobody renews it
+        assert reply > 0  # the ghost: it holds the key (this token), and nobody renews it
         assert [line.holder is not None for line in await backend.lines()] == [True]
         assert await client.eval(LEAVE.body, *leave, b"0") == 1
 
@@ -411,7 +411,7 @@ async def test_a_hand_off_calls_redis_only_for_what_it_does_not_know(
         for member in ("a/1", "b/1"):  # a holds, b waits
             await client.eval(ENQUEUE.body, 5, *names, member, *tail)
         await client.config_resetstat()
-        assert (await client.eval(ENQUEUE.body, 5, *names, "c/1", *tail))[0] == 0
+        assert await client.eval(ENQUEUE.body, 5, *names, "c/1", *tail) == -2  # second in line
         enqueued = await client.info("commandstats")
         await client.config_resetstat()
         leave = (5, *names, "a/1", config.ttl_ms, config.channels, b"0")

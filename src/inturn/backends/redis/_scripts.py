@@ -83,15 +83,19 @@ end
 """
 
 # ARGV: member, lease ms, ttl ms, channel prefix, info, the key as given.
-# Returns {1, token} when the key was free, else {0, place in line}; {2, 0}
-# when the member left before it came (its leave ran first: see _LEAVE).
+# Returns one integer: the token (above 0) when the key was free, else minus
+# the place in line; 0 when the member left before it came (its leave ran
+# first: see _LEAVE). One integer, not a pair: it is every turn's reply, and a
+# reader parses one element instead of three (redis-py's parser, on the public
+# wire and a thread's connection, pays for each). A token is Redis's clock in
+# microseconds, exact as a Lua number (a double) for ages yet.
 _ENQUEUE = (
     _PRELUDE
     + """
 local member, lease_ms, ttl, channels = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
 if redis.call('ZSCORE', gone, member) then
   redis.call('ZREM', gone, member)
-  return {2, 0}
+  return 0
 end
 if redis.call('EXISTS', line, q) == 0 then
   -- the line starts anew (its keys come and go together): the key is free
@@ -100,7 +104,7 @@ if redis.call('EXISTS', line, q) == 0 then
   redis.call('ZADD', lease, now + lease_ms, member)
   redis.call('HSET', info, member, ARGV[5])
   finish(ttl)
-  return {1, token}
+  return tonumber(token)
 end
 purge()
 local holder, token = redis.call('HGET', line, 'holder'), nil
@@ -114,9 +118,9 @@ if holder ~= member then
 end
 refresh(ttl)  -- (never empty: member is in it)
 if holder == member then
-  return {1, token or redis.call('HGET', line, 'token')}
+  return tonumber(token or redis.call('HGET', line, 'token'))
 end
-return {0, redis.call('ZRANK', q, member) + 1}
+return -(redis.call('ZRANK', q, member) + 1)
 """
 )
 

@@ -246,11 +246,10 @@ def bounds(
 
 def enqueued(member: Member, lease: float, sent: float, reply: Any) -> int | None:
     """Redis answered member's enqueue (written at ``sent``): its token if the key was
-    free, else None (it waits for its grant)."""
-    state, value = reply
+    free, else None (it waits for its grant; see _scripts._ENQUEUE)."""
     member.joined = True
     member.expires = sent + lease
-    return int(value) if state == 1 else None
+    return reply if reply > 0 else None
 
 
 def hold(share: Share, member_id: str, member: Member, token: int) -> RedisGrant:
