@@ -169,7 +169,7 @@ def retried() -> bool:
     """
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code.co_name in ("retry_blocking", "again"):
+        if frame.f_code.co_name == "again":
             return True
         frame = frame.f_back
     return False

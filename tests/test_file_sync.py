@@ -288,6 +288,33 @@ def test_a_line_files_lock_held_too_long_defeats_no_timeout(backend: FileBackend
     assert files(backend.directory) == []
 
 
+def test_a_release_that_meets_another_tidier_tidies_later_aside(backend: FileBackend) -> None:
+    """A thread's release whose tidy finds the line file locked by another tidier goes on at
+    once, and the line file is removed once that tidier lets go (within release's half second).
+
+    Before, the releasing thread tried again itself, yielding its CPU between tries for 2 ms,
+    then left the file to the key's next turn: on a busy machine it stayed out of the line for
+    milliseconds (the other processes took the key meanwhile), and the file stayed.
+    """
+    import fcntl
+
+    grant = backend.acquire_sync("k", None)
+    line = line_file(backend.directory, "k")
+    tidier = os.open(line, os.O_RDONLY)  # another process's tidy, inside its few calls
+    try:
+        fcntl.flock(tidier, fcntl.LOCK_EX)
+        before = {thread.ident for thread in threading.enumerate()}
+        backend.release_sync(grant)
+        aside = [thread for thread in threading.enumerate() if thread.ident not in before]
+        assert line.exists()  # (the lock kept it)
+    finally:
+        os.close(tidier)  # the other tidier is done
+    assert [thread.name for thread in aside] == ["inturn-file-tidy"]  # (it went on at once)
+    wait_until(lambda: files(backend.directory) == [], "the line file removed")
+    aside[0].join(PATIENCE)
+    assert not aside[0].is_alive()  # (once the tidy is done, nothing is left running)
+
+
 # -- an exception from a signal handler -------------------------------------------------------
 
 

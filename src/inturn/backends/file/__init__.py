@@ -95,7 +95,7 @@ from ._fds import forks
 from ._inspect import pids_in_line, snapshots
 from ._limits import refusal
 from ._line import Home, Place, deleted, drive, drive_blocking, leave, taking
-from ._tidy import retry, retry_blocking
+from ._tidy import retry, retry_aside
 
 __all__ = ("FileBackend", "FileGrant")
 
@@ -399,10 +399,11 @@ class FileBackend:
         """As :meth:`release`, from a thread with no event loop: returns once the key was handed on.
 
         If the grant left its line last and another process held the line
-        file's lock, the tidy is tried again for a millisecond or two at most,
-        not for :meth:`release`'s half second: a thread has no loop to come
-        back on later, and its user's work is not held up for a tidy. The
-        line file is then left to the key's next turn, which removes it.
+        file's lock, the tidy is tried again as :meth:`release` tries it, for
+        half a second at most, on a thread of its own (a daemon, started for
+        that): a thread has no loop to come back on later, and neither its
+        user's work nor its next turn is held up for a tidy. The line file is
+        then left to the key's next turn, which removes it.
         In a forked child, a grant its parent holds ends as in :meth:`release`.
         """
         own = self._granted(grant)
@@ -411,7 +412,7 @@ class FileBackend:
             return
         again = self._leave(own)
         if again is not None:
-            retry_blocking(*again)
+            retry_aside(*again)
 
     def _granted(self, grant: Grant) -> FileGrant:
         if not isinstance(grant, FileGrant):
