@@ -287,12 +287,12 @@ def answer_sync(
             if outcome is not None:
                 return outcome
         if until is None:
-            _reader(fd).poll()
+            reader(fd).poll()
         else:
             left = until - time.monotonic()
             if left <= 0:
                 return None if read else collect(pgconn, results, ahead)
-            _reader(fd).poll(int(left * 1000) + 1)
+            reader(fd).poll(int(left * 1000) + 1)
         read = True
 
 
@@ -309,18 +309,14 @@ def _poll(fd: int, events: int, wait: float | None) -> None:
 _READERS: dict[int, select.poll] = {}
 
 
-def _reader(fd: int) -> select.poll:
-    """The poller of fd's input (see _READERS)."""
+def reader(fd: int) -> select.poll:
+    """The poller of fd's input (see _READERS): ``poll(0)`` says at once whether fd has
+    something to read."""
     poller = _READERS.get(fd)
     if poller is None:
         poller = _READERS[fd] = select.poll()
         poller.register(fd, select.POLLIN)
     return poller
-
-
-def readable(fd: int) -> bool:
-    """Whether fd has something to read now (no wait)."""
-    return bool(_reader(fd).poll(0))
 
 
 def discard(connection: Any, reply: Reply | None = None) -> None:
