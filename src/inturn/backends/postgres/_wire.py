@@ -71,7 +71,7 @@ class Reply:
     """One statement's answer, for a task: read by the event loop's reader as it arrives,
     kept once complete (:attr:`outcome`, None until then), and :attr:`callback` called."""
 
-    __slots__ = ("ahead", "callback", "fd", "loop", "outcome", "pgconn", "results")
+    __slots__ = ("ahead", "callback", "fd", "loop", "outcome", "pgconn", "results", "writing")
 
     def __init__(
         self, pgconn: pq.abc.PGconn, loop: asyncio.AbstractEventLoop, ahead: Ahead | None = None
@@ -83,7 +83,11 @@ class Reply:
         self.callback: Callable[[], None] | None = None
         self.results: list[pq.abc.PGresult] = []
         fd = self.fd = pgconn.socket
-        if pgconn.flush():  # (rare: the statement did not fit the socket's buffer)
+        # Whether the loop writes the rest of the statement (rare: it did not fit the
+        # socket's buffer). NOTE: only then is there a writer to remove: asking the loop
+        # to remove one it does not have costs it a KeyError (about 2k instructions).
+        self.writing = bool(pgconn.flush())
+        if self.writing:
             loop.add_writer(fd, self._flush)
         loop.add_reader(fd, self._read)
 
@@ -101,6 +105,7 @@ class Reply:
             self.outcome = error
             self._done()
             return
+        self.writing = False
         self.loop.remove_writer(self.fd)
 
     def _done(self) -> None:
@@ -112,7 +117,9 @@ class Reply:
     def stop(self) -> None:
         """Stop reading (the answer is in, or the connection is being closed)."""
         self.loop.remove_reader(self.fd)
-        self.loop.remove_writer(self.fd)
+        if self.writing:
+            self.writing = False
+            self.loop.remove_writer(self.fd)
 
 
 def collect(
