@@ -36,6 +36,8 @@ from typing import Any, Final
 import psycopg
 from psycopg import errors, pq
 
+from ..._tasks import add_reader, remove_reader
+
 #: A statement's rows, in text format: each a tuple of its values (None for NULL).
 Rows = list[tuple[bytes | None, ...]]
 
@@ -89,7 +91,7 @@ class Reply:
         self.writing = bool(pgconn.flush())
         if self.writing:
             loop.add_writer(fd, self._flush)
-        loop.add_reader(fd, self._read)
+        add_reader(loop, fd, self._read)
 
     def _read(self) -> None:
         outcome = collect(self.pgconn, self.results, self.ahead)
@@ -116,7 +118,7 @@ class Reply:
 
     def stop(self) -> None:
         """Stop reading (the answer is in, or the connection is being closed)."""
-        self.loop.remove_reader(self.fd)
+        remove_reader(self.loop, self.fd)
         if self.writing:
             self.writing = False
             self.loop.remove_writer(self.fd)
