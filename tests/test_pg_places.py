@@ -149,11 +149,14 @@ def test_a_turn_interrupted_while_it_checks_a_kept_connection_gives_its_slot_bac
         closed = False
         checked = False
 
-        @property
-        def pgconn(self) -> Any:
+        def poll(self, timeout: int) -> list[Any]:  # (its socket's poller: the check)
             if not self.checked:
                 self.checked = True
                 raise KeyboardInterrupt("interrupted while the kept connection was checked")
+            return []
+
+        @property
+        def pgconn(self) -> Any:
             return SimpleNamespace(status=None, finish=self.close)  # (not OK: not kept)
 
         def close(self) -> None:
@@ -162,7 +165,7 @@ def test_a_turn_interrupted_while_it_checks_a_kept_connection_gives_its_slot_bac
     place = connections(size=1)
     place._thread_place().slots(0)
     kept = Interrupted()
-    place._thread_place().idle.append((kept, object()))  # type: ignore[arg-type]
+    place._thread_place().idle.append((kept, SimpleNamespace(reader=kept)))  # type: ignore[arg-type]
     with pytest.raises(KeyboardInterrupt):
         place.kept(0)
     assert kept.closed

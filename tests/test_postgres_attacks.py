@@ -809,40 +809,51 @@ async def test_a_set_made_by_a_transaction_turn_does_not_cut_a_later_wait(
         await holder.aclose()
 
 
-async def test_a_roles_statement_timeout_does_not_cut_inturns_waits(
-    database: Database, admin: Any
+@pytest.mark.parametrize("setting", ["statement_timeout", "lock_timeout"])
+async def test_a_roles_timeout_does_not_cut_inturns_waits(
+    database: Database, admin: Any, setting: str
 ) -> None:
     # Before the fix: a DBA's statement_timeout on the role (200 ms) applied to the
     # wait's own statement: a turn that waited longer for its key failed with
-    # BackendUnavailable. The work keeps the role's setting.
+    # BackendUnavailable. The work keeps the role's setting. (lock_timeout: the
+    # backend's sessions run with lock_timeout = 0, and an untimed wait sets none of
+    # its own; so a transaction turn's work, which gets the role's back, is followed
+    # by a wait on the same connection here, which must not get it.)
     role = database.role()
-    await admin.execute(f"ALTER ROLE {role} SET statement_timeout = '200ms'")
+    await admin.execute(f"ALTER ROLE {role} SET {setting} = '200ms'")
     await admin.execute("CREATE SEQUENCE inturn_token AS bigint")
     await admin.execute(f"GRANT USAGE ON SEQUENCE inturn_token TO {role}")
-    backend = database.backend(role=role, max_sessions=1)
+    backend = database.backend(role=role, max_sessions=1)  # (one connection, kept)
     holder = database.backend()
     queue = KeyedQueue(backend=backend)
-    held, free = asyncio.Event(), asyncio.Event()
 
-    async def hold() -> None:
-        async with KeyedQueue(backend=holder).keyed("k"):
-            held.set()
-            await free.wait()
+    async def wait_behind_a_holder() -> None:
+        held, free = asyncio.Event(), asyncio.Event()
 
-    holding = asyncio.create_task(hold())
+        async def hold() -> None:
+            async with KeyedQueue(backend=holder).keyed("k"):
+                held.set()
+                await free.wait()
+
+        holding = asyncio.create_task(hold())
+        try:
+            await asyncio.wait_for(held.wait(), PATIENCE)
+            waiter = asyncio.create_task(queue.run("k", lambda: "waited"))
+            await seen(admin, _WAITING, waiter)
+            await asyncio.sleep(1.0)  # (a real wait, five times the role's timeout)
+            free.set()
+            assert await asyncio.wait_for(waiter, PATIENCE) == "waited"
+        finally:
+            free.set()
+            await asyncio.wait((holding,), timeout=PATIENCE)
+
     try:
-        await asyncio.wait_for(held.wait(), PATIENCE)
-        waiter = asyncio.create_task(queue.run("k", lambda: "waited"))
-        await seen(admin, _WAITING, waiter)
-        await asyncio.sleep(1.0)  # (a real wait, five times the role's statement_timeout)
-        free.set()
-        assert await asyncio.wait_for(waiter, PATIENCE) == "waited"
+        await wait_behind_a_holder()
         async with queue.keyed("k", transaction=True) as turn:
-            cursor = await turn.connection.execute("SHOW statement_timeout")
+            cursor = await turn.connection.execute(f"SHOW {setting}")
             assert (await cursor.fetchone())[0] == "200ms"
+        await wait_behind_a_holder()
     finally:
-        free.set()
-        await asyncio.wait((holding,), timeout=PATIENCE)
         await backend.aclose()
         await holder.aclose()
 

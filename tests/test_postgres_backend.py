@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import http.server
+import os
+import socket
 import subprocess
 import sys
 import threading
@@ -23,7 +25,7 @@ import pytest
 psycopg = pytest.importorskip("psycopg")
 
 from inturn import BackendUnavailable, KeyedQueue, LeaseLost  # noqa: E402
-from inturn.backends.postgres import PostgresBackend  # noqa: E402
+from inturn.backends.postgres import PostgresBackend, _wire  # noqa: E402
 from inturn.backends.postgres._keys import lock_id, lock_parts  # noqa: E402
 
 from support.helpers import PATIENCE  # noqa: E402
@@ -374,3 +376,32 @@ async def test_an_application_name_of_the_users_is_kept(
     finally:
         await backend.aclose()
     assert names == ["billing"]
+
+
+async def test_a_statement_the_socket_cannot_take_at_once_leaves_no_writer_behind(
+    postgres_url: str,
+) -> None:
+    """A statement larger than the socket's buffer is finished by the event loop's writer,
+    which goes once it is written, or once the connection is closed while it still
+    writes: the loop is asked to remove a writer only where one was added (issue 45:
+    asking it to remove one it does not have cost a task's turn two KeyErrors)."""
+    loop = asyncio.get_running_loop()
+    big = b"x" * (1 << 20)  # (1 MiB: far beyond the socket's buffer, made small below)
+    for closed_first in (False, True):
+        connection = await psycopg.AsyncConnection.connect(postgres_url, autocommit=True)
+        fd = connection.pgconn.socket
+        # (a small send buffer: the server, reading as it comes, never empties it in time)
+        with socket.socket(fileno=os.dup(fd)) as same:
+            same.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        try:
+            reply = _wire.ask(connection, b"SELECT length($1)", [big], False, loop)
+            assert reply.writing
+            if closed_first:
+                _wire.discard(connection, reply)
+            else:
+                assert await _wire.answer(reply) == [(b"%d" % len(big),)]
+            assert not reply.writing
+            assert not loop.remove_writer(fd)
+            assert not loop.remove_reader(fd)
+        finally:
+            await connection.close()

@@ -14,6 +14,7 @@ whose caller is interrupted meanwhile, is closed.
 from __future__ import annotations
 
 import logging
+import select
 from collections.abc import Callable, Generator, Hashable
 from typing import Any, final
 
@@ -33,13 +34,20 @@ logger = logging.getLogger("inturn.postgres")
 
 @final
 class Ready:
-    """What readying a connection learnt: its server session, and the role's statement_timeout."""
+    """What readying a connection learnt: its server session, and the role's timeouts."""
 
-    __slots__ = ("pid", "role_timeout")
+    __slots__ = ("pid", "reader", "role_timeouts")
 
-    def __init__(self, pid: int, role_timeout: str) -> None:
+    def __init__(
+        self, pid: int, role_timeouts: tuple[bytes, bytes] | None, reader: select.poll
+    ) -> None:
         self.pid = pid
-        self.role_timeout = role_timeout
+        #: The poller of the connection's socket (see _places.stale).
+        self.reader = reader
+        #: The role's own statement_timeout and lock_timeout (in ms), which a transaction
+        #: turn's work gets back (see _sql.waiting); None if both are 0, as the backend's
+        #: sessions run.
+        self.role_timeouts = role_timeouts
 
 
 @final
@@ -174,9 +182,11 @@ class Readiness:
         return answer
 
     def _readied(self, connection: Any, rows: _wire.Rows) -> Ready:
-        role_timeout = (rows[0][0] or b"0").decode() if rows else "0"
-        pid = int(rows[0][1] or 0) if rows else connection.info.backend_pid
-        ready = Ready(pid, role_timeout)
+        row = rows[0] if rows else (b"0", None, b"0")
+        pid = int(row[1] or 0) if rows else connection.info.backend_pid
+        timeouts = (row[0] or b"0", row[2] or b"0")
+        reader = _wire.reader(connection.pgconn.socket)
+        ready = Ready(pid, None if timeouts == (b"0", b"0") else timeouts, reader)
         if pid != connection.info.backend_pid and not self._pooled:
             self._pooled = True
             logger.warning(

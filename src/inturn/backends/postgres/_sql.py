@@ -7,14 +7,18 @@ once. Every statement that takes or frees a lock also returns
 moves a turn's statements between server sessions is caught.
 
 What a session is set to, once, when it is readied (and again after a
-transaction turn's work had it): ``statement_timeout = 0``, so that a role's
-statement timeout never cuts a wait short (the wait is bounded by the turn's
-own ``timeout``, as ``lock_timeout``), and ``client_connection_check_interval``
-(14+), so that a waiter whose client died leaves the server's queue. Both
-are armed when a statement starts, so they are set for the session: set in
-the waiting statement itself, they would come too late for that wait. A
-transaction turn's work gets the role's own ``statement_timeout`` back for
-its statements (the last wait of the turn sets it, see :data:`WAIT`).
+transaction turn's work had it): ``statement_timeout = 0`` and
+``lock_timeout = 0``, so that a role's timeouts never cut a wait short (the
+wait is bounded by the turn's own ``timeout``, as a ``lock_timeout`` of that
+statement's only), and ``client_connection_check_interval`` (14+), so that a
+waiter whose client died leaves the server's queue. Statement timeouts are
+armed when a statement starts, so they are set for the session: set in the
+waiting statement itself, they would come too late for that wait; and an
+untimed wait, the usual, then sets nothing (two ``set_config`` calls cost
+the server more than the advisory lock and its unlock). A transaction
+turn's work gets the role's own ``statement_timeout`` and ``lock_timeout``
+back for its statements (the last wait of the turn sets them, see
+:data:`WAIT_AFTER`).
 """
 
 from __future__ import annotations
@@ -51,19 +55,23 @@ MAKE_TABLES: Final = TABLES.encode()
 #: How often a waiting session checks that its client is still there (PostgreSQL 14+).
 _CHECK_INTERVAL: Final = "1s"
 
-# The session's settings (see the module): statement_timeout off, the client check on.
-_SETTINGS: Final = "SET statement_timeout = 0;"
+# The session's settings (see the module): the timeouts off, the client check on.
+_SETTINGS: Final = "SET statement_timeout = 0; SET lock_timeout = 0;"
 _CHECK: Final = "SET client_connection_check_interval = '" + _CHECK_INTERVAL + "';"
 
 # The lock, then the token. OFFSET 0 keeps each subquery apart, so that they run
-# inside out. set_config(..., true) lasts for this statement's transaction only (the
-# session is in autocommit): lock_timeout is the turn's time left ($2 in ms, '0':
-# none) for the advisory wait, and '0' again for nextval, so that a LockNotAvailable
-# always means "the lock was not granted" (nextval held up by a DDL of another
-# session is bounded by the client instead, and then the lock is given back).
-# The _AFTER variants (the last key of a transaction turn whose role has a
-# statement_timeout of its own) also set the session's statement_timeout to their
-# last parameter from the next statement on, for the turn's work.
+# inside out. The session's lock_timeout is 0 (see the module), so an untimed wait
+# (WAIT_UNTIMED, the usual) sets nothing; a timed one sets it with set_config(...,
+# true), for this statement's transaction only (the session is in autocommit): the
+# turn's time left ($2 in ms, '0': none) for the advisory wait, and '0' again for
+# nextval, so that a LockNotAvailable always means "the lock was not granted"
+# (nextval held up by a DDL of another session is bounded by the client instead,
+# and then the lock is given back). The _AFTER variants (the last key of a
+# transaction turn whose role has a timeout of its own) also set the session's
+# statement_timeout and lock_timeout to their last two parameters from the next
+# statement on, for the turn's work (a SET after a SET LOCAL of one transaction
+# outlasts it).
+_UNTIMED: Final = "  SELECT pg_advisory_lock($1) OFFSET 0 ) AS granted;"
 _GRANTED: Final = (
     "  SELECT set_config('lock_timeout', '0', true) FROM ("
     "   SELECT pg_advisory_lock($1) FROM ("
@@ -72,22 +80,20 @@ _GRANTED: Final = (
     "  ) AS granted OFFSET 0"
     " ) AS unbounded;"
 )
-_TRIED: Final = (
-    "  SELECT got, set_config('lock_timeout', '0', true) FROM ("
-    "   SELECT pg_try_advisory_lock($1) AS got OFFSET 0"
-    "  ) AS tried OFFSET 0"
-    " ) AS unbounded WHERE got;"
-)
+_TRIED: Final = "  SELECT pg_try_advisory_lock($1) AS got OFFSET 0 ) AS tried WHERE got;"
 _TOKEN: Final = " SELECT nextval('" + SEQUENCE + "'), pg_backend_pid()"
-_AFTER: Final = ", set_config('statement_timeout', $3, false)"
+_AFTER: Final = (
+    ", set_config('statement_timeout', $3, false), set_config('lock_timeout', $4, false)"
+)
+_WAIT_UNTIMED: Final = "PREPARE inturn_wait_untimed (int8) AS" + _TOKEN + " FROM (" + _UNTIMED
 _WAIT: Final = "PREPARE inturn_wait (int8, text) AS" + _TOKEN + " FROM (" + _GRANTED
 _WAIT_AFTER: Final = (
-    "PREPARE inturn_wait_after (int8, text, text) AS" + _TOKEN + _AFTER + " FROM (" + _GRANTED
+    "PREPARE inturn_wait_after (int8, text, text, text) AS" + _TOKEN + _AFTER + " FROM (" + _GRANTED
 )
-# timeout=0: ask once; no row if the key is busy ($2: unused, as WAIT's).
+# timeout=0: ask once; no row if the key is busy ($2: unused; the parameters are WAIT's).
 _TRY: Final = "PREPARE inturn_try (int8, text) AS" + _TOKEN + " FROM (" + _TRIED
 _TRY_AFTER: Final = (
-    "PREPARE inturn_try_after (int8, text, text) AS" + _TOKEN + _AFTER + " FROM (" + _TRIED
+    "PREPARE inturn_try_after (int8, text, text, text) AS" + _TOKEN + _AFTER + " FROM (" + _TRIED
 )
 # The end of a turn: unlock each of its keys; whether each was held, in order. (A turn's
 # usual, one key: without the array, its unnest and its sort, which cost the server
@@ -100,11 +106,15 @@ _UNLOCK_ONE: Final = (
     "PREPARE inturn_unlock_one (int8) AS SELECT pg_advisory_unlock($1), pg_backend_pid();"
 )
 # Which server session this is (not the one the client was told of at connect when a
-# pooler sits in between), and the role's own statement_timeout (in ms): the first row.
+# pooler sits in between), and the role's own statement_timeout and lock_timeout (in
+# ms): the first row.
 _WHO: Final = (
-    "SELECT (SELECT reset_val FROM pg_settings WHERE name = 'statement_timeout'), pg_backend_pid();"
+    "SELECT (SELECT reset_val FROM pg_settings WHERE name = 'statement_timeout'),"
+    " pg_backend_pid(),"
+    " (SELECT reset_val FROM pg_settings WHERE name = 'lock_timeout');"
 )
 
+WAIT_UNTIMED: Final = b"inturn_wait_untimed"
 WAIT: Final = b"inturn_wait"
 WAIT_AFTER: Final = b"inturn_wait_after"
 TRY: Final = b"inturn_try"
@@ -150,6 +160,7 @@ def prepare(server_version: int, record: str = "") -> bytes:
         + record
         + _SETTINGS
         + check
+        + _WAIT_UNTIMED
         + _WAIT
         + _WAIT_AFTER
         + _TRY
@@ -174,15 +185,19 @@ def resetting(locks: list[int], server_version: int) -> bytes:
 
 
 def waiting(
-    lock: int, timeout: float | None, left: float | None, after: str
+    lock: int, timeout: float | None, left: float | None, after: tuple[bytes, bytes] | None
 ) -> tuple[bytes, list[bytes | None]]:
-    """The statement that takes lock within left seconds (``timeout=0``: at once); its
-    params. ``after``: the session's statement_timeout once it is done ('0': as it is)."""
+    """The statement that takes lock within left seconds (None: no bound; ``timeout=0``:
+    at once); its params. ``after``: the session's statement_timeout and lock_timeout
+    once it is done (None: as they are)."""
+    if after is None:
+        if left is None:  # (the usual)
+            return WAIT_UNTIMED, [b"%d" % lock]
+        if timeout == 0:
+            return TRY, [b"%d" % lock, b"0"]
+        return WAIT, [b"%d" % lock, b"%d" % max(1, math.ceil(left * 1000))]
     limit = b"0" if left is None or timeout == 0 else b"%d" % max(1, math.ceil(left * 1000))
-    if after == "0":
-        return TRY if timeout == 0 else WAIT, [b"%d" % lock, limit]
-    params: list[bytes | None] = [b"%d" % lock, limit, after.encode()]
-    return TRY_AFTER if timeout == 0 else WAIT_AFTER, params
+    return TRY_AFTER if timeout == 0 else WAIT_AFTER, [b"%d" % lock, limit, *after]
 
 
 def unlocking(locks: list[int]) -> tuple[bytes, list[bytes | None]]:

@@ -145,7 +145,7 @@ def waiting(
     server that is not there).
 
     ``held``: the session holds lock already (two keys of one digest); ``last``: the
-    last key of a transaction turn, whose work gets the role's statement_timeout back;
+    last key of a transaction turn, whose work gets the role's timeouts back;
     ``ahead``: statements sent ahead of the wait in its round trip (the key's record),
     whose outcome, if it came, is in it when this returns (or raises).
     The lock is never kept when this does not return rows: a wait that failed after
@@ -165,7 +165,7 @@ def waiting(
         check += limits.unreachable_after
         if bound < check:
             check = bound
-    sql, params = _sql.waiting(lock, timeout, left, ready.role_timeout if last else "0")
+    sql, params = _sql.waiting(lock, timeout, left, ready.role_timeouts if last else None)
     answer: Outcome | None
     lease.unsure = (lock, held)  # (until the outcome is taken: by the caller, if rows)
     try:

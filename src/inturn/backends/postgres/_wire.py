@@ -36,6 +36,8 @@ from typing import Any, Final
 import psycopg
 from psycopg import errors, pq
 
+from ..._tasks import add_reader, remove_reader
+
 #: A statement's rows, in text format: each a tuple of its values (None for NULL).
 Rows = list[tuple[bytes | None, ...]]
 
@@ -71,7 +73,7 @@ class Reply:
     """One statement's answer, for a task: read by the event loop's reader as it arrives,
     kept once complete (:attr:`outcome`, None until then), and :attr:`callback` called."""
 
-    __slots__ = ("ahead", "callback", "fd", "loop", "outcome", "pgconn", "results")
+    __slots__ = ("ahead", "callback", "fd", "loop", "outcome", "pgconn", "results", "writing")
 
     def __init__(
         self, pgconn: pq.abc.PGconn, loop: asyncio.AbstractEventLoop, ahead: Ahead | None = None
@@ -83,9 +85,13 @@ class Reply:
         self.callback: Callable[[], None] | None = None
         self.results: list[pq.abc.PGresult] = []
         fd = self.fd = pgconn.socket
-        if pgconn.flush():  # (rare: the statement did not fit the socket's buffer)
+        # Whether the loop writes the rest of the statement (rare: it did not fit the
+        # socket's buffer). NOTE: only then is there a writer to remove: asking the loop
+        # to remove one it does not have costs it a KeyError (about 2k instructions).
+        self.writing = bool(pgconn.flush())
+        if self.writing:
             loop.add_writer(fd, self._flush)
-        loop.add_reader(fd, self._read)
+        add_reader(loop, fd, self._read)
 
     def _read(self) -> None:
         outcome = collect(self.pgconn, self.results, self.ahead)
@@ -101,6 +107,7 @@ class Reply:
             self.outcome = error
             self._done()
             return
+        self.writing = False
         self.loop.remove_writer(self.fd)
 
     def _done(self) -> None:
@@ -111,8 +118,10 @@ class Reply:
 
     def stop(self) -> None:
         """Stop reading (the answer is in, or the connection is being closed)."""
-        self.loop.remove_reader(self.fd)
-        self.loop.remove_writer(self.fd)
+        remove_reader(self.loop, self.fd)
+        if self.writing:
+            self.writing = False
+            self.loop.remove_writer(self.fd)
 
 
 def collect(
@@ -287,12 +296,12 @@ def answer_sync(
             if outcome is not None:
                 return outcome
         if until is None:
-            _reader(fd).poll()
+            reader(fd).poll()
         else:
             left = until - time.monotonic()
             if left <= 0:
                 return None if read else collect(pgconn, results, ahead)
-            _reader(fd).poll(int(left * 1000) + 1)
+            reader(fd).poll(int(left * 1000) + 1)
         read = True
 
 
@@ -309,18 +318,14 @@ def _poll(fd: int, events: int, wait: float | None) -> None:
 _READERS: dict[int, select.poll] = {}
 
 
-def _reader(fd: int) -> select.poll:
-    """The poller of fd's input (see _READERS)."""
+def reader(fd: int) -> select.poll:
+    """The poller of fd's input (see _READERS): ``poll(0)`` says at once whether fd has
+    something to read."""
     poller = _READERS.get(fd)
     if poller is None:
         poller = _READERS[fd] = select.poll()
         poller.register(fd, select.POLLIN)
     return poller
-
-
-def readable(fd: int) -> bool:
-    """Whether fd has something to read now (no wait)."""
-    return bool(_reader(fd).poll(0))
 
 
 def discard(connection: Any, reply: Reply | None = None) -> None:
