@@ -315,6 +315,37 @@ def test_a_release_that_meets_another_tidier_tidies_later_aside(backend: FileBac
     assert not aside[0].is_alive()  # (once the tidy is done, nothing is left running)
 
 
+def test_releases_that_meet_other_tidiers_run_a_few_tidies_aside_at_most(
+    backend: FileBackend,
+) -> None:
+    """However many releases meet a busy line file at once, at most _ASIDE threads tidy aside;
+    the lines left over are tidied by their keys' next turns."""
+    import fcntl
+
+    from inturn.backends.file import _tidy
+
+    keys = [f"k{n}" for n in range(_tidy._ASIDE + 2)]
+    grants = [backend.acquire_sync(key, None) for key in keys]
+    tidiers = [os.open(line_file(backend.directory, key), os.O_RDONLY) for key in keys]
+    before = {thread.ident for thread in threading.enumerate()}
+    try:
+        for tidier in tidiers:
+            fcntl.flock(tidier, fcntl.LOCK_EX)
+        for grant in grants:
+            backend.release_sync(grant)
+        aside = [thread for thread in threading.enumerate() if thread.ident not in before]
+    finally:
+        for tidier in tidiers:
+            os.close(tidier)
+    assert len(aside) == _tidy._ASIDE
+    for thread in aside:
+        thread.join(PATIENCE)
+    assert len(files(backend.directory)) == 2  # (the two the seats could not take)
+    for key in keys:
+        backend.release_sync(backend.acquire_sync(key, None))
+    assert files(backend.directory) == []
+
+
 # -- an exception from a signal handler -------------------------------------------------------
 
 

@@ -262,32 +262,57 @@ def retry(
     loop.call_later(pause, again)
 
 
+#: The threads of retry_aside that may run at once in a process: a tidy that would make one
+#: more is left to its key's next turn.
+_ASIDE = 8
+_aside: threading.BoundedSemaphore
+
+
+def _new_process() -> None:
+    """None of retry_aside's threads runs (again, in a forked child: they stayed behind)."""
+    global _aside
+    _aside = threading.BoundedSemaphore(_ASIDE)
+
+
+_new_process()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_process)
+
+
 def retry_aside(
     where: Directory, digest: str, own: str, key: Hashable, held: bool = True
 ) -> threading.Thread | None:
     """As retry, for a release with no event loop: on a thread of its own, so the caller
-    goes on at once; the thread (a daemon), or None if none could be started.
+    goes on at once; the thread (a daemon), or None if none was started.
 
     The same tries and pauses as retry's, slept by that thread: a releasing
     thread that tried again itself, yielding its CPU between tries, left
     the line for milliseconds on a busy machine, and the other processes
     took the key meanwhile (4 processes on 2 cores: 87% of turns went to
-    the process that had just released). A thread that cannot be started
-    (at the interpreter's exit, or at the limit of threads) leaves the line
-    file to the key's next turn.
+    the process that had just released). None is started, and the line
+    file is left to the key's next turn, if _ASIDE run already, or if no
+    thread can be started (at the interpreter's exit, at the limit of
+    threads).
     """
+    seats = _aside
+    if not seats.acquire(blocking=False):
+        return None
 
     def again() -> None:
-        end = time.monotonic() + _RETRY_FOR
-        pause, longest = LOCK_PAUSES
-        while tidy_again(where, digest, own, key, held) and time.monotonic() < end:
-            time.sleep(pause)
-            pause = min(pause * 2, longest)
+        try:
+            end = time.monotonic() + _RETRY_FOR
+            pause, longest = LOCK_PAUSES
+            while tidy_again(where, digest, own, key, held) and time.monotonic() < end:
+                time.sleep(pause)
+                pause = min(pause * 2, longest)
+        finally:
+            seats.release()
 
     tidier = threading.Thread(target=again, name="inturn-file-tidy", daemon=True)
     try:
         tidier.start()
     except RuntimeError as error:  # (no thread can be started now)
+        seats.release()
         _untidy(key, where, error)
         return None
     return tidier
