@@ -12,7 +12,6 @@ import os
 import stat
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -300,21 +299,6 @@ async def test_tokens_grow_across_queues_and_reach_current_turn(backend: FileBac
             assert current_turn() is turn
         assert current_turn() is None
     assert seen == sorted(set(seen))
-
-
-async def test_a_turn_behind_a_done_ticket_continues_its_token_without_its_pipe(
-    backend: FileBackend,
-) -> None:
-    """A line file that says a ticket held and left (its done record: token and all) gives the
-    turn after it the next token, though that ticket's pipe is gone: as from its hand-off,
-    not from the clock (which may have stepped back, or lag behind the tokens)."""
-    ahead = time.time_ns() + 3_600 * 10**9  # an hour ahead of this clock
-    backend.directory.mkdir(mode=0o700, exist_ok=True)
-    line_file(backend.directory, "k").write_text(f"T7.00000000000a\nD7.00000000000a:{ahead}\n")
-    grant = await backend.acquire("k", PATIENCE)
-    assert grant.token == ahead + 1
-    await backend.release(grant)
-    assert files(backend.directory) == []
 
 
 async def test_several_keys_are_taken_in_one_order_by_every_queue(backend: FileBackend) -> None:

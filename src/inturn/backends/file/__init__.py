@@ -33,10 +33,7 @@ retry of a tidy that found the lock busy, see ``_tidy.py``):
   its ticket, then closes it: whoever waits on it takes the key as soon as
   it reads that, with the next fencing token (the holder held, so every
   earlier ticket is done too). If the ticket closed without it (its owner
-  gave up or died), the waiter looks further back. A holder with someone
-  behind it also appends ``D<ticket>:<token>`` to the line file as it
-  leaves: one who joins later stops its look back there, as at a hand-off,
-  without opening the pipes of the tickets that left. A holder that finds
+  gave up or died), the waiter looks further back. A holder that finds
   its line file grown past its own record (someone queued behind it)
   then yields its CPU: the next holder's work holds up the line, its own
   tidy and next turn do not.

@@ -25,9 +25,8 @@ if sys.platform != "win32":  # (the file backend refuses other platforms at cons
 _DESCRIPTORS = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
 #: The most descriptor numbers _close_unlisted tries where they cannot be listed.
 _MOST = 1 << 16
-#: How a line file is opened again (to tidy it, check it, or say a ticket is done): never
-#: made, never a link; for appending (a compaction, which writes from the start, clears it).
-OPEN_TIDY = os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+#: How a line file is opened again (to tidy it, or to check it): never made, never a link.
+OPEN_TIDY = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 
 # NOTE: a file is in _OPEN from its open to its close (taken out just before
 # it), both done under _OPENING, which fork() takes too: so a child forked by

@@ -38,9 +38,6 @@ from ._fds import (
 )
 from ._linefile import (
     alone_in,
-    behind,
-    done,
-    done_of,
     joined,
     joining,
     line_name,
@@ -352,35 +349,27 @@ def _wait_behind(
 
     A ticket closed without a word (no hand-off, no leaving) tells that
     its owner died in line: logged once this process knows whether it
-    was holding (see _deaths.died). A ticket that before says is done (see
-    _linefile: its D record, written after its own) counts as handed off,
-    unopened.
+    was holding (see _deaths.died).
     """
     directory = where.fd
     dead: list[str] | None = None  # such tickets met, nearest first (rare: made then)
-    done: dict[str, int] | None = None  # the done records met: their tickets' tokens
     for record in reversed(before):
         ticket = ticket_of(record)
-        if ticket is None:  # the key, a mark, a done record, or a piece that a crash left
-            if (left := done_of(record)) is not None:
-                done = {} if done is None else done
-                done[left[0]] = left[1]
-            continue
-        token = None if done is None else done.get(ticket)  # (as its hand-off: see leave)
-        if token is None:
-            fd, data = probe(directory, pipe_name(digest, ticket))
-            if data is None:
-                continue  # gone: its owner left, and removed it
-            if fd is not None:
-                if dead:  # they were behind one still in line: they were waiting
-                    died(key, where, dead, held=False)
-                    dead = None
-                try:
-                    if handed(data) is None:  # (else it is handing the key on already)
-                        data += yield _Left(fd)
-                finally:
-                    os.close(fd)
-            token = handed(data)
+        if ticket is None:
+            continue  # the key, a mark, or a piece that a crash left
+        fd, data = probe(directory, pipe_name(digest, ticket))
+        if data is None:
+            continue  # gone: its owner left, and removed it
+        if fd is not None:
+            if dead:  # they were behind one still in line: they were waiting
+                died(key, where, dead, held=False)
+                dead = None
+            try:
+                if handed(data) is None:  # (else it is handing the key on already)
+                    data += yield _Left(fd)
+            finally:
+                os.close(fd)
+        token = handed(data)
         if token is not None:
             # It held the key, so every ticket before it has left too.
             if dead:  # (they never read its hand-off: they were waiting)
@@ -433,9 +422,8 @@ def leave(place: Place, key: Hashable, token: int) -> tuple[Directory, str, str,
             where.path,
         )
     # Whether anyone queued behind this turn, as its line file was read (see _own_line).
-    if records and behind(records, ticket):
-        # Those who join from now on find its ticket done without opening it.
-        _say_done(line_fd, ticket, token)
+    behind = bool(records and records[-1] != record_of(ticket))
+    if behind:
         # Someone queued behind this turn, and was most likely just
         # handed the key: let it have this CPU first. Its work holds
         # up the whole line; this process's tidy and next turn do
@@ -450,16 +438,6 @@ def leave(place: Place, key: Hashable, token: int) -> tuple[Directory, str, str,
     if tidy_again(where, digest, ticket, key, line_fd=line_fd, alone=alone):
         return where, digest, ticket, key
     return None
-
-
-def _say_done(line_fd: int, ticket: str, token: int) -> None:
-    """Append ticket's done record (see _linefile) to line file line_fd, if it is open: a hint,
-    so a file system that refuses it (full, say) changes nothing else."""
-    if line_fd >= 0:
-        try:
-            os.write(line_fd, done(ticket, token))  # one append: atomic
-        except OSError:
-            pass
 
 
 def deleted(place: Place) -> bool:

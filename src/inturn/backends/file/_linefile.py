@@ -12,13 +12,6 @@ a record:
   means that process died joining: its pipe, if made, is removed.
 - ``K<hex digits>``: the key's portable name, written by whoever found the
   file empty, for ``inspect``.
-- ``D<ticket>:<token>``: ticket held the key, with that fencing token, and
-  released it. Its holder appends it as it leaves, without the lock, if
-  someone queued behind it: one who joins later then knows, without opening
-  the ticket's pipe (gone by then), that the turns before it are over, as if
-  it had read the hand-off. A hint only, and always true once written: one
-  that a compaction drops, or a crash cuts short, costs a look at the pipes
-  behind it, as before it existed (a process of an older version skips it).
 
 A compaction writes the new records over the old ones from the start,
 then cuts the file to their length. A process killed between the two
@@ -41,11 +34,8 @@ _PIPE = ".t"
 _TICKET = "T"
 _JOINING = "?"
 _KEY = "K"
-_DONE = "D"
 #: A ticket: a process id, a dot, 48 random bits in hex.
 _A_TICKET = re.compile(r"[0-9]{1,10}\.[0-9a-f]{12}")
-#: A done record after its letter: a ticket, a colon, its token in decimal.
-_A_DONE = re.compile(r"([0-9]{1,10}\.[0-9a-f]{12}):([0-9]{1,20})")
 #: Bytes read from a line file at once.
 _READ = 65536
 #: The random part of a ticket: 48 bits.
@@ -92,25 +82,6 @@ def ticket_of(record: str) -> str | None:
     if record.startswith(_TICKET) and _A_TICKET.fullmatch(record, 1):
         return record[1:]
     return None
-
-
-def behind(records: list[str], own: str) -> bool:
-    """Whether records list anyone after own: in line, or about to be (a process joining)."""
-    mine = record_of(own)
-    after = records[records.index(mine) + 1 :] if mine in records else records
-    return any(queued_in(record) not in (None, own) for record in after)
-
-
-def done_of(record: str) -> tuple[str, int] | None:
-    """The ticket that record says held and released the key, and its token; else None."""
-    if record.startswith(_DONE) and (found := _A_DONE.fullmatch(record, 1)) is not None:
-        return found[1], int(found[2])
-    return None
-
-
-def done(ticket: str, token: int) -> bytes:
-    """The record that ticket held the key with token and released it, as written."""
-    return f"{_DONE}{ticket}:{token}\n".encode("ascii")
 
 
 def queued_in(record: str) -> str | None:

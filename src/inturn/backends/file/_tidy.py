@@ -32,10 +32,10 @@ from ._deaths import died_joining
 from ._directory import Directory
 from ._fds import OPEN_TIDY, close_tracked, open_tracked
 from ._linefile import (
-    behind,
     line_name,
     parse,
     pipe_name,
+    queued_in,
     read_records,
     record_of,
     render,
@@ -63,6 +63,13 @@ _RETRY_FOR = 0.5
 def _finish(done: asyncio.Future[None]) -> None:
     if not done.done():  # (cancelled by its awaiter: the tidy ran all the same)
         done.set_result(None)
+
+
+def _behind(records: list[str], own: str) -> bool:
+    """Whether records list anyone after own: in line, or about to be (a process joining)."""
+    mine = record_of(own)
+    after = records[records.index(mine) + 1 :] if mine in records else records
+    return any(queued_in(record) not in (None, own) for record in after)
 
 
 def unlinked(fd: int) -> bool:
@@ -175,17 +182,17 @@ def _tidy(where: Directory, digest: str, own: str, fd: int, held: bool, alone: b
             # A tidier holds it: if anyone queued behind own, that one
             # tidies after its turn; else own tries again (read unlocked:
             # records are appended whole, and this is only a hint).
-            return not behind(read_records(fd), own)
+            return not _behind(read_records(fd), own)
         # (If its last user deleted the file meanwhile, nobody is behind
         # own in it: that is found below, under the exclusive lock.)
         records = read_records(fd)
         mine = record_of(own)
         # Whose leaving is not known yet: if own held the key, those behind it.
-        unknown = records[records.index(mine) + 1 :] if held and mine in records else records
+        behind = records[records.index(mine) + 1 :] if held and mine in records else records
         long = len(records) > _COMPACT_AT
         gone = {own}
         # The newest first: in a busy line, the first one looked at is there.
-        for record in reversed(unknown):
+        for record in reversed(behind):
             ticket = ticket_of(record)
             if ticket is None or ticket in gone:
                 continue
@@ -197,7 +204,7 @@ def _tidy(where: Directory, digest: str, own: str, fd: int, held: bool, alone: b
         if not (flock_soon if long else flock_now)(fd, fcntl.LOCK_EX):
             # Taken by one queueing behind own (it tidies after its turn),
             # or by a tidier that may have seen own still in line.
-            return not behind(read_records(fd), own)
+            return not _behind(read_records(fd), own)
         if not unlinked(fd):
             _compact(where, digest, fd, own, gone, held)
     finally:
