@@ -782,31 +782,42 @@ async def test_a_set_made_by_a_transaction_turn_does_not_cut_a_later_wait(
     holder = database.backend()
     queue = KeyedQueue(backend=backend)
     (default,) = (await rows(admin, "SHOW statement_timeout"))[0]
+    try:
+        async with queue.keyed("a", transaction=True) as turn:
+            await turn.connection.execute("SET statement_timeout = '100ms'")
+        # (a real wait, five times the work's statement_timeout)
+        await waits_behind_a_holder(queue, holder, admin, "b", 0.5)
+        async with queue.keyed("c", transaction=True) as turn:
+            cursor = await turn.connection.execute("SHOW statement_timeout")
+            assert (await cursor.fetchone())[0] == default
+    finally:
+        await backend.aclose()
+        await holder.aclose()
+
+
+async def waits_behind_a_holder(
+    queue: KeyedQueue, holder: Any, admin: Any, key: str, seconds: float
+) -> None:
+    """A turn of queue's on key waits for seconds behind one holder's turn (another
+    backend's), in the server's queue, then gets the key once the holder lets go."""
     held, free = asyncio.Event(), asyncio.Event()
 
     async def hold() -> None:
-        async with KeyedQueue(backend=holder).keyed("b"):
+        async with KeyedQueue(backend=holder).keyed(key):
             held.set()
             await free.wait()
 
     holding = asyncio.create_task(hold())
     try:
-        async with queue.keyed("a", transaction=True) as turn:
-            await turn.connection.execute("SET statement_timeout = '100ms'")
         await asyncio.wait_for(held.wait(), PATIENCE)
-        waiter = asyncio.create_task(queue.run("b", lambda: "waited"))
+        waiter = asyncio.create_task(queue.run(key, lambda: "waited"))
         await seen(admin, _WAITING, waiter)
-        await asyncio.sleep(0.5)  # (a real wait, five times the work's statement_timeout)
+        await asyncio.sleep(seconds)  # (a real wait: the timeout under test must not cut it)
         free.set()
         assert await asyncio.wait_for(waiter, PATIENCE) == "waited"
-        async with queue.keyed("c", transaction=True) as turn:
-            cursor = await turn.connection.execute("SHOW statement_timeout")
-            assert (await cursor.fetchone())[0] == default
     finally:
         free.set()
         await asyncio.wait((holding,), timeout=PATIENCE)
-        await backend.aclose()
-        await holder.aclose()
 
 
 @pytest.mark.parametrize("setting", ["statement_timeout", "lock_timeout"])
@@ -826,33 +837,13 @@ async def test_a_roles_timeout_does_not_cut_inturns_waits(
     backend = database.backend(role=role, max_sessions=1)  # (one connection, kept)
     holder = database.backend()
     queue = KeyedQueue(backend=backend)
-
-    async def wait_behind_a_holder() -> None:
-        held, free = asyncio.Event(), asyncio.Event()
-
-        async def hold() -> None:
-            async with KeyedQueue(backend=holder).keyed("k"):
-                held.set()
-                await free.wait()
-
-        holding = asyncio.create_task(hold())
-        try:
-            await asyncio.wait_for(held.wait(), PATIENCE)
-            waiter = asyncio.create_task(queue.run("k", lambda: "waited"))
-            await seen(admin, _WAITING, waiter)
-            await asyncio.sleep(1.0)  # (a real wait, five times the role's timeout)
-            free.set()
-            assert await asyncio.wait_for(waiter, PATIENCE) == "waited"
-        finally:
-            free.set()
-            await asyncio.wait((holding,), timeout=PATIENCE)
-
     try:
-        await wait_behind_a_holder()
+        # (real waits, five times the role's timeout)
+        await waits_behind_a_holder(queue, holder, admin, "k", 1.0)
         async with queue.keyed("k", transaction=True) as turn:
             cursor = await turn.connection.execute(f"SHOW {setting}")
             assert (await cursor.fetchone())[0] == "200ms"
-        await wait_behind_a_holder()
+        await waits_behind_a_holder(queue, holder, admin, "k", 1.0)
     finally:
         await backend.aclose()
         await holder.aclose()
