@@ -17,6 +17,7 @@ import pytest
 from inturn import InturnError, KeyedQueue, QueueFull, Superseded
 
 from support.helpers import PATIENCE, checkpoints, settle, wait_until
+from support.own_thread import OwnThreadTimers
 from support.virtual_time import run_virtual
 
 
@@ -640,6 +641,75 @@ def test_a_thread_debounce() -> None:
     assert ran[-1] == 2
     assert outcomes[2] == 2
     assert sorted(ran) == ran
+
+
+def test_a_thread_that_ends_a_quiet_period_leaves_a_tasks_loop_timer_alone() -> None:
+    """A task's call sets its loop's timer for the key's quiet period. A thread that
+    ends the period itself (its own end came while the loop was busy) takes the key
+    without touching that timer, which then goes off and finds nothing to do."""
+    queue = KeyedQueue(debounce=0.05)
+    loop = OwnThreadTimers()
+    ran = threading.Event()
+    outcomes: dict[str, Any] = {}
+
+    def thread_work() -> str:
+        ran.set()
+        return "thread"
+
+    async def task_work() -> str:
+        return "task"
+
+    async def scenario() -> None:
+        task = asyncio.create_task(queue.run("k", task_work))
+        await settle(lambda: queue.pending("k") == 1)
+        caller = threading.Thread(
+            target=lambda: outcomes.__setitem__("thread", queue.run_sync("k", thread_work))
+        )
+        caller.start()
+        await settle(lambda: queue.pending("k") == 2)
+        assert ran.wait(PATIENCE)  # (the loop blocked: only the thread can end the period)
+        assert await task == "thread"
+        caller.join(PATIENCE)
+
+    loop.run(scenario())
+    assert outcomes == {"thread": "thread"}
+    assert loop.foreign == []
+
+
+def test_a_thread_whose_quiet_period_moved_leaves_a_tasks_loop_timer_alone() -> None:
+    """A thread whose quiet period's end came, but moved with a newer call that did not
+    wake it, waits on; the tasks' loop timer moves itself, on its loop (the thread sets
+    none there)."""
+    queue = KeyedQueue(debounce=0.5)
+    loop = OwnThreadTimers()
+    ran: list[str] = []
+    outcomes: dict[str, Any] = {}
+
+    def work(name: str) -> Callable[[], Any]:
+        async def run() -> str:
+            ran.append(name)
+            return name
+
+        return run
+
+    async def scenario() -> None:
+        first = asyncio.create_task(queue.run("k", work("first")))
+        await settle(lambda: queue.pending("k") == 1)
+        caller = threading.Thread(
+            target=lambda: outcomes.__setitem__("thread", queue.run_sync("k", ran.append, "thread"))
+        )
+        caller.start()
+        await settle(lambda: queue.pending("k") == 2)
+        middle = asyncio.create_task(queue.run("k", work("middle")))  # (wakes the thread)
+        await settle(lambda: queue.pending("k") == 3)
+        last = asyncio.create_task(queue.run("k", work("last")))  # (its end moves: no wake)
+        assert await asyncio.gather(first, middle, last) == ["last"] * 3
+        caller.join(PATIENCE)
+
+    loop.run(scenario())
+    assert ran == ["last"]  # (one quiet period: the newer call came within the thread's)
+    assert outcomes == {"thread": "last"}
+    assert loop.foreign == []
 
 
 # -- the decorator, settings, and what is counted -----------------------------------------------

@@ -41,6 +41,7 @@ import pytest
 from inturn import Superseded
 
 from support.helpers import PATIENCE
+from support.own_thread import OwnThreadTimers
 from support.storm import (
     LATE,
     STALL,
@@ -430,12 +431,14 @@ def test_a_storm_of_tasks_and_threads(seed: int) -> None:
             queue=queue,
         )
         problems = [f"a caller thread died: {error!r}" for error in threads.crashed]
+        problems += [f"a thread touched the loop's timers: {call}" for call in loop.foreign]
         problems += storm.problems()
         problems += await free_at_once(storm, queue, keys)
         storm.fail(problems, "tasks and threads")
 
+    loop = OwnThreadTimers()  # (asyncio's loops are not thread-safe)
     with interrupts.running():
-        asyncio.run(scenario())
+        loop.run(scenario())
 
 
 # -- the checks themselves: each catches what it claims ------------------------------------------

@@ -55,7 +55,7 @@ from ._checks import Policy
 from ._describe import describe
 from ._errors import QueueFull, Superseded
 from ._line import Deferred, Line, held_by
-from ._tasks import in_context, in_loop_of
+from ._tasks import in_context, in_loop_of, loop_here
 
 if TYPE_CHECKING:
     from ._registry import Registry
@@ -374,9 +374,7 @@ class Book:
 
     def _close(self, latest: Latest) -> None:
         """Latest is handed the key, or nobody waits for it: it no longer takes calls."""
-        if latest.timer is not None:
-            latest.timer.cancel()
-            latest.timer = None
+        _disarm(latest)
         latests = self.waiting.get(latest.key)
         if latests is not None and latest in latests:
             latests.remove(latest)
@@ -430,7 +428,8 @@ class Book:
 
         One timer per quiet Latest, whatever the calls: a newer call only moves
         the end, and the timer, when it goes off early, is set again (see tick).
-        Threads tick it themselves (see due).
+        Threads tick it themselves (see due), and never set or cancel a loop's
+        timer (a loop is not thread-safe: see _disarm).
         """
         timer, there = latest.timer, latest.timer_loop
         if timer is None or timer.cancelled() or there is None or there.is_closed():
@@ -453,9 +452,10 @@ class Book:
             if latest.line is not None or not latest.tickets:
                 return
             left = latest.quiet_left()
-            if left > 0 and not now:  # (newer calls came: it is set again)
-                timer, there = latest.timer, latest.timer_loop
-                if timer is not None and there is not None and not timer.cancelled():
+            if left > 0 and not now:  # (newer calls came: a timer that went off is set again)
+                timer, there = latest.timer, loop_here()
+                if timer is not None and there is latest.timer_loop and not timer.cancelled():
+                    assert there is not None  # (a timer has its loop)
                     latest.timer = there.call_later(left, self.tick, latest)
                 return
             latests = self.waiting[latest.key]
@@ -466,9 +466,7 @@ class Book:
                 self._close(latest)
                 self._merge_joined(latest, before)
                 return
-            if latest.timer is not None:
-                latest.timer.cancel()
-                latest.timer = None
+            _disarm(latest)
             try:  # (closed since it came: it goes on, as waiting work does)
                 self._place(latest, head=not self.registry.open)
             except QueueFull as refused:
@@ -816,6 +814,21 @@ class Book:
     def forked(self) -> None:
         """In a forked child: the parent's waiting callers are not this process's."""
         self.waiting.clear()
+
+
+def _disarm(latest: Latest) -> None:
+    """Latest's quiet period needs its timer no more: cancelled, on its loop's thread.
+
+    NOTE: from another thread (one that ended the period itself), the timer is
+    left to go off and find nothing to do: a loop's timers are not thread-safe
+    (a cancel there races the loop's count of cancelled timers, a call_later
+    its heap of them).
+    """
+    timer = latest.timer
+    if timer is not None:
+        latest.timer = None
+        if latest.timer_loop is loop_here():
+            timer.cancel()
 
 
 def _give(future: asyncio.Future[Any], answer: object) -> None:
