@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import subprocess
 import sys
@@ -63,3 +64,22 @@ async def test_manifest_sync_syncs_the_running_version_and_the_latest(versions: 
     assert answers == [1] + [versions] * (versions - 1)
     assert set(server.files.values()) == {f"v{versions}"}
     assert not example.Server.sync.queue.is_active("manifest-sync")  # nothing left in line
+
+
+@pytest.mark.parametrize("versions", [2, 5, 13, 40])
+async def test_manifest_sync_across_worker_processes_syncs_once_per_burst(
+    tmp_path: Path, versions: int
+) -> None:
+    # the example's claim: a burst spread over 4 worker processes while v1 syncs costs one
+    # more sync, of the newest; its own worker's publishers get it, the others None
+    example = _load("manifest_sync")
+    synced, answers = await example.fleet(tmp_path, versions, 4)
+    assert synced == [1, versions]
+    ran = versions % 4  # (version v went to worker v % 4)
+    per_worker = [sum(1 for v in range(2, versions + 1) if v % 4 == n) for n in range(4)]
+    assert answers == [
+        " ".join([str(versions) if n == ran else "None"] * count)
+        for n, count in enumerate(per_worker)
+    ]
+    files = await asyncio.to_thread(lambda: {p.read_text() for p in tmp_path.glob("file-*.bin")})
+    assert files == {f"v{versions}"}

@@ -193,6 +193,12 @@ class Policy(NamedTuple):
     join: bool  # on_superseded="join": a replaced caller gets the newer work's outcome
     debounce: float | None  # the quiet period, seconds
     max_wait: float | None  # the longest a debounced work waits for quiet, seconds
+    across: bool = False  # across="processes": the latest is the key's, on its backend
+
+    @property
+    def shared(self) -> bool:
+        """Whether a call's work may be replaced by newer work of another process."""
+        return self.latest and self.across
 
     @property
     def conflates(self) -> bool:
@@ -219,7 +225,8 @@ class Policy(NamedTuple):
             self.max_wait,
         )
         chosen = [o if g is UNSET else g for g, o in zip(given, ours, strict=True)]
-        return check_policy(chosen[0], chosen[1], chosen[2], chosen[3], concurrency)
+        policy = check_policy(chosen[0], chosen[1], chosen[2], chosen[3], concurrency)
+        return policy._replace(across=self.across)  # (the queue's: see check_across)
 
 
 #: The settings of a queue that does not conflate.
@@ -250,6 +257,24 @@ def check_policy(
             f"and concurrency={concurrency} lets several hold it; use one or the other"
         )
     return policy
+
+
+def check_across(across: object, backend: Backend | None) -> bool:
+    """Whether a queue's latest work is the key's across processes (``across="processes"``);
+    ValueError naming a wrong setting, or a backend that cannot share it."""
+    if across not in ("process", "processes") or not isinstance(across, str):
+        raise ValueError(f'inturn: across must be "process" or "processes", got {describe(across)}')
+    if across == "process":
+        return False
+    if backend is None or not backend.capabilities.latest:
+        has = "has no backend" if backend is None else f"has {describe(backend)}, which does not"
+        raise ValueError(
+            'inturn: across="processes" keeps one latest work per key among every process '
+            "that shares the key's line, which needs a backend that keeps it (FileBackend); "
+            f"this queue {has}. Leave across out (each process then conflates its own "
+            "calls), or use a FileBackend"
+        )
+    return True
 
 
 def no_transaction(keys: tuple[Hashable, ...]) -> RuntimeError:

@@ -49,9 +49,10 @@ from ._threads import surely
 if TYPE_CHECKING:
     from collections.abc import Awaitable
 
-    from ._latest import Parked, Ticket
+    from ._latest import Ticket
     from ._line import Waiter
     from ._registry import Registry
+    from ._ticket import Parked
     from .backends._base import Backend
 
 LINE: Final = 0

@@ -133,3 +133,29 @@ def closed(name: str | None, key: Hashable) -> QueueClosed:
         f"{describe(key)} was not queued"
         + ("" if name is not None else ". KeyedQueue(name=...) names a queue here")
     )
+
+
+def superseded(key: Hashable) -> Superseded:
+    """The error of a "raise" caller whose work newer work replaced."""
+    return Superseded(
+        f"inturn: newer work for key {describe(key)} took this work's place "
+        "(pending='latest'); this work did not run"
+    )
+
+
+def superseded_elsewhere(key: Hashable, join: bool, ok: bool) -> Superseded | None:
+    """The error of a caller whose work newer work of another process replaced
+    (across="processes"); None for a "join" caller once that work returned (its result
+    stays in its process). ok: whether it returned."""
+    if join and ok:
+        return None
+    if join:
+        return Superseded(
+            f"inturn: newer work for key {describe(key)} in another process took this "
+            "work's place (pending='latest', across='processes'), and failed there (its "
+            "error stays in that process); this work did not run"
+        )
+    return Superseded(
+        f"inturn: newer work for key {describe(key)} in another process took this work's "
+        "place (pending='latest', across='processes'), and ran; this work did not run"
+    )

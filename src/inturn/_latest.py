@@ -41,92 +41,43 @@ Invariants (every change under the registry's guard):
 from __future__ import annotations
 
 import asyncio
-import enum
 import itertools
 import weakref
 from collections.abc import Callable, Hashable
 from contextvars import Context, copy_context
 from inspect import iscoroutine
-from threading import Lock
 from time import monotonic as _monotonic
-from typing import TYPE_CHECKING, Any, Final, Protocol, final
+from time import monotonic_ns as _monotonic_ns
+from typing import TYPE_CHECKING, Any, final
 
 from ._checks import Policy
 from ._describe import describe
-from ._errors import QueueFull, Superseded
+from ._errors import QueueFull, Superseded, superseded, superseded_elsewhere
 from ._line import Deferred, Line, held_by
 from ._tasks import in_context, in_loop_of, loop_here
+from ._ticket import (
+    ANSWERED,
+    FOLLOWS,
+    HOLDS,
+    JOINED,
+    LEFT,
+    MOVES,
+    NEW,
+    RUN,
+    RUNS,
+    STARTED,
+    WAITING,
+    Answer,
+    Data,
+    Parked,
+    State,
+    Waiter,
+    Work,
+)
+from .backends._base import Replaced
 
 if TYPE_CHECKING:
     from ._registry import Registry
-
-#: A work: its function, arguments and keyword arguments, and the context (contextvars)
-#: of its call, for a turn that runs it on its caller's behalf (see Book.start).
-Work = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], Context | None]
-#: A ticket's answer when its work is not to run: the error or result its caller gets.
-Answer = tuple[BaseException | None, Any]
-
-#: A ticket's answer when its caller is to run: the key's line is its Latest's now.
-RUN: Final = object()
-
-
-class State(enum.Enum):
-    """Where a ticket is (Ticket.state)."""
-
-    NEW = "made: its turn has not asked the book yet, or took its key at once"
-    WAITING = "its work waits in its Latest's tickets"
-    RUNS = "its Latest was handed the key: its caller is woken to run"
-    HOLDS = "its caller holds the key, and takes the rest of its turn"
-    STARTED = "its turn started its work (or newer work): its caller is answered by it"
-    FOLLOWS = "waits for the outcome of the work its Latest's runner runs"
-    JOINED = "replaced, its work let go (a handle): follows what runs in its place"
-    ANSWERED = "answered: its work did not run, or ran in another caller's turn"
-    LEFT = "its caller gave up (cancelled, timed out, interrupted, or its loop closed)"
-
-
-NEW, WAITING, RUNS, HOLDS, STARTED, FOLLOWS, JOINED, ANSWERED, LEFT = State
-
-#: Every move a ticket can make (see Book._move): NOTE, any other is a defect.
-_MOVES: Final = {
-    NEW: frozenset({WAITING, STARTED, LEFT}),
-    WAITING: frozenset({RUNS, FOLLOWS, JOINED, ANSWERED, LEFT}),
-    RUNS: frozenset({HOLDS, LEFT}),
-    HOLDS: frozenset({STARTED, LEFT}),
-    FOLLOWS: frozenset({WAITING, ANSWERED, LEFT}),
-    JOINED: frozenset({ANSWERED, LEFT}),
-    STARTED: frozenset(),
-    ANSWERED: frozenset(),
-    LEFT: frozenset(),
-}
-
-
-class Data(Protocol):
-    """A ticket that waits as data (a submission's Handle), with no caller blocked on it."""
-
-    def handed(self, shared: bool) -> bool:
-        """Its Latest was handed the key: start its turn (False: it never can)."""
-
-    def answer(self, error: BaseException | None, result: Any) -> None:
-        """Give it its answer (it did not run its own work)."""
-
-    def let_go(self) -> None:
-        """Newer work replaced it: drop its work, and follow what runs in its place."""
-
-
-@final
-class Parked:
-    """A thread waiting on its ticket: it blocks on ``lock``, released once ``answer`` is set."""
-
-    __slots__ = ("answer", "lock")
-
-    def __init__(self) -> None:
-        self.lock = Lock()
-        self.lock.acquire()
-        self.answer: object = None  # RUN, or an Answer
-
-
-#: Who waits on a ticket: a task's future, a thread, or a handle.
-Waiter = asyncio.Future[Any] | Parked | Data
 
 
 @final
@@ -137,6 +88,7 @@ class Ticket:
         "__weakref__",
         "answer",
         "book",
+        "called",
         "home",
         "join",
         "key",
@@ -170,6 +122,8 @@ class Ticket:
         self.home = home  # where its work runs: its caller's event loop, None for a thread
         self.waiter = waiter  # (a task's or a thread's is made when it waits: see Book.enter)
         self.seq = next(book.calls)  # when it came, in the order of the book's calls
+        # when it came on the host's clock, for latest work shared across processes
+        self.called = _monotonic_ns() if policy.across else 0
         self.latest: Latest | None = None  # the Latest it waits in, or whose run it follows
         self.replaced = False  # its turn ran newer work instead of its own (see Book.start)
         self.answer: Answer | None = None  # its caller's, when its work is not to run
@@ -293,7 +247,7 @@ class Book:
     # -- the one place a ticket moves ---------------------------------------------------
 
     def _move(self, ticket: Ticket, to: State) -> None:
-        if to not in _MOVES[ticket.state]:
+        if to not in MOVES[ticket.state]:
             raise AssertionError(f"inturn: a ticket cannot move from {ticket.state} to {to}")
         ticket.state = to
 
@@ -581,19 +535,34 @@ class Book:
             self.registry.tally.superseded(error, ticket.label)
             return found.work
 
-    def _newer(self, ticket: Ticket) -> Ticket | None:
-        """Take the key's Latest waiting in line out of it, for ticket's turn to run its newest
-        work (see start): its callers follow that turn. Under the guard."""
-        latests = self.waiting.get(ticket.key)
+    def _in_line(self, key: Hashable) -> Latest | None:
+        """key's Latest waiting in its line that takes newer work, if any, settled (see
+        _settle). Under the guard."""
+        latests = self.waiting.get(key)
         latest = latests[-1] if latests else None
         if latest is None or latest.line is None or not latest.keeps:
             return None
         self._settle(latest)
-        if not latest.tickets:
+        return latest if latest.tickets else None
+
+    def _newest_for(self, ticket: Ticket) -> tuple[Latest, Ticket] | None:
+        """The Latest and newest ticket whose work ticket's turn would run instead of its own,
+        were it to start now (see start). Under the guard."""
+        latest = self._in_line(ticket.key)
+        if latest is None:
             return None
         newest = latest.tickets[-1]
         if newest.work is None or newest.home is not ticket.home or newest.seq < ticket.seq:
             return None  # (older: it waits again after a cut run, and runs in its own turn)
+        return latest, newest
+
+    def _newer(self, ticket: Ticket) -> Ticket | None:
+        """Take the key's Latest waiting in line out of it, for ticket's turn to run its newest
+        work (see start): its callers follow that turn. Under the guard."""
+        found = self._newest_for(ticket)
+        if found is None:
+            return None
+        latest, newest = found
         self._close(latest)
         followers = list(latest.tickets)
         for follower in followers:
@@ -608,7 +577,9 @@ class Book:
             mine.followers += followers  # (newer than its own: the newest last)
             self._merge_joined(latest, mine)
         latest.tickets = []  # (then it leaves its line: see _add's NOTE)
-        self.registry.abandon(latest.key, latest.line, latest, guarded=True)  # (done: skipped)
+        line = latest.line
+        assert line is not None  # (in line: see _in_line)
+        self.registry.abandon(latest.key, line, latest, guarded=True)  # (done: skipped)
         return newest
 
     # -- a caller leaves, a run ends -----------------------------------------------------
@@ -650,6 +621,9 @@ class Book:
             if ticket.state is LEFT:
                 missed, ticket.missed = ticket.missed, False  # (one step: counted once)
                 return missed
+            if isinstance(error, Replaced):
+                self._elsewhere(ticket, error)
+                return False
             return self._leave(ticket)
 
     def _leave(self, ticket: Ticket) -> bool:
@@ -679,6 +653,57 @@ class Book:
             if line is not None and held_by(line, latest):  # (else its turn holds the
                 self.registry.abandon(latest.key, line, latest, guarded=True)  # key)
         return True
+
+    # -- latest work shared across processes (across="processes") -----------------------
+
+    def newest(self, ticket: Ticket) -> int:
+        """When the work ticket's turn would run, were it to start now, was called: its own,
+        or newer work of this process (see start). A LatestBackend asks it (Newest)."""
+        with self.registry.mode.guard():
+            found = self._newest_for(ticket)
+            return ticket.called if found is None else max(ticket.called, found[1].called)
+
+    @staticmethod
+    def ran(ticket: Ticket) -> int:
+        """When the work ticket's turn ran (its own, or the newer one it took) was called."""
+        latest = ticket.latest
+        ran = None if latest is None else latest.ran
+        return ticket.called if ran is None else ran.called
+
+    def _elsewhere(self, ticket: Ticket, replaced: Replaced) -> None:
+        """ticket's turn held its key in this process, and newer work of another process ran
+        in its place (the backend said so: Replaced). Its caller, the callers that followed
+        it, and those of the key's Latest waiting in line if all of its work is older than
+        what ran, are answered (see elsewhere), the key passing on. Under the guard.
+
+        NOTE: restartable, as handed: each step is found done or not from the
+        tickets' states and lists.
+        """
+        if ticket.state is not ANSWERED:  # (its caller is answered as its turn ends)
+            ticket.answer = elsewhere(ticket, replaced)
+            self._move(ticket, ANSWERED)
+            self.registry.tally.superseded(ticket.answer[0], ticket.label)
+        latest = ticket.latest
+        if latest is not None:
+            followers = latest.followers
+            while followers:  # (each answered, then taken off)
+                self._answer(followers[-1], elsewhere(followers[-1], replaced), True)
+                followers.pop()
+            self._answer_joined(latest, elsewhere(None, replaced))
+            line = latest.line
+            if line is not None and held_by(line, latest):
+                self.registry.abandon(latest.key, line, latest, guarded=True)
+        waiting = self._in_line(ticket.key)
+        if waiting is not None and waiting.tickets[-1].called <= replaced.called:
+            self._close(waiting)
+            tickets = waiting.tickets
+            while tickets:
+                self._answer(tickets[-1], elsewhere(tickets[-1], replaced), True)
+                tickets.pop()
+            self._answer_joined(waiting, elsewhere(None, replaced))
+            line = waiting.line
+            assert line is not None  # (in line: see _in_line)
+            self.registry.abandon(waiting.key, line, waiting, guarded=True)
 
     def _settle(self, latest: Latest) -> None:
         """Complete each replacement an exception cut short in latest (see _replaced): a
@@ -850,9 +875,7 @@ def in_caller_context(
     return result
 
 
-def superseded(key: Hashable) -> Superseded:
-    """The error of a "raise" caller whose work newer work replaced."""
-    return Superseded(
-        f"inturn: newer work for key {describe(key)} took this work's place "
-        "(pending='latest'); this work did not run"
-    )
+def elsewhere(ticket: Ticket | None, replaced: Replaced) -> Answer:
+    """What a caller whose work newer work of another process replaced gets (ticket None: a
+    handle that let its work go, which follows what runs as a "join" caller does)."""
+    return superseded_elsewhere(replaced.key, ticket is None or ticket.join, replaced.ok), None

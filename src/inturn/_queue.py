@@ -25,6 +25,7 @@ from ._batch import Batch
 from ._checks import (
     UNSET,
     Policy,
+    check_across,
     check_backend,
     check_count,
     check_hold,
@@ -282,8 +283,8 @@ class KeyedQueue:
         to run; a run cut by ``max_hold`` answers them all with its
         :exc:`~inturn.HoldTimeout`. A :meth:`keyed` block, a turn on several
         keys, and a call with ``timeout=0`` are never replaced: they wait as
-        always. Each process conflates its own calls only (see "Latest wins"
-        in the docs).
+        always. Each process conflates its own calls only, unless
+        ``across="processes"`` (see "Latest wins" in the docs).
     :param on_superseded: what the caller of a replaced work gets:
         ``"join"`` (the default), the outcome of the work that runs in its
         place (its result, or its error); ``"raise"``,
@@ -305,13 +306,31 @@ class KeyedQueue:
     :param max_wait: seconds: the longest a debounced call waits for a quiet
         period, from the first call of a burst, so that a key that never
         goes quiet still runs. ``None``: as long as it takes.
+    :param across: where ``pending="latest"`` keeps one waiting work per
+        key: ``"process"`` (the default), in each process, which never
+        waits on another process's calls to answer its own; or
+        ``"processes"``, among every process that shares the key's line
+        through the backend (a :class:`~inturn.backends.file.FileBackend`).
+        A process's latest work then runs only if no newer work of another
+        process waits for the key, or ran since it was called (newer: called
+        later, on the host's monotonic clock); else its callers are
+        answered once that newer work has run: a ``"raise"`` caller with
+        :exc:`~inturn.Superseded`, a ``"join"`` caller with ``None`` if the
+        newer work returned (its result stays in its process) or
+        ``Superseded`` if it failed. A burst spread over several processes
+        while the key is busy costs one run. If the process of the newer
+        work dies (or gives up) before that work returned, the newest work a
+        live process still waits for runs instead: the key always ends at
+        the newest state a live process wants. Each caller's ``timeout``
+        bounds its wait, as always. ``debounce`` stays each process's.
     :raises ValueError: ``timeout`` or ``max_pending`` is negative,
         ``max_running`` or ``concurrency`` is below 1, ``max_hold`` is not
         positive, ``concurrency`` is above 1 with a backend, ``name`` is
         empty or not printable, ``pending`` or ``on_superseded`` is not one
         of its words, ``debounce`` or ``max_wait`` is not positive,
         ``max_wait`` is given without ``debounce`` or is shorter than it,
-        or ``concurrency`` is above 1 with ``pending="latest"`` or ``debounce``.
+        or ``concurrency`` is above 1 with ``pending="latest"`` or ``debounce``,
+        or ``across="processes"`` with a backend that cannot keep it.
     :raises TypeError: a setting has the wrong type, or ``backend`` is not a
         backend.
     """
@@ -341,6 +360,7 @@ class KeyedQueue:
         on_superseded: Literal["join", "raise"] = "join",
         debounce: float | None = None,
         max_wait: float | None = None,
+        across: Literal["process", "processes"] = "process",
     ) -> None:
         name = check_name(name)
         self._timeout = check_timeout(timeout)
@@ -349,6 +369,8 @@ class KeyedQueue:
         concurrency = check_count("concurrency", concurrency, none=False)  # type: ignore[assignment]
         self._backend = check_backend(backend, concurrency)
         self._policy = check_policy(pending, on_superseded, debounce, max_wait, concurrency)
+        if check_across(across, self._backend):
+            self._policy = self._policy._replace(across=True)
         self._max_hold = check_hold(max_hold)
         self._registry = Registry(
             backend=self._backend,

@@ -13,6 +13,7 @@ import contextvars
 import logging
 import sys
 from collections.abc import Generator, Hashable
+from functools import partial
 from typing import TYPE_CHECKING, Any, cast, final
 
 from ._describe import describe
@@ -20,7 +21,15 @@ from ._drive import CLOSE, GRANT, RELEASE
 from ._errors import LeaseLost
 
 if TYPE_CHECKING:
-    from .backends._base import Backend, Grant, SessionBackend, TurnSession
+    from ._latest import Ticket
+    from .backends._base import (
+        Backend,
+        Grant,
+        LatestBackend,
+        LatestGrant,
+        SessionBackend,
+        TurnSession,
+    )
 
 #: The core's logger: a turn whose lease was lost (WARNING). Nothing on a turn
 #: that goes well.
@@ -73,6 +82,12 @@ class Shared:
     def granted(self, key: Hashable) -> None:
         """Note the token of key's grant, the newest in grants (see _drive: GRANT)."""
         self.tokens[key] = self.grants[-1].token
+
+    def ran(self, called: int, ok: bool) -> None:
+        """Note on the grants what a turn of latest work shared across processes ran: when
+        its work was called, and whether it returned (see LatestGrant.ran)."""
+        for grant in self.grants:
+            cast("LatestGrant", grant).ran(called, ok)
 
     def reentered(self, key: Hashable) -> None:
         """Note the enclosing turn that holds key, taken again: its token, its lease."""
@@ -187,3 +202,31 @@ class Shared:
             if sys.version_info >= (3, 11):  # pragma: no branch
                 cast(BaseException, error).add_note(message)
         return error, failure
+
+
+@final
+class LatestLine:
+    """A backend's line for a turn of latest work shared across processes: the source its
+    GRANT waits on (see LatestBackend), which asks the ticket's book for its newest work."""
+
+    __slots__ = ("backend", "newest")
+
+    def __init__(self, backend: LatestBackend, ticket: Ticket) -> None:
+        self.backend = backend
+        self.newest = partial(ticket.book.newest, ticket)
+
+    async def acquire(self, key: Hashable, timeout: float | None) -> Grant:
+        return await self.backend.acquire_latest(key, timeout, self.newest)
+
+    def acquire_sync(
+        self, key: Hashable, timeout: float | None, into: list[Grant] | None = None
+    ) -> Grant:
+        return self.backend.acquire_latest_sync(key, timeout, self.newest, into)
+
+
+def latest_line(backend: Backend, ticket: Ticket) -> Backend | LatestLine:
+    """Where a turn with ticket takes its key's grant: backend, or its line of latest work
+    (a call whose work another process's newer work may replace: across="processes")."""
+    if ticket.policy.shared:
+        return LatestLine(cast("LatestBackend", backend), ticket)
+    return backend

@@ -53,12 +53,14 @@ from ._drive import (
 )
 from ._errors import blocking_in_loop, thread_cannot_await
 from ._hold import Clock, start_clock
-from ._latest import RUN, Ticket
+from ._latest import Ticket
 from ._line import HELD, held_by
-from ._shared import CURRENT, Shared
+from ._shared import CURRENT, Shared, latest_line
 from ._stats import FUNCTION
 from ._tasks import loop_here, loop_of, outside_asyncio
 from ._threads import surely, thread_holder
+from ._ticket import RUN
+from .backends._base import Replaced
 
 if TYPE_CHECKING:
     from ._registry import Registry
@@ -663,7 +665,8 @@ class Turn:
                 taken += (key,)
                 waited = _NO_KEY
                 if each:
-                    yield GRANT, (backend, key, shared.grants)  # type: ignore[union-attr]
+                    source = backend if ticket is None else latest_line(backend, ticket)  # type: ignore[arg-type]
+                    yield GRANT, (source, key, shared.grants)  # type: ignore[union-attr]
                     shared.granted(key)  # type: ignore[union-attr]
             if shared is not None and not each:
                 if self._transaction and not taken:
@@ -681,6 +684,8 @@ class Turn:
             self._holder = holder  # NOTE: last, with no call after: the turn is held
         except BaseException as error:
             yield from self._untaking(holder, taken, waited, error)
+            if isinstance(error, Replaced) and ticket is not None and ticket.answer is not None:
+                return  # (newer work of another process ran: its callers are answered)
             raise
 
     def _waiting_on(
@@ -762,6 +767,8 @@ class Turn:
         try:
             if shared is not None:
                 CURRENT.set(shared.outer)
+                if ticket is not None and ticket.policy.shared:
+                    shared.ran(ticket.book.ran(ticket), error is None)
                 failure = yield from shared.give_back(registry.backend, error)  # type: ignore[arg-type]
                 error, failure = shared.ended(registry.name, error, failure)
         finally:

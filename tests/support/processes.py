@@ -22,10 +22,13 @@ class Worker:
         self.name = name
 
     @classmethod
-    async def start(cls, backend: str, *command: str, name: str = "") -> Worker:
+    async def start(
+        cls, backend: str, *command: str, name: str = "", script: Path = WORKER
+    ) -> Worker:
+        """Start script (worker.py by default) with backend and command as its arguments."""
         process = await asyncio.create_subprocess_exec(
             sys.executable,
-            str(WORKER),
+            str(script),
             backend,
             *command,
             stdin=asyncio.subprocess.PIPE,

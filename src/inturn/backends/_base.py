@@ -10,7 +10,7 @@ queue reads of it beyond the protocol's methods.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Hashable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -33,12 +33,15 @@ class Capabilities:
         connection, and a turn takes all its keys on one (PostgreSQL).
     :ivar transactions: ``keyed(..., transaction=True)`` runs the block in a
         transaction on the turn's connection (needs ``sessions``).
+    :ivar latest: it is a :class:`LatestBackend`: it keeps one latest work per
+        key among every process (``across="processes"``).
     """
 
     blocking: bool = False
     one_loop: bool = False
     sessions: bool = False
     transactions: bool = False
+    latest: bool = False
 
     def __post_init__(self) -> None:
         if self.transactions and not self.sessions:
@@ -242,4 +245,74 @@ class SessionBackend(Backend, Protocol):
 
     def session(self, count: int, transaction: bool, own: bool, depth: int) -> TurnSession:
         """A new turn's session (no I/O; see :class:`TurnSession` for the arguments)."""
+        ...
+
+
+class Replaced(Exception):
+    """Newer work of another process took this work's place in the key's line, and ran.
+
+    Raised by :meth:`LatestBackend.acquire_latest`: the key is not held, and
+    the queue answers the callers whose work it replaced (see
+    ``on_superseded``); it never reaches them as it is.
+    """
+
+    def __init__(self, key: Hashable, called: int, ok: bool) -> None:
+        super().__init__(key, called, ok)
+        self.key = key
+        #: When the work that ran was called (``time.monotonic_ns()``, the host's clock).
+        self.called = called
+        #: Whether that work returned (False: it raised, or its turn was cut).
+        self.ok = ok
+
+
+#: When a process's newest work on a key was called (``time.monotonic_ns()``): asked by a
+#: LatestBackend when the key's turn comes to that process (see acquire_latest).
+Newest = Callable[[], int]
+
+
+@runtime_checkable
+class LatestGrant(Grant, Protocol):
+    """The grant of a :class:`LatestBackend`'s latest turn."""
+
+    def ran(self, called: int, ok: bool) -> None:
+        """Note, before the release, the work that ran: when it was called, and whether it
+        returned; the release tells the key's line (see :class:`LatestBackend`)."""
+        ...
+
+
+@runtime_checkable
+class LatestBackend(BlockingBackend, Protocol):
+    """A backend that keeps one latest work per key among every process (``capabilities.latest``).
+
+    A process's turn of latest work (``pending="latest", across="processes"``)
+    is taken with :meth:`acquire_latest`. The contract, among the turns so
+    taken on one key:
+
+    - When such a turn reaches the head of the key's line, the backend asks
+      its process for its newest work (``newest()``): the turn runs it only
+      if no newer work of another process waits in the line, or ran since it
+      was called; else it gives the key on, and either waits again behind
+      that newer work or raises :exc:`Replaced` once newer work has run.
+    - Whatever process dies at whatever moment, the newest work a live
+      process still waits for runs: a turn whose newer work's process died
+      before the newer work returned runs after all.
+    - :meth:`LatestGrant.ran` is called before the release: the release
+      records what ran, for the turns that wait behind it.
+    """
+
+    async def acquire_latest(self, key: Hashable, timeout: float | None, newest: Newest) -> Grant:
+        """As :meth:`Backend.acquire`, for latest work (see the class).
+
+        :raises Replaced: newer work of another process ran in this work's place.
+        """
+        ...
+
+    def acquire_latest_sync(
+        self,
+        key: Hashable,
+        timeout: float | None,
+        newest: Newest,
+        into: list[Grant] | None = None,
+    ) -> Grant:
+        """As :meth:`acquire_latest`, blocking this thread (``into``: see acquire_sync)."""
         ...

@@ -88,13 +88,14 @@ from typing import Final, final
 
 from ..._describe import describe
 from ..._order import order_portable, portable_name
-from .._base import Capabilities, Grant
+from .._base import Capabilities, Grant, Newest
 from .._lines import LineInfo
 from ._directory import Directory
 from ._fds import forks
 from ._inspect import pids_in_line, snapshots
 from ._limits import refusal
-from ._line import Home, Place, deleted, drive, drive_blocking, leave, taking
+from ._line import Home, Place, Taking, deleted, drive, drive_blocking, leave, taking
+from ._linefile import Ran
 from ._tidy import retry, retry_aside
 
 __all__ = ("FileBackend", "FileGrant")
@@ -169,6 +170,11 @@ class FileGrant:
         if place.fd < 0 or self._forks != forks():  # (a forked child: its parent's, see release)
             return place.lost
         return deleted(place)
+
+    def ran(self, called: int, ok: bool) -> None:
+        """Note the latest work that ran in this turn (see LatestGrant.ran): its release
+        records it in the key's line file before it hands the key on."""
+        self._place.ran = Ran(called, ok)
 
     def _forget(self) -> None:
         """(In a forked child.) End the child's part of its parent's grant, touching nothing.
@@ -320,8 +326,13 @@ class FileBackend:
         :raises OSError: the directory, made at the first turn, was refused
             or could not be made (see the class's ``directory`` parameter).
         """
+        return await self._driven(taking(self._home, key, FileGrant), key, timeout)
+
+    async def _driven(
+        self, steps: Taking[FileGrant], key: Hashable, timeout: float | None
+    ) -> FileGrant:
+        """The grant the steps of a task's turn on key take, within timeout."""
         loop = asyncio.get_running_loop()
-        steps = taking(self._home, key, FileGrant)
         try:
             grant = await drive(steps, key, timeout)
         except BaseException as error:
@@ -331,8 +342,20 @@ class FileBackend:
         grant._loop = loop
         return grant
 
-    #: Threads block in the kernel on their tickets (see Capabilities).
-    capabilities: Final[Capabilities] = Capabilities(blocking=True)
+    def _driven_sync(
+        self, steps: Taking[FileGrant], key: Hashable, timeout: float | None
+    ) -> FileGrant:
+        """As _driven, for a thread's turn, blocking it."""
+        try:
+            return drive_blocking(steps, key, timeout)
+        except BaseException as error:
+            steps.close()  # leave the line (see _line.taking)
+            self._not_taken(key, error)
+            raise
+
+    #: Threads block in the kernel on their tickets; latest work is kept per key among
+    #: every process (see Capabilities).
+    capabilities: Final[Capabilities] = Capabilities(blocking=True, latest=True)
 
     def thread_loop(self) -> None:
         """None: a thread's turn blocks in the kernel, on no event loop."""
@@ -360,13 +383,33 @@ class FileBackend:
             this process's ticket left the line.
         :raises ~inturn.BackendUnavailable: as :meth:`acquire`.
         """
-        steps = taking(self._home, key, FileGrant, into)
-        try:
-            return drive_blocking(steps, key, timeout)
-        except BaseException as error:
-            steps.close()  # leave the line (see _line.taking)
-            self._not_taken(key, error)
-            raise
+        return self._driven_sync(taking(self._home, key, FileGrant, into), key, timeout)
+
+    async def acquire_latest(
+        self, key: Hashable, timeout: float | None, newest: Newest
+    ) -> FileGrant:
+        """As :meth:`acquire`, for a process's latest work on key (``across="processes"``).
+
+        The ticket carries a post of when the process's newest work was called
+        (``newest()``); once its turn comes, it runs only if no newer work waits
+        in the line or ran since (see :class:`~inturn.backends.LatestBackend`).
+
+        :raises ~inturn.backends.Replaced: newer work of another process ran
+            in its place; the key is not held.
+        :raises TimeoutError: as :meth:`acquire`, also while it waits again
+            behind newer work.
+        """
+        return await self._driven(taking(self._home, key, FileGrant, None, newest), key, timeout)
+
+    def acquire_latest_sync(
+        self,
+        key: Hashable,
+        timeout: float | None,
+        newest: Newest,
+        into: list[Grant] | None = None,
+    ) -> FileGrant:
+        """As :meth:`acquire_latest`, blocking this thread (see :meth:`acquire_sync`)."""
+        return self._driven_sync(taking(self._home, key, FileGrant, into, newest), key, timeout)
 
     def release(self, grant: Grant) -> Awaitable[None]:
         """Hand the key on (close grant's ticket), then tidy the line file up.

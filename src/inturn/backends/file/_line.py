@@ -26,6 +26,7 @@ from typing import Any, NamedTuple, TypeVar, final
 from ..._checks import Waited, missed
 from ..._describe import describe
 from ..._order import portable_name
+from .._base import Newest, Replaced
 from ._deaths import died
 from ._directory import Directory
 from ._fds import (
@@ -36,13 +37,17 @@ from ._fds import (
     new_serial,
     open_tracked,
 )
+from ._latest import judge
 from ._linefile import (
+    Post,
+    Ran,
     alone_in,
     joined,
     joining,
     line_name,
     new_ticket,
     pipe_name,
+    ran_record,
     read_records,
     record_of,
     ticket_of,
@@ -50,6 +55,7 @@ from ._linefile import (
 from ._locks import flock_now, flock_soon, lock, lock_blocking
 from ._tickets import (
     LEAVING,
+    alive,
     hand_off,
     handed,
     probe,
@@ -72,6 +78,9 @@ _OPEN_LINE = os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
 #: How a ticket's owner opens it: as its writer (O_RDWR: without waiting for a reader).
 _OPEN_TICKET = os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 
+#: The longest a release of latest work waits to record what ran (see _record_ran): a
+#: tidier holds the line file's lock for a few system calls.
+_RAN_WAIT = 1.0
 #: A line file's identity: its device and inode numbers.
 _Identity = tuple[int, int]
 
@@ -141,7 +150,7 @@ class Home:
 class Place:
     """A turn's place in its key's line: its ticket, kept open for writing while it holds."""
 
-    __slots__ = ("digest", "fd", "line", "lost", "ticket", "where")
+    __slots__ = ("digest", "fd", "line", "lost", "ran", "ticket", "where")
 
     def __init__(
         self, where: Directory, digest: str, ticket: str, fd: int, line: _Identity
@@ -154,6 +163,7 @@ class Place:
         )
         self.line = line  # the identity of its line file, as it queued in it
         self.lost = False  # (once left) whether its files were gone when it left
+        self.ran: Ran | None = None  # latest work that ran in its turn: recorded as it leaves
 
     def __repr__(self) -> str:
         state = "left" if self.fd < 0 else "in line"
@@ -176,10 +186,10 @@ class _Left(NamedTuple):
 #: What a turn's steps return: its grant, made of its token and its place (see taking).
 G = TypeVar("G")
 #: The steps of a turn (see taking): they yield waits, and return its grant.
-_Taking = Generator[_Locked | _Left, bytes, G]
+Taking = Generator[_Locked | _Left, bytes, G]
 
 
-async def drive(steps: _Taking[G], key: Hashable, timeout: float | None) -> G:
+async def drive(steps: Taking[G], key: Hashable, timeout: float | None) -> G:
     """Run the steps of key's turn to their end in the event loop, within timeout.
 
     An error (a missed deadline, a cancellation) leaves steps to the caller
@@ -203,7 +213,7 @@ async def drive(steps: _Taking[G], key: Hashable, timeout: float | None) -> G:
         return took
 
 
-def drive_blocking(steps: _Taking[G], key: Hashable, timeout: float | None) -> G:
+def drive_blocking(steps: Taking[G], key: Hashable, timeout: float | None) -> G:
     """As drive, blocking this thread while it waits."""
     deadline = None if timeout is None else time.monotonic() + timeout
 
@@ -228,7 +238,8 @@ def taking(
     key: Hashable,
     grant: Callable[[Hashable, int, Place], G],
     into: list[Any] | None = None,
-) -> _Taking[G]:
+    newest: Newest | None = None,
+) -> Taking[G]:
     """Take key's turn: every system call of acquire and acquire_sync, written once.
 
     Where a step would block, it yields what it waits for (see _Locked,
@@ -244,18 +255,41 @@ def taking(
     goes into it as it is made (see BlockingBackend.acquire_sync): on its way
     up from here, CPython may raise a signal handler's exception after any
     call returns (3.10 does), and the caller's clean-up then finds it there.
+
+    With ``newest`` (a turn of latest work shared across processes, see
+    ``_latest.py``), its ticket carries a post of its process's newest work,
+    and once its turn comes it runs that work, joins the line again behind
+    newer work, or raises Replaced: newer work ran.
     """
     begun = time.monotonic()
     name = portable_name(key)
     digest = hashlib.sha256(name).hexdigest()
     ticket = new_ticket()
-    place, records = yield from _join(home, key, name, digest, ticket)
-    where, fd = place.where, place.fd
+    post = None if newest is None else Post(ticket, newest(), fresh=False)
+    place, records = yield from _join(home, key, name, digest, ticket, post)
+    where = place.where
     try:
-        before = records[: records.index(record_of(ticket))]
-        token = yield from _wait_behind(key, where, digest, before)
+        again = 0
+        while True:
+            before = records[: records.index(record_of(place.ticket))]
+            token = yield from _wait_behind(key, where, digest, before)
+            if newest is None:
+                break
+            me = newest()
+            judged = yield from _judged(where, digest, place.ticket, me, again)
+            if judged is True:
+                break
+            if judged is not False:
+                raise Replaced(key, judged.called, judged.ok)  # noqa: TRY301 - it leaves below
+            again += 1  # newer work waits behind: in line behind it, then the key goes on
+            ticket = new_ticket()
+            later, records = yield from _join(
+                home, key, name, digest, ticket, Post(ticket, me, fresh=True)
+            )
+            place, earlier = later, place  # NOTE: one step: the place to leave at an error
+            _give_up(earlier, key)
         if time.monotonic() - begun > _LATE:
-            os.utime(fd)  # the ticket's time is when its turn began: for inspect
+            os.utime(place.fd)  # the ticket's time is when its turn began: for inspect
         made = [] if into is None else into
         made.extend(map(grant, (key,), (token,), (place,)))  # NOTE: one step (see into)
         taken: G = made[-1]
@@ -283,9 +317,10 @@ def _give_up(place: Place, key: Hashable) -> None:
 
 
 def _join(
-    home: Home, key: Hashable, name: bytes, digest: str, ticket: str
+    home: Home, key: Hashable, name: bytes, digest: str, ticket: str, post: Post | None = None
 ) -> Generator[_Locked | _Left, bytes, tuple[Place, list[str]]]:
-    """Queue ticket in key's line file (name: the key's portable name), in home's directory.
+    """Queue ticket in key's line file (name: the key's portable name), in home's directory;
+    with post, its post of latest work beside it (in the same append).
 
     Returns its place (the ticket's writer fd is the one descriptor a turn
     keeps: the line file is closed once ticket is in it), and the line
@@ -317,7 +352,7 @@ def _join(
             os.mkfifo(pipe, 0o600, dir_fd=where.fd)
             made = True
             fd = open_tracked(pipe, _OPEN_TICKET, where.fd, serial=ticket_serial)
-            os.write(line_fd, joined(ticket))  # one append: atomic
+            os.write(line_fd, joined(ticket, post))  # one append: atomic
             records = read_records(line_fd)
             fcntl.flock(line_fd, fcntl.LOCK_UN)
             place = Place(where, digest, ticket, fd, (info.st_dev, info.st_ino))
@@ -340,6 +375,27 @@ def _join(
             _give_up(place, key)
             raise
         return place, records
+
+
+def _judged(
+    where: Directory, digest: str, ticket: str, me: int, again: int
+) -> Generator[_Locked | _Left, bytes, Ran | bool]:
+    """Judge ticket's turn of latest work, come (see _latest.judge): its line file read under
+    the shared lock (a compaction may be rewriting it), its posts' tickets looked at after."""
+    fd = open_tracked(line_name(digest), OPEN_TIDY, where.fd)
+    try:
+        if not flock_soon(fd, fcntl.LOCK_SH):
+            yield _Locked(fd, fcntl.LOCK_SH)
+        try:
+            records = read_records(fd)
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        close_tracked(fd)
+    directory = where.fd
+    return judge(
+        records, ticket, me, again, lambda other: alive(directory, pipe_name(digest, other))
+    )
 
 
 def _wait_behind(
@@ -401,6 +457,8 @@ def leave(place: Place, key: Hashable, token: int) -> tuple[Directory, str, str,
         line_fd, records = _own_line(where, digest, ticket, place.line)
         replaced = records is None
         place.lost = replaced or unlinked(fd)
+        if place.ran is not None and not replaced:  # (latest work: before anyone may hold)
+            _record_ran(line_fd, place.ran, key, where)
         os.write(fd, hand_off(token))  # whoever waits on this ticket goes on
     except BaseException:
         if line_fd >= 0:
@@ -438,6 +496,35 @@ def leave(place: Place, key: Hashable, token: int) -> tuple[Directory, str, str,
     if tidy_again(where, digest, ticket, key, line_fd=line_fd, alone=alone):
         return where, digest, ticket, key
     return None
+
+
+def _record_ran(fd: int, ran: Ran, key: Hashable, where: Directory) -> None:
+    """Append what ran to line file fd (-1: none), under the shared lock (a compaction
+    meanwhile would cut it off), waiting for a tidier's few system calls _RAN_WAIT at most.
+
+    Not recorded (logged), the turns of older work behind it would run theirs after it.
+    """
+    if fd >= 0:
+        try:
+            if not flock_soon(fd, fcntl.LOCK_SH):
+                lock_blocking(fd, fcntl.LOCK_SH, time.monotonic() + _RAN_WAIT, TimeoutError)
+            try:
+                fcntl.fcntl(fd, fcntl.F_SETFL, os.O_APPEND)  # (opened to tidy: see _rewrite)
+                os.write(fd, ran_record(ran))
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        except OSError:  # (TimeoutError included)
+            pass
+        else:
+            return
+    logger.warning(
+        "inturn: the turn of latest work on key %s in %s could not record that its work "
+        "ran (no file descriptor left, or its line file was locked for %g s): older work "
+        "waiting in another process may run after it",
+        describe(key),
+        where.path,
+        _RAN_WAIT,
+    )
 
 
 def deleted(place: Place) -> bool:

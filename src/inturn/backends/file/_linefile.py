@@ -12,6 +12,13 @@ a record:
   means that process died joining: its pipe, if made, is removed.
 - ``K<hex digits>``: the key's portable name, written by whoever found the
   file empty, for ``inspect``.
+- ``W<ticket>:<called>:<fresh>``: ticket carries a process's latest work
+  (``across="processes"``), called at ``called`` (``time.monotonic_ns()``);
+  ``fresh`` is 1 if it was written when its process's turn came (see
+  ``_latest.py``). Written with the ticket's own record, in one append.
+- ``R<called>:<ok>``: latest work called at ``called`` ran in its turn, and
+  returned (``ok`` 1) or not (0); written by its holder before it hands the
+  key on. Only the newest counts (a compaction keeps it, after the key's).
 
 A compaction writes the new records over the old ones from the start,
 then cuts the file to their length. A process killed between the two
@@ -28,14 +35,21 @@ import itertools
 import os
 import re
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 _LINE = ".line"
 _PIPE = ".t"
 _TICKET = "T"
 _JOINING = "?"
 _KEY = "K"
+_POST = "W"
+_RAN = "R"
 #: A ticket: a process id, a dot, 48 random bits in hex.
 _A_TICKET = re.compile(r"[0-9]{1,10}\.[0-9a-f]{12}")
+#: A post of latest work: its ticket, when it was called, whether it is fresh.
+_A_POST = re.compile(r"W([0-9]{1,10}\.[0-9a-f]{12}):([0-9]{1,20}):([01])")
+#: What latest work ran: when it was called, whether it returned.
+_A_RAN = re.compile(r"R([0-9]{1,20}):([01])")
 #: Bytes read from a line file at once.
 _READ = 65536
 #: The random part of a ticket: 48 bits.
@@ -107,11 +121,14 @@ def record_of(ticket: str) -> str:
 
 
 def alone_in(records: list[str], ticket: str) -> bool:
-    """Whether records are just ticket's mark and record, after the key's record if any.
+    """Whether records are just ticket's mark and record (and its post, if it posted latest
+    work), after the key's record if any.
 
     So a line file reads that only a turn on a free key joined: anything else
     (another ticket, a piece that a compaction cut short left) reads as somebody.
     """
+    if records and (post := post_of(records[-1])) is not None and post.ticket == ticket:
+        records = records[:-1]
     first = len(records) - 2  # (where ticket's mark is: the key's record may come before it)
     return (
         first in (0, 1)
@@ -120,9 +137,59 @@ def alone_in(records: list[str], ticket: str) -> bool:
     )
 
 
-def joined(ticket: str) -> bytes:
-    """The record of ticket, in line, as written."""
-    return f"{_TICKET}{ticket}\n".encode("ascii")
+def joined(ticket: str, post: Post | None = None) -> bytes:
+    """The record of ticket, in line, as written; with post, the post's record after it."""
+    if post is None:
+        return f"{_TICKET}{ticket}\n".encode("ascii")
+    return f"{_TICKET}{ticket}\n{_post_record(post)}\n".encode("ascii")
+
+
+class Post(NamedTuple):
+    """A ticket that carries a process's latest work (see the ``W`` record)."""
+
+    ticket: str
+    called: int  #: when the work was called: time.monotonic_ns(), the host's clock
+    fresh: bool  #: written when its process's turn came (see _latest.py)
+
+
+def _post_record(post: Post) -> str:
+    return f"{_POST}{post.ticket}:{post.called}:{int(post.fresh)}"
+
+
+class Ran(NamedTuple):
+    """Latest work that ran in its turn (see the ``R`` record)."""
+
+    called: int  #: when the work was called: time.monotonic_ns()
+    ok: bool  #: whether it returned
+
+
+def ran_record(ran: Ran) -> bytes:
+    """The record of what ran, as written."""
+    return f"{_RAN}{ran.called}:{int(ran.ok)}\n".encode("ascii")
+
+
+def ran_of(record: str) -> Ran | None:
+    """What ran, if record says it."""
+    if not record.startswith(_RAN):
+        return None
+    found = _A_RAN.fullmatch(record)
+    return None if found is None else Ran(int(found[1]), found[2] == "1")
+
+
+def newest_ran(records: list[str]) -> Ran | None:
+    """The newest latest work that records say ran, if any."""
+    ran = [found for record in records if (found := ran_of(record)) is not None]
+    return max(ran) if ran else None
+
+
+def post_of(record: str) -> Post | None:
+    """The post that record is, if it is one."""
+    if not record.startswith(_POST):
+        return None
+    found = _A_POST.fullmatch(record)
+    if found is None:
+        return None  # (a piece that a crash left)
+    return Post(found[1], int(found[2]), found[3] == "1")
 
 
 def read_records(fd: int) -> list[str]:
@@ -147,6 +214,10 @@ class Records:
     tickets: list[str] = field(default_factory=list)
     #: Tickets with a ``?`` record and no record of their own.
     unfinished: list[str] = field(default_factory=list)
+    #: The posts of latest work, by ticket.
+    posts: dict[str, Post] = field(default_factory=dict)
+    #: The newest latest work that ran, if any.
+    ran: Ran | None = None
 
 
 def parse(records: list[str]) -> Records:
@@ -166,14 +237,26 @@ def parse(records: list[str]) -> Records:
                 marked[record[1:]] = None
         elif (ticket := ticket_of(record)) is not None:
             tickets[ticket] = None
+        elif (post := post_of(record)) is not None:
+            found.posts.setdefault(post.ticket, post)
+        elif (ran := ran_of(record)) is not None and (found.ran is None or ran > found.ran):
+            found.ran = ran
     found.tickets = list(tickets)
     found.unfinished = [ticket for ticket in marked if ticket not in tickets]
     return found
 
 
-def render(key: bytes | None, tickets: list[str]) -> bytes:
-    """A line file's whole content: key's record, if given, then tickets in order."""
-    return _key_record(key) + "".join(f"{_TICKET}{ticket}\n" for ticket in tickets).encode("ascii")
+def render(
+    key: bytes | None,
+    tickets: list[str],
+    posts: dict[str, Post] | None = None,
+    ran: Ran | None = None,
+) -> bytes:
+    """A line file's whole content: key's record, if given, what ran, if given, then
+    tickets in order, each with its post (of posts), if it has one."""
+    posts = posts or {}
+    head = _key_record(key) + (b"" if ran is None else ran_record(ran))
+    return head + b"".join(joined(ticket, posts.get(ticket)) for ticket in tickets)
 
 
 def _key_record(key: bytes | None) -> bytes:

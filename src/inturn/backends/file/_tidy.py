@@ -32,6 +32,8 @@ from ._deaths import died_joining
 from ._directory import Directory
 from ._fds import OPEN_TIDY, close_tracked, open_tracked
 from ._linefile import (
+    Post,
+    Ran,
     line_name,
     parse,
     pipe_name,
@@ -81,14 +83,16 @@ def unlinked(fd: int) -> bool:
     return os.fstat(fd).st_nlink == 0
 
 
-def _rewrite(fd: int, key: bytes | None, tickets: list[str]) -> None:
+def _rewrite(
+    fd: int, key: bytes | None, tickets: list[str], posts: dict[str, Post], ran: Ran | None
+) -> None:
     """Write tickets over the line file's records and cut it to them, if the write is whole.
 
     The caller holds the exclusive lock. If the tickets would straddle a
     page boundary (see _PAGE), the file is left as it is (and is compacted
     once the line is shorter).
     """
-    data = render(key, tickets)
+    data = render(key, tickets, posts, ran)
     first = len(render(key, []))  # where the tickets start: the key's record stays as it was
     if first // _PAGE != (len(data) - 1) // _PAGE:
         return
@@ -143,8 +147,11 @@ def _compact(where: Directory, digest: str, fd: int, own: str, gone: set[str], h
     staying = [ticket for ticket in found.tickets if ticket not in gone]
     if not staying:
         os.unlink(line_name(digest), dir_fd=where.fd)  # under the lock: see the join's check
-    elif len(staying) + (found.key is not None) < len(records):
-        _rewrite(fd, found.key, staying)
+        return
+    posts = {ticket: found.posts[ticket] for ticket in staying if ticket in found.posts}
+    kept = len(staying) + len(posts) + (found.key is not None) + (found.ran is not None)
+    if kept < len(records):
+        _rewrite(fd, found.key, staying, posts, found.ran)
 
 
 def _untidy(key: Hashable, where: Directory, error: Exception) -> None:
