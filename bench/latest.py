@@ -66,6 +66,9 @@ order) and every number is the median of the repeats. With ``--before``,
 ``pending=all`` is measured again on that revision's inturn (the options of
 issue 32 did not exist before it).
 
+Then (w3), unless ``--no-processes``: bench/latest_across.py, the burst spread
+over 8 processes on the file backend, with ``across="processes"`` (issue 46).
+
 Then (w2): one uncontended turn on ``KeyedQueue(pending="latest")`` over the
 same turn on ``KeyedQueue()``, for ``run``, ``keyed`` and the decorator,
 from bench/turns.py's scenario (u), which times both shapes in the same
@@ -94,7 +97,7 @@ if __package__ in (None, ""):  # run as a script: python bench/latest.py
 
 import inturn
 
-from . import contenders, turns
+from . import contenders, latest_across, turns
 from .scenarios import Verification
 from .targets import Rows, Target, cell, evaluate, ratio, valid
 
@@ -710,6 +713,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="also measure pending=all as it was at this git revision, in the same run",
     )
     parser.add_argument("--json", type=Path, default=None, help="write medians and rows here")
+    parser.add_argument(
+        "--no-processes",
+        action="store_true",
+        help="leave out (w3), the burst spread over 8 processes (bench/latest_across.py)",
+    )
     options = parser.parse_args(argv)
     sizes = Sizes(options.quick)
 
@@ -736,6 +744,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     seen = [*names, *turn_medians]
     for verdict, label, value in (evaluate(t, {**rows, **turn_rows}, seen) for t in targets):
         print(f"- {verdict} {label}: {value}")
+    across: Rows = {}
+    if not options.no_processes:
+        across = asyncio.run(
+            latest_across.measure(latest_across.Sizes(options.quick), options.repeats, log)
+        )
+        print("\n" + latest_across.report(across, options.repeats, machine()))
     log(f"(w) done in {time.perf_counter() - started:.0f} s")
     if options.json:
         options.json.write_text(
@@ -744,6 +758,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "medians": medians,
                     "rows": rows,
                     "turns": {"medians": turn_medians, "rows": turn_rows},
+                    "across": across,
                 },
                 indent=2,
             )

@@ -30,6 +30,10 @@ from ._base import BlockingBackend as BlockingBackend
 from ._base import BlockingTurnSession as BlockingTurnSession
 from ._base import Capabilities as Capabilities
 from ._base import Grant as Grant
+from ._base import LatestBackend as LatestBackend
+from ._base import LatestGrant as LatestGrant
+from ._base import Newest as Newest
+from ._base import Replaced as Replaced
 from ._base import SessionBackend as SessionBackend
 from ._base import TurnSession as TurnSession
 from ._local import LocalBackend as LocalBackend
