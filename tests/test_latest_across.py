@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -300,3 +301,14 @@ def test_judge_runs_the_newest_and_hands_on_to_newer_work() -> None:
     assert judge(posted(newer), me, 100, 3, alive) is True  # it never waits for ever
     assert judge(posted(newer, ran=Ran(150, True)), me, 100, 0, alive) == Ran(150, True)
     assert judge(posted(ran=Ran(80, True)), me, 100, 0, alive) is True  # older work ran
+    assert judge(posted(ran=Ran(time.monotonic_ns() + 10**12, True)), me, 100, 0, alive) is True
+
+
+async def test_what_ran_before_the_host_restarted_is_not_newer(tmp_path: Path) -> None:
+    """A line file left behind by a process killed before a restart may say that work
+    called "later" than now ran (the monotonic clock starts again): new work still runs."""
+    leftover = joined("1.000000000000") + ran_record(Ran(time.monotonic_ns() + 10**15, True))
+    line_file(tmp_path, "k").write_bytes(b"K6b\n" + leftover)  # (its process is gone)
+    ran = Runs()
+    assert await latest(tmp_path).run("k", ran.work("after the restart")) == "after the restart"
+    assert ran == ["after the restart"]

@@ -664,8 +664,11 @@ class Book:
             return ticket.called if found is None else max(ticket.called, found[1].called)
 
     @staticmethod
-    def ran(ticket: Ticket) -> int:
-        """When the work ticket's turn ran (its own, or the newer one it took) was called."""
+    def ran(ticket: Ticket) -> int | None:
+        """When the work ticket's turn ran (its own, or the newer one it took) was called;
+        None if its turn ended before its work started (an interrupt between)."""
+        if ticket.state is not STARTED:
+            return None
         latest = ticket.latest
         ran = None if latest is None else latest.ran
         return ticket.called if ran is None else ran.called
@@ -694,7 +697,9 @@ class Book:
             if line is not None and held_by(line, latest):
                 self.registry.abandon(latest.key, line, latest, guarded=True)
         waiting = self._in_line(ticket.key)
-        if waiting is not None and waiting.tickets[-1].called <= replaced.called:
+        newest = None if waiting is None else waiting.tickets[-1]
+        if newest is not None and newest.policy.shared and newest.called <= replaced.called:
+            assert waiting is not None
             self._close(waiting)
             tickets = waiting.tickets
             while tickets:

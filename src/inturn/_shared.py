@@ -83,9 +83,12 @@ class Shared:
         """Note the token of key's grant, the newest in grants (see _drive: GRANT)."""
         self.tokens[key] = self.grants[-1].token
 
-    def ran(self, called: int, ok: bool) -> None:
+    def ran(self, called: int | None, ok: bool) -> None:
         """Note on the grants what a turn of latest work shared across processes ran: when
-        its work was called, and whether it returned (see LatestGrant.ran)."""
+        its work was called, and whether it returned (see LatestGrant.ran); called None: its
+        work never started (nothing is noted: the turns behind it judge as if it never held)."""
+        if called is None:
+            return
         for grant in self.grants:
             cast("LatestGrant", grant).ran(called, ok)
 

@@ -768,7 +768,7 @@ class Turn:
             if shared is not None:
                 CURRENT.set(shared.outer)
                 if ticket is not None and ticket.policy.shared:
-                    shared.ran(ticket.book.ran(ticket), error is None)
+                    shared.ran(ticket.book.ran(ticket), error is None)  # (before the release)
                 failure = yield from shared.give_back(registry.backend, error)  # type: ignore[arg-type]
                 error, failure = shared.ended(registry.name, error, failure)
         finally:

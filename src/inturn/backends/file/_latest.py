@@ -32,6 +32,7 @@ that it runs, unless newer work ran.
 from __future__ import annotations
 
 from collections.abc import Callable
+from time import monotonic_ns as _monotonic_ns
 
 from ._linefile import Ran, newest_ran, post_of, record_of
 
@@ -49,9 +50,13 @@ def judge(
     called; again: how many times it joined again already; alive(ticket):
     whether another ticket is still in line. Returns what ran if newer work
     did (its work is not to run), True if it runs, False if it joins again.
+
+    A record of work that ran "later than now" is ignored: it comes from
+    before the host restarted (its monotonic clock with it), in a line file
+    that a process killed then left behind.
     """
     ran = newest_ran(records)
-    if ran is not None and ran.called >= me:
+    if ran is not None and me <= ran.called <= _monotonic_ns():
         return ran
     if again >= _AGAIN:
         return True
