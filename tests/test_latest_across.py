@@ -102,6 +102,41 @@ async def test_a_burst_spread_over_processes_runs_once_the_newest(tmp_path: Path
     assert not line_file(tmp_path, "k").exists()  # nothing is left in line
 
 
+class Missed(list[tuple[BaseException, str | None]]):
+    """An observer that keeps the error of each turn that never started."""
+
+    def started(self, waited: float, function: str | None) -> None:
+        pass
+
+    def ended(self, held: Any, error: Any, cut: bool, function: str | None) -> None:
+        pass
+
+    def missed(self, error: BaseException, function: str | None) -> None:
+        self.append((error, function))
+
+
+async def test_the_observer_hears_of_each_work_replaced_in_its_process(tmp_path: Path) -> None:
+    holder = Holder(tmp_path)
+    await holder.hold()
+    older, newer = latest(tmp_path), latest(tmp_path)
+    heard = Missed()
+    older.observe(heard)
+    ran = Runs()
+
+    async def sync() -> str:
+        return await ran.work("older")()
+
+    calls = [asyncio.create_task(older.run("k", sync)) for _ in range(3)]
+    await settle(lambda: older.pending("k") == 2 and posts(tmp_path) == 1)
+    last = asyncio.create_task(newer.run("k", ran.work("newer")))
+    await settle(lambda: posts(tmp_path) == 2)
+    await holder.release()
+    assert await asyncio.gather(*calls, last) == [None, None, None, "newer"]
+    assert len(heard) == 3  # the 3 replaced works: 2 in this process, 1 by the other's
+    assert all(isinstance(error, Superseded) for error, _ in heard)
+    assert {function for _, function in heard} == {f"{sync.__module__}.{sync.__qualname__}"}
+
+
 async def test_a_join_caller_learns_that_the_newer_work_failed(tmp_path: Path) -> None:
     holder = Holder(tmp_path)
     await holder.hold()
