@@ -32,7 +32,6 @@ that it runs, unless newer work ran.
 from __future__ import annotations
 
 from collections.abc import Callable
-from time import monotonic_ns as _monotonic_ns
 
 from ._linefile import Ran, newest_ran, post_of, record_of
 
@@ -51,12 +50,10 @@ def judge(
     whether another ticket is still in line. Returns what ran if newer work
     did (its work is not to run), True if it runs, False if it joins again.
 
-    A record of work that ran "later than now" is ignored: it comes from
-    before the host restarted (its monotonic clock with it), in a line file
-    that a process killed then left behind.
+    (A record of work that ran "later than now" is left out: see newest_ran.)
     """
     ran = newest_ran(records)
-    if ran is not None and me <= ran.called <= _monotonic_ns():
+    if ran is not None and ran.called >= me:
         return ran
     if again >= _AGAIN:
         return True

@@ -18,7 +18,8 @@ a record:
   ``_latest.py``). Written with the ticket's own record, in one append.
 - ``R<called>:<ok>``: latest work called at ``called`` ran in its turn, and
   returned (``ok`` 1) or not (0); written by its holder before it hands the
-  key on. Only the newest counts (a compaction keeps it, after the key's).
+  key on. Only the newest counts (a compaction keeps it, after the key's),
+  but for one called "later than now" (see newest_ran).
 
 A compaction writes the new records over the old ones from the start,
 then cuts the file to their length. A process killed between the two
@@ -34,6 +35,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -177,8 +179,16 @@ def ran_of(record: str) -> Ran | None:
 
 
 def newest_ran(records: list[str]) -> Ran | None:
-    """The newest latest work that records say ran, if any."""
-    ran = [found for record in records if (found := ran_of(record)) is not None]
+    """The newest latest work that records say ran, if any.
+
+    A record of work called "later than now" is left out: it comes from
+    before the host restarted (its monotonic clock with it), in a line file
+    that a process killed then left behind.
+    """
+    now = time.monotonic_ns()
+    ran = [
+        found for record in records if (found := ran_of(record)) is not None and found.called <= now
+    ]
     return max(ran) if ran else None
 
 
@@ -239,8 +249,7 @@ def parse(records: list[str]) -> Records:
             tickets[ticket] = None
         elif (post := post_of(record)) is not None:
             found.posts.setdefault(post.ticket, post)
-        elif (ran := ran_of(record)) is not None and (found.ran is None or ran > found.ran):
-            found.ran = ran
+    found.ran = newest_ran(records)
     found.tickets = list(tickets)
     found.unfinished = [ticket for ticket in marked if ticket not in tickets]
     return found
