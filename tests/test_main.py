@@ -378,3 +378,27 @@ def test_the_operations_page_has_a_row_for_every_inspect_option(
     page = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
     rows = set(re.findall(r"^\| `(--[a-z-]+)", page, re.MULTILINE))
     assert rows == options
+
+
+async def test_inspect_shows_when_the_latest_work_waiting_was_called(directory: Path) -> None:
+    """A process's latest work waiting in a line shared across processes is shown as such."""
+    holder = KeyedQueue(backend=FileBackend(directory))
+    latest = KeyedQueue(backend=FileBackend(directory), pending="latest", across="processes")
+    held, go_on = asyncio.Event(), asyncio.Event()
+
+    async def hold() -> None:
+        held.set()
+        await go_on.wait()
+
+    holding = asyncio.create_task(holder.run("order-17", hold))
+    await held.wait()
+    waiting = asyncio.create_task(latest.run("order-17", asyncio.sleep, 0, "synced"))
+    await until(lambda: len(FileBackend(directory).line("order-17")) == 2, "the latest waits")
+    out = await asyncio.to_thread(inspect, ["--dir", str(directory)])
+    assert re.search(rf"\n    held by pid {os.getpid()} for \d+\.\d s\n", out)  # (not latest)
+    assert re.search(
+        rf"\n    1\. pid {os.getpid()} waiting \d+\.\d s, latest work called \d+\.\d s ago\n", out
+    )
+    go_on.set()
+    assert await waiting == "synced"
+    await holding

@@ -82,6 +82,10 @@ def _lease(left: float | None) -> str:
     return "" if left is None else f", lease {left:.1f} s left"
 
 
+def _latest(called: float | None) -> str:
+    return "" if called is None else f", latest work called {called:.1f} s ago"
+
+
 def format_lines(
     lines: Sequence[LineInfo], where: str, elsewhere: Sequence[str] | None = None
 ) -> str:
@@ -90,8 +94,9 @@ def format_lines(
     where names the place of the lines (``namespace 'shop'``); elsewhere, with
     no lines, the other places that have some (Redis's and PostgreSQL's
     namespaces). A host, token or lease is shown where the backend knows it
-    (Redis), a server's process id too (PostgreSQL), and a process id it
-    does not know as ``?``.
+    (Redis), a server's process id too (PostgreSQL), a process id it does not
+    know as ``?``, and when a process's latest work was called, where it
+    waits as such (``across="processes"``: the file backend).
     """
     if not lines:
         if elsewhere is None:
@@ -108,12 +113,12 @@ def format_lines(
             token = "" if h.token is None else f", token {h.token}"
             out.append(
                 f"    held by {_who(h.host, h.pid, h.server_pid)} for {h.held_for:.1f} s{token}"
-                f"{_lease(h.lease_left)}"
+                f"{_lease(h.lease_left)}{_latest(h.latest_called)}"
             )
         for place, w in enumerate(line.waiters, 1):
             out.append(
                 f"    {place}. {_who(w.host, w.pid, w.server_pid)} waiting {w.waiting_for:.1f} s"
-                f"{_lease(w.lease_left)}"
+                f"{_lease(w.lease_left)}{_latest(w.latest_called)}"
             )
     return "\n".join(out)
 

@@ -28,6 +28,9 @@ class HolderInfo:
     #: The server process of the session that holds the key (PostgreSQL), as
     #: ``pg_stat_activity`` and ``pg_terminate_backend()`` know it.
     server_pid: int | None = None
+    #: Seconds since the latest work it holds for was called, if it is a process's latest
+    #: work shared across processes (``across="processes"``, the file backend); else None.
+    latest_called: float | None = None
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,9 @@ class WaiterInfo:
     lease_left: float | None = None
     #: The server process of the session that waits (PostgreSQL).
     server_pid: int | None = None
+    #: Seconds since the latest work it waits for was called, if it is a process's latest
+    #: work shared across processes (``across="processes"``, the file backend); else None.
+    latest_called: float | None = None
 
 
 @dataclass(frozen=True)

@@ -76,8 +76,20 @@ def _snapshot(directory: int, digest: str, now: float) -> LineInfo | None:
     except ValueError:
         return None  # (not a key this backend wrote)
     (first, since), *rest = here
+    clock = time.monotonic_ns()
+
+    def latest(ticket: str) -> float | None:
+        """Seconds since ticket's latest work was called, if it posted any."""
+        post = found.posts.get(ticket)
+        return None if post is None else max(0.0, (clock - post.called) / 1e9)
+
     return LineInfo(
         key,
-        HolderInfo(None, pid_of(first), max(0.0, now - since.st_mtime)),
-        tuple(WaiterInfo(None, pid_of(t), max(0.0, now - info.st_mtime)) for t, info in rest),
+        HolderInfo(
+            None, pid_of(first), max(0.0, now - since.st_mtime), latest_called=latest(first)
+        ),
+        tuple(
+            WaiterInfo(None, pid_of(t), max(0.0, now - info.st_mtime), latest_called=latest(t))
+            for t, info in rest
+        ),
     )
