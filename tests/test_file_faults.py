@@ -48,7 +48,7 @@ async def ended(server: Worker) -> list[str]:
         words = await server.report()
         if words[0] == "ended":
             return words[1:]
-        assert words[0] in ("holding", "released", "timeout"), words
+        assert words[0] in ("holding", "released", "timeout", "superseded"), words
 
 
 # -- a crash at every step ---------------------------------------------------------------
@@ -74,6 +74,83 @@ async def test_a_crash_at_any_step_of_a_lone_turn_leaves_the_line_usable_and_cle
         if outcome == ["exit", "0"]:
             break  # step is past the last one: the whole turn ran
     assert step > 10
+
+
+@pytest.mark.parametrize("victim", ["newest", "older"])
+async def test_a_crash_at_any_step_of_latest_work_across_processes_loses_no_update(
+    directory: Path, backend: FileBackend, workers: list[Worker], victim: str
+) -> None:
+    """Latest work (across="processes") killed before each step of its turn, beside a work of
+    this process's that waits too: the newest work a live process waits for runs (the
+    killed one's, if it ran), the key is free at once, and nothing is left behind.
+
+    A newest victim judges and runs (this process's older work queues again behind it); an
+    older victim queues again behind this process's newer work, then learns that it ran.
+    """
+    server = await Worker.start(spec(directory), "crash-each", "k", "latest")
+    workers.append(server)
+    step = 0
+    while True:
+        step += 1
+        reports, outcome, mine = await latest_killed_at(server, step, backend, victim)
+        assert outcome in (["killed"], ["exit", "0"]), outcome
+        if victim == "older":  # this process's newer work runs whatever befalls the victim
+            assert mine == "mine ran", f"step {step}: {reports}, {outcome}"
+            assert "holding" not in reports
+            assert reports in ([], ["superseded"]), reports
+        elif "holding" not in reports:  # the newest work never started: the older one runs
+            assert mine == "mine ran", f"step {step}: {reports}, {outcome}"
+        elif outcome == ["exit", "0"]:  # it ran, and said so: the older is answered
+            assert mine is None, f"step {step}"
+        # (killed after it started: the older runs, or is answered if the run was recorded)
+        assert mine in ("mine ran", None)
+        async with KeyedQueue(backend=backend).keyed("k", timeout=PATIENCE):
+            pass
+        assert files(directory) == [], f"left behind by a crash before step {step}"
+        if outcome == ["exit", "0"]:
+            break
+    assert step > 10
+
+
+async def latest_killed_at(
+    server: Worker, step: int, backend: FileBackend, victim: str
+) -> tuple[list[str], list[str], str | None]:
+    """While this process holds k and a latest work of its own waits, a victim's, killed
+    before its step-th call (the newest work, or an older one, which queued first): the
+    victim's reports, how it ended, and what this process's caller got."""
+    holder = KeyedQueue(backend=backend)
+    latest = KeyedQueue(backend=backend, pending="latest", across="processes")
+    me = os.getpid()
+    gate = asyncio.Event()
+    holding = asyncio.create_task(holder.run("k", gate.wait))
+    await until(lambda: backend.line("k") == (me,), "the holder took the key")
+    reports: list[str] = []
+
+    async def ending() -> list[str]:
+        while True:
+            words = await server.report()
+            if words[0] == "ended":
+                return words[1:]
+            reports.append(words[0])
+
+    async def victim_queues() -> asyncio.Future[list[str]]:
+        await server.send(str(step))
+        (pid,) = await server.expect("forked")
+        outcome = asyncio.ensure_future(ending())
+        await until(lambda: int(pid) in backend.line("k") or outcome.done(), "it queued")
+        return outcome
+
+    if victim == "older":
+        outcome = await victim_queues()
+    mine = asyncio.create_task(latest.run("k", lambda: "mine ran"))
+    await until(lambda: backend.line("k").count(me) == 2, "this process's work waits")
+    if victim == "newest":
+        outcome = await victim_queues()
+    gate.set()
+    await holding
+    ended_as = await outcome
+    answer = await asyncio.wait_for(mine, PATIENCE)
+    return reports, ended_as, answer
 
 
 def plant_dead_tickets(directory: Path, key: str) -> None:

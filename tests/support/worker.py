@@ -219,7 +219,22 @@ def file_modules() -> tuple[ModuleType, ...]:
 
 
 async def victim(spec: str, key: str, step: int, flags: list[str]) -> None:
-    """Take key and release it, killed just before the step-th watched call."""
+    """Take key and release it, killed just before the step-th watched call.
+
+    With the flag ``latest``, run a work on key as latest work shared across
+    processes instead: ``holding`` as it runs, then ``released`` (it ran) or
+    ``superseded`` (newer work of another process ran in its place).
+    """
+    if "latest" in flags:
+        queue = KeyedQueue(backend=make_backend(spec), pending="latest", across="processes")
+        Tripwire(kill_before=step).install(*file_modules())
+
+        def work() -> str:
+            say("holding")
+            return "ran"
+
+        say("released" if await queue.run(key, work) == "ran" else "superseded")
+        return
     queue = KeyedQueue(backend=make_backend(spec))
     if "compact" in flags:
         from inturn.backends.file import _tidy
