@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 from ._bridge import acquire_sync, acquire_via, close_sync, close_via, release_sync, release_via
 from ._checks import Deadline, restated
 from ._line import ThreadWaiter
+from ._surely import surely
 from ._tasks import retrieve
-from ._threads import surely
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable

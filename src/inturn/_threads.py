@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
-from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from threading import get_ident
 from typing import Any, Final, final
@@ -62,31 +61,6 @@ def thread_holder() -> ThreadHolder:
     except AttributeError:
         me = _LOCAL.me = ThreadHolder(get_ident())
     return me
-
-
-#: How often surely() calls a call that keeps failing before it gives up.
-_TRIES: Final = 100
-
-
-def surely(call: Callable[..., object], *args: Any) -> None:
-    """Call call(*args) through to its end, however often an exception is thrown into the
-    thread meanwhile (a signal handler's, say): call must be idempotent. The first such
-    exception is raised once it has ended. A call that fails _TRIES times in a row raises its
-    last error: a defect of its own, not interrupts (none comes that often), never a hang."""
-    thrown: BaseException | None = None
-    tries = 0
-    while True:
-        try:
-            call(*args)
-        except BaseException as error:
-            thrown = thrown or error
-            tries += 1
-            if tries < _TRIES:
-                continue
-            raise  # (a defect: see above)
-        if thrown is not None:
-            raise thrown
-        return
 
 
 def _gone(loop: asyncio.AbstractEventLoop, thread: int) -> bool:

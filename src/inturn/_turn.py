@@ -57,8 +57,9 @@ from ._latest import Ticket
 from ._line import HELD, held_by
 from ._shared import CURRENT, Shared, latest_line
 from ._stats import FUNCTION
+from ._surely import surely
 from ._tasks import loop_here, loop_of, outside_asyncio
-from ._threads import surely, thread_holder
+from ._threads import thread_holder
 from ._ticket import RUN
 from .backends._base import Replaced
 

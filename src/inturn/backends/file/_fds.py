@@ -79,6 +79,11 @@ def close_tracked(fd: int, serial: int = 0) -> None:
         _close_listed(fd)
 
 
+def is_open(fd: int, serial: int) -> bool:
+    """Whether fd is open still from the open with serial (not closed, nor another file's)."""
+    return _OPEN.get(fd) == serial
+
+
 def close_opened(serial: int) -> None:
     """Close the file that the open with serial opened, if it is open still (see new_serial).
 

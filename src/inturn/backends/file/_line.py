@@ -26,6 +26,7 @@ from typing import Any, NamedTuple, TypeVar, final
 from ..._checks import Waited, missed
 from ..._describe import describe
 from ..._order import portable_name
+from ..._surely import surely
 from .._base import Newest, Replaced
 from ._deaths import died
 from ._directory import Directory
@@ -33,6 +34,7 @@ from ._fds import (
     OPEN_TIDY,
     close_opened,
     close_tracked,
+    is_open,
     line_in_place_of,
     new_serial,
     open_tracked,
@@ -150,10 +152,10 @@ class Home:
 class Place:
     """A turn's place in its key's line: its ticket, kept open for writing while it holds."""
 
-    __slots__ = ("digest", "fd", "line", "lost", "ran", "ticket", "where")
+    __slots__ = ("digest", "fd", "line", "lost", "ran", "serial", "ticket", "where")
 
     def __init__(
-        self, where: Directory, digest: str, ticket: str, fd: int, line: _Identity
+        self, where: Directory, digest: str, ticket: str, fd: int, line: _Identity, serial: int
     ) -> None:
         self.where = where  # the directory of its ticket and its line file
         self.digest = digest  # of its key's portable name: names the line file
@@ -162,6 +164,7 @@ class Place:
             fd  # the writer end of its ticket: open while it holds, its one file; -1 once left
         )
         self.line = line  # the identity of its line file, as it queued in it
+        self.serial = serial  # its ticket's open's (see _fds): closed once, whatever comes
         self.lost = False  # (once left) whether its files were gone when it left
         self.ran: Ran | None = None  # latest work that ran in its turn: recorded as it leaves
 
@@ -266,35 +269,35 @@ def taking(
     digest = hashlib.sha256(name).hexdigest()
     ticket = new_ticket()
     post = None if newest is None else Post(ticket, newest(), fresh=False)
-    place, records = yield from _join(home, key, name, digest, ticket, post)
-    where = place.where
+    places: list[Place] = []  # every place it joined, its own the last (see _join)
     try:
+        records = yield from _join(home, key, name, digest, ticket, post, places)
         again = 0
         while True:
+            place = places[-1]
             before = records[: records.index(record_of(place.ticket))]
-            token = yield from _wait_behind(key, where, digest, before)
+            token = yield from _wait_behind(key, place.where, digest, before)
             if newest is None:
                 break
             me = newest()
-            judged = yield from _judged(where, digest, place.ticket, me, again)
+            judged = yield from _judged(place.where, digest, place.ticket, me, again)
             if judged is True:
                 break
             if judged is not False:
                 raise Replaced(key, judged.called, judged.ok)  # noqa: TRY301 - it leaves below
             again += 1  # newer work waits behind: in line behind it, then the key goes on
             ticket = new_ticket()
-            later, records = yield from _join(
-                home, key, name, digest, ticket, Post(ticket, me, fresh=True)
-            )
-            place, earlier = later, place  # NOTE: one step: the place to leave at an error
-            _give_up(earlier, key)
+            post = Post(ticket, me, fresh=True)
+            records = yield from _join(home, key, name, digest, ticket, post, places)
+            _give_up(place, key)
         if time.monotonic() - begun > _LATE:
             os.utime(place.fd)  # the ticket's time is when its turn began: for inspect
         made = [] if into is None else into
         made.extend(map(grant, (key,), (token,), (place,)))  # NOTE: one step (see into)
         taken: G = made[-1]
     except BaseException:
-        _give_up(place, key)  # (a grant in into is left already when its caller releases it)
+        for place in places:  # (a grant in into is left already when its caller releases it)
+            _give_up(place, key)
         raise
     return taken
 
@@ -303,29 +306,48 @@ def _give_up(place: Place, key: Hashable) -> None:
     """Leave the line place joined: with no writer, the tickets behind skip its ticket.
 
     The place is left then (its fd -1): a grant of it that went to its caller
-    nevertheless (see taking's into) is released as a no-op (see leave).
+    nevertheless (see taking's into) is released as a no-op (see leave). Its
+    leaving completes however often an exception is thrown into the thread
+    meanwhile (see _leave_place); the tidy after it is best effort.
     """
-    fd, place.fd = place.fd, -1  # NOTE: one step
-    if fd < 0:
+    if place.fd < 0:
         return
+    surely(_leave_place, place)
     where, digest, ticket = place.where, place.digest, place.ticket
-    _quit(fd)
-    line_fd = line_in_place_of(fd, where, digest)
-    unlink(where.fd, pipe_name(digest, ticket))
-    if tidy_again(where, digest, ticket, key, held=False, line_fd=line_fd):
+    if tidy_again(where, digest, ticket, key, held=False):
         retry_soon(where, digest, ticket, key)  # (a tidier that saw it in line holds the lock)
 
 
+def _leave_place(place: Place) -> None:
+    """Close place's ticket, said to be leaving (see _quit), and remove its FIFO; then mark
+    the place left. Idempotent (its ticket is closed by its open's serial), for surely: a
+    writer left open would hold up the line behind it for as long as the process lives."""
+    fd = place.fd
+    if fd >= 0 and is_open(fd, place.serial):
+        _quit(fd)  # (twice, if an exception came between: it reads the same)
+        close_tracked(fd, place.serial)
+    unlink(place.where.fd, pipe_name(place.digest, place.ticket))
+    place.fd = -1
+
+
 def _join(
-    home: Home, key: Hashable, name: bytes, digest: str, ticket: str, post: Post | None = None
-) -> Generator[_Locked | _Left, bytes, tuple[Place, list[str]]]:
+    home: Home,
+    key: Hashable,
+    name: bytes,
+    digest: str,
+    ticket: str,
+    post: Post | None,
+    places: list[Place],
+) -> Generator[_Locked | _Left, bytes, list[str]]:
     """Queue ticket in key's line file (name: the key's portable name), in home's directory;
     with post, its post of latest work beside it (in the same append).
 
-    Returns its place (the ticket's writer fd is the one descriptor a turn
-    keeps: the line file is closed once ticket is in it), and the line
-    file's records as they were once ticket was in. If it fails, nothing
-    it made stays: its FIFO is removed, and its mark withdrawn (see
+    Its place goes into places as it is made (the ticket's writer fd is the
+    one descriptor a turn keeps: the line file is closed once ticket is in
+    it): an exception from here on, even one thrown into the thread as this
+    returns, finds it there, for the caller to give up. Returns the line
+    file's records as they were once ticket was in. If it fails, nothing it
+    made stays: its FIFO is removed, and its mark withdrawn (see
     _tidy.withdraw).
     """
     where = home.where
@@ -355,8 +377,11 @@ def _join(
             os.write(line_fd, joined(ticket, post))  # one append: atomic
             records = read_records(line_fd)
             fcntl.flock(line_fd, fcntl.LOCK_UN)
-            place = Place(where, digest, ticket, fd, (info.st_dev, info.st_ino))
+            identity = (info.st_dev, info.st_ino)
+            places.append(Place(where, digest, ticket, fd, identity, ticket_serial))  # NOTE
         except BaseException as error:
+            if places and places[-1].ticket == ticket:  # (its files go below: left already)
+                places[-1].fd = -1
             close_opened(ticket_serial)
             if made:
                 unlink(where.fd, pipe)
@@ -372,9 +397,9 @@ def _join(
             close_tracked(line_fd)
         except BaseException:  # interrupted: in line, it leaves as any turn that gives up
             close_tracked(line_fd, serial)  # (unless it was closed just before)
-            _give_up(place, key)
+            _give_up(places[-1], key)
             raise
-        return place, records
+        return records
 
 
 def _judged(
