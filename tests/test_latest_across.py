@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,53 +25,7 @@ from inturn.backends.file._linefile import Post, Ran, joined, parse, ran_record,
 
 from support.file_checks import line_file
 from support.helpers import PATIENCE, settle, wait_until
-
-
-class Holder:
-    """A queue (a process of its own) that holds key k until released."""
-
-    def __init__(self, directory: Path) -> None:
-        self.queue = KeyedQueue(backend=FileBackend(directory))
-        self.held = asyncio.Event()
-        self.gate = asyncio.Event()
-        self.task: asyncio.Task[None] | None = None
-
-    async def hold(self) -> None:
-        async def holding() -> None:
-            self.held.set()
-            await self.gate.wait()
-
-        self.task = asyncio.create_task(self.queue.run("k", holding))
-        await self.held.wait()
-
-    async def release(self) -> None:
-        self.gate.set()
-        assert self.task is not None
-        await self.task
-
-
-def latest(directory: Path, **settings: Any) -> KeyedQueue:
-    """A queue whose latest work is the key's among the queues on directory."""
-    return KeyedQueue(
-        backend=FileBackend(directory), pending="latest", across="processes", **settings
-    )
-
-
-def posts(directory: Path) -> int:
-    """How many posts of latest work key k's line file holds now."""
-    path = line_file(directory, "k")
-    return len(parse(path.read_text().splitlines()).posts) if path.exists() else 0
-
-
-class Runs(list[str]):
-    """Records the works that ran."""
-
-    def work(self, name: str) -> Callable[[], Any]:
-        async def run() -> str:
-            self.append(name)
-            return name
-
-        return run
+from support.latest_across import Holder, Runs, latest, posts
 
 
 async def test_a_burst_spread_over_processes_runs_once_the_newest(tmp_path: Path) -> None:
