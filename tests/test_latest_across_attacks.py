@@ -647,7 +647,7 @@ async def test_a_frozen_process_whose_newer_work_waits_holds_up_only_until_it_th
     holder = Holder(directory)
     await holder.hold()
     older, frozen = [
-        await Worker.start(str(directory), str(log), "join", name=name, script=LATEST_WORKER)
+        await Worker.start(f"file:{directory}", str(log), "join", name=name, script=LATEST_WORKER)
         for name in ("older", "frozen")
     ]
     workers += [older, frozen]

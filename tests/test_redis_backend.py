@@ -380,8 +380,8 @@ async def test_a_leave_that_overtakes_its_enqueue_leaves_no_member(
     config = backend._config
     mark = b"1" if marked else b"0"
     leave = (5, *names, "m/1", config.ttl_ms, config.channels)
-    assert await client.eval(LEAVE.body, *leave, mark) == 0  # first: in neither place
-    enqueue = ("m/1", config.lease_ms, config.ttl_ms, config.channels, b"host 1 0", b"s:k")
+    assert await client.eval(LEAVE.body, *leave, mark, b"") == 0  # first: in neither place
+    enqueue = ("m/1", config.lease_ms, config.ttl_ms, config.channels, b"host 1 0", b"s:k", b"")
     reply = await client.eval(ENQUEUE.body, 5, *names, *enqueue)
     if marked:
         assert reply == 0  # it left before it came: nothing is held, nothing waits
@@ -390,7 +390,7 @@ async def test_a_leave_that_overtakes_its_enqueue_leaves_no_member(
     else:
         assert reply > 0  # the ghost: it holds the key (this token), and nobody renews it
         assert [line.holder is not None for line in await backend.lines()] == [True]
-        assert await client.eval(LEAVE.body, *leave, b"0") == 1
+        assert await client.eval(LEAVE.body, *leave, b"0", b"") == 1
 
 
 async def test_a_hand_off_calls_redis_only_for_what_it_does_not_know(
@@ -407,14 +407,14 @@ async def test_a_hand_off_calls_redis_only_for_what_it_does_not_know(
     try:
         names = backend._line_for("k").names
         config = backend._config
-        tail = (config.lease_ms, config.ttl_ms, config.channels, b"host 1 0", b"s:k")
+        tail = (config.lease_ms, config.ttl_ms, config.channels, b"host 1 0", b"s:k", b"")
         for member in ("a/1", "b/1"):  # a holds, b waits
             await client.eval(ENQUEUE.body, 5, *names, member, *tail)
         await client.config_resetstat()
         assert await client.eval(ENQUEUE.body, 5, *names, "c/1", *tail) == -2  # second in line
         enqueued = await client.info("commandstats")
         await client.config_resetstat()
-        leave = (5, *names, "a/1", config.ttl_ms, config.channels, b"0")
+        leave = (5, *names, "a/1", config.ttl_ms, config.channels, b"0", b"")
         assert await client.eval(LEAVE.body, *leave) == 1  # b holds now, c waits
         left = await client.info("commandstats")
         calls = {

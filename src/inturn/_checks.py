@@ -270,9 +270,9 @@ def check_across(across: object, backend: Backend | None) -> bool:
         has = "has no backend" if backend is None else f"has {describe(backend)}, which does not"
         raise ValueError(
             'inturn: across="processes" keeps one latest work per key among every process '
-            "that shares the key's line, which needs a backend that keeps it (FileBackend); "
-            f"this queue {has}. Leave across out (each process then conflates its own "
-            "calls), or use a FileBackend"
+            "that shares the key's line, which needs a backend that keeps it (FileBackend, "
+            f"RedisBackend); this queue {has}. Leave across out (each process then conflates "
+            "its own calls), or use a FileBackend or a RedisBackend"
         )
     return True
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import sys
-from collections.abc import Generator, Hashable
+from collections.abc import Awaitable, Generator, Hashable
 from functools import partial
 from typing import TYPE_CHECKING, Any, cast, final
 
@@ -225,6 +225,10 @@ class LatestLine:
         self, key: Hashable, timeout: float | None, into: list[Grant] | None = None
     ) -> Grant:
         return self.backend.acquire_latest_sync(key, timeout, self.newest, into)
+
+    def release(self, grant: Grant) -> Awaitable[None]:
+        """The backend's release (a grant the bridge took for a caller that gave up)."""
+        return self.backend.release(grant)
 
 
 def latest_line(backend: Backend, ticket: Ticket) -> Backend | LatestLine:

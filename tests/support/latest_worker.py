@@ -1,12 +1,13 @@
-"""Processes that make bursts of latest work shared across processes (file backend).
+"""Processes that make bursts of latest work shared across processes.
 
 Driven over stdin, one command a line, by tests/test_latest_across_processes.py:
 
-    python latest_worker.py DIRECTORY LOG MODE
+    python latest_worker.py BACKEND LOG MODE [KEY]
 
-``MODE`` is ``on_superseded`` ("join" or "raise"). Commands:
+``BACKEND`` is as worker.py's (``file:DIRECTORY``, ``redis:URL#NAMESPACE#LEASE``),
+``MODE`` is ``on_superseded`` ("join" or "raise"), ``KEY`` the key (``k``). Commands:
 
-- ``burst N TAG``: N calls of key ``k`` on a queue with ``pending="latest",
+- ``burst N TAG``: N calls of the key on a queue with ``pending="latest",
   across="processes"``, as tasks, each work appending ``run <pid> <TAG> <i>``
   to LOG as it starts and ``done <pid> <TAG> <i>`` as it ends (it holds the
   key a few milliseconds between). Says ``queued <pid>`` once they all wait
@@ -24,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+from typing import Any
 
 #: How long a work holds the key (seconds): long enough for a kill to land in it.
 WORK = 0.005
@@ -44,12 +46,13 @@ def outcome(answer: object) -> str:
     return "none" if answer is None else str(answer)
 
 
-async def burst(directory: str, log: str, mode: str, n: int, tag: str) -> None:
+async def burst(backend: str, log: str, mode: str, key: str, n: int, tag: str) -> None:
+    from worker import make_backend  # (imports inturn: in a forked child, after the fork)
+
     from inturn import KeyedQueue
-    from inturn.backends.file import FileBackend
 
     queue = KeyedQueue(
-        backend=FileBackend(directory), pending="latest", across="processes", on_superseded=mode
+        backend=make_backend(backend), pending="latest", across="processes", on_superseded=mode
     )
     pid = os.getpid()
 
@@ -63,16 +66,29 @@ async def burst(directory: str, log: str, mode: str, n: int, tag: str) -> None:
         append(f"done {pid} {tag} {i}")
         return i
 
-    calls = [asyncio.create_task(queue.run("k", work, i)) for i in range(n)]
+    calls = [asyncio.create_task(queue.run(key, work, i)) for i in range(n)]
     waiting = n - 1 if mode == "join" else min(n - 1, 1)
     for _ in range(100 * n):  # (the first posts at the backend, the rest wait behind it)
-        if queue.pending("k") == waiting or any(call.done() for call in calls):
+        if queue.pending(key) == waiting or any(call.done() for call in calls):
             break
         await asyncio.sleep(0)
+    await posted(queue.backend, key, calls)
     say("queued", pid)
     answers = await asyncio.gather(*calls, return_exceptions=True)
     say("answered", pid, *map(outcome, answers))
     await queue.aclose()
+
+
+async def posted(backend: Any, key: str, calls: list[asyncio.Task[int]]) -> None:
+    """Return once this process's turn is in the key's line at the backend (its post with
+    it), or a call was answered (Redis's enqueue is on its way when the call returns)."""
+    pid = os.getpid()
+    while not any(call.done() for call in calls):
+        for line in await backend.lines():
+            members = [line.holder, *line.waiters]
+            if line.key == key and any(m is not None and m.pid == pid for m in members):
+                return
+        await asyncio.sleep(0.001)
 
 
 def reap() -> None:
@@ -86,19 +102,19 @@ def reap() -> None:
             return
 
 
-def main(directory: str, log: str, mode: str) -> None:
+def main(backend: str, log: str, mode: str, key: str = "k") -> None:
     for line in sys.stdin:
         command, *args = line.split()
         if command == "quit":
             return
         n, tag = int(args[0]), args[1]
         if command == "burst":
-            asyncio.run(burst(directory, log, mode, n, tag))
+            asyncio.run(burst(backend, log, mode, key, n, tag))
         elif command == "fork":
             child = os.fork()
             if child == 0:  # pragma: no cover - the child
                 try:
-                    asyncio.run(burst(directory, log, mode, n, tag))
+                    asyncio.run(burst(backend, log, mode, key, n, tag))
                 finally:
                     os._exit(0)
             reap()

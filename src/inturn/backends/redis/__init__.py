@@ -64,13 +64,13 @@ import socket
 import threading
 import weakref
 from collections.abc import Hashable
-from typing import Any, Final, final
+from typing import Any, Final, cast, final
 
 from ..._bridge import acquire_there, backend_loop, release_sync
 from ..._describe import describe as show
 from ..._errors import BackendUnavailable
 from ..._order import order_portable, portable_key, portable_name
-from .._base import Capabilities, Grant
+from .._base import Capabilities, Grant, Newest
 from .._lines import HolderInfo, LineInfo, WaiterInfo
 
 try:
@@ -84,6 +84,7 @@ except ImportError as error:  # pragma: no cover - depends on the install
 from .._urls import refused_redis_url, slashless_redis_url
 from ._calls import Config
 from ._errors import UNREACHABLE, describe, server_of
+from ._latest import seen as latest_seen
 from ._loop import LoopShare
 from ._scripts import Line
 from ._steps import RedisGrant, owner
@@ -249,7 +250,7 @@ class RedisBackend:
         #: connections of their own (one round trip per call), but with a cluster
         #: client, a replica's, or a connection class of the user's, go through that loop.
         self.capabilities: Final[Capabilities] = Capabilities(
-            blocking=self._threads is not None, one_loop=True
+            blocking=self._threads is not None, one_loop=True, latest=True
         )
         _BACKENDS.add(self)
 
@@ -430,6 +431,26 @@ class RedisBackend:
         """
         return await self._session().acquire(key, self._line_for(key), timeout)
 
+    async def acquire_latest(
+        self, key: Hashable, timeout: float | None, newest: Newest
+    ) -> RedisGrant:
+        """As :meth:`acquire`, for latest work shared across processes (``across="processes"``).
+
+        The member posts when its process's newest work was called
+        (``newest()``); once its turn comes, it runs only if no newer work
+        waits behind it in the line or ran since; else it joins the line
+        again behind the newer work, or raises Replaced once newer work
+        ran (see :class:`~inturn.backends.LatestBackend`). A call's time is
+        exact among the processes of one host, and Redis's clock (to within
+        a call's latency) among hosts.
+
+        :raises ~inturn.backends.Replaced: newer work of another process ran
+            in this work's place.
+        :raises TimeoutError: as :meth:`acquire`.
+        :raises ~inturn.BackendUnavailable: as :meth:`acquire`.
+        """
+        return await self._session().acquire(key, self._line_for(key), timeout, newest)
+
     def release(self, grant: Grant) -> asyncio.Future[None]:
         """End grant's turn: Redis hands the key to the next in line and wakes it.
 
@@ -468,15 +489,31 @@ class RedisBackend:
         :raises TimeoutError: as :meth:`acquire`.
         :raises ~inturn.BackendUnavailable: as :meth:`acquire`.
         """
+        return self._acquire_sync(key, timeout, into, None)
+
+    def acquire_latest_sync(
+        self,
+        key: Hashable,
+        timeout: float | None,
+        newest: Newest,
+        into: list[Grant] | None = None,
+    ) -> RedisGrant:
+        """As :meth:`acquire_latest`, blocking this thread (see :meth:`acquire_sync`)."""
+        return self._acquire_sync(key, timeout, into, newest)
+
+    def _acquire_sync(
+        self, key: Hashable, timeout: float | None, into: list[Grant] | None, newest: Newest | None
+    ) -> RedisGrant:
         threads = self._threads
         if threads is not None:
             share = self._threads_share
             if share is None or share.closing:  # (a forked child resets it: see _forked)
                 share = self._threads_share = self._share_on(backend_loop())
             if share.ready:
-                return threads.acquire(share, key, self._line_for(key), timeout, into)
+                return threads.acquire(share, key, self._line_for(key), timeout, into, newest)
         # (its first: the share starts there)
-        return acquire_there(self, self, key, timeout, into)  # type: ignore[return-value]
+        source = self if newest is None else cast("RedisBackend", _Latest(self, newest))
+        return acquire_there(self, source, key, timeout, into)  # type: ignore[return-value]
 
     def release_sync(self, grant: Grant) -> None:
         """As :meth:`release`, for a thread: returns once Redis answered (or failed, logged)."""
@@ -542,23 +579,45 @@ class RedisBackend:
         leases = {member: float(score) for member, score in _pairs(lease_flat).items()}
         info = _pairs(info_flat)
 
-        def about(member: str) -> tuple[str, int, float, float]:
-            host, pid, since = info.get(member, "? 0 0").rsplit(" ", 2)
+        def about(member: str) -> tuple[str, int, float, float, float | None]:
+            seen, called = latest_seen(info.get(member, "? 0 0"))
+            host, pid, since = seen.rsplit(" ", 2)
             left = (leases.get(member, now) - now) / 1000
-            return host, int(pid), (now - int(since)) / 1000, left
+            ago = None if called is None else max(0.0, (now * 1000 - called) / 1e6)
+            return host, int(pid), (now - int(since)) / 1000, left, ago
 
         holder = None
         if "holder" in line:
-            host, pid, _, left = about(line["holder"])
+            host, pid, _, left, ago = about(line["holder"])
             held_for = (now - int(line["since"])) / 1000
-            holder = HolderInfo(host, pid, held_for, int(line["token"]), left)
-        waiters = tuple(WaiterInfo(*about(_text(member))) for member in waiting)
-        return LineInfo(portable_key(given), holder, waiters)
+            holder = HolderInfo(host, pid, held_for, int(line["token"]), left, latest_called=ago)
+        waiters = []
+        for member in waiting:
+            host, pid, waited, left, ago = about(_text(member))
+            waiters.append(WaiterInfo(host, pid, waited, left, latest_called=ago))
+        return LineInfo(portable_key(given), holder, tuple(waiters))
 
     def __repr__(self) -> str:
         # Where, not the client's own repr: that names every connection
         # setting, and this one goes into error messages.
         return f"RedisBackend({_where(self._client)!r}, namespace={self._namespace!r})"
+
+
+@final
+class _Latest:
+    """A backend's acquire_latest as an acquire (for the backend loop: see acquire_there)."""
+
+    __slots__ = ("_backend", "_newest")
+
+    def __init__(self, backend: RedisBackend, newest: Newest) -> None:
+        self._backend = backend
+        self._newest = newest
+
+    async def acquire(self, key: Hashable, timeout: float | None) -> RedisGrant:
+        return await self._backend.acquire_latest(key, timeout, self._newest)
+
+    def release(self, grant: Grant) -> asyncio.Future[None]:
+        return self._backend.release(grant)
 
 
 #: The Redis keys of a line that LOOK reads, after its prefix (see _names, and the module's

@@ -16,14 +16,17 @@ from typing import Any
 
 from ..._order import portable_name
 from ..._tasks import retrieve
+from ._latest import ran, sent
 from ._lease import Member
 from ._link import Call, Link
 from ._resp import bulk
-from ._scripts import ENQUEUE, HELLO, LEAVE, LOOK, RENEW, SCRIPTS, Script
+from ._scripts import AGAIN, ENQUEUE, HELLO, JUDGE, LEAVE, LOOK, RENEW, SCRIPTS, Script
 
-#: A leave's last argument: whether its member's enqueue may still come (see Calls.leave).
+#: A leave's argument: whether its member's enqueue may still come (see Calls.leave).
 _MARKS = (b"0", b"1")
 _MARK_BULKS = (bulk(b"0"), bulk(b"1"))
+#: An argument of latest work's (a post, what ran) for a member of other work: none.
+_NONE = bulk(b"")
 
 
 @dataclass(frozen=True)
@@ -109,12 +112,21 @@ class Calls:
         config = self.config
         info = f"{self._info} {int(time.time() * 1000)}".encode()
         args = (member_id, config.lease_ms, config.ttl_ms, config.channels, info)
-        return self._cluster_call(ENQUEUE, member.names, (*args, portable_name(member.key)))
+        post = b"" if member.called is None else sent(member.called)
+        return self._cluster_call(ENQUEUE, member.names, (*args, portable_name(member.key), post))
 
     def enqueue_rest(self, member: Member, member_id: str) -> bytes:
         """The enqueue's keys and arguments, packed (for a Link, or a thread's own connection)."""
         info = f"{self._info} {int(time.time() * 1000)}".encode()
-        return member.packed + bulk(member_id.encode()) + self._tails[0] + bulk(info) + member.given
+        post = _NONE if member.called is None else bulk(sent(member.called))
+        return (
+            member.packed
+            + bulk(member_id.encode())
+            + self._tails[0]
+            + bulk(info)
+            + member.given
+            + post
+        )
 
     def leave(self, member: Member, member_id: str, marked: bool = False) -> Call:
         """Call the leave script for member (after the share's earlier calls, on a Link).
@@ -125,12 +137,44 @@ class Calls:
         if self.link is not None:
             return self.link.call(LEAVE, self.leave_rest(member, member_id, marked))
         config = self.config
-        args = (member_id, config.ttl_ms, config.channels, _MARKS[marked])
+        done = b"" if member.ran is None else ran(*member.ran)
+        args = (member_id, config.ttl_ms, config.channels, _MARKS[marked], done)
         return self._cluster_call(LEAVE, member.names, args)
 
     def leave_rest(self, member: Member, member_id: str, marked: bool = False) -> bytes:
-        """The leave's keys and arguments, packed (for a Link, or a thread's own connection)."""
-        return member.packed + bulk(member_id.encode()) + self._tails[1] + _MARK_BULKS[marked]
+        """The leave's keys and arguments, packed (for a Link, or a thread's own connection).
+
+        Latest work that ran (``member.ran``) is recorded as what ran (see _latest).
+        """
+        done = _NONE if member.ran is None else bulk(ran(*member.ran))
+        tail = self._tails[1] + _MARK_BULKS[marked] + done
+        return member.packed + bulk(member_id.encode()) + tail
+
+    def judge(self, member: Member, member_id: str) -> Call:
+        """Call the judge script for member, whose turn of latest work came (see _latest)."""
+        if self.link is not None:
+            return self.link.call(JUDGE, self.judge_rest(member, member_id))
+        config = self.config
+        return self._cluster_call(JUDGE, member.names, (member_id, config.ttl_ms, config.channels))
+
+    def judge_rest(self, member: Member, member_id: str) -> bytes:
+        """The judge's keys and arguments, packed (for a Link, or a thread's own connection)."""
+        return member.packed + bulk(member_id.encode()) + self._tails[1]
+
+    def again(self, member: Member, member_id: str) -> Call:
+        """Call the script by which member's turn of latest work joins its line again, with a
+        fresh post of ``member.called``, and hands the key on (see _latest)."""
+        if self.link is not None:
+            return self.link.call(AGAIN, self.again_rest(member, member_id))
+        config = self.config
+        assert member.called is not None
+        args = (member_id, config.lease_ms, config.ttl_ms, config.channels, sent(member.called))
+        return self._cluster_call(AGAIN, member.names, args)
+
+    def again_rest(self, member: Member, member_id: str) -> bytes:
+        """Its call's keys and arguments, packed (for a Link, or a thread's own connection)."""
+        assert member.called is not None
+        return member.packed + bulk(member_id.encode()) + self._tails[0] + bulk(sent(member.called))
 
     def renew(self, member: Member, member_id: str) -> Call:
         """Call the renew script for member: extend its lease (and learn whether it holds)."""

@@ -60,6 +60,7 @@ class Member:
     """
 
     __slots__ = (
+        "called",
         "expires",
         "given",
         "held",
@@ -68,6 +69,8 @@ class Member:
         "lost",
         "names",
         "packed",
+        "ran",
+        "token",
         "waiting",
     )
 
@@ -88,6 +91,15 @@ class Member:
         # Its enqueue was answered: only then does a renewal that finds it gone
         # mean it is gone (on a cluster, a renewal may overtake the enqueue).
         self.joined = False
+        # The token of the grant it was handed last (0: none yet): a grant's message or
+        # a renewal's reply that comes after it joined the line again (latest work)
+        # names that grant, never a new one.
+        self.token = 0
+        # Latest work shared across processes (see _latest): when its process's newest
+        # work was called as it posted last (time.monotonic_ns()), and what ran in its
+        # turn, (called, ok), for its release to record. None: not latest work.
+        self.called: int | None = None
+        self.ran: tuple[int, bool] | None = None
 
     @property
     def lapsed(self) -> bool:
@@ -130,7 +142,9 @@ class Leases:
     def granted(self, member_id: str, token: int) -> None:
         """Hand a waiter its grant's token (from the grant's message, or a renewal)."""
         member = self.members.get(member_id)
-        if member is not None and member.waiting is not None and not member.waiting.done():
+        if member is None or token <= member.token:
+            return  # (a grant it had before it joined again: see Member.token)
+        if member.waiting is not None and not member.waiting.done():
             member.waiting.set_result(token)
 
     def another_server(self, server: str, was: str) -> None:

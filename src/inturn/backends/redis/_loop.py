@@ -30,6 +30,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from ..._checks import Waited, missed
 from ..._errors import BackendUnavailable
 from ..._tasks import abandon_task, retrieve
+from .._base import Newest
 from ._calls import Calls, Config
 from ._errors import refused, unavailable
 from ._inbox import Inbox
@@ -38,6 +39,7 @@ from ._scripts import Line
 from ._steps import (
     ENQUEUE,
     GRANT,
+    JUDGE,
     LEAVE,
     QUIT,
     RedisGrant,
@@ -272,8 +274,11 @@ class LoopShare:
 
     # -- taking and giving back turns ------------------------------------------------
 
-    async def acquire(self, key: Hashable, line: Line, timeout: float | None) -> RedisGrant:
-        """Join key's line in Redis; return once this share holds the key.
+    async def acquire(
+        self, key: Hashable, line: Line, timeout: float | None, newest: Newest | None = None
+    ) -> RedisGrant:
+        """Join key's line in Redis; return once this share holds the key (``newest``: for
+        latest work shared across processes, see _steps.taking).
 
         ``timeout`` covers connecting, joining and waiting, with two floors,
         so that a short one fails for a busy key (or Redis unreachable), not
@@ -297,8 +302,8 @@ class LoopShare:
             await self._start_for(key, timeout)
         else:
             self.leases.run()  # (again, if it ended)
-        waiting = self.loop.create_future()
-        return await drive(self, taking(self, key, line, timeout, began, waiting))
+        waiting = self.loop.create_future
+        return await drive(self, taking(self, key, line, timeout, began, waiting, None, newest))
 
     def release(self, grant: RedisGrant) -> asyncio.Future[None]:
         """End grant's turn: Redis hands the key to the next in line and wakes it.
@@ -395,8 +400,13 @@ async def drive(share: LoopShare, steps: Steps[T]) -> T:
                 answer = await (waiting if op[2] is None else _by(share, waiting, op[2]))
             elif verb == LEAVE:
                 answer = await share.calls.leave(op[1], op[2]).future
-            else:
+            elif verb == QUIT:
                 share.quit(op[1], op[2], op[3])
+            else:  # JUDGE, AGAIN: latest work's
+                calls = share.calls
+                call = calls.judge(op[1], op[2]) if verb == JUDGE else calls.again(op[1], op[2])
+                reply = await call.future
+                answer = (call.sent or now(), reply)
         except BaseException as problem:  # thrown in: the steps give the place up
             error = problem
 

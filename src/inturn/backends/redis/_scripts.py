@@ -4,6 +4,15 @@ Each key's line is four Redis keys in one hash slot (KEYS, in this order:
 line, q, lease, info), and a fifth for the members that left before they
 came (gone); see :mod:`inturn.backends.redis` for what they hold. Every
 change to a line is one of these scripts, so it is atomic.
+
+A member that waits for latest work shared across processes (``across=
+"processes"``, see ``_latest.py``) carries a *post* at the end of its info,
+`` @<clock> <monotonic ns> <Redis µs> <fresh>``: when its process's newest
+work was called, on its host's clock and converted to Redis's; and the line
+keeps what ran last as its ``ran`` field, ``<clock> <monotonic ns> <Redis µs>
+<ok>``. A call's time is sent as ``<clock> <monotonic ns> <age µs>`` (how long
+before the call was written it was made), and the script that stores it
+converts the age to Redis's clock.
 """
 
 from __future__ import annotations
@@ -35,6 +44,14 @@ local line, q, lease, info, gone = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+
+-- A call's time as sent, '<clock> <monotonic ns> <age µs>', as stored: its age on Redis's
+-- clock, '<clock> <monotonic ns> <Redis µs>' (the monotonic ns are never a Lua number: they
+-- may pass 2^53).
+local function stamped(sent)
+  local clock, mono, age = string.match(sent, '^(%S+) (%d+) (%-?%d+)$')
+  return clock .. ' ' .. mono .. ' ' .. string.format('%.0f', now_us - tonumber(age))
+end
 
 -- Drop the members whose lease expired; how many there were.
 local function purge()
@@ -82,7 +99,8 @@ local function finish(ttl)
 end
 """
 
-# ARGV: member, lease ms, ttl ms, channel prefix, info, the key as given.
+# ARGV: member, lease ms, ttl ms, channel prefix, info, the key as given, and for latest
+# work its call's time (see the module; else ''), posted at the end of its info.
 # Returns one integer: the token (above 0) when the key was free, else minus
 # the place in line; 0 when the member left before it came (its leave ran
 # first: see _LEAVE). One integer, not a pair: it is every turn's reply, and a
@@ -97,12 +115,14 @@ if redis.call('ZSCORE', gone, member) then
   redis.call('ZREM', gone, member)
   return 0
 end
+local about = ARGV[5]
+if ARGV[7] ~= '' then about = about .. ' @' .. stamped(ARGV[7]) .. ' 0' end
 if redis.call('EXISTS', line, q) == 0 then
   -- the line starts anew (its keys come and go together): the key is free
   local token = string.format('%.0f', now_us)
   redis.call('HSET', line, 'seq', 1, 'holder', member, 'token', token, 'since', now, 'key', ARGV[6])
   redis.call('ZADD', lease, now + lease_ms, member)
-  redis.call('HSET', info, member, ARGV[5])
+  redis.call('HSET', info, member, about)
   finish(ttl)
   return tonumber(token)
 end
@@ -112,7 +132,7 @@ if holder ~= member then
   local seq = redis.call('HINCRBY', line, 'seq', 1)
   redis.call('ZADD', q, 'NX', seq, member)
   redis.call('ZADD', lease, now + lease_ms, member)
-  redis.call('HSET', info, member, ARGV[5])
+  redis.call('HSET', info, member, about)
   redis.call('HSETNX', line, 'key', ARGV[6])
   if not holder then holder, token = hand_on(channels, member) end
 end
@@ -125,7 +145,9 @@ return -(redis.call('ZRANK', q, member) + 1)
 )
 
 # ARGV: member, ttl ms, channel prefix, whether its enqueue may still come
-# ('1': no answer to it was read). Releases the key, or leaves the line.
+# ('1': no answer to it was read), and for latest work that ran, its call's time and
+# whether it returned ('<time> <0|1>', see the module; else ''), which the line keeps as
+# what ran. Releases the key, or leaves the line.
 # Returns 1: was the holder; 2: was waiting; 3: had released already (a
 # retried call); 0: was in neither place (its lease ran out, or its enqueue
 # has not come yet). A leave that may have overtaken its enqueue (sent on
@@ -136,6 +158,10 @@ _LEAVE = (
     _PRELUDE
     + """
 local member, ttl, channels = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+if ARGV[5] ~= '' then  -- (a line that ends below is deleted with it: nobody is left to judge)
+  local sent, ok = string.match(ARGV[5], '^(.*) ([01])$')
+  redis.call('HSET', line, 'ran', stamped(sent) .. ' ' .. ok)
+end
 local holder = redis.call('HGET', line, 'holder')
 if holder == member and redis.call('EXISTS', q) == 0
     and tonumber(redis.call('ZSCORE', lease, member) or 0) > now then
@@ -193,6 +219,56 @@ return {2, 0}
 """
 )
 
+
+# ARGV: member, ttl ms, channel prefix. The holder's turn of latest work has come: what
+# it judges by (see _latest.py): {Redis's clock in µs, what ran ('' if nothing did), the
+# post of each member behind it in line, in order}; {} if member no longer holds the key
+# (its lease ran out: the key goes to the next in line).
+_JUDGE = (
+    _PRELUDE
+    + """
+local member, ttl, channels = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+purge()
+if redis.call('HGET', line, 'holder') ~= member then
+  grant(channels, '')
+  finish(ttl)
+  return {}
+end
+local reply = {string.format('%.0f', now_us), redis.call('HGET', line, 'ran') or ''}
+for _, m in ipairs(redis.call('ZRANGE', q, 0, -1)) do
+  local post = string.match(redis.call('HGET', info, m) or '', ' @(.*)$')
+  if post then reply[#reply + 1] = post end
+end
+return reply
+"""
+)
+
+# ARGV: member, lease ms, ttl ms, channel prefix, its call's time (see the module). The
+# holder's turn of latest work joins the line again, at its end, with a fresh post of
+# that time, and hands the key on. Returns as the enqueue: the token if the key came
+# back to it at once (nobody waits now), else minus its place in line; 0 if member no
+# longer held the key (its lease ran out).
+_AGAIN = (
+    _PRELUDE
+    + """
+local member, lease_ms, ttl, channels = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+purge()
+if redis.call('HGET', line, 'holder') ~= member then
+  grant(channels, '')
+  finish(ttl)
+  return 0
+end
+redis.call('HDEL', line, 'holder')
+redis.call('ZADD', q, redis.call('HINCRBY', line, 'seq', 1), member)
+redis.call('ZADD', lease, now + lease_ms, member)
+local about = string.match(redis.call('HGET', info, member) or '', '^(.-) @') or ''
+redis.call('HSET', info, member, about .. ' @' .. stamped(ARGV[5]) .. ' 1')
+local head, token = hand_on(channels, member)
+refresh(ttl)
+if head == member then return tonumber(token) end
+return -(redis.call('ZRANK', q, member) + 1)
+"""
+)
 
 # KEYS: the probe, a key of the namespace's that it never leaves behind. ARGV:
 # this process's channel. Once per connection, tries each command the other
@@ -300,13 +376,15 @@ class Script:
         return f"<Script {self.index} {self.sha.decode()[:8]}>"
 
 
-ENQUEUE: Final = Script(0, _ENQUEUE, 5, 6)
-LEAVE: Final = Script(1, _LEAVE, 5, 4)
+ENQUEUE: Final = Script(0, _ENQUEUE, 5, 7)
+LEAVE: Final = Script(1, _LEAVE, 5, 5)
 RENEW: Final = Script(2, _RENEW, 5, 4)
 HELLO: Final = Script(3, _HELLO, 1, 1)
 LOOK: Final = Script(4, _LOOK, 4, 0)
+JUDGE: Final = Script(5, _JUDGE, 5, 3)
+AGAIN: Final = Script(6, _AGAIN, 5, 5)
 #: Every script, by number.
-SCRIPTS: Final = (ENQUEUE, LEAVE, RENEW, HELLO, LOOK)
+SCRIPTS: Final = (ENQUEUE, LEAVE, RENEW, HELLO, LOOK, JUDGE, AGAIN)
 
 
 def _head(verb: bytes, script: Script) -> bytes:

@@ -32,6 +32,11 @@ The ops and their answers (times are ``time.monotonic()`` seconds):
   leave and go on, never waiting, never failing (``marked``: no answer to
   its enqueue was read); None. A driver that never wrote the enqueue
   writes nothing.
+- ``(JUDGE, member, member_id)``: call the judge script (latest work whose
+  turn came); ``(sent, reply)``, as ENQUEUE's.
+- ``(AGAIN, member, member_id)``: call the script by which latest work
+  joins its line again; ``(sent, reply)``, as ENQUEUE's (``member.waiting``
+  is new by then, so that the next grant finds it).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from __future__ import annotations
 import logging
 import time
 import typing
-from collections.abc import Generator, Hashable, Iterator
+from collections.abc import Callable, Generator, Hashable, Iterator
 from typing import Any, Final, Protocol
 
 from redis.exceptions import ResponseError
@@ -48,8 +53,11 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from ..._checks import Waited, missed
 from ..._describe import describe as show
 from ..._errors import BackendUnavailable
+from .._base import Newest, Replaced
+from .._judge import judge
 from ._calls import Config
 from ._errors import UNREACHABLE, demoted, describe, unavailable
+from ._latest import gone, judged
 from ._lease import Leases, Member, Waiting
 from ._scripts import Line
 
@@ -61,6 +69,8 @@ ENQUEUE: Final = 0
 GRANT: Final = 1
 LEAVE: Final = 2
 QUIT: Final = 3
+JUDGE: Final = 4
+AGAIN: Final = 5
 
 #: ENQUEUE's answer when no connection could be made in time (see the module's docstring).
 UNCONNECTED: Final = "unconnected"
@@ -128,6 +138,10 @@ class RedisGrant:
         """
         return self._state.lapsed
 
+    def ran(self, called: int, ok: bool) -> None:
+        """Note the latest work that ran in this turn (see LatestGrant): the release records it."""
+        self._state.ran = (called, ok)
+
     def __repr__(self) -> str:
         lost = " lost" if self.lost else ""
         return f"<RedisGrant key={show(self.key)} token={self.token}{lost}>"
@@ -144,14 +158,20 @@ def taking(
     line: Line,
     timeout: float | None,
     began: float,
-    waiting: Waiting,
+    waiting: Callable[[], Waiting],
     into: list[Any] | None = None,
+    newest: Newest | None = None,
 ) -> Steps[RedisGrant]:
     """Take key's turn (line: its line in Redis): join the line, wait for the grant.
 
     ``began``: when the call began (a share's start may have come since);
-    ``waiting``: what the grant is handed to (a task's Future, a thread's
-    Answer). ``timeout`` covers joining and waiting, but Redis's answer to
+    ``waiting()``: a new thing the grant is handed to (a task's Future, a
+    thread's Answer). With ``newest`` (latest work shared across processes,
+    see ``_latest``), the member posts its process's newest work, and once
+    its turn comes runs that work, joins the line again behind newer work,
+    or raises Replaced: newer work ran.
+
+    ``timeout`` covers joining and waiting, but Redis's answer to
     the enqueue gets one round trip from now, up to a tenth of the lease,
     however short the timeout (0: a try-lock); without a timeout, or with
     one as long as the lease, a Redis that does not answer for a lease
@@ -164,22 +184,28 @@ def taking(
         message says what it waited for); the work did not run.
     :raises ~inturn.BackendUnavailable: Redis could not be reached, refused,
         or lost the place; the work did not run.
+    :raises Replaced: (latest work) newer work of another process ran in
+        this work's place; the place was given up.
     """
     lease = share.config.lease
     deadline, late = bounds(lease, timeout, began, now())
     member_id = f"{share.id}/{next(share.counter)}"
-    member = Member(key, line, waiting)
+    member = Member(key, line, waiting())
     made = [] if into is None else into
     try:
         share.leases.members[member_id] = member  # (renewed by the heartbeat once joined)
+        if newest is not None:
+            member.called = newest()
         answer = yield (ENQUEUE, member, member_id, late)
         if answer is None or answer is UNCONNECTED:
             raise _unanswered(key, timeout, share.config, answer is UNCONNECTED)  # noqa: TRY301 - given up below, as any failure
         token = enqueued(member, lease, *answer)
-        if token is None:
-            token = yield (GRANT, member, deadline)
-            if token is None:
-                raise missed((key,), Waited.LINE, timeout)  # noqa: TRY301 - given up below, as any failure
+        if newest is not None:
+            token = yield from _latest(
+                member, member_id, token, deadline, timeout, newest, waiting, lease
+            )
+        elif token is None:
+            token = yield from _granted(member, deadline, timeout)
         made.extend(map(hold, (share,), (member_id,), (member,), (token,)))  # NOTE: one step
     except GeneratorExit:  # (abandoned: its event loop ended; no more ops)
         raise
@@ -198,6 +224,64 @@ def taking(
     else:  # (in made: an interrupt from here on leaves it to its caller to release)
         grant: RedisGrant = made[-1]
         return grant
+
+
+def _granted(member: Member, deadline: float | None, timeout: float | None) -> Steps[int]:
+    """Wait for member's grant: its token.
+
+    :raises TimeoutError: none came by deadline.
+    """
+    token = yield (GRANT, member, deadline)
+    if token is None:
+        raise missed((member.key,), Waited.LINE, timeout)
+    member.token = token
+    return token  # type: ignore[no-any-return]
+
+
+def _latest(
+    member: Member,
+    member_id: str,
+    token: int | None,
+    deadline: float | None,
+    timeout: float | None,
+    newest: Newest,
+    waiting: Callable[[], Waiting],
+    lease: float,
+) -> Steps[int]:
+    """Take the turn of latest work that member posted (see _latest and _judge), token its
+    grant if it was handed the key as it joined: once the turn comes, judge, and join the
+    line again behind newer work (at most _judge.AGAIN times) until its work is to run.
+    Returns the token to hold the key with.
+
+    :raises Replaced: newer work ran: the work is not to run (the caller gives the place up).
+    :raises ~inturn.BackendUnavailable: Redis no longer had the member (its lease ran out).
+    """
+    key = member.key
+    again = 0
+    while True:
+        if token is None:
+            token = yield from _granted(member, deadline, timeout)
+        member.token = token
+        sent, reply = yield (JUDGE, member, member_id)
+        line = judged(key, reply)
+        member.called = newest()  # (asked once the turn came: the newest is what runs)
+        at = int(sent * 1e9)
+        verdict = judge(line.ran, line.me(member.called, at), again, line.behind, _live)
+        if verdict is True:
+            return token
+        if verdict is not False:
+            raise Replaced(key, verdict.called.local(line.now_us, at), verdict.ok)
+        again += 1  # newer work waits behind: in line again behind it, the key handed on
+        member.waiting = waiting()  # (before the call: its grant may come at once after)
+        answer = yield (AGAIN, member, member_id)
+        if answer[1] == 0:
+            raise gone(key)
+        token = enqueued(member, lease, *answer)
+
+
+def _live(post: object) -> bool:
+    """Whether a post's member lives: every post in a line does (see _latest)."""
+    return True
 
 
 def releasing(share: Share, grant: RedisGrant) -> Steps[None]:

@@ -34,16 +34,21 @@ from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..._bridge import Answer
+from .._base import Newest
 from ._errors import demoted
 from ._lease import Member
 from ._loop import LoopShare
+from ._scripts import AGAIN as AGAIN_SCRIPT
 from ._scripts import ENQUEUE as ENQUEUE_SCRIPT
 from ._scripts import HEADS, SCRIPTS, Line, Script
+from ._scripts import JUDGE as JUDGE_SCRIPT
 from ._scripts import LEAVE as LEAVE_SCRIPT
 from ._steps import (
     ENQUEUE,
     GRANT,
+    JUDGE,
     LEAVE,
+    QUIT,
     UNCONNECTED,
     RedisGrant,
     Steps,
@@ -207,10 +212,11 @@ class Blocking:
         line: Line,
         timeout: float | None,
         into: list[Any] | None = None,
+        newest: Newest | None = None,
     ) -> RedisGrant:
         """As ``LoopShare.acquire``, blocking this thread; share has started (``into``: see
         BlockingBackend.acquire_sync)."""
-        return self._driven(share, taking(share, key, line, timeout, now(), Answer(), into))
+        return self._driven(share, taking(share, key, line, timeout, now(), Answer, into, newest))
 
     def release(self, share: LoopShare, grant: RedisGrant) -> None:
         """As ``LoopShare.release``, returning once Redis answered (or failed, logged)."""
@@ -255,15 +261,18 @@ class Blocking:
                         answer = None if reply is _LATE else (sent, reply)
                 elif verb == GRANT:
                     answer = _granted(op[1].waiting, op[2])
-                elif verb == LEAVE:  # the leave script's status (a release)
+                elif verb == QUIT:
+                    self._quit(share, op[1], op[2], op[3], run)
+                else:  # LEAVE (a release: its status); JUDGE, AGAIN (latest work's: (sent, reply))
                     pooled = self._take(share, None, lease)
                     if type(pooled) is not _Pooled:
                         raise RedisTimeoutError(f"no connection within {lease:g} s (the lease)")  # noqa: TRY301 - thrown in below
                     run.using = pooled
-                    rest = share.calls.leave_rest(op[1], op[2])
-                    answer = self._call(pooled, LEAVE_SCRIPT, rest, None, run)
-                else:
-                    self._quit(share, op[1], op[2], op[3], run)
+                    script, rest = _script(share, verb, op[1], op[2])
+                    sent = now()
+                    answer = self._call(pooled, script, rest, None, run)
+                    if verb != LEAVE:
+                        answer = (sent, answer)
             except BaseException as problem:  # thrown in
                 error = problem
 
@@ -445,6 +454,17 @@ class Blocking:
         idle, self._idle = self._idle, []
         for pooled in idle:
             pooled.connection.disconnect()
+
+
+def _script(share: LoopShare, verb: int, member: Member, member_id: str) -> tuple[Script, bytes]:
+    """The script that op verb (LEAVE, JUDGE or AGAIN) calls for member, and its keys and
+    arguments, packed."""
+    calls = share.calls
+    if verb == LEAVE:
+        return LEAVE_SCRIPT, calls.leave_rest(member, member_id)
+    if verb == JUDGE:
+        return JUDGE_SCRIPT, calls.judge_rest(member, member_id)
+    return AGAIN_SCRIPT, calls.again_rest(member, member_id)
 
 
 #: What Blocking._call returns for a reply that did not come in time.
