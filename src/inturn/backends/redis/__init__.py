@@ -15,11 +15,14 @@ slot (the hash tag ``{namespace:digest}``, the digest a SHA-256 of the key),
 so every script touches one slot and runs on a cluster:
 
 - ``inturn:{ns:d}:line``, a hash: the holder, the last fencing token, when
-  the holder got the key, the key as it was given;
+  the holder got the key, the key as it was given, and what latest work
+  shared across processes ran last (``ran``; see ``_latest``);
 - ``inturn:{ns:d}:q``, a sorted set of the waiters by arrival;
 - ``inturn:{ns:d}:lease``, a sorted set of every member's lease expiry
   (holder and waiters), by Redis's own clock;
-- ``inturn:{ns:d}:info``, a hash: each member's host, pid and arrival time;
+- ``inturn:{ns:d}:info``, a hash: each member's host, pid and arrival time,
+  and a post of latest work shared across processes: when its process's
+  newest work was called;
 - ``inturn:{ns:d}:gone``, a sorted set, rarely there: the members that gave
   up before Redis answered their joining, by when the mark expires.
 
@@ -144,6 +147,10 @@ class RedisBackend:
       could not be vouched for learns it (``turn.lease_lost``), and its call
       raises :exc:`~inturn.LeaseLost` after the work ran.
     - Fencing tokens from Redis that only grow per key.
+    - Latest wins across processes (``pending="latest",
+      across="processes"``): one latest work per key among every process
+      and host that shares the line (see :meth:`acquire_latest`); a killed
+      or frozen process's work stops counting when its lease runs out.
     - No stale state: a line's keys are deleted when it empties, and all of
       them carry a TTL.
     - Fork and event loops: a process forked from one that made or used the
