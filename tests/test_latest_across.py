@@ -1,10 +1,10 @@
-"""Latest wins across processes (``across="processes"``), on the file backend.
+"""Latest wins across processes (``across="processes"``), on the file and Redis backends.
 
-Several queues, each with a FileBackend of its own on one directory, share
-the key's line as processes do: the backend cannot tell them from processes
-(each queue keeps its own lines and its own latest work). Driven by events
-and the line's own state; the real processes, and their deaths, are in
-test_latest_across_processes.py.
+Several queues, each with a backend of its own on one place (a directory, a
+Redis namespace), share the key's line as processes do: the backend cannot
+tell them from processes (each queue keeps its own lines and its own latest
+work). Driven by events and the line's own state; the real processes, and
+their deaths, are in test_latest_across_processes.py.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +26,23 @@ from inturn.backends.file._linefile import Post, Ran, joined, parse, ran_record,
 
 from support.file_checks import line_file
 from support.helpers import PATIENCE, settle, wait_until
-from support.latest_across import Holder, Runs, latest, posts
+from support.latest_across import Holder, Runs, Shared, latest, posts
 
 
-async def test_a_burst_spread_over_processes_runs_once_the_newest(tmp_path: Path) -> None:
-    holder = Holder(tmp_path)
+@pytest.fixture(params=["file", "redis"])
+def shared(request: pytest.FixtureRequest, tmp_path: Path, namespace: str) -> Iterator[Shared]:
+    """Where the test's queues share their lines: a directory, or a Redis namespace."""
+    url = None if request.param == "file" else request.getfixturevalue("redis_url")
+    place = Shared(tmp_path, url, namespace)
+    yield place
+    place.close()
+
+
+async def test_a_burst_spread_over_processes_runs_once_the_newest(shared: Shared) -> None:
+    holder = Holder(shared)
     await holder.hold()
     modes = ("join", "raise", "join")
-    queues = [latest(tmp_path, on_superseded=mode) for mode in modes]
+    queues = [latest(shared, on_superseded=mode) for mode in modes]
     ran = Runs()
     calls = []
     for n in range(9):  # process by process, each one's burst after the one before queued
@@ -41,7 +51,7 @@ async def test_a_burst_spread_over_processes_runs_once_the_newest(tmp_path: Path
         # (the first waits at the backend; a "raise" caller replaced is answered at once)
         waiting = n % 3 if modes[n // 3] == "join" else min(n % 3, 1)
         await settle(
-            lambda q=queue, w=waiting, n=n: (q.pending("k"), posts(tmp_path)) == (w, n // 3 + 1)
+            lambda q=queue, w=waiting, n=n: (q.pending("k"), posts(shared)) == (w, n // 3 + 1)
         )
     await holder.release()
     outcomes = await asyncio.gather(*calls, return_exceptions=True)
@@ -52,7 +62,7 @@ async def test_a_burst_spread_over_processes_runs_once_the_newest(tmp_path: Path
     assert outcomes[6:] == ["8", "8", "8"]  # its own process: the newest's outcome
     assert [queue.stats().superseded for queue in queues] == [3, 3, 2]
     assert [queue.stats().completed for queue in queues] == [0, 0, 1]
-    assert not line_file(tmp_path, "k").exists()  # nothing is left in line
+    assert shared.empty()  # nothing is left in line
 
 
 class Missed(list[tuple[BaseException, str | None]]):
@@ -68,10 +78,10 @@ class Missed(list[tuple[BaseException, str | None]]):
         self.append((error, function))
 
 
-async def test_the_observer_hears_of_each_work_replaced_in_its_process(tmp_path: Path) -> None:
-    holder = Holder(tmp_path)
+async def test_the_observer_hears_of_each_work_replaced_in_its_process(shared: Shared) -> None:
+    holder = Holder(shared)
     await holder.hold()
-    older, newer = latest(tmp_path), latest(tmp_path)
+    older, newer = latest(shared), latest(shared)
     heard = Missed()
     older.observe(heard)
     ran = Runs()
@@ -80,9 +90,9 @@ async def test_the_observer_hears_of_each_work_replaced_in_its_process(tmp_path:
         return await ran.work("older")()
 
     calls = [asyncio.create_task(older.run("k", sync)) for _ in range(3)]
-    await settle(lambda: older.pending("k") == 2 and posts(tmp_path) == 1)
+    await settle(lambda: older.pending("k") == 2 and posts(shared) == 1)
     last = asyncio.create_task(newer.run("k", ran.work("newer")))
-    await settle(lambda: posts(tmp_path) == 2)
+    await settle(lambda: posts(shared) == 2)
     await holder.release()
     assert await asyncio.gather(*calls, last) == [None, None, None, "newer"]
     assert len(heard) == 3  # the 3 replaced works: 2 in this process, 1 by the other's
@@ -90,18 +100,18 @@ async def test_the_observer_hears_of_each_work_replaced_in_its_process(tmp_path:
     assert {function for _, function in heard} == {f"{sync.__module__}.{sync.__qualname__}"}
 
 
-async def test_a_join_caller_learns_that_the_newer_work_failed(tmp_path: Path) -> None:
-    holder = Holder(tmp_path)
+async def test_a_join_caller_learns_that_the_newer_work_failed(shared: Shared) -> None:
+    holder = Holder(shared)
     await holder.hold()
-    older, newer = latest(tmp_path), latest(tmp_path)
+    older, newer = latest(shared), latest(shared)
 
     async def fails() -> None:
         raise ValueError("the sync failed")
 
     first = asyncio.create_task(older.run("k", Runs().work("older")))
-    await settle(lambda: posts(tmp_path) == 1)
+    await settle(lambda: posts(shared) == 1)
     second = asyncio.create_task(newer.run("k", fails))
-    await settle(lambda: posts(tmp_path) == 2)
+    await settle(lambda: posts(shared) == 2)
     await holder.release()
     with pytest.raises(ValueError, match="the sync failed"):
         await second
@@ -109,11 +119,11 @@ async def test_a_join_caller_learns_that_the_newer_work_failed(tmp_path: Path) -
         await first
 
 
-async def test_work_called_after_the_newest_started_runs_after_it(tmp_path: Path) -> None:
+async def test_work_called_after_the_newest_started_runs_after_it(shared: Shared) -> None:
     """The running work is never replaced: a call that comes while it runs runs next."""
-    holder = Holder(tmp_path)
+    holder = Holder(shared)
     await holder.hold()
-    one, two = latest(tmp_path), latest(tmp_path)
+    one, two = latest(shared), latest(shared)
     started, go_on = asyncio.Event(), asyncio.Event()
     ran = Runs()
 
@@ -124,11 +134,11 @@ async def test_work_called_after_the_newest_started_runs_after_it(tmp_path: Path
         return "first"
 
     first = asyncio.create_task(one.run("k", slow))
-    await settle(lambda: posts(tmp_path) == 1)
+    await settle(lambda: posts(shared) == 1)
     await holder.release()
     await started.wait()
     later = asyncio.create_task(two.run("k", ran.work("later")))
-    await settle(lambda: posts(tmp_path) == 2)
+    await settle(lambda: posts(shared) == 2)
     go_on.set()
     assert await asyncio.gather(first, later) == ["first", "later"]
     assert ran == ["first", "later"]
@@ -136,19 +146,19 @@ async def test_work_called_after_the_newest_started_runs_after_it(tmp_path: Path
 
 @pytest.mark.parametrize("leaves", ["cancelled", "timed out"])
 async def test_when_the_newer_caller_leaves_the_older_work_runs(
-    tmp_path: Path, leaves: str
+    shared: Shared, leaves: str
 ) -> None:
     """A newer work whose caller gives up before the key's turn is not waiting any more: the
     older work, whose caller still waits, runs (as it does when the newer one's process dies)."""
-    holder = Holder(tmp_path)
+    holder = Holder(shared)
     await holder.hold()
-    older = latest(tmp_path)
-    newer = latest(tmp_path, timeout=0.05 if leaves == "timed out" else None)
+    older = latest(shared)
+    newer = latest(shared, timeout=0.05 if leaves == "timed out" else None)
     ran = Runs()
     first = asyncio.create_task(older.run("k", ran.work("older")))
-    await settle(lambda: posts(tmp_path) == 1)
+    await settle(lambda: posts(shared) == 1)
     second = asyncio.create_task(newer.run("k", ran.work("newer")))
-    await settle(lambda: posts(tmp_path) == 2)
+    await settle(lambda: posts(shared) == 2)
     if leaves == "cancelled":
         second.cancel()
     with pytest.raises(asyncio.CancelledError if leaves == "cancelled" else TimeoutError):
@@ -158,15 +168,15 @@ async def test_when_the_newer_caller_leaves_the_older_work_runs(
     assert ran == ["older"]
 
 
-def test_threads_of_several_processes_run_the_newest_once(tmp_path: Path) -> None:
+def test_threads_of_several_processes_run_the_newest_once(shared: Shared) -> None:
     async def holding() -> tuple[Holder, asyncio.AbstractEventLoop]:
-        holder = Holder(tmp_path)
+        holder = Holder(shared)
         await holder.hold()
         return holder, asyncio.get_running_loop()
 
     loop = asyncio.new_event_loop()
     holder, _ = loop.run_until_complete(holding())
-    queues = [latest(tmp_path), latest(tmp_path, on_superseded="raise")]
+    queues = [latest(shared), latest(shared, on_superseded="raise")]
     ran: list[str] = []
     outcomes: dict[str, Any] = {}
 
@@ -184,9 +194,10 @@ def test_threads_of_several_processes_run_the_newest_once(tmp_path: Path) -> Non
     threads = []
     for n, queue in enumerate([queues[0], queues[0], queues[1], queues[1]]):
         threads.append(call(queue, f"{n}"))
-        wait_until(lambda n=n: posts(tmp_path) == n // 2 + 1, f"call {n} is in line")
+        wait_until(lambda n=n: posts(shared) == n // 2 + 1, f"call {n} is in line")
         wait_until(lambda q=queue, n=n: q.pending("k") == n % 2, f"call {n} waits")
     loop.run_until_complete(holder.release())
+    loop.run_until_complete(loop.shutdown_asyncgens())  # (a Redis backend's share ends here)
     loop.close()
     for thread in threads:
         thread.join(PATIENCE)
@@ -197,10 +208,10 @@ def test_threads_of_several_processes_run_the_newest_once(tmp_path: Path) -> Non
     assert outcomes["3"] is None  # (ran.append's result, in its own process)
 
 
-async def test_the_decorator_and_submit_conflate_across_processes(tmp_path: Path) -> None:
-    holder = Holder(tmp_path)
+async def test_the_decorator_and_submit_conflate_across_processes(shared: Shared) -> None:
+    holder = Holder(shared)
     await holder.hold()
-    one, two = latest(tmp_path), latest(tmp_path)
+    one, two = latest(shared), latest(shared)
     ran = Runs()
 
     @one.queue_by_key(key="k")
@@ -209,28 +220,28 @@ async def test_the_decorator_and_submit_conflate_across_processes(tmp_path: Path
         return version
 
     decorated = asyncio.create_task(sync_manifest(1))
-    await settle(lambda: posts(tmp_path) == 1)
+    await settle(lambda: posts(shared) == 1)
     handle = await two.submit("k", ran.work("submitted"))
-    await settle(lambda: posts(tmp_path) == 2)
+    await settle(lambda: posts(shared) == 2)
     await holder.release()
     assert await decorated is None  # ("join": the newer work returned, in another process)
     assert await handle == "submitted"
     assert ran == ["submitted"]
 
 
-async def test_per_process_conflation_stays_the_default(tmp_path: Path) -> None:
-    holder = Holder(tmp_path)
+async def test_per_process_conflation_stays_the_default(shared: Shared) -> None:
+    holder = Holder(shared)
     await holder.hold()
-    one = KeyedQueue(backend=FileBackend(tmp_path), pending="latest")
-    two = KeyedQueue(backend=FileBackend(tmp_path), pending="latest")
+    one = KeyedQueue(backend=shared.backend(), pending="latest")
+    two = KeyedQueue(backend=shared.backend(), pending="latest")
     ran = Runs()
     first = asyncio.create_task(one.run("k", ran.work("one")))
-    await settle(lambda: len(FileBackend(tmp_path).line("k")) == 2)
+    await settle(lambda: shared.members() == 2)
     second = asyncio.create_task(two.run("k", ran.work("two")))
-    await settle(lambda: len(FileBackend(tmp_path).line("k")) == 3)
+    await settle(lambda: shared.members() == 3)
     await holder.release()
     assert await asyncio.gather(first, second) == ["one", "two"]
-    assert posts(tmp_path) == 0
+    assert posts(shared) == 0
 
 
 @pytest.mark.parametrize("backend", [None, LocalBackend()])
