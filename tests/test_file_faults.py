@@ -25,6 +25,7 @@ from inturn.backends.file import FileBackend
 
 from support.file_checks import files, line_file, spec
 from support.helpers import PATIENCE, unavailable
+from support.latest_across import Shared, latest_killed_at
 from support.processes import Worker, stopped, until
 
 
@@ -92,7 +93,7 @@ async def test_a_crash_at_any_step_of_latest_work_across_processes_loses_no_upda
     step = 0
     while True:
         step += 1
-        reports, outcome, mine = await latest_killed_at(server, step, backend, victim)
+        reports, outcome, mine = await latest_killed_at(server, step, Shared(directory), victim)
         assert outcome in (["killed"], ["exit", "0"]), outcome
         if victim == "older":  # this process's newer work runs whatever befalls the victim
             assert mine == "mine ran", f"step {step}: {reports}, {outcome}"
@@ -110,47 +111,6 @@ async def test_a_crash_at_any_step_of_latest_work_across_processes_loses_no_upda
         if outcome == ["exit", "0"]:
             break
     assert step > 10
-
-
-async def latest_killed_at(
-    server: Worker, step: int, backend: FileBackend, victim: str
-) -> tuple[list[str], list[str], str | None]:
-    """While this process holds k and a latest work of its own waits, a victim's, killed
-    before its step-th call (the newest work, or an older one, which queued first): the
-    victim's reports, how it ended, and what this process's caller got."""
-    holder = KeyedQueue(backend=backend)
-    latest = KeyedQueue(backend=backend, pending="latest", across="processes")
-    me = os.getpid()
-    gate = asyncio.Event()
-    holding = asyncio.create_task(holder.run("k", gate.wait))
-    await until(lambda: backend.line("k") == (me,), "the holder took the key")
-    reports: list[str] = []
-
-    async def ending() -> list[str]:
-        while True:
-            words = await server.report()
-            if words[0] == "ended":
-                return words[1:]
-            reports.append(words[0])
-
-    async def victim_queues() -> asyncio.Future[list[str]]:
-        await server.send(str(step))
-        (pid,) = await server.expect("forked")
-        outcome = asyncio.ensure_future(ending())
-        await until(lambda: int(pid) in backend.line("k") or outcome.done(), "it queued")
-        return outcome
-
-    if victim == "older":
-        outcome = await victim_queues()
-    mine = asyncio.create_task(latest.run("k", lambda: "mine ran"))
-    await until(lambda: backend.line("k").count(me) == 2, "this process's work waits")
-    if victim == "newest":
-        outcome = await victim_queues()
-    gate.set()
-    await holding
-    ended_as = await outcome
-    answer = await asyncio.wait_for(mine, PATIENCE)
-    return reports, ended_as, answer
 
 
 def plant_dead_tickets(directory: Path, key: str) -> None:

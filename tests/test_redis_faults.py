@@ -31,6 +31,7 @@ import time
 import uuid
 import warnings
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -44,7 +45,8 @@ from inturn.backends.redis import RedisBackend, _takeover, _wire
 
 from support.faults import Proxy
 from support.helpers import PATIENCE, settle
-from support.processes import Worker
+from support.latest_across import Shared, latest_killed_at
+from support.processes import Worker, until
 from support.redis_checks import BackendFactory, hand_over, waiting
 from support.servers import SentinelSetup, Server
 
@@ -1235,3 +1237,49 @@ async def test_a_failover_is_a_lost_lease_for_the_holder_and_never_a_hang(
     assert (outcome is None and ran == ["b"]) or isinstance(outcome, BackendUnavailable)
     # and the line goes on, on the new master
     assert await within(LEASE, KeyedQueue(backend=a).run("k", lambda: "after")) == "after"
+
+
+# -- latest work shared across processes, killed at every step ----------------------------
+
+#: The lease of a victim killed at every step (s): its place is freed within about this long.
+KILL_LEASE = 0.5
+
+
+@pytest.mark.parametrize("victim", ["newest", "older"])
+async def test_a_crash_at_any_step_of_latest_work_across_processes_loses_no_update(
+    redis_url: str, namespace: str, workers: list[Worker], victim: str
+) -> None:
+    """Latest work (across="processes") killed before and after each op of its turn (the
+    worker's OpTripwire), beside a work of this process's that waits too: the newest work
+    a live process waits for runs (the killed one's, if it ran), and once the victim's
+    lease ran out the key is free and nothing is left in Redis.
+
+    A newest victim judges and runs (this process's older work queues again behind it); an
+    older victim queues again behind this process's newer work, then learns that it ran.
+    """
+    spec = f"redis:{redis_url}#{namespace}#{KILL_LEASE}"
+    server = await Worker.start(spec, "crash-each", "k", "latest")
+    workers.append(server)
+    shared = Shared(Path(), redis_url, namespace)
+    step = 0
+    try:
+        while True:
+            step += 1
+            reports, outcome, mine = await latest_killed_at(server, step, shared, victim)
+            assert outcome in (["killed"], ["exit", "0"]), outcome
+            if victim == "older":  # this process's newer work runs whatever befalls the victim
+                assert mine == "mine ran", f"step {step}: {reports}, {outcome}"
+                assert "holding" not in reports
+                assert reports in ([], ["superseded"]), reports
+            elif "holding" not in reports:  # the newest work never started: the older one runs
+                assert mine == "mine ran", f"step {step}: {reports}, {outcome}"
+            elif outcome == ["exit", "0"]:  # it ran, and said so: the older is answered
+                assert mine is None, f"step {step}"
+            # (killed after it started: the older runs, or is answered if the run was recorded)
+            assert mine in ("mine ran", None)
+            await until(shared.empty, f"nothing left after a crash at step {step}")
+            if outcome == ["exit", "0"]:
+                break
+    finally:
+        shared.close()
+    assert step > 8

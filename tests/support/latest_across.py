@@ -9,6 +9,7 @@ its own latest work).
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from inturn.backends.redis._scripts import Line
 
 from .file_checks import line_file
 from .helpers import PATIENCE
+from .processes import Worker, until
 
 
 class Shared:
@@ -60,6 +62,15 @@ class Shared:
             return len(FileBackend(self.directory).line("k"))
         line, q = Line(self.namespace, "k").names[:2]
         return self._redis.hexists(line, "holder") + self._redis.zcard(q)
+
+    def pids(self) -> list[int]:
+        """The processes of key k's line, in turn order (its holder first)."""
+        if self._redis is None:
+            return list(FileBackend(self.directory).line("k"))
+        line, q, _, info = Line(self.namespace, "k").names[:4]
+        members = [self._redis.hget(line, "holder"), *self._redis.zrange(q, 0, -1)]
+        about = [self._redis.hget(info, member) for member in members if member is not None]
+        return [int(found.split(b" @")[0].rsplit(b" ", 2)[1]) for found in about if found]
 
     def empty(self) -> bool:
         """Whether key k's line is gone (nobody holds it or waits: nothing is left)."""
@@ -143,3 +154,49 @@ class Runs(list[str]):
             return name
 
         return run
+
+
+async def latest_killed_at(
+    server: Worker, step: int, shared: Shared, victim: str
+) -> tuple[list[str], list[str], str | None]:
+    """While this process holds k and a latest work of its own waits, a victim's (a child
+    of server, tests/support/worker.py's crash-each), killed before its step-th step (the
+    newest work, or an older one, which queued first): the victim's reports, how it
+    ended, and what this process's caller got."""
+    holder = KeyedQueue(backend=shared.backend())
+    latest = KeyedQueue(backend=shared.backend(), pending="latest", across="processes")
+    me = os.getpid()
+    gate = asyncio.Event()
+    holding = asyncio.create_task(holder.run("k", gate.wait))
+    await until(lambda: shared.pids() == [me], "the holder took the key")
+    reports: list[str] = []
+
+    async def ending() -> list[str]:
+        while True:
+            words = await server.report()
+            if words[0] == "ended":
+                return words[1:]
+            reports.append(words[0])
+
+    async def victim_queues() -> asyncio.Future[list[str]]:
+        await server.send(str(step))
+        (pid,) = await server.expect("forked")
+        outcome = asyncio.ensure_future(ending())
+        await until(lambda: int(pid) in shared.pids() or outcome.done(), "it queued")
+        return outcome
+
+    if victim == "older":
+        outcome = await victim_queues()
+    mine = asyncio.create_task(latest.run("k", lambda: "mine ran"))
+    await until(lambda: shared.pids().count(me) == 2, "this process's work waits")
+    if victim == "newest":
+        outcome = await victim_queues()
+    gate.set()
+    await holding
+    ended_as = await outcome
+    try:
+        answer = await asyncio.wait_for(mine, PATIENCE)
+    finally:
+        await holder.aclose()
+        await latest.aclose()
+    return reports, ended_as, answer

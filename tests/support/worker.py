@@ -62,7 +62,8 @@ One forks after making the queue, as a preforking server does (Redis):
   times, each in an event loop of its own; print ``done ERRORS`` with the
   errors any of them met (``-``: none).
 
-The last is a fork server for crashes at every step (file backend), so
+The last is a fork server for crashes at every step (the file backend's
+calls; with ``latest`` on Redis, the steps' ops: see :class:`OpTripwire`), so
 that every child starts clean:
 
 - ``crash-each KEY [compact] [impatient]``: for each stdin line ``N``, fork
@@ -210,6 +211,47 @@ class _Watched:
         return call
 
 
+class OpTripwire:
+    """Counts the ops of the Redis backend's steps (a task's turn and release, in this
+    process): SIGKILL just before the ``kill_before``-th count. Each op counts twice: before
+    its driver performs it (its call not sent yet) and once its answer came (Redis did it),
+    before the steps see it: between two counts, this process tells Redis nothing."""
+
+    def __init__(self, kill_before: int) -> None:
+        self.counts = 0
+        self.kill_before = kill_before
+
+    def install(self) -> None:
+        from inturn.backends.redis import _loop
+
+        for name in ("taking", "releasing"):
+            made = getattr(_loop, name)
+            setattr(_loop, name, lambda *args, made=made: self.watched(made(*args)))
+
+    def tick(self) -> None:
+        self.counts += 1
+        if self.counts == self.kill_before:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def watched(self, steps: Any) -> Any:
+        answer: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                op = steps.send(answer) if error is None else steps.throw(error)
+            except StopIteration as done:
+                return done.value
+            self.tick()
+            try:
+                answer, error = (yield op), None
+            except GeneratorExit:
+                steps.close()
+                raise
+            except BaseException as problem:
+                answer, error = None, problem
+            self.tick()
+
+
 def file_modules() -> tuple[ModuleType, ...]:
     """The modules of the file backend that make the calls in STEPS."""
     from inturn.backends import file
@@ -227,7 +269,10 @@ async def victim(spec: str, key: str, step: int, flags: list[str]) -> None:
     """
     if "latest" in flags:
         queue = KeyedQueue(backend=make_backend(spec), pending="latest", across="processes")
-        Tripwire(kill_before=step).install(*file_modules())
+        if spec.startswith("redis:"):
+            OpTripwire(kill_before=step).install()
+        else:
+            Tripwire(kill_before=step).install(*file_modules())
 
         def work() -> str:
             say("holding")
