@@ -34,6 +34,7 @@ from support.helpers import (
     unavailable,
     wait_until,
 )
+from support.redis_checks import waiting
 
 if sys.version_info < (3, 11):
     from exceptiongroup import ExceptionGroup
@@ -1133,6 +1134,44 @@ async def test_a_burst_on_a_busy_key_runs_the_holder_and_the_latest(
         assert outcomes[-1] == 19
     assert queue.stats().superseded == 19
     assert not queue.is_active("k")
+
+
+async def test_latest_work_across_processes_runs_once_the_newest_or_is_refused(
+    make_queue: QueueFactory, backend: Backend | None
+) -> None:
+    """Queues on one backend act as processes: with ``across="processes"`` a burst spread
+    over them runs once, the newest; a backend that cannot keep it refuses the setting."""
+    if backend is None or not backend.capabilities.latest:
+        with pytest.raises(ValueError, match='across="processes"'):
+            make_queue(pending="latest", across="processes")
+        return
+    holder = make_queue()
+    queues = [
+        make_queue(pending="latest", across="processes", on_superseded=mode)
+        for mode in ("join", "raise")
+    ]
+    ran: list[Any] = []
+    release = asyncio.Event()
+    shows: Any = backend  # (a backend that keeps latest work shows its lines: lines())
+
+    async def work(name: Any) -> Any:
+        ran.append(name)
+        return name
+
+    held = asyncio.create_task(holder.run("k", release.wait))
+    await waiting(shows, 0)  # (held at the backend)
+    calls = []
+    for n, queue in enumerate(queues):  # each queue's burst once the one before is in line
+        calls += [asyncio.create_task(queue.run("k", work, f"{n}{i}")) for i in range(3)]
+        await waiting(shows, n + 1)
+    release.set()
+    outcomes = await asyncio.gather(*calls, return_exceptions=True)
+    await held
+    assert ran == ["12"]
+    assert outcomes[:3] == [None, None, None]  # "join", in another process: the newer returned
+    assert [type(outcome).__name__ for outcome in outcomes[3:5]] == ["Superseded"] * 2
+    assert outcomes[5] == "12"
+    assert await shows.lines() == []
 
 
 async def test_threads_conflate_on_the_backend(make_queue: QueueFactory) -> None:
