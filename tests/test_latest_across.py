@@ -23,6 +23,7 @@ from inturn.backends import LocalBackend
 from inturn.backends.file import FileBackend
 from inturn.backends.file._latest import judge
 from inturn.backends.file._linefile import Post, Ran, joined, parse, ran_record, render
+from inturn.backends.redis import RedisBackend
 
 from support.file_checks import line_file
 from support.helpers import PATIENCE, settle, wait_until
@@ -350,3 +351,75 @@ async def test_an_exception_as_a_turn_leaves_its_first_place_leaves_nothing_open
     async with KeyedQueue(backend=FileBackend(tmp_path)).keyed("k", timeout=PATIENCE):
         pass
     assert not line_file(tmp_path, "k").exists()
+
+
+# -- Redis: the clocks, a grant after joining again, what lines() shows -------------------
+
+
+def test_calls_of_one_host_compare_by_its_clock_and_of_two_by_redis_s() -> None:
+    from inturn.backends.redis._latest import CLOCK, Stamp
+
+    # one host: its monotonic clock decides, whatever Redis's conversion said
+    assert Stamp("a", 200, 100) > Stamp("a", 100, 200)
+    assert Stamp("a", 100, 100) >= Stamp("a", 100, 999)
+    assert not Stamp("a", 100, 999) > Stamp("a", 100, 100)
+    # two hosts: Redis's clock decides
+    assert Stamp("a", 100, 300) > Stamp("b", 900, 200)
+    assert not Stamp("a", 100, 200) >= Stamp("b", 1, 201)
+    # back on this host's clock: exact if made here, else converted through Redis's
+    mine = Stamp(CLOCK, 123_456, 1)
+    assert mine.local(now_us=10_000, sent=5_000_000) == 123_456
+    other = Stamp("x" + CLOCK, 1, 9_000)  # 1 ms before Redis read the line
+    assert other.local(now_us=10_000, sent=5_000_000) == 4_000_000
+
+
+def test_a_grant_it_had_before_it_joined_again_never_wakes_it() -> None:
+    """A member of latest work that joined its line again waits for a new grant: a renewal's
+    reply or a grant's message naming its earlier token (on its way as it joined again)
+    must not hand it the key."""
+    from inturn.backends.redis._lease import Leases, Member
+    from inturn.backends.redis._scripts import Line
+
+    loop = asyncio.new_event_loop()
+    try:
+        leases = Leases(loop, 1.0, lambda member, member_id: None, lambda: None)  # type: ignore[arg-type, return-value]
+        member = Member("k", Line("ns", "k"), loop.create_future())
+        leases.members["m/1"] = member
+        leases.granted("m/1", 5)
+        assert member.waiting is not None
+        assert member.waiting.result() == 5
+        member.token = 5  # (held with token 5; it joins the line again)
+        member.waiting = loop.create_future()
+        leases.granted("m/1", 5)  # the old grant, again
+        assert not member.waiting.done()
+        leases.granted("m/1", 6)  # a new grant
+        assert member.waiting.result() == 6
+    finally:
+        loop.close()
+
+
+async def test_lines_shows_when_the_latest_work_of_each_member_was_called(
+    redis_url: str, namespace: str
+) -> None:
+    shared = Shared(Path(), redis_url, namespace)
+    holder = Holder(shared)
+    await holder.hold()
+    queue = latest(shared)
+    plain = KeyedQueue(backend=shared.backend())
+    called = time.monotonic()
+    calls = [asyncio.create_task(queue.run("k", Runs().work("latest")))]
+    await settle(lambda: shared.members() == 2)
+    calls.append(asyncio.create_task(plain.run("k", Runs().work("plain"))))
+    await settle(lambda: shared.members() == 3)
+    backend = queue.backend
+    assert isinstance(backend, RedisBackend)
+    (line,) = await backend.lines()
+    assert line.holder is not None
+    assert line.holder.latest_called is None
+    post, other = line.waiters
+    assert post.latest_called is not None
+    assert 0 <= post.latest_called <= time.monotonic() - called + 0.5  # (Redis's clock, ms)
+    assert other.latest_called is None
+    await holder.release()
+    assert await asyncio.gather(*calls) == ["latest", "plain"]
+    shared.close()
