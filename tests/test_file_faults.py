@@ -25,7 +25,7 @@ from inturn.backends.file import FileBackend
 
 from support.file_checks import files, line_file, spec
 from support.helpers import PATIENCE, unavailable
-from support.latest_across import Shared, latest_killed_at
+from support.latest_across import Shared, latest_killed_at, no_update_lost
 from support.processes import Worker, stopped, until
 
 
@@ -94,17 +94,7 @@ async def test_a_crash_at_any_step_of_latest_work_across_processes_loses_no_upda
     while True:
         step += 1
         reports, outcome, mine = await latest_killed_at(server, step, Shared(directory), victim)
-        assert outcome in (["killed"], ["exit", "0"]), outcome
-        if victim == "older":  # this process's newer work runs whatever befalls the victim
-            assert mine == "mine ran", f"step {step}: {reports}, {outcome}"
-            assert "holding" not in reports
-            assert reports in ([], ["superseded"]), reports
-        elif "holding" not in reports:  # the newest work never started: the older one runs
-            assert mine == "mine ran", f"step {step}: {reports}, {outcome}"
-        elif outcome == ["exit", "0"]:  # it ran, and said so: the older is answered
-            assert mine is None, f"step {step}"
-        # (killed after it started: the older runs, or is answered if the run was recorded)
-        assert mine in ("mine ran", None)
+        no_update_lost(victim, step, reports, outcome, mine)
         async with KeyedQueue(backend=backend).keyed("k", timeout=PATIENCE):
             pass
         assert files(directory) == [], f"left behind by a crash before step {step}"

@@ -45,7 +45,7 @@ from inturn.backends.redis import RedisBackend, _takeover, _wire
 
 from support.faults import Proxy
 from support.helpers import PATIENCE, settle
-from support.latest_across import Shared, latest_killed_at
+from support.latest_across import Shared, latest_killed_at, no_update_lost
 from support.processes import Worker, until
 from support.redis_checks import BackendFactory, hand_over, waiting
 from support.servers import SentinelSetup, Server
@@ -1266,17 +1266,7 @@ async def test_a_crash_at_any_step_of_latest_work_across_processes_loses_no_upda
         while True:
             step += 1
             reports, outcome, mine = await latest_killed_at(server, step, shared, victim)
-            assert outcome in (["killed"], ["exit", "0"]), outcome
-            if victim == "older":  # this process's newer work runs whatever befalls the victim
-                assert mine == "mine ran", f"step {step}: {reports}, {outcome}"
-                assert "holding" not in reports
-                assert reports in ([], ["superseded"]), reports
-            elif "holding" not in reports:  # the newest work never started: the older one runs
-                assert mine == "mine ran", f"step {step}: {reports}, {outcome}"
-            elif outcome == ["exit", "0"]:  # it ran, and said so: the older is answered
-                assert mine is None, f"step {step}"
-            # (killed after it started: the older runs, or is answered if the run was recorded)
-            assert mine in ("mine ran", None)
+            no_update_lost(victim, step, reports, outcome, mine)
             await until(shared.empty, f"nothing left after a crash at step {step}")
             if outcome == ["exit", "0"]:
                 break

@@ -200,3 +200,21 @@ async def latest_killed_at(
         await holder.aclose()
         await latest.aclose()
     return reports, ended_as, answer
+
+
+def no_update_lost(
+    victim: str, step: int, reports: list[str], outcome: list[str], mine: str | None
+) -> None:
+    """Check what latest_killed_at saw: the newest work a live process waited for ran (the
+    victim's, if it ran), and this process's caller was answered as documented."""
+    assert outcome in (["killed"], ["exit", "0"]), outcome
+    if victim == "older":  # this process's newer work runs whatever befalls the victim
+        assert mine == "mine ran", f"step {step}: {reports}, {outcome}"
+        assert "holding" not in reports
+        assert reports in ([], ["superseded"]), reports
+    elif "holding" not in reports:  # the newest work never started: the older one runs
+        assert mine == "mine ran", f"step {step}: {reports}, {outcome}"
+    elif outcome == ["exit", "0"]:  # it ran, and said so: the older is answered
+        assert mine is None, f"step {step}"
+    # (killed after it started: the older runs, or is answered if the run was recorded)
+    assert mine in ("mine ran", None)
