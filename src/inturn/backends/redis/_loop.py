@@ -254,6 +254,7 @@ class LoopShare:
                     if isinstance(waiting, asyncio.Future):  # (its acquire may fail first)
                         retrieve(waiting)
                 del members[member_id]
+                member.lost = True  # (granted, its steps not on yet: they must not hold it)
                 self.quit(member, member_id, not member.joined)
         if self._cleanups:  # places given up just now: let them leave their lines
             await asyncio.wait(self._cleanups, timeout=self.config.lease)
@@ -402,11 +403,11 @@ async def drive(share: LoopShare, steps: Steps[T]) -> T:
                 answer = await share.calls.leave(op[1], op[2]).future
             elif verb == QUIT:
                 share.quit(op[1], op[2], op[3])
-            else:  # JUDGE, AGAIN: latest work's
+            else:  # JUDGE, AGAIN: latest work's, as ENQUEUE
                 calls = share.calls
                 call = calls.judge(op[1], op[2]) if verb == JUDGE else calls.again(op[1], op[2])
-                reply = await call.future
-                answer = (call.sent or now(), reply)
+                reply = await (call.future if op[3] is None else _by(share, call.future, op[3]))
+                answer = None if reply is None else (call.sent or now(), reply)
         except BaseException as problem:  # thrown in: the steps give the place up
             error = problem
 

@@ -147,7 +147,7 @@ return -(redis.call('ZRANK', q, member) + 1)
 # ARGV: member, ttl ms, channel prefix, whether its enqueue may still come
 # ('1': no answer to it was read), and for latest work that ran, its call's time and
 # whether it returned ('<time> <0|1>', see the module; else ''), which the line keeps as
-# what ran. Releases the key, or leaves the line.
+# what ran if the member still holds the key. Releases the key, or leaves the line.
 # Returns 1: was the holder; 2: was waiting; 3: had released already (a
 # retried call); 0: was in neither place (its lease ran out, or its enqueue
 # has not come yet). A leave that may have overtaken its enqueue (sent on
@@ -158,11 +158,13 @@ _LEAVE = (
     _PRELUDE
     + """
 local member, ttl, channels = ARGV[1], tonumber(ARGV[2]), ARGV[3]
-if ARGV[5] ~= '' then  -- (a line that ends below is deleted with it: nobody is left to judge)
+local holder = redis.call('HGET', line, 'holder')
+if ARGV[5] ~= '' and holder == member then
+  -- (only while it holds the key: a holder whose lease ran out may have run its work after
+  -- newer work ran; a line that ends below is deleted with it: nobody is left to judge)
   local sent, ok = string.match(ARGV[5], '^(.*) ([01])$')
   redis.call('HSET', line, 'ran', stamped(sent) .. ' ' .. ok)
 end
-local holder = redis.call('HGET', line, 'holder')
 if holder == member and redis.call('EXISTS', q) == 0
     and tonumber(redis.call('ZSCORE', lease, member) or 0) > now then
   -- the holder leaves, its lease good, nobody waits: the line ends

@@ -32,11 +32,12 @@ The ops and their answers (times are ``time.monotonic()`` seconds):
   leave and go on, never waiting, never failing (``marked``: no answer to
   its enqueue was read); None. A driver that never wrote the enqueue
   writes nothing.
-- ``(JUDGE, member, member_id)``: call the judge script (latest work whose
-  turn came); ``(sent, reply)``, as ENQUEUE's.
-- ``(AGAIN, member, member_id)``: call the script by which latest work
-  joins its line again; ``(sent, reply)``, as ENQUEUE's (``member.waiting``
-  is new by then, so that the next grant finds it).
+- ``(JUDGE, member, member_id, late)``: call the judge script (latest work
+  whose turn came); ``(sent, reply)``, or None if no reply came by ``late``,
+  as ENQUEUE's.
+- ``(AGAIN, member, member_id, late)``: call the script by which latest
+  work joins its line again; as JUDGE (``member.waiting`` is new by then,
+  so that the next grant finds it).
 """
 
 from __future__ import annotations
@@ -262,7 +263,10 @@ def _latest(
         if token is None:
             token = yield from _granted(member, deadline, timeout)
         member.token = token
-        sent, reply = yield (JUDGE, member, member_id)
+        answer = yield (JUDGE, member, member_id, _late(deadline, lease))
+        if answer is None:
+            raise missed((key,), Waited.ANSWER, timeout, " from Redis (judging)")
+        sent, reply = answer
         line = judged(key, reply)
         member.called = newest()  # (asked once the turn came: the newest is what runs)
         at = int(sent * 1e9)
@@ -273,10 +277,18 @@ def _latest(
             raise Replaced(key, verdict.called.local(line.now_us, at), verdict.ok)
         again += 1  # newer work waits behind: in line again behind it, the key handed on
         member.waiting = waiting()  # (before the call: its grant may come at once after)
-        answer = yield (AGAIN, member, member_id)
+        answer = yield (AGAIN, member, member_id, _late(deadline, lease))
+        if answer is None:
+            raise missed((key,), Waited.ANSWER, timeout, " from Redis (joining again)")
         if answer[1] == 0:
             raise gone(key)
         token = enqueued(member, lease, *answer)
+
+
+def _late(deadline: float | None, lease: float) -> float | None:
+    """By when Redis must answer a call of a turn under way (see bounds): by the caller's
+    deadline, but one round trip from now, up to a tenth of the lease, at least."""
+    return None if deadline is None else max(deadline, now() + lease / 10)
 
 
 def _live(post: object) -> bool:

@@ -263,16 +263,20 @@ class Blocking:
                     answer = _granted(op[1].waiting, op[2])
                 elif verb == QUIT:
                     self._quit(share, op[1], op[2], op[3], run)
-                else:  # LEAVE (a release: its status); JUDGE, AGAIN (latest work's: (sent, reply))
-                    pooled = self._take(share, None, lease)
-                    if type(pooled) is not _Pooled:
+                else:  # LEAVE (a release: its status); JUDGE, AGAIN (latest work's, as ENQUEUE)
+                    late = None if verb == LEAVE else op[3]
+                    pooled = self._take(share, late, lease)
+                    if type(pooled) is _Pooled:
+                        run.using = pooled
+                        script, rest = _script(share, verb, op[1], op[2])
+                        sent = now()
+                        answer = self._call(pooled, script, rest, late, run)
+                        if verb != LEAVE:
+                            answer = None if answer is _LATE else (sent, answer)
+                    elif verb == LEAVE or late is None:
                         raise RedisTimeoutError(f"no connection within {lease:g} s (the lease)")  # noqa: TRY301 - thrown in below
-                    run.using = pooled
-                    script, rest = _script(share, verb, op[1], op[2])
-                    sent = now()
-                    answer = self._call(pooled, script, rest, None, run)
-                    if verb != LEAVE:
-                        answer = (sent, answer)
+                    else:
+                        answer = None  # (no connection by late)
             except BaseException as problem:  # thrown in
                 error = problem
 
