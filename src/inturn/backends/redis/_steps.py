@@ -106,6 +106,10 @@ class Share(Protocol):
     def counter(self) -> Iterator[int]:
         """Numbers its members."""
 
+    @property
+    def closing(self) -> bool:
+        """Whether it is closed, or closing: it gave its members' places up."""
+
     def inherited(self) -> bool:
         """Whether this is a forked child's copy of its parent's share."""
 
@@ -356,6 +360,8 @@ def hold(share: Share, member_id: str, member: Member, token: int) -> RedisGrant
         another since (the grant's message waited in the socket). The work
         must not run on it.
     """
+    if share.closing:
+        raise BackendUnavailable("inturn: the backend was closed; the work did not run")
     if member.lapsed:
         raise BackendUnavailable(
             f"inturn: the place in Redis of this waiter for {show(member.key)} may be gone (this "
