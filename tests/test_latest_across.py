@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,53 +25,7 @@ from inturn.backends.file._linefile import Post, Ran, joined, parse, ran_record,
 
 from support.file_checks import line_file
 from support.helpers import PATIENCE, settle, wait_until
-
-
-class Holder:
-    """A queue (a process of its own) that holds key k until released."""
-
-    def __init__(self, directory: Path) -> None:
-        self.queue = KeyedQueue(backend=FileBackend(directory))
-        self.held = asyncio.Event()
-        self.gate = asyncio.Event()
-        self.task: asyncio.Task[None] | None = None
-
-    async def hold(self) -> None:
-        async def holding() -> None:
-            self.held.set()
-            await self.gate.wait()
-
-        self.task = asyncio.create_task(self.queue.run("k", holding))
-        await self.held.wait()
-
-    async def release(self) -> None:
-        self.gate.set()
-        assert self.task is not None
-        await self.task
-
-
-def latest(directory: Path, **settings: Any) -> KeyedQueue:
-    """A queue whose latest work is the key's among the queues on directory."""
-    return KeyedQueue(
-        backend=FileBackend(directory), pending="latest", across="processes", **settings
-    )
-
-
-def posts(directory: Path) -> int:
-    """How many posts of latest work key k's line file holds now."""
-    path = line_file(directory, "k")
-    return len(parse(path.read_text().splitlines()).posts) if path.exists() else 0
-
-
-class Runs(list[str]):
-    """Records the works that ran."""
-
-    def work(self, name: str) -> Callable[[], Any]:
-        async def run() -> str:
-            self.append(name)
-            return name
-
-        return run
+from support.latest_across import Holder, Runs, latest, posts
 
 
 async def test_a_burst_spread_over_processes_runs_once_the_newest(tmp_path: Path) -> None:
@@ -347,3 +300,42 @@ async def test_what_ran_before_the_host_restarted_is_not_newer(tmp_path: Path) -
     ran = Runs()
     assert await latest(tmp_path).run("k", ran.work("after the restart")) == "after the restart"
     assert ran == ["after the restart"]
+
+
+class Landed(BaseException):
+    """Stands for an exception a signal handler raises, or one thrown into a thread."""
+
+
+async def test_an_exception_as_a_turn_leaves_its_first_place_leaves_nothing_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The older work's turn joins the line again behind newer work, then leaves its first
+    place; an exception that lands as it says it is leaving still closes that place's
+    ticket (else the line would wait for it as long as this process lives)."""
+    from inturn.backends.file import _line
+
+    holder = Holder(tmp_path)
+    await holder.hold()
+    older, newer = latest(tmp_path), latest(tmp_path, timeout=PATIENCE / 3)
+    ran = Runs()
+    first = asyncio.create_task(older.run("k", ran.work("older")))
+    await settle(lambda: posts(tmp_path) == 1)
+    second = asyncio.create_task(newer.run("k", ran.work("newer")))
+    await settle(lambda: posts(tmp_path) == 2)
+    real, landed = _line._quit, []
+
+    def quit_once(fd: int) -> None:  # (the first leaving: the older turn's first place)
+        if not landed:
+            landed.append(fd)
+            raise Landed
+        real(fd)
+
+    monkeypatch.setattr(_line, "_quit", quit_once)
+    await holder.release()
+    with pytest.raises(Landed):
+        await first  # (its caller gets the exception, as an interrupt's)
+    assert await second == "newer"  # not a TimeoutError: the first place did not stay
+    assert ran == ["newer"]
+    async with KeyedQueue(backend=FileBackend(tmp_path)).keyed("k", timeout=PATIENCE):
+        pass
+    assert not line_file(tmp_path, "k").exists()

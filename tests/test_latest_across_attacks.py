@@ -25,73 +25,14 @@ from inturn.backends.file._linefile import parse
 
 from support.file_checks import line_file
 from support.helpers import PATIENCE, settle, wait_until
+from support.latest_across import Holder, Runs, key_free, latest, posts, records
 from support.processes import Worker, stopped, until
 
 LATEST_WORKER = Path(__file__).parent / "support" / "latest_worker.py"
 
 
-class Holder:
-    """A queue (a process of its own) that holds key k until released."""
-
-    def __init__(self, directory: Path) -> None:
-        self.queue = KeyedQueue(backend=FileBackend(directory))
-        self.held = asyncio.Event()
-        self.gate = asyncio.Event()
-        self.task: asyncio.Task[None] | None = None
-
-    async def hold(self) -> None:
-        async def holding() -> None:
-            self.held.set()
-            await self.gate.wait()
-
-        self.task = asyncio.create_task(self.queue.run("k", holding))
-        await self.held.wait()
-
-    async def release(self) -> None:
-        self.gate.set()
-        assert self.task is not None
-        await self.task
-
-
-def latest(directory: Path, **settings: Any) -> KeyedQueue:
-    return KeyedQueue(
-        backend=FileBackend(directory), pending="latest", across="processes", **settings
-    )
-
-
-def records(directory: Path) -> list[str]:
-    path = line_file(directory, "k")
-    try:
-        return path.read_bytes().decode("latin-1").splitlines()
-    except FileNotFoundError:
-        return []
-
-
-def posts(directory: Path) -> int:
-    return len(parse(records(directory)).posts)
-
-
 def fresh_posts(directory: Path) -> int:
     return sum(post.fresh for post in parse(records(directory)).posts.values())
-
-
-async def key_free(directory: Path) -> bool:
-    """Whether key k is free: a plain turn takes it at once, alone in its line."""
-    queue = KeyedQueue(backend=FileBackend(directory))
-    try:
-        async with queue.keyed("k", timeout=PATIENCE):
-            return not FileBackend(directory).line("k")[1:]
-    finally:
-        await queue.aclose()
-
-
-class Runs(list[str]):
-    def work(self, name: str) -> Callable[[], Any]:
-        async def run() -> str:
-            self.append(name)
-            return name
-
-        return run
 
 
 # -- 1. threads, tasks, and a fresh event loop per job -------------------------------------

@@ -44,8 +44,7 @@ import asyncio
 import itertools
 import weakref
 from collections.abc import Callable, Hashable
-from contextvars import Context, copy_context
-from inspect import iscoroutine
+from contextvars import copy_context
 from time import monotonic as _monotonic
 from time import monotonic_ns as _monotonic_ns
 from typing import TYPE_CHECKING, Any, final
@@ -54,7 +53,7 @@ from ._checks import Policy
 from ._describe import describe
 from ._errors import QueueFull, Superseded, superseded, superseded_elsewhere
 from ._line import Deferred, Line, held_by
-from ._tasks import in_context, in_loop_of, loop_here
+from ._tasks import in_caller_context, in_loop_of, loop_here
 from ._ticket import (
     ANSWERED,
     FOLLOWS,
@@ -864,20 +863,6 @@ def _disarm(latest: Latest) -> None:
 def _give(future: asyncio.Future[Any], answer: object) -> None:
     if not future.done():  # (its caller left)
         future.set_result(answer)
-
-
-def in_caller_context(
-    context: Context,
-    home: asyncio.AbstractEventLoop | None,
-    fn: Callable[..., Any],
-    *args: Any,
-    **kwargs: Any,
-) -> Any:
-    """Call a newer caller's work in its context (contextvars): a coroutine, as a task of home."""
-    result = context.run(fn, *args, **kwargs)
-    if home is not None and iscoroutine(result):
-        return in_context(home, result, context)
-    return result
 
 
 def elsewhere(ticket: Ticket | None, replaced: Replaced) -> Answer:

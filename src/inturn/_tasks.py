@@ -15,6 +15,7 @@ import operator
 import sys
 from collections.abc import Callable, Coroutine
 from contextvars import Context
+from inspect import iscoroutine
 from typing import Any
 
 #: The event loop running in this thread, or None (no error, no getpid(): in C).
@@ -104,6 +105,20 @@ def in_context(
     if sys.version_info >= (3, 11):
         return loop.create_task(coro, context=context)
     return context.run(loop.create_task, coro)  # pragma: no cover - depends on the interpreter
+
+
+def in_caller_context(
+    context: Context,
+    home: asyncio.AbstractEventLoop | None,
+    fn: Callable[..., Any],
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """Call a newer caller's work in its context (contextvars): a coroutine, as a task of home."""
+    result = context.run(fn, *args, **kwargs)
+    if home is not None and iscoroutine(result):
+        return in_context(home, result, context)
+    return result
 
 
 def in_loop_of(future: asyncio.Future[Any], callback: Callable[..., None], *args: Any) -> bool:
