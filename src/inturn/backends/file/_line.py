@@ -289,45 +289,47 @@ def taking(
             ticket = new_ticket()
             post = Post(ticket, me, fresh=True)
             records = yield from _join(home, key, name, digest, ticket, post, places)
-            _give_up(place, key)
+            _give_up([place], key)
         if time.monotonic() - begun > _LATE:
             os.utime(place.fd)  # the ticket's time is when its turn began: for inspect
         made = [] if into is None else into
         made.extend(map(grant, (key,), (token,), (place,)))  # NOTE: one step (see into)
         taken: G = made[-1]
     except BaseException:
-        for place in places:  # (a grant in into is left already when its caller releases it)
-            _give_up(place, key)
+        _give_up(places, key)  # (a grant in into is left already when its caller releases it)
         raise
     return taken
 
 
-def _give_up(place: Place, key: Hashable) -> None:
-    """Leave the line place joined: with no writer, the tickets behind skip its ticket.
+def _give_up(places: list[Place], key: Hashable) -> None:
+    """Leave the lines places joined: with no writer, the tickets behind skip their tickets.
 
-    The place is left then (its fd -1): a grant of it that went to its caller
-    nevertheless (see taking's into) is released as a no-op (see leave). Its
+    Each place is left then (its fd -1): a grant of it that went to its caller
+    nevertheless (see taking's into) is released as a no-op (see leave). The
     leaving completes however often an exception is thrown into the thread
-    meanwhile (see _leave_place); the tidy after it is best effort.
+    meanwhile (see _leave); the tidy after it is best effort.
     """
-    if place.fd < 0:
+    staying = [place for place in places if place.fd >= 0]
+    if not staying:
         return
-    surely(_leave_place, place)
-    where, digest, ticket = place.where, place.digest, place.ticket
-    if tidy_again(where, digest, ticket, key, held=False):
-        retry_soon(where, digest, ticket, key)  # (a tidier that saw it in line holds the lock)
+    surely(_leave, staying)
+    for place in staying:
+        where, digest, ticket = place.where, place.digest, place.ticket
+        if tidy_again(where, digest, ticket, key, held=False):
+            retry_soon(where, digest, ticket, key)  # (a tidier that saw it in line holds it)
 
 
-def _leave_place(place: Place) -> None:
-    """Close place's ticket, said to be leaving (see _quit), and remove its FIFO; then mark
-    the place left. Idempotent (its ticket is closed by its open's serial), for surely: a
-    writer left open would hold up the line behind it for as long as the process lives."""
-    fd = place.fd
-    if fd >= 0 and is_open(fd, place.serial):
-        _quit(fd)  # (twice, if an exception came between: it reads the same)
-        close_tracked(fd, place.serial)
-    unlink(place.where.fd, pipe_name(place.digest, place.ticket))
-    place.fd = -1
+def _leave(places: list[Place]) -> None:
+    """Close each place's ticket, said to be leaving (see _quit), and remove its FIFO; then
+    mark the place left. Idempotent (a ticket is closed by its open's serial), for surely:
+    a writer left open would hold up the line behind it for as long as the process lives."""
+    for place in places:
+        fd = place.fd
+        if fd >= 0 and is_open(fd, place.serial):
+            _quit(fd)  # (twice, if an exception came between: it reads the same)
+            close_tracked(fd, place.serial)
+        unlink(place.where.fd, pipe_name(place.digest, place.ticket))
+        place.fd = -1
 
 
 def _join(
@@ -358,7 +360,7 @@ def _join(
         # also one whose descriptor it never got; once closed, never closed again.
         serial, ticket_serial = new_serial(), new_serial()
         line_fd = fd = -1
-        made = marked = False
+        marked = False
         try:
             line_fd = _open_line(where, line, serial)
             if not flock_soon(line_fd, fcntl.LOCK_SH):
@@ -372,7 +374,6 @@ def _join(
             os.write(line_fd, joining(ticket, name if info.st_size == 0 else None))
             marked = True
             os.mkfifo(pipe, 0o600, dir_fd=where.fd)
-            made = True
             fd = open_tracked(pipe, _OPEN_TICKET, where.fd, serial=ticket_serial)
             os.write(line_fd, joined(ticket, post))  # one append: atomic
             records = read_records(line_fd)
@@ -382,13 +383,7 @@ def _join(
         except BaseException as error:
             if places and places[-1].ticket == ticket:  # (its files go below: left already)
                 places[-1].fd = -1
-            close_opened(ticket_serial)
-            if made:
-                unlink(where.fd, pipe)
-            if marked:  # (no descriptor left for its FIFO, say)
-                withdraw(where, digest, ticket, line_fd, key)
-            else:
-                close_opened(serial)
+            surely(_unjoin, where, digest, ticket, key, (serial, ticket_serial, line_fd), marked)
             if isinstance(error, FileNotFoundError) and (line_fd < 0 or where.gone()):
                 where = home.again(where, key)  # the directory was removed
                 continue
@@ -397,9 +392,35 @@ def _join(
             close_tracked(line_fd)
         except BaseException:  # interrupted: in line, it leaves as any turn that gives up
             close_tracked(line_fd, serial)  # (unless it was closed just before)
-            _give_up(places[-1], key)
+            _give_up(places[-1:], key)
             raise
         return records
+
+
+def _unjoin(
+    where: Directory,
+    digest: str,
+    ticket: str,
+    key: Hashable,
+    opened: tuple[int, int, int],
+    marked: bool,
+) -> None:
+    """Undo a join that failed (or was interrupted): close its ticket, remove its FIFO (if
+    it made one), and withdraw its mark (if it wrote one), closing its line file.
+    Idempotent (files closed by their opens' serials), for surely: a descriptor left open
+    would hold the line file's lock, or the ticket's writer, for as long as the process lives.
+
+    opened: the serials of its line file's and ticket's opens, and the line file's fd.
+    """
+    serial, ticket_serial, line_fd = opened
+    close_opened(ticket_serial)
+    unlink(where.fd, pipe_name(digest, ticket))  # (a FIFO it never made is not there)
+    if marked and line_fd >= 0 and is_open(line_fd, serial):
+        withdraw(
+            where, digest, ticket, line_fd, key, serial
+        )  # (no descriptor left for its FIFO, say)
+    else:
+        close_opened(serial)
 
 
 def _judged(
@@ -407,16 +428,14 @@ def _judged(
 ) -> Generator[_Locked | _Left, bytes, Ran | bool]:
     """Judge ticket's turn of latest work, come (see _latest.judge): its line file read under
     the shared lock (a compaction may be rewriting it), its posts' tickets looked at after."""
-    fd = open_tracked(line_name(digest), OPEN_TIDY, where.fd)
+    serial = new_serial()
+    fd = open_tracked(line_name(digest), OPEN_TIDY, where.fd, serial=serial)
     try:
         if not flock_soon(fd, fcntl.LOCK_SH):
             yield _Locked(fd, fcntl.LOCK_SH)
-        try:
-            records = read_records(fd)
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+        records = read_records(fd)
     finally:
-        close_tracked(fd)
+        surely(close_tracked, fd, serial)  # (the lock goes with it, whatever lands)
     directory = where.fd
     return judge(
         records, ticket, me, again, lambda other: alive(directory, pipe_name(digest, other))

@@ -30,7 +30,7 @@ from collections.abc import Hashable
 from ..._describe import describe
 from ._deaths import died_joining
 from ._directory import Directory
-from ._fds import OPEN_TIDY, close_tracked, open_tracked
+from ._fds import OPEN_TIDY, close_tracked, is_open, open_tracked
 from ._linefile import (
     Post,
     Ran,
@@ -219,21 +219,24 @@ def _tidy(where: Directory, digest: str, own: str, fd: int, held: bool, alone: b
     return False
 
 
-def withdraw(where: Directory, digest: str, own: str, fd: int, key: Hashable) -> None:
+def withdraw(where: Directory, digest: str, own: str, fd: int, key: Hashable, serial: int) -> None:
     """Take the mark of own, whose join failed, out of line file fd (shared-locked); close fd.
 
     Needs no other descriptor (none may be left): it probes no ticket.
     If another process holds the lock, it is joining (and tidies after
     its turn) or tidying, and the mark reads as "died here" to the next
-    tidy under the exclusive lock.
+    tidy under the exclusive lock. Idempotent: fd is the file its open with
+    serial opened, closed once (for surely).
     """
+    if not is_open(fd, serial):
+        return
     try:
         if flock_now(fd, fcntl.LOCK_EX) and not unlinked(fd):
             _compact(where, digest, fd, own, {own}, held=False)
     except OSError as error:
         _untidy(key, where, error)
     finally:
-        close_tracked(fd)
+        close_tracked(fd, serial)
 
 
 def retry(
