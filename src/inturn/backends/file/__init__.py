@@ -82,9 +82,9 @@ import logging
 import os
 import sys
 import tempfile
-from collections.abc import Awaitable, Hashable
+from collections.abc import Awaitable, Coroutine, Hashable
 from pathlib import Path
-from typing import Final, final
+from typing import Any, Final, final
 
 from ..._describe import describe
 from ..._order import order_portable, portable_name
@@ -311,7 +311,7 @@ class FileBackend:
         if refused is not None:
             raise refused from error
 
-    async def acquire(self, key: Hashable, timeout: float | None) -> FileGrant:
+    def acquire(self, key: Hashable, timeout: float | None) -> Coroutine[Any, Any, FileGrant]:
         """Queue in key's line file and wait until every ticket before ours has left.
 
         Waits in the event loop: for the ticket before ours (a reader of the
@@ -326,7 +326,9 @@ class FileBackend:
         :raises OSError: the directory, made at the first turn, was refused
             or could not be made (see the class's ``directory`` parameter).
         """
-        return await self._driven(taking(self._home, key, FileGrant), key, timeout)
+        # (the coroutine of _driven itself, with no frame of its own around it: a task's turn
+        # takes this on its way in, and acquire_latest shares _driven)
+        return self._driven(taking(self._home, key, FileGrant), key, timeout)
 
     async def _driven(
         self, steps: Taking[FileGrant], key: Hashable, timeout: float | None
@@ -385,9 +387,9 @@ class FileBackend:
         """
         return self._driven_sync(taking(self._home, key, FileGrant, into), key, timeout)
 
-    async def acquire_latest(
+    def acquire_latest(
         self, key: Hashable, timeout: float | None, newest: Newest
-    ) -> FileGrant:
+    ) -> Coroutine[Any, Any, FileGrant]:
         """As :meth:`acquire`, for a process's latest work on key (``across="processes"``).
 
         The ticket carries a post of when the process's newest work was called
@@ -399,7 +401,7 @@ class FileBackend:
         :raises TimeoutError: as :meth:`acquire`, also while it waits again
             behind newer work.
         """
-        return await self._driven(taking(self._home, key, FileGrant, None, newest), key, timeout)
+        return self._driven(taking(self._home, key, FileGrant, None, newest), key, timeout)
 
     def acquire_latest_sync(
         self,
