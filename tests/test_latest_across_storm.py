@@ -118,7 +118,4 @@ def test_interrupted_threads_of_three_processes_never_overlap_nor_hang(
         name: (directory / name).read_text() if name.endswith(".line") else "(a ticket)"
         for name in files(directory)
     }
-    if left:
-        import json, os as _os
-        open(f"/tmp/lat/left_{seed}.json", "w").write(json.dumps(left, indent=1))
     assert left == {}, "left behind"
