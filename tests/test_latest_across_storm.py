@@ -8,12 +8,12 @@ moments as they take their turns (``PyThreadState_SetAsyncExc``): the steps of
 the file backend's latest turn (its post, its judging, its queueing again) are
 where it lands. What must hold: no two works of a key ever run at once; every
 caller ends (answered as documented, timed out, or interrupted); nobody hangs;
-and at the end every key is free and the directory empty.
+and at the end every key is free and the directory empty. The same storm runs over
+plain turns too: they queue, release and tidy by the same steps (see _line.taking).
 """
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 import time
@@ -34,6 +34,11 @@ pytestmark = [pytest.mark.storm, pytest.mark.usefixtures("collector_paused")]
 KEYS = ("k0", "k1")
 #: Calls per thread, threads per queue, queues.
 CALLS, THREADS, QUEUES = 30, 3, 3
+#: The turns a storm takes: latest work shared across processes, or plain ones.
+TURNS: dict[str, dict[str, Any]] = {
+    "latest": {"pending": "latest", "across": "processes"},
+    "plain": {},
+}
 
 
 def tidied() -> None:
@@ -43,18 +48,18 @@ def tidied() -> None:
             thread.join(PATIENCE)
 
 
+@pytest.mark.parametrize("turns", TURNS)
 @pytest.mark.parametrize("seed", seeds(5))
 def test_interrupted_threads_of_three_processes_never_overlap_nor_hang(
-    tmp_path: Path, seed: int
+    tmp_path: Path, seed: int, turns: str
 ) -> None:
     rng = random.Random(seed)
     directory = tmp_path / "lines"
     queues = [
         KeyedQueue(
             backend=FileBackend(directory),
-            pending=os.environ.get("XPENDING", "latest"),  # type: ignore[arg-type]
-            across=os.environ.get("XACROSS", "processes"),  # type: ignore[arg-type]
             on_superseded=rng.choice(["join", "raise"]),
+            **TURNS[turns],
         )
         for _ in range(QUEUES)
     ]
