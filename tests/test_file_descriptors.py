@@ -447,7 +447,7 @@ def test_an_interrupt_as_an_open_returns_closes_that_descriptor_and_no_other(
             if not listed:  # (where descriptors cannot be listed, each number is tried)
                 patched.setattr(_fds, "_DESCRIPTORS", str(tmp_path / "nowhere"))
             with pytest.raises(KeyboardInterrupt):
-                _fds.open_tracked(name, os.O_RDWR, directory)
+                _fds.open_tracked(name, os.O_RDWR, directory, _fds.new_serial())
         assert len(made) == 1
         with pytest.raises(OSError, match="Bad file descriptor") as closed:
             os.fstat(made[0])

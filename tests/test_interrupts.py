@@ -342,11 +342,13 @@ def _try(trial: Callable[[Interrupter], str | None], interrupter: Interrupter) -
 
 @pytest.mark.parametrize("kind", [Interrupter, CheckInterrupter], ids=["calls", "checks"])
 @pytest.mark.parametrize("contended", [False, True], ids=["free", "held"])
+@pytest.mark.parametrize("latest", [False, True], ids=["plain", "latest"])
 def test_an_interrupt_anywhere_in_a_file_backends_taking_leaves_no_ticket(
-    tmp_path: Path, contended: bool, kind: type[Interrupter]
+    tmp_path: Path, contended: bool, kind: type[Interrupter], latest: bool
 ) -> None:
     """FileBackend.acquire_sync either puts a grant into its caller's list, or raises having
-    left nothing."""
+    left nothing; and so does acquire_latest_sync, whose turn, once it comes, reads the line
+    file again to judge it (see _line._judged)."""
 
     def trial(interrupter: Interrupter) -> str | None:
         place = tmp_path / f"lines-{interrupter.number}"
@@ -364,13 +366,47 @@ def test_an_interrupt_anywhere_in_a_file_backends_taking_leaves_no_ticket(
             ).start()
             grants: list[Any] = []  # (where the grant goes as it is made: see acquire_sync)
             try:
-                interrupter.run(lambda: backend.acquire_sync("k", PATIENCE, grants))
+                interrupter.run(
+                    (lambda: backend.acquire_latest_sync("k", PATIENCE, lambda: 1, grants))
+                    if latest
+                    else (lambda: backend.acquire_sync("k", PATIENCE, grants))
+                )
             except KeyboardInterrupt:
                 pass
             finally:  # (the caller's clean-up: a grant it got, it gives back)
                 for grant in grants:
                     backend.release_sync(grant)
         interrupter.waiting.set()
+        try:
+            next_grant = other.acquire_sync("k", FREE_WITHIN)
+        except TimeoutError:
+            return "the key stayed held"
+        other.release_sync(next_grant)
+        leaked = open_files() - before
+        return f"{len(leaked)} file(s) left open" if leaked else None
+
+    each_interrupt(trial, kind)
+
+
+@pytest.mark.parametrize("kind", [Interrupter, CheckInterrupter], ids=["calls", "checks"])
+def test_an_interrupt_anywhere_in_a_file_backends_release_leaves_no_file_open(
+    tmp_path: Path, kind: type[Interrupter]
+) -> None:
+    """FileBackend.release_sync interrupted anywhere (its hand-off, its tidy of the line
+    file), then released again as its caller's clean-up (a grant released already is
+    released as a no-op): the key is free, and no file of the turn stays open (a line file
+    left open, shared-locked, would keep every later tidy from deleting it)."""
+
+    def trial(interrupter: Interrupter) -> str | None:
+        place = tmp_path / f"lines-{interrupter.number}"
+        backend, other = FileBackend(place), FileBackend(place)
+        backend.line("k"), other.line("k")  # (each opens the directory at its first use)
+        before = open_files()
+        grant = backend.acquire_sync("k", PATIENCE)
+        try:
+            interrupter.run(lambda: backend.release_sync(grant))
+        except KeyboardInterrupt:
+            backend.release_sync(grant)
         try:
             next_grant = other.acquire_sync("k", FREE_WITHIN)
         except TimeoutError:

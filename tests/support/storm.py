@@ -606,7 +606,7 @@ class Interrupts:
         """Throw while the block runs; stop (and disarm every thread) when it ends."""
         self._thread.start()
         try:
-            with losing_thrown() as self.lost:
+            with losing_thrown() as self.lost, self._starting_unarmed():
                 yield self
         finally:
             self._stop.set()
@@ -616,6 +616,39 @@ class Interrupts:
                     _set_async_exc(thread, ctypes.py_object())
                 self.armed.clear()
             _land_one()
+
+    @contextmanager
+    def _starting_unarmed(self) -> Iterator[None]:
+        """Disarm a thread while it starts another (``Thread.start``), on CPython before 3.12.
+
+        There, the new thread's state carries the id of the thread that starts it until
+        it runs: an exception thrown at the starter meanwhile goes to the new thread,
+        which dies before it starts, and ``Thread.start`` waits for it for ever (a storm
+        saw a caller hang so, starting a file backend's tidy as its turn gave up). A
+        signal's exception never goes there (it is raised in the main thread): this is
+        ``PyThreadState_SetAsyncExc``'s alone, and 3.12 mends it.
+        """
+        if sys.version_info >= (3, 12):
+            yield
+            return
+        start = threading.Thread.start
+
+        def unarmed(thread: threading.Thread) -> None:
+            me = threading.get_ident()
+            with self.guard:
+                call = self.armed.pop(me, None)
+            try:
+                start(thread)
+            finally:
+                if call is not None:  # (not thrown meanwhile: armed again, as it was)
+                    with self.guard:
+                        self.armed[me] = call
+
+        threading.Thread.start = unarmed  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            threading.Thread.start = start  # type: ignore[method-assign]
 
 
 class _Landed(Exception):

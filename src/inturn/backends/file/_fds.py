@@ -47,36 +47,40 @@ def forks() -> int:
 
 
 #: The serial number of an open to come (see open_tracked), known to its caller first:
-#: a clean-up that never got the open's descriptor finds its file by it (close_opened).
+#: a clean-up finds the file by it, also one whose descriptor it never got (close_tracked).
 new_serial: Callable[[], int] = _serials.__next__
 
 
-def open_tracked(name: str, flags: int, directory: int, mode: int = 0o600, serial: int = 0) -> int:
-    """Open name in directory and list it in _OPEN (under serial: a new one if 0).
+def open_tracked(name: str, flags: int, directory: int, serial: int, mode: int = 0o600) -> int:
+    """Open name in directory and list it in _OPEN under serial (see new_serial).
 
     One step for fork() (under _OPENING), and for an exception from a
     signal handler or thrown into the thread: raised anywhere in this call,
     it finds the file not open, or open and listed under serial (see
-    close_opened), or, raised as the open returned, closes it on its way
+    close_tracked), or, raised as the open returned, closes it on its way
     out (see _open_listed).
     """
     with _OPENING:
         return _open_listed(name, flags, directory, mode, serial)
 
 
-def close_tracked(fd: int, serial: int = 0) -> None:
-    """Close fd, a file that open_tracked opened, and take it out of _OPEN, as one step.
+def close_tracked(fd: int, serial: int) -> None:
+    """Close the file that the open with serial opened, and take it out of _OPEN, as one
+    step; if it is closed already, do nothing.
 
-    With ``serial`` (its open's: see new_serial), only if it is still open from
-    that open: a clean-up after an exception that a signal handler raised
-    just as fd was closed leaves it, and another file that the number may
-    name since, alone. The unlisting and the close are one step (see
-    _close_listed): no such exception lands between them.
+    fd is its descriptor, or -1 where its caller may not have it (an exception
+    landed as open_tracked returned it): it is then found by serial.
+    Idempotent, for surely: called again after an exception cut it short
+    (at its very start, say), it completes the close; called again after the
+    close, it leaves alone the other file that the number may name since.
+    The unlisting and the close are one step (see _close_listed): no such
+    exception lands between them.
     """
     with _OPENING:
-        if serial and _OPEN.get(fd) != serial:
-            return
-        _close_listed(fd)
+        if fd < 0:  # (rare: see above)
+            fd = next((each for each, listed in _OPEN.items() if listed == serial), -1)
+        if _OPEN.get(fd) == serial:
+            _close_listed(fd)
 
 
 def is_open(fd: int, serial: int) -> bool:
@@ -84,22 +88,8 @@ def is_open(fd: int, serial: int) -> bool:
     return _OPEN.get(fd) == serial
 
 
-def close_opened(serial: int) -> None:
-    """Close the file that the open with serial opened, if it is open still (see new_serial).
-
-    For a clean-up that may not have its descriptor: an exception landed
-    as open_tracked returned it.
-    """
-    with _OPENING:
-        for fd, listed in _OPEN.items():
-            if listed == serial:
-                _close_listed(fd)
-                return
-
-
 def _open_listed(name: str, flags: int, directory: int, mode: int, serial: int) -> int:
     """open_tracked's open and listing (see there). Under _OPENING."""
-    serial = serial or next(_serials)
     # NOTE: CPython may run a signal handler right as os.open returns, before the store:
     # its exception then finds the file open and not listed, and it is found and closed
     # (_close_unlisted). An OSError is the open's own: it opened nothing. (Calling the
@@ -182,8 +172,9 @@ if hasattr(os, "register_at_fork"):
     )
 
 
-def line_in_place_of(fd: int, where: Directory, digest: str) -> int:
-    """Close ticket fd and open digest's line file in its descriptor; -1 if it cannot be.
+def line_in_place_of(fd: int, where: Directory, digest: str, serial: int) -> int:
+    """Close ticket fd and open digest's line file in its descriptor (under serial, see
+    new_serial); -1 if it cannot be.
 
     One step for this process's other turns (see _OPENING): none of them
     can take the descriptor in between, so a turn that leaves with no other
@@ -192,6 +183,6 @@ def line_in_place_of(fd: int, where: Directory, digest: str) -> int:
     with _OPENING:
         _close_listed(fd)
         try:
-            return _open_listed(line_name(digest), OPEN_TIDY, where.fd, 0o600, 0)
+            return _open_listed(line_name(digest), OPEN_TIDY, where.fd, 0o600, serial)
         except OSError:  # gone (or taken by a thread outside inturn): see tidy_again
             return -1

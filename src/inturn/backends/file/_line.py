@@ -32,7 +32,6 @@ from ._deaths import died
 from ._directory import Directory
 from ._fds import (
     OPEN_TIDY,
-    close_opened,
     close_tracked,
     is_open,
     line_in_place_of,
@@ -289,45 +288,47 @@ def taking(
             ticket = new_ticket()
             post = Post(ticket, me, fresh=True)
             records = yield from _join(home, key, name, digest, ticket, post, places)
-            _give_up(place, key)
+            _give_up([place], key)
         if time.monotonic() - begun > _LATE:
             os.utime(place.fd)  # the ticket's time is when its turn began: for inspect
         made = [] if into is None else into
         made.extend(map(grant, (key,), (token,), (place,)))  # NOTE: one step (see into)
         taken: G = made[-1]
     except BaseException:
-        for place in places:  # (a grant in into is left already when its caller releases it)
-            _give_up(place, key)
+        _give_up(places, key)  # (a grant in into is left already when its caller releases it)
         raise
     return taken
 
 
-def _give_up(place: Place, key: Hashable) -> None:
-    """Leave the line place joined: with no writer, the tickets behind skip its ticket.
+def _give_up(places: list[Place], key: Hashable) -> None:
+    """Leave the lines places joined: with no writer, the tickets behind skip their tickets.
 
-    The place is left then (its fd -1): a grant of it that went to its caller
-    nevertheless (see taking's into) is released as a no-op (see leave). Its
+    Each place is left then (its fd -1): a grant of it that went to its caller
+    nevertheless (see taking's into) is released as a no-op (see leave). The
     leaving completes however often an exception is thrown into the thread
-    meanwhile (see _leave_place); the tidy after it is best effort.
+    meanwhile (see _leave); the tidy after it is best effort.
     """
-    if place.fd < 0:
+    staying = [place for place in places if place.fd >= 0]
+    if not staying:
         return
-    surely(_leave_place, place)
-    where, digest, ticket = place.where, place.digest, place.ticket
-    if tidy_again(where, digest, ticket, key, held=False):
-        retry_soon(where, digest, ticket, key)  # (a tidier that saw it in line holds the lock)
+    surely(_leave, staying)
+    for place in staying:
+        where, digest, ticket = place.where, place.digest, place.ticket
+        if tidy_again(where, digest, ticket, key, held=False):
+            retry_soon(where, digest, ticket, key)  # (a tidier that saw it in line holds it)
 
 
-def _leave_place(place: Place) -> None:
-    """Close place's ticket, said to be leaving (see _quit), and remove its FIFO; then mark
-    the place left. Idempotent (its ticket is closed by its open's serial), for surely: a
-    writer left open would hold up the line behind it for as long as the process lives."""
-    fd = place.fd
-    if fd >= 0 and is_open(fd, place.serial):
-        _quit(fd)  # (twice, if an exception came between: it reads the same)
-        close_tracked(fd, place.serial)
-    unlink(place.where.fd, pipe_name(place.digest, place.ticket))
-    place.fd = -1
+def _leave(places: list[Place]) -> None:
+    """Close each place's ticket, said to be leaving (see _quit), and remove its FIFO; then
+    mark the place left. Idempotent (a ticket is closed by its open's serial), for surely:
+    a writer left open would hold up the line behind it for as long as the process lives."""
+    for place in places:
+        fd = place.fd
+        if fd >= 0 and is_open(fd, place.serial):
+            _quit(fd)  # (twice, if an exception came between: it reads the same)
+            close_tracked(fd, place.serial)
+        unlink(place.where.fd, pipe_name(place.digest, place.ticket))
+        place.fd = -1
 
 
 def _join(
@@ -358,21 +359,20 @@ def _join(
         # also one whose descriptor it never got; once closed, never closed again.
         serial, ticket_serial = new_serial(), new_serial()
         line_fd = fd = -1
-        made = marked = False
+        marked = False
         try:
             line_fd = _open_line(where, line, serial)
             if not flock_soon(line_fd, fcntl.LOCK_SH):
                 yield _Locked(line_fd, fcntl.LOCK_SH)
             info = os.fstat(line_fd)
             if info.st_nlink == 0:  # deleted by its last user meanwhile: open it again
-                close_tracked(line_fd)
+                close_tracked(line_fd, serial)
                 continue
             _check_regular(where, line, info)
             # The mark first, then the FIFO: a crash between leaves a mark, not a stray FIFO.
             os.write(line_fd, joining(ticket, name if info.st_size == 0 else None))
             marked = True
             os.mkfifo(pipe, 0o600, dir_fd=where.fd)
-            made = True
             fd = open_tracked(pipe, _OPEN_TICKET, where.fd, serial=ticket_serial)
             os.write(line_fd, joined(ticket, post))  # one append: atomic
             records = read_records(line_fd)
@@ -382,24 +382,46 @@ def _join(
         except BaseException as error:
             if places and places[-1].ticket == ticket:  # (its files go below: left already)
                 places[-1].fd = -1
-            close_opened(ticket_serial)
-            if made:
-                unlink(where.fd, pipe)
-            if marked:  # (no descriptor left for its FIFO, say)
-                withdraw(where, digest, ticket, line_fd, key)
-            else:
-                close_opened(serial)
+            opened = (line_fd, serial, fd, ticket_serial)
+            surely(_unjoin, where, digest, ticket, key, opened, marked)
             if isinstance(error, FileNotFoundError) and (line_fd < 0 or where.gone()):
                 where = home.again(where, key)  # the directory was removed
                 continue
             raise
         try:  # (opened again to tidy: a turn keeps one descriptor, its ticket)
-            close_tracked(line_fd)
+            close_tracked(line_fd, serial)
         except BaseException:  # interrupted: in line, it leaves as any turn that gives up
-            close_tracked(line_fd, serial)  # (unless it was closed just before)
-            _give_up(places[-1], key)
+            surely(close_tracked, line_fd, serial)  # (a no-op if it was closed just before)
+            _give_up(places[-1:], key)
             raise
         return records
+
+
+def _unjoin(
+    where: Directory,
+    digest: str,
+    ticket: str,
+    key: Hashable,
+    opened: tuple[int, int, int, int],
+    marked: bool,
+) -> None:
+    """Undo a join that failed (or was interrupted): close its ticket, remove its FIFO (if
+    it made one), and withdraw its mark (if it wrote one), closing its line file.
+    Idempotent (files closed by their opens' serials), for surely: a descriptor left open
+    would hold the line file's lock, or the ticket's writer, for as long as the process lives.
+
+    opened: its line file's descriptor and its open's serial, then its ticket's (a
+    descriptor -1 where the join never got it: see _fds.close_tracked).
+    """
+    line_fd, serial, fd, ticket_serial = opened
+    close_tracked(fd, ticket_serial)
+    unlink(where.fd, pipe_name(digest, ticket))  # (a FIFO it never made is not there)
+    if marked and line_fd >= 0 and is_open(line_fd, serial):
+        withdraw(
+            where, digest, ticket, line_fd, key, serial
+        )  # (no descriptor left for its FIFO, say)
+    else:
+        close_tracked(line_fd, serial)
 
 
 def _judged(
@@ -407,16 +429,16 @@ def _judged(
 ) -> Generator[_Locked | _Left, bytes, Ran | bool]:
     """Judge ticket's turn of latest work, come (see _latest.judge): its line file read under
     the shared lock (a compaction may be rewriting it), its posts' tickets looked at after."""
-    fd = open_tracked(line_name(digest), OPEN_TIDY, where.fd)
+    serial, fd = new_serial(), -1
     try:
+        fd = open_tracked(line_name(digest), OPEN_TIDY, where.fd, serial)
         if not flock_soon(fd, fcntl.LOCK_SH):
             yield _Locked(fd, fcntl.LOCK_SH)
-        try:
-            records = read_records(fd)
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        close_tracked(fd)
+        records = read_records(fd)
+        close_tracked(fd, serial)  # (the lock goes with it)
+    except BaseException:
+        surely(close_tracked, fd, serial)  # whatever lands (fd -1: found by its serial)
+        raise
     directory = where.fd
     return judge(
         records, ticket, me, again, lambda other: alive(directory, pipe_name(digest, other))
@@ -471,56 +493,57 @@ def leave(place: Place, key: Hashable, token: int) -> tuple[Directory, str, str,
     Returns where, digest, ticket and key of a line whose tidy must be
     tried again shortly (see _tidy.retry), else None (also for a place
     left already). place.lost tells whether its files were gone meanwhile.
+    Its ticket and its line file are closed whatever lands meanwhile (by
+    their opens' serials): left open, the one would hold up the line, the
+    other every tidy of it, for as long as the process lives.
     """
-    fd, place.fd = place.fd, -1
-    if fd < 0:
-        return None
-    where, digest, ticket = place.where, place.digest, place.ticket
-    line_fd = -1
+    serial, line_fd = new_serial(), -1  # its line file's open, to come (see _fds)
+    fd, place.fd = place.fd, -1  # NOTE: the try at once (no point where an exception lands)
     try:
+        if fd < 0:
+            return None
+        where, digest, ticket = place.where, place.digest, place.ticket
         # Before the hand-off: once it is written, the next holder may tidy both away.
-        line_fd, records = _own_line(where, digest, ticket, place.line)
+        line_fd, records = _own_line(where, digest, ticket, place.line, serial)
         replaced = records is None
         place.lost = replaced or unlinked(fd)
         if place.ran is not None and not replaced:  # (latest work: before anyone may hold)
             _record_ran(line_fd, place.ran, key, where)
         os.write(fd, hand_off(token))  # whoever waits on this ticket goes on
-    except BaseException:
-        if line_fd >= 0:
-            close_tracked(line_fd)
-        close_tracked(fd)
+        if line_fd < 0 and not replaced:  # no descriptor was left for it: the ticket's is
+            line_fd = line_in_place_of(fd, where, digest, serial)
+        else:
+            close_tracked(fd, place.serial)
         unlink(where.fd, pipe_name(digest, ticket))
+        if place.lost:
+            logger.warning(
+                "inturn: the files of the turn on key %s in %s were deleted while it held "
+                "(by another process of this user, or a cleaner of the directory): another "
+                "process may have held the key meanwhile; the turn ends with LeaseLost",
+                describe(key),
+                where.path,
+            )
+        # Whether anyone queued behind this turn, as its line file was read (see _own_line).
+        behind = bool(records and records[-1] != record_of(ticket))
+        if behind:
+            # Someone queued behind this turn, and was most likely just
+            # handed the key: let it have this CPU first. Its work holds
+            # up the whole line; this process's tidy and next turn do
+            # not. (A no-op on an idle CPU; on a busy one, 8 processes
+            # on 2 cores, it is worth 10% of a line's turns per second.)
+            os.sched_yield()
+        if replaced:  # not the file it queued in: left to whoever is in it
+            if line_fd >= 0:
+                close_tracked(line_fd, serial)
+            return None
+        alone = records is not None and alone_in(records, ticket)
+        busy = tidy_again(where, digest, ticket, key, line_fd=line_fd, serial=serial, alone=alone)
+    except BaseException:
+        surely(close_tracked, fd, place.serial)  # (each a no-op if it was closed already)
+        surely(close_tracked, line_fd, serial)  # (fd -1: found by its serial)
+        unlink(place.where.fd, pipe_name(place.digest, place.ticket))
         raise
-    if line_fd < 0 and not replaced:  # no descriptor was left for it: the ticket's is
-        line_fd = line_in_place_of(fd, where, digest)
-    else:
-        close_tracked(fd)
-    unlink(where.fd, pipe_name(digest, ticket))
-    if place.lost:
-        logger.warning(
-            "inturn: the files of the turn on key %s in %s were deleted while it held "
-            "(by another process of this user, or a cleaner of the directory): another "
-            "process may have held the key meanwhile; the turn ends with LeaseLost",
-            describe(key),
-            where.path,
-        )
-    # Whether anyone queued behind this turn, as its line file was read (see _own_line).
-    behind = bool(records and records[-1] != record_of(ticket))
-    if behind:
-        # Someone queued behind this turn, and was most likely just
-        # handed the key: let it have this CPU first. Its work holds
-        # up the whole line; this process's tidy and next turn do
-        # not. (A no-op on an idle CPU; on a busy one, 8 processes
-        # on 2 cores, it is worth 10% of a line's turns per second.)
-        os.sched_yield()
-    if replaced:  # not the file it queued in: left to whoever is in it
-        if line_fd >= 0:
-            close_tracked(line_fd)
-        return None
-    alone = records is not None and alone_in(records, ticket)
-    if tidy_again(where, digest, ticket, key, line_fd=line_fd, alone=alone):
-        return where, digest, ticket, key
-    return None
+    return (where, digest, ticket, key) if busy else None
 
 
 def _record_ran(fd: int, ran: Ran, key: Hashable, where: Directory) -> None:
@@ -556,16 +579,22 @@ def deleted(place: Place) -> bool:
     """Whether the ticket or the line file of place, still in line, was deleted or replaced."""
     if unlinked(place.fd):
         return True
-    fd, records = _own_line(place.where, place.digest, place.ticket, place.line)
-    if fd >= 0:
-        close_tracked(fd)
+    serial, fd = new_serial(), -1
+    try:
+        fd, records = _own_line(place.where, place.digest, place.ticket, place.line, serial)
+        if fd >= 0:
+            close_tracked(fd, serial)
+    except BaseException:
+        surely(close_tracked, fd, serial)  # whatever lands (fd -1: found by its serial)
+        raise
     return records is None
 
 
 def _own_line(
-    where: Directory, digest: str, ticket: str, line: _Identity
+    where: Directory, digest: str, ticket: str, line: _Identity, serial: int
 ) -> tuple[int, list[str] | None]:
-    """Open digest's line file, which ticket is in: (fd, its records), records None if replaced.
+    """Open digest's line file, which ticket is in, under serial (see _fds.new_serial): (fd,
+    its records), records None if replaced.
 
     Replaced: the file at its name is not the one ticket queued in (the
     identity line), or does not list ticket (a file made anew may get the
@@ -574,7 +603,7 @@ def _own_line(
     only its identity is compared, by its name, and its records are []).
     """
     try:
-        fd = open_tracked(line_name(digest), OPEN_TIDY, where.fd)
+        fd = open_tracked(line_name(digest), OPEN_TIDY, where.fd, serial)
     except FileNotFoundError:
         return -1, None
     except OSError:
@@ -587,7 +616,7 @@ def _own_line(
         info = os.fstat(fd)
         return fd, None if (info.st_dev, info.st_ino) != line else _listing(fd, ticket)
     except BaseException:
-        close_tracked(fd)
+        close_tracked(fd, serial)
         raise
 
 

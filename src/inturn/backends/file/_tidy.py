@@ -28,9 +28,10 @@ import time
 from collections.abc import Hashable
 
 from ..._describe import describe
+from ..._surely import surely
 from ._deaths import died_joining
 from ._directory import Directory
-from ._fds import OPEN_TIDY, close_tracked, open_tracked
+from ._fds import OPEN_TIDY, close_tracked, is_open, new_serial, open_tracked
 from ._linefile import (
     Post,
     Ran,
@@ -161,11 +162,14 @@ def _untidy(key: Hashable, where: Directory, error: Exception) -> None:
     )
 
 
-def _tidy(where: Directory, digest: str, own: str, fd: int, held: bool, alone: bool) -> bool:
+def _tidy(
+    where: Directory, digest: str, own: str, fd: int, serial: int, held: bool, alone: bool
+) -> bool:
     """Drop the tickets that left from the line file, or delete it if nobody is in line.
 
     Done when no ticket behind own is in line any more, or the file grew
-    long. fd is the line file as own queued in it; it is closed here.
+    long. fd is the line file as own queued in it (serial: its open's); it
+    is closed here (and again by tidy_again, if an exception cuts that short).
     held: own held the key, so every ticket listed before it had left by
     then (and what left stays gone). Never waits: if another process
     holds the line file's lock, it is queueing (and will tidy after its
@@ -215,25 +219,28 @@ def _tidy(where: Directory, digest: str, own: str, fd: int, held: bool, alone: b
         if not unlinked(fd):
             _compact(where, digest, fd, own, gone, held)
     finally:
-        close_tracked(fd)
+        close_tracked(fd, serial)
     return False
 
 
-def withdraw(where: Directory, digest: str, own: str, fd: int, key: Hashable) -> None:
+def withdraw(where: Directory, digest: str, own: str, fd: int, key: Hashable, serial: int) -> None:
     """Take the mark of own, whose join failed, out of line file fd (shared-locked); close fd.
 
     Needs no other descriptor (none may be left): it probes no ticket.
     If another process holds the lock, it is joining (and tidies after
     its turn) or tidying, and the mark reads as "died here" to the next
-    tidy under the exclusive lock.
+    tidy under the exclusive lock. Idempotent: fd is the file its open with
+    serial opened, closed once (for surely).
     """
+    if not is_open(fd, serial):
+        return
     try:
         if flock_now(fd, fcntl.LOCK_EX) and not unlinked(fd):
             _compact(where, digest, fd, own, {own}, held=False)
     except OSError as error:
         _untidy(key, where, error)
     finally:
-        close_tracked(fd)
+        close_tracked(fd, serial)
 
 
 def retry(
@@ -343,22 +350,27 @@ def tidy_again(
     key: Hashable,
     held: bool = True,
     line_fd: int = -1,
+    serial: int = 0,
     alone: bool = False,
 ) -> bool:
     """Tidy digest's (key's) line file after own left it; whether it was busy (see _tidy).
 
-    Opened again, unless line_fd is it. Best effort: an error is logged
-    (see _untidy), and the key's next turn tidies. alone: see _tidy.
+    Opened again, unless line_fd is it (serial: its open's). It is closed
+    here, whatever lands meanwhile: left open, its lock would hold up every
+    tidy of the line for as long as the process lives. Best effort: an error
+    is logged (see _untidy), and the key's next turn tidies. alone: see _tidy.
     """
+    if line_fd < 0:
+        serial = new_serial()
     try:
-        fd = line_fd if line_fd >= 0 else open_tracked(line_name(digest), OPEN_TIDY, where.fd)
+        if line_fd < 0:
+            line_fd = open_tracked(line_name(digest), OPEN_TIDY, where.fd, serial)
+        return _tidy(where, digest, own, line_fd, serial, held, alone)
     except FileNotFoundError:  # deleted: nothing is left
         return False
     except OSError as error:  # (no descriptor left, say)
         _untidy(key, where, error)
         return False
-    try:
-        return _tidy(where, digest, own, fd, held, alone)
-    except OSError as error:
-        _untidy(key, where, error)
-        return False
+    except BaseException:  # (_tidy closes it; if it was cut short, it is closed here)
+        surely(close_tracked, line_fd, serial)  # whatever lands (fd -1: found by its serial)
+        raise
