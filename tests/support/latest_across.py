@@ -92,10 +92,12 @@ def _shared(place: Path | Shared) -> Shared:
 
 
 class Holder:
-    """A queue (a process of its own) that holds key k until released."""
+    """A queue (a process of its own) whose plain turn holds key k until released: on a
+    place, or a backend of its own."""
 
-    def __init__(self, place: Path | Shared) -> None:
-        self.queue = KeyedQueue(backend=_shared(place).backend())
+    def __init__(self, place: Path | Shared | Backend) -> None:
+        backend = place if isinstance(place, Backend) else _shared(place).backend()
+        self.queue = KeyedQueue(backend=backend)
         self.held = asyncio.Event()
         self.gate = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
@@ -106,12 +108,12 @@ class Holder:
             await self.gate.wait()
 
         self.task = asyncio.create_task(self.queue.run("k", holding))
-        await self.held.wait()
+        await asyncio.wait_for(self.held.wait(), PATIENCE)
 
     async def release(self) -> None:
         self.gate.set()
         assert self.task is not None
-        await self.task
+        await asyncio.wait_for(self.task, PATIENCE)
 
 
 def latest(place: Path | Shared, **settings: Any) -> KeyedQueue:
@@ -146,10 +148,18 @@ async def key_free(place: Path | Shared) -> bool:
 
 
 class Runs(list[str]):
-    """Records the works that ran."""
+    """Records the works that ran: work(name) is an async work that records itself, sync(name)
+    a plain one."""
 
     def work(self, name: str) -> Callable[[], Any]:
         async def run() -> str:
+            self.append(name)
+            return name
+
+        return run
+
+    def sync(self, name: str) -> Callable[[], Any]:
+        def run() -> str:
             self.append(name)
             return name
 

@@ -8,7 +8,6 @@ The Redis twin of latest_across.py's helpers (the file backend's).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -19,6 +18,7 @@ from inturn.backends.redis import RedisBackend
 from inturn.backends.redis._scripts import Line
 
 from .helpers import PATIENCE
+from .latest_across import Holder
 from .redis_checks import cluster_keys_left, keys_left
 
 
@@ -62,40 +62,8 @@ class Seen:
         """The process ids of the line's members, holder first."""
         return [int(info.split(" @")[0].rsplit(" ", 2)[1]) for info in self.members()]
 
-    def ran(self) -> str | None:
-        """What the line records as run last (see backends/redis/_scripts), if anything."""
-        found = self.redis.hget(self.line, "ran")
-        return None if found is None else found.decode()
-
-    def empty(self) -> bool:
-        """Whether the line is gone: nobody holds the key or waits."""
-        return not self.redis.exists(self.line, self.q)
-
     def close(self) -> None:
         self.redis.close()
-
-
-class Holder:
-    """A queue (a process of its own) whose plain turn holds key k until released."""
-
-    def __init__(self, backend: RedisBackend) -> None:
-        self.queue = KeyedQueue(backend=backend)
-        self.held = asyncio.Event()
-        self.gate = asyncio.Event()
-        self.task: asyncio.Task[Any] | None = None
-
-    async def hold(self) -> None:
-        async def holding() -> None:
-            self.held.set()
-            await self.gate.wait()
-
-        self.task = asyncio.create_task(self.queue.run("k", holding))
-        await asyncio.wait_for(self.held.wait(), PATIENCE)
-
-    async def release(self) -> Any:
-        self.gate.set()
-        assert self.task is not None
-        return await asyncio.wait_for(self.task, PATIENCE)
 
 
 class Processes:
@@ -108,18 +76,20 @@ class Processes:
         self.lease = lease
         self.cluster = cluster  # url is a Redis Cluster's node: each backend a RedisCluster's
         self.made: list[KeyedQueue] = []
+        self.backends: list[RedisBackend] = []  # every one made here
         self.seen = Seen(url, namespace, cluster=cluster)
 
     def backend(self, **options: Any) -> RedisBackend:
+        """A backend of a process of its own (closed by close())."""
         if self.cluster:
             client = RedisCluster.from_url(self.url, **options)
-            return RedisBackend(client, namespace=self.namespace, lease=self.lease, owns_client=True)
-        return RedisBackend.from_url(
-            options.pop("url", self.url),
-            namespace=self.namespace,
-            lease=options.pop("lease", self.lease),
-            **options,
-        )
+            made = RedisBackend(
+                client, namespace=self.namespace, lease=self.lease, owns_client=True
+            )
+        else:
+            made = RedisBackend.from_url(self.url, namespace=self.namespace, lease=self.lease)
+        self.backends.append(made)
+        return made
 
     def latest(self, **settings: Any) -> KeyedQueue:
         """A queue whose latest work is the key's among every queue made here."""
@@ -157,34 +127,13 @@ class Processes:
             if loop.time() > deadline:
                 return False
             await asyncio.sleep(0.01)
-        looking = self.backend()
-        try:
-            return await looking.lines() == []
-        finally:
-            await looking.aclose()
+        return await self.backend().lines() == []
 
     async def close(self) -> None:
         """Close every queue made here, and its backend (what still waits gets
         BackendUnavailable: a test that failed half way)."""
         for queue in self.made:
             queue.close()
-            await asyncio.wait_for(queue.backend.aclose(), PATIENCE)  # type: ignore[attr-defined]
+        for backend in self.backends:
+            await asyncio.wait_for(backend.aclose(), PATIENCE)
         self.seen.close()
-
-
-class Runs(list[str]):
-    """Records the works that ran; work(name) is an async work that records itself."""
-
-    def work(self, name: str) -> Callable[[], Any]:
-        async def run() -> str:
-            self.append(name)
-            return name
-
-        return run
-
-    def sync(self, name: str) -> Callable[[], Any]:
-        def run() -> str:
-            self.append(name)
-            return name
-
-        return run
