@@ -423,3 +423,34 @@ async def test_lines_shows_when_the_latest_work_of_each_member_was_called(
     await holder.release()
     assert await asyncio.gather(*calls) == ["latest", "plain"]
     shared.close()
+
+
+async def test_latest_work_on_a_free_key_takes_it_in_one_round_trip_on_redis(
+    redis_url: str, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Latest work that starts its key's line anew has nothing to judge (nothing ran in the
+    line, nobody waits behind it): its turn costs the enqueue's round trip, as a plain
+    turn's does; a turn whose line was there judges."""
+    from inturn.backends.redis._calls import Calls
+
+    judged: list[str] = []
+    real = Calls.judge
+
+    def counted(self: Calls, member: Any, member_id: str) -> Any:
+        judged.append(member_id)
+        return real(self, member, member_id)
+
+    monkeypatch.setattr(Calls, "judge", counted)
+    shared = Shared(Path(), redis_url, namespace)
+    queue = latest(shared)
+    assert await queue.run("k", Runs().work("alone")) == "alone"
+    assert judged == []
+    holder = Holder(shared)
+    await holder.hold()
+    waits = asyncio.create_task(queue.run("k", Runs().work("behind")))
+    await settle(lambda: shared.posts() == 1)
+    await holder.release()
+    assert await waits == "behind"
+    assert len(judged) == 1
+    assert shared.empty()
+    shared.close()

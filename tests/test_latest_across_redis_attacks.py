@@ -481,19 +481,19 @@ async def test_a_timeout_bounds_a_turn_whose_judging_redis_does_not_answer(
         trip(monkeypatch, stage if driver == "task" else f"{stage}_rest", hold_replies)
         ran = Runs()
         outcomes: dict[str, Any] = {}
+        await holder.hold()  # (a turn that starts its line anew has nothing to judge)
         if stage == "again":
-            await holder.hold()
             newer = made.latest()
         if driver == "task":
             call: Any = asyncio.create_task(latest.run("k", ran.work("older")))
         else:
             call = in_thread("older", lambda: latest.run_sync("k", ran.sync("older")), outcomes)
         began = time.monotonic()
+        await settle(lambda: made.seen.posts() == 1)
         if stage == "again":
-            await settle(lambda: made.seen.posts() == 1)
             later = asyncio.create_task(newer.run("k", ran.work("newer")))
             await settle(lambda: made.seen.posts() == 2)
-            holder.gate.set()
+        holder.gate.set()
         await asyncio.wait_for(held.wait(), PATIENCE)
         assert time.monotonic() - began < timeout, "too slow a machine to reach the stage in time"
         if driver == "task":
@@ -512,8 +512,8 @@ async def test_a_timeout_bounds_a_turn_whose_judging_redis_does_not_answer(
         assert isinstance(outcome, TimeoutError), outcome
         assert took < timeout + lease / 10 + SLACK
         assert "older" not in ran
+        await holder.release()
         if stage == "again":
-            await holder.release()
             assert await asyncio.wait_for(later, PATIENCE) == "newer"
     finally:
         proxy.thaw()

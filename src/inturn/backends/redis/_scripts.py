@@ -106,7 +106,9 @@ end
 # first: see _LEAVE). One integer, not a pair: it is every turn's reply, and a
 # reader parses one element instead of three (redis-py's parser, on the public
 # wire and a thread's connection, pays for each). A token is Redis's clock in
-# microseconds, exact as a Lua number (a double) for ages yet.
+# microseconds, exact as a Lua number (a double) for ages yet. Latest work that
+# starts a line anew gets its token alone in a list: nothing ran in the line,
+# nobody waits behind it, so it need not judge.
 _ENQUEUE = (
     _PRELUDE
     + """
@@ -124,6 +126,7 @@ if redis.call('EXISTS', line, q) == 0 then
   redis.call('ZADD', lease, now + lease_ms, member)
   redis.call('HSET', info, member, about)
   finish(ttl)
+  if ARGV[7] ~= '' then return {tonumber(token)} end  -- latest work: nothing to judge
   return tonumber(token)
 end
 purge()
