@@ -204,8 +204,10 @@ def taking(
         answer = yield (ENQUEUE, member, member_id, late)
         if answer is None or answer is UNCONNECTED:
             raise _unanswered(key, timeout, share.config, answer is UNCONNECTED)  # noqa: TRY301 - given up below, as any failure
-        token = enqueued(member, lease, *answer)
-        if newest is not None and type(answer[1]) is not list:  # (a list: nothing to judge)
+        sent, reply = answer
+        alone = type(reply) is list  # (latest work that started its line anew: nothing to judge)
+        token = enqueued(member, lease, sent, reply[0] if alone else reply)
+        if newest is not None and not alone:
             token = yield from _latest(
                 member, member_id, token, deadline, timeout, newest, waiting, lease
             )
@@ -349,8 +351,6 @@ def enqueued(member: Member, lease: float, sent: float, reply: Any) -> int | Non
     free, else None (it waits for its grant; see _scripts._ENQUEUE)."""
     member.joined = True
     member.expires = sent + lease
-    if type(reply) is list:  # (latest work that started its line anew)
-        reply = reply[0]
     return reply if reply > 0 else None
 
 
