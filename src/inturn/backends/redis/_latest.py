@@ -7,93 +7,19 @@ its ``ran`` field. A member's post counts while it is in line: its lease
 holds (every script drops the expired ones first), so a process that died,
 or froze past its lease, no longer counts.
 
-Times. Calls are made on many hosts, and each host's clocks are its own. A
-call's time is kept twice: on its host's monotonic clock, with the host's
-*clock id* (its boot id), and on Redis's clock (the script that stores it
-converts its age when it was sent). Two calls of one host (same clock id)
-compare by the host's clock, exactly; two of different hosts by Redis's,
-which is right to within the time a call takes to reach Redis (its one-way
-latency: a fraction of a millisecond on a LAN). So on one host "newest" is
-exact; across hosts, calls made closer together than that may be taken in
-either order.
+Times: see ``backends/_stamps.py`` (Redis is the server whose clock compares
+calls of different hosts).
 """
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections.abc import Sequence
-from typing import Any, Final, NamedTuple, final
+from typing import Any
 
 from ..._describe import describe as show
 from ..._errors import BackendUnavailable
-
-
-def _clock_id() -> str:
-    """This host's clock id: its boot id (one monotonic clock per boot), or, where the
-    system does not say it, one of this process's own (its calls then compare with other
-    processes' by Redis's clock)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as file:
-            boot = file.read().strip().replace("-", "")
-    except OSError:
-        boot = ""
-    return boot[:16] if len(boot) >= 16 and boot.isalnum() else "p" + secrets.token_hex(8)
-
-
-#: This host's clock id (see the module).
-CLOCK: Final = _clock_id()
-
-
-@final
-class Stamp:
-    """When a call was made: its host's clock id and monotonic ns, and Redis's µs.
-
-    One call is newer than another by its host's clock if both were made
-    on one host, else by Redis's (see the module).
-    """
-
-    __slots__ = ("clock", "mono", "redis")
-
-    def __init__(self, clock: str, mono: int, redis: int) -> None:
-        self.clock = clock
-        self.mono = mono
-        self.redis = redis
-
-    def __gt__(self, other: Stamp) -> bool:
-        if self.clock == other.clock:
-            return self.mono > other.mono
-        return self.redis > other.redis
-
-    def __ge__(self, other: Stamp) -> bool:
-        if self.clock == other.clock:
-            return self.mono >= other.mono
-        return self.redis >= other.redis
-
-    def local(self, now_us: int, sent: int) -> int:
-        """This time on this host's monotonic clock (ns): exact if it was made on this host,
-        else converted from Redis's (``now_us``: Redis's clock when this host's call written
-        at ``sent``, monotonic ns, ran)."""
-        if self.clock == CLOCK:
-            return self.mono
-        return sent - (now_us - self.redis) * 1000
-
-    def __repr__(self) -> str:
-        return f"<Stamp {self.clock} {self.mono} {self.redis}>"
-
-
-class Post(NamedTuple):
-    """A member's post (see ``_judge``)."""
-
-    called: Stamp
-    fresh: bool
-
-
-class Ran(NamedTuple):
-    """What ran last in a line (see ``_judge``)."""
-
-    called: Stamp
-    ok: bool
+from .._stamps import CLOCK, Judged, Post, Ran, Stamp
 
 
 def sent(called: int) -> bytes:
@@ -105,18 +31,6 @@ def sent(called: int) -> bytes:
 def ran(called: int, ok: bool) -> bytes:
     """What ran, as a release is sent it: its call's time (see sent), and whether it returned."""
     return sent(called) + (b" 1" if ok else b" 0")
-
-
-class Judged(NamedTuple):
-    """What a turn of latest work judges by, read from its line (see ``_scripts._JUDGE``)."""
-
-    now_us: int  #: Redis's clock when it was read
-    ran: Ran | None
-    behind: list[Post]  #: the posts of the members behind, in line order
-
-    def me(self, called: int, sent: int) -> Stamp:
-        """A time of this process (monotonic ns) as a stamp, its call written at ``sent``."""
-        return Stamp(CLOCK, called, self.now_us - (sent - called) // 1000)
 
 
 def judged(key: Any, reply: Sequence[Any]) -> Judged:
