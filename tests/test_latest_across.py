@@ -30,10 +30,11 @@ from support.helpers import PATIENCE, settle, wait_until
 from support.latest_across import Holder, Runs, Shared, latest, posts
 
 
-@pytest.fixture(params=["file", "redis"])
+@pytest.fixture(params=["file", "redis", "postgres"])
 def shared(request: pytest.FixtureRequest, tmp_path: Path, namespace: str) -> Iterator[Shared]:
-    """Where the test's queues share their lines: a directory, or a Redis namespace."""
-    url = None if request.param == "file" else request.getfixturevalue("redis_url")
+    """Where the test's queues share their lines: a directory, a Redis namespace, or a
+    PostgreSQL one."""
+    url = None if request.param == "file" else request.getfixturevalue(f"{request.param}_url")
     place = Shared(tmp_path, url, namespace)
     yield place
     place.close()
@@ -154,7 +155,9 @@ async def test_when_the_newer_caller_leaves_the_older_work_runs(
     holder = Holder(shared)
     await holder.hold()
     older = latest(shared)
-    newer = latest(shared, timeout=0.05 if leaves == "timed out" else None)
+    # (long enough to post first: PostgreSQL's turn connects, and readies the connection)
+    patience = 2.0 if shared.kind == "postgres" else 0.05
+    newer = latest(shared, timeout=patience if leaves == "timed out" else None)
     ran = Runs()
     first = asyncio.create_task(older.run("k", ran.work("older")))
     await settle(lambda: posts(shared) == 1)

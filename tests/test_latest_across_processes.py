@@ -1,5 +1,5 @@
 """Latest wins across real processes (``across="processes"``), and their deaths, on each
-shared backend that keeps it (file, Redis).
+shared backend that keeps it (file, Redis, PostgreSQL).
 
 This test's process holds the key while worker processes
 (tests/support/latest_worker.py) each queue a burst, one after the other,
@@ -23,6 +23,7 @@ import pytest
 
 from inturn import KeyedQueue
 from inturn.backends.file import FileBackend
+from inturn.backends.postgres import PostgresBackend
 from inturn.backends.redis import RedisBackend
 
 from support.helpers import PATIENCE
@@ -46,6 +47,9 @@ class Holder:
         kind, _, where = spec.partition(":")
         if kind == "file":
             self.queue = KeyedQueue(backend=FileBackend(where))
+        elif kind == "postgres":
+            url, namespace = where.split("#")
+            self.queue = KeyedQueue(backend=PostgresBackend.from_url(url, namespace=namespace))
         else:
             url, namespace, lease = where.split("#")
             backend = RedisBackend.from_url(url, namespace=namespace, lease=float(lease))
@@ -77,7 +81,7 @@ class Holder:
             async with self.queue.keyed(self.key, timeout=PATIENCE):
                 if isinstance(backend, FileBackend):
                     return not FileBackend(backend.directory).line(self.key)[1:]
-                assert isinstance(backend, RedisBackend)
+                assert isinstance(backend, RedisBackend | PostgresBackend)
                 (line,) = [line for line in await backend.lines() if line.key == self.key]
                 return line.holder is not None and not line.waiters
         except TimeoutError:
@@ -106,13 +110,15 @@ async def queued(forker: Worker) -> str:
         assert words[0] == "answered", f"the forker said {words}"
 
 
-@pytest.fixture(params=["file", "redis"])
+@pytest.fixture(params=["file", "redis", "postgres"])
 async def holder(
     request: pytest.FixtureRequest, tmp_path: Path, namespace: str
 ) -> AsyncIterator[Holder]:
     """The holder, on a backend of each kind (its spec: the workers')."""
     if request.param == "file":
         spec = f"file:{tmp_path / 'lines'}"
+    elif request.param == "postgres":
+        spec = f"postgres:{request.getfixturevalue('postgres_url')}#{namespace}"
     else:
         spec = f"redis:{request.getfixturevalue('redis_url')}#{namespace}#{LEASE}"
     holding = Holder(spec)

@@ -716,7 +716,7 @@ async def test_concurrent_first_turns_on_a_fresh_database_all_succeed(
                 for backend in backends:
                     await backend.aclose()
             await admin.execute("DROP SEQUENCE inturn_token")
-            await admin.execute("DROP TABLE IF EXISTS inturn_keys, inturn_sessions")
+            await admin.execute("DROP TABLE IF EXISTS inturn_keys, inturn_sessions, inturn_latest")
 
 
 # -- 8. a holder cancelled while its unlock is in flight -------------------------------------

@@ -36,9 +36,10 @@ from inturn import BackendUnavailable, KeyedQueue, LeaseLost  # noqa: E402
 from inturn.backends.postgres import PostgresBackend  # noqa: E402
 
 from support.helpers import PATIENCE  # noqa: E402
+from support.latest_across import Shared, latest_killed_at, no_update_lost  # noqa: E402
 from support.pg_server import PostgresServer, new_server  # noqa: E402
 from support.pg_worker import increment_sync  # noqa: E402
-from support.processes import Worker, stopped  # noqa: E402
+from support.processes import Worker, stopped, until  # noqa: E402
 
 pytestmark = pytest.mark.server
 
@@ -529,3 +530,37 @@ async def test_multi_key_turns_beyond_max_sessions_do_not_deadlock(site: Site) -
         turns.cancel()
         await asyncio.gather(turns, return_exceptions=True)
     assert sorted(entered) == sorted(sets)
+
+
+# -- latest work shared across processes, killed at every step ----------------------------
+
+
+@pytest.mark.parametrize("victim", ["newest", "older"])
+async def test_a_crash_at_any_step_of_latest_work_across_processes_loses_no_update(
+    postgres_url: str, namespace: str, workers: list[Worker], victim: str
+) -> None:
+    """Latest work (across="processes") killed before and after each statement of its turn
+    (the worker's OpTripwire on the session's steps), beside a work of this process's that
+    waits too: the newest work a live process waits for runs (the killed one's, if it ran),
+    and once the server saw the victim's session end, the key is free and no post is left.
+
+    A newest victim posts, waits, judges and runs (this process's older work joins the
+    line again behind it); an older victim joins again behind this process's newer work,
+    then learns that it ran.
+    """
+    spec = f"postgres:{postgres_url}#{namespace}"
+    server = await Worker.start(spec, "crash-each", "k", "latest")
+    workers.append(server)
+    shared = Shared(Path(), postgres_url, namespace)
+    step = 0
+    try:
+        while True:
+            step += 1
+            reports, outcome, mine = await latest_killed_at(server, step, shared, victim)
+            no_update_lost(victim, step, reports, outcome, mine)
+            await until(shared.empty, f"nothing left after a crash at step {step}")
+            if outcome == ["exit", "0"]:
+                break
+    finally:
+        shared.close()
+    assert step > 8

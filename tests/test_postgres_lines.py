@@ -388,7 +388,7 @@ async def test_a_record_that_finds_the_tables_gone_makes_them_and_the_turn_goes_
     # the work, and the key recorded then)
     turn = taking(KeyedQueue(backend=backend), way)
     assert await turn("known") == "known"
-    await admin.execute("DROP TABLE inturn_keys, inturn_sessions")
+    await admin.execute("DROP TABLE inturn_keys, inturn_sessions, inturn_latest")
     try:
         assert await turn("new") == "new"
         assert await recorded(admin, namespace) == [b"s:new"]
@@ -498,7 +498,10 @@ async def test_a_user_who_may_not_make_the_tables_is_told_what_an_owner_runs(
         assert "permission denied" in said
         assert "turns go on" in said
         assert "CREATE TABLE IF NOT EXISTS inturn_keys" in said
-        assert "GRANT SELECT, INSERT, UPDATE, DELETE ON inturn_keys, inturn_sessions" in said
+        assert (
+            "GRANT SELECT, INSERT, UPDATE, DELETE ON inturn_keys, inturn_sessions, inturn_latest"
+            in said
+        )
         with pytest.raises(BackendUnavailable, match="CREATE TABLE IF NOT EXISTS inturn_keys"):
             await backend.lines()
     finally:

@@ -271,8 +271,8 @@ def check_across(across: object, backend: Backend | None) -> bool:
         raise ValueError(
             'inturn: across="processes" keeps one latest work per key among every process '
             "that shares the key's line, which needs a backend that keeps it (FileBackend, "
-            f"RedisBackend); this queue {has}. Leave across out (each process then conflates "
-            "its own calls), or use a FileBackend or a RedisBackend"
+            f"RedisBackend, PostgresBackend); this queue {has}. Leave across out (each process "
+            "then conflates its own calls), or use one of those backends"
         )
     return True
 

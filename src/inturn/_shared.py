@@ -14,7 +14,7 @@ import logging
 import sys
 from collections.abc import Awaitable, Generator, Hashable
 from functools import partial
-from typing import TYPE_CHECKING, Any, cast, final
+from typing import TYPE_CHECKING, Any, TypeVar, cast, final
 
 from ._describe import describe
 from ._drive import CLOSE, GRANT, RELEASE
@@ -27,9 +27,13 @@ if TYPE_CHECKING:
         Grant,
         LatestBackend,
         LatestGrant,
+        LatestSession,
         SessionBackend,
         TurnSession,
     )
+
+#: A source of grants: a backend, or a turn's session.
+S = TypeVar("S")
 
 #: The core's logger: a turn whose lease was lost (WARNING). Nothing on a turn
 #: that goes well.
@@ -103,14 +107,15 @@ class Shared:
             enclosing = enclosing.outer
 
     def on_session(
-        self, backend: Backend, taken: tuple[Hashable, ...], own: bool
+        self, backend: Backend, taken: tuple[Hashable, ...], own: bool, ticket: Ticket | None
     ) -> Generator[tuple[int, Any], Any, None]:
         """The grants of the keys taken, on one connection for the turn (steps).
 
         Asked for once this process's lines are taken: a turn waiting for one
         holds no connection, and one holding a connection waits for nothing
         of this process, so a pool of them cannot deadlock (see TurnSession).
-        ``own``: the session should have a connection of its own.
+        ``own``: the session should have a connection of its own; ``ticket``:
+        a conflating call's (its key is taken as latest work: see latest_line).
         """
         session = None if self.transaction else self._lender()
         self.owns = session is None
@@ -118,8 +123,9 @@ class Shared:
             opener = cast("SessionBackend", backend)
             session = opener.session(len(taken), self.transaction, own, self._depth())
         self.session = session
+        source = session if ticket is None else latest_line(session, ticket)
         for key in taken:
-            yield GRANT, (session, key, self.grants)
+            yield GRANT, (source, key, self.grants)
             self.granted(key)
 
     def _lender(self) -> TurnSession | None:
@@ -209,31 +215,33 @@ class Shared:
 
 @final
 class LatestLine:
-    """A backend's line for a turn of latest work shared across processes: the source its
-    GRANT waits on (see LatestBackend), which asks the ticket's book for its newest work."""
+    """A backend's line (or a turn's session's) for a turn of latest work shared across
+    processes: the source its GRANT waits on (see LatestBackend), which asks the ticket's
+    book for its newest work."""
 
-    __slots__ = ("backend", "newest")
+    __slots__ = ("newest", "source")
 
-    def __init__(self, backend: LatestBackend, ticket: Ticket) -> None:
-        self.backend = backend
+    def __init__(self, source: LatestBackend | LatestSession, ticket: Ticket) -> None:
+        self.source = source
         self.newest = partial(ticket.book.newest, ticket)
 
     async def acquire(self, key: Hashable, timeout: float | None) -> Grant:
-        return await self.backend.acquire_latest(key, timeout, self.newest)
+        return await self.source.acquire_latest(key, timeout, self.newest)
 
     def acquire_sync(
         self, key: Hashable, timeout: float | None, into: list[Grant] | None = None
     ) -> Grant:
-        return self.backend.acquire_latest_sync(key, timeout, self.newest, into)
+        return self.source.acquire_latest_sync(key, timeout, self.newest, into)
 
     def release(self, grant: Grant) -> Awaitable[None]:
-        """The backend's release (a grant the bridge took for a caller that gave up)."""
-        return self.backend.release(grant)
+        """The source's release (a grant the bridge took for a caller that gave up)."""
+        return self.source.release(grant)
 
 
-def latest_line(backend: Backend, ticket: Ticket) -> Backend | LatestLine:
-    """Where a turn with ticket takes its key's grant: backend, or its line of latest work
-    (a call whose work another process's newer work may replace: across="processes")."""
+def latest_line(source: S, ticket: Ticket) -> S | LatestLine:
+    """Where a turn with ticket takes its key's grant: source (a backend, or a turn's
+    session), or its line of latest work (a call whose work another process's newer work
+    may replace: across="processes")."""
     if ticket.policy.shared:
-        return LatestLine(cast("LatestBackend", backend), ticket)
-    return backend
+        return LatestLine(cast("LatestBackend | LatestSession", source), ticket)
+    return source

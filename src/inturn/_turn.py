@@ -666,14 +666,14 @@ class Turn:
                 taken += (key,)
                 waited = _NO_KEY
                 if each:
-                    source = backend if ticket is None else latest_line(backend, ticket)  # type: ignore[arg-type]
+                    source = backend if ticket is None else latest_line(backend, ticket)
                     yield GRANT, (source, key, shared.grants)  # type: ignore[union-attr]
                     shared.granted(key)  # type: ignore[union-attr]
             if shared is not None and not each:
                 if self._transaction and not taken:
                     raise no_transaction(self.keys)  # noqa: TRY301
                 if taken or self._transaction:
-                    yield from shared.on_session(backend, taken, own)  # type: ignore[arg-type]
+                    yield from shared.on_session(backend, taken, own, ticket)  # type: ignore[arg-type]
             if slots is not None:
                 waited = _SLOT
                 got = slots.try_take(holder)

@@ -1,7 +1,7 @@
 """Latest work shared across processes, in one process: queues on one place as processes.
 
 Several KeyedQueues, each with a backend of its own on one place (a file
-backend's directory, or a Redis namespace), share a key's line as processes
+backend's directory, a Redis namespace, or a PostgreSQL one), share a key's line as processes
 do: the backend cannot tell them apart (each queue keeps its own lines and
 its own latest work).
 """
@@ -14,12 +14,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import redis
 
 from inturn import KeyedQueue
 from inturn.backends import Backend
 from inturn.backends.file import FileBackend
 from inturn.backends.file._linefile import parse
+from inturn.backends.postgres import PostgresBackend
+from inturn.backends.postgres._keys import lock_id, lock_parts
 from inturn.backends.redis import RedisBackend
 from inturn.backends.redis._scripts import Line
 
@@ -29,28 +32,35 @@ from .processes import Worker, until
 
 
 class Shared:
-    """Where the queues of a test share their lines: a directory, or a Redis namespace.
+    """Where the queues of a test share their lines: a directory, a Redis namespace, or a
+    PostgreSQL one.
 
     Its looks at key k's line are synchronous (a test's settle and a thread's
-    wait_until take them): the file's records, or Redis's keys read with a
-    blocking client.
+    wait_until take them): the file's records, Redis's keys read with a
+    blocking client, or PostgreSQL's locks and table read on a connection of
+    its own.
     """
 
     def __init__(self, directory: Path, url: str | None = None, namespace: str = "") -> None:
         self.directory = directory
         self.url = url
         self.namespace = namespace
-        self._redis = None if url is None else redis.Redis.from_url(url)
-        self.kind = "file" if url is None else "redis"
+        self.kind = "file" if url is None else url.partition(":")[0].removesuffix("ql")
+        self._redis = redis.Redis.from_url(url) if self.kind == "redis" else None
+        self._pg = Postgres(url, namespace) if url is not None and self.kind == "postgres" else None
 
     def backend(self) -> Backend:
         """A backend of its own on this place (a process's)."""
         if self.url is None:
             return FileBackend(self.directory)
+        if self._pg is not None:
+            return PostgresBackend(self.url, namespace=self.namespace)
         return RedisBackend.from_url(self.url, namespace=self.namespace, lease=LEASE)
 
     def posts(self) -> int:
         """How many posts of latest work key k's line holds now."""
+        if self._pg is not None:
+            return self._pg.posts()
         if self._redis is None:
             return len(parse(records(self.directory)).posts)
         info = Line(self.namespace, "k").names[3]
@@ -58,6 +68,8 @@ class Shared:
 
     def members(self) -> int:
         """How many turns key k's line has now (its holder, and its waiters)."""
+        if self._pg is not None:
+            return len(self._pg.pids())
         if self._redis is None:
             return len(FileBackend(self.directory).line("k"))
         line, q = Line(self.namespace, "k").names[:2]
@@ -65,6 +77,8 @@ class Shared:
 
     def pids(self) -> list[int]:
         """The processes of key k's line, in turn order (its holder first)."""
+        if self._pg is not None:
+            return self._pg.pids()
         if self._redis is None:
             return list(FileBackend(self.directory).line("k"))
         line, q, _, info = Line(self.namespace, "k").names[:4]
@@ -74,6 +88,8 @@ class Shared:
 
     def empty(self) -> bool:
         """Whether key k's line is gone (nobody holds it or waits: nothing is left)."""
+        if self._pg is not None:
+            return self._pg.empty()
         if self._redis is None:
             return not line_file(self.directory, "k").exists()
         return not self._redis.exists(*Line(self.namespace, "k").names)
@@ -81,6 +97,59 @@ class Shared:
     def close(self) -> None:
         if self._redis is not None:
             self._redis.close()
+        if self._pg is not None:
+            self._pg.close()
+
+
+class Postgres:
+    """Key k's line in a PostgreSQL namespace, looked at on a connection of its own."""
+
+    def __init__(self, url: str, namespace: str) -> None:
+        self.connection = psycopg.connect(url, autocommit=True)
+        self.namespace = namespace
+        self.lock = lock_id(namespace, "k")
+        self.parts = lock_parts(self.lock)
+
+    def _rows(self, sql: str, *params: object) -> list[tuple[Any, ...]]:
+        """sql's rows; none before a backend made its tables (a server's first turn)."""
+        try:
+            return self.connection.execute(sql.encode(), params).fetchall()
+        except psycopg.errors.UndefinedTable:
+            return []
+
+    def pids(self) -> list[int]:
+        """The client processes of key k's line, holder first, then the waiters in order."""
+        rows = self._rows(
+            "SELECT s.client_pid, l.granted, cardinality(pg_blocking_pids(l.pid))"
+            " FROM pg_locks l LEFT JOIN inturn_sessions s ON s.pid = l.pid"
+            " WHERE l.locktype = 'advisory' AND l.objsubid = 1"
+            " AND l.classid = %s::oid AND l.objid = %s::oid",
+            *self.parts,
+        )
+        rows.sort(key=lambda row: (not row[1], row[2]))
+        return [int(row[0] or 0) for row in rows]
+
+    def posts(self) -> int:
+        """The posts of sessions still there."""
+        rows = self._rows(
+            "SELECT count(*) FROM inturn_latest WHERE namespace = %s AND lock_id = %s"
+            " AND pid <> 0 AND pid IN (SELECT pid FROM pg_stat_activity WHERE pid IS NOT NULL)",
+            self.namespace,
+            self.lock,
+        )
+        return int(rows[0][0]) if rows else 0
+
+    def empty(self) -> bool:
+        """No lock of key k (nor its intent lock) is held or waited for, and no post is left."""
+        (locks,) = self._rows(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
+            " AND classid = %s::oid AND objid = %s::oid",
+            *self.parts,
+        )[0]
+        return locks == 0 and self.posts() == 0
+
+    def close(self) -> None:
+        self.connection.close()
 
 
 #: Redis's lease in these tests (s): long enough for a loaded machine's heartbeats.

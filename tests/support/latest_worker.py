@@ -4,7 +4,8 @@ Driven over stdin, one command a line, by tests/test_latest_across_processes.py:
 
     python latest_worker.py BACKEND LOG MODE [KEY]
 
-``BACKEND`` is as worker.py's (``file:DIRECTORY``, ``redis:URL#NAMESPACE#LEASE``),
+``BACKEND`` is as worker.py's (``file:DIRECTORY``, ``redis:URL#NAMESPACE#LEASE``,
+``postgres:URL#NAMESPACE``),
 ``MODE`` is ``on_superseded`` ("join" or "raise"), ``KEY`` the key (``k``). Commands:
 
 - ``burst N TAG``: N calls of the key on a queue with ``pending="latest",

@@ -63,7 +63,7 @@ One forks after making the queue, as a preforking server does (Redis):
   errors any of them met (``-``: none).
 
 The last is a fork server for crashes at every step (the file backend's
-calls; with ``latest`` on Redis, the steps' ops: see :class:`OpTripwire`), so
+calls; with ``latest`` on Redis or PostgreSQL, the steps' ops: see :class:`OpTripwire`), so
 that every child starts clean:
 
 - ``crash-each KEY [compact] [impatient]``: for each stdin line ``N``, fork
@@ -212,16 +212,24 @@ class _Watched:
 
 
 class OpTripwire:
-    """Counts the ops of the Redis backend's steps (a task's turn and release, in this
-    process): SIGKILL just before the ``kill_before``-th count. Each op counts twice: before
-    its driver performs it (its call not sent yet) and once its answer came (Redis did it),
-    before the steps see it: between two counts, this process tells Redis nothing."""
+    """Counts the ops of the Redis or PostgreSQL backend's steps (a task's turn and release,
+    in this process): SIGKILL just before the ``kill_before``-th count. Each op counts twice:
+    before its driver performs it (its call not sent yet) and once its answer came (the
+    server did it), before the steps see it: between two counts, this process tells the
+    server nothing."""
 
     def __init__(self, kill_before: int) -> None:
         self.counts = 0
         self.kill_before = kill_before
 
-    def install(self) -> None:
+    def install(self, spec: str) -> None:
+        if spec.startswith("postgres:"):
+            from inturn.backends.postgres._session import PgSession
+
+            for name in ("_acquiring", "_ending", "_releasing"):
+                made = getattr(PgSession, name)
+                setattr(PgSession, name, lambda *args, made=made: self.watched(made(*args)))
+            return
         from inturn.backends.redis import _loop
 
         for name in ("taking", "releasing"):
@@ -269,8 +277,8 @@ async def victim(spec: str, key: str, step: int, flags: list[str]) -> None:
     """
     if "latest" in flags:
         queue = KeyedQueue(backend=make_backend(spec), pending="latest", across="processes")
-        if spec.startswith("redis:"):
-            OpTripwire(kill_before=step).install()
+        if spec.startswith(("redis:", "postgres:")):
+            OpTripwire(kill_before=step).install(spec)
         else:
             Tripwire(kill_before=step).install(*file_modules())
 

@@ -32,6 +32,7 @@ from ._base import Capabilities as Capabilities
 from ._base import Grant as Grant
 from ._base import LatestBackend as LatestBackend
 from ._base import LatestGrant as LatestGrant
+from ._base import LatestSession as LatestSession
 from ._base import Newest as Newest
 from ._base import Replaced as Replaced
 from ._base import SessionBackend as SessionBackend

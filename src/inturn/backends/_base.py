@@ -34,7 +34,8 @@ class Capabilities:
     :ivar transactions: ``keyed(..., transaction=True)`` runs the block in a
         transaction on the turn's connection (needs ``sessions``).
     :ivar latest: it is a :class:`LatestBackend`: it keeps one latest work per
-        key among every process (``across="processes"``).
+        key among every process (``across="processes"``); with ``sessions``, its
+        sessions are :class:`LatestSession`\ s too.
     """
 
     blocking: bool = False
@@ -305,6 +306,26 @@ class LatestBackend(BlockingBackend, Protocol):
 
         :raises Replaced: newer work of another process ran in this work's place.
         """
+        ...
+
+    def acquire_latest_sync(
+        self,
+        key: Hashable,
+        timeout: float | None,
+        newest: Newest,
+        into: list[Grant] | None = None,
+    ) -> Grant:
+        """As :meth:`acquire_latest`, blocking this thread (``into``: see acquire_sync)."""
+        ...
+
+
+class LatestSession(TurnSession, Protocol):
+    """The :class:`TurnSession` of a :class:`SessionBackend` that keeps one latest work per
+    key among every process (``capabilities.latest``: PostgreSQL): a turn of latest work
+    takes its key through it, with the contract of :class:`LatestBackend`."""
+
+    async def acquire_latest(self, key: Hashable, timeout: float | None, newest: Newest) -> Grant:
+        """As :meth:`LatestBackend.acquire_latest`, on the session's connection."""
         ...
 
     def acquire_latest_sync(

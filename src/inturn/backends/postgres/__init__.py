@@ -21,7 +21,7 @@ from typing import Any, Final, final
 
 from ..._describe import describe as show
 from ..._order import order_portable
-from .._base import Capabilities, Grant
+from .._base import Capabilities, Grant, Newest
 
 try:
     import psycopg
@@ -189,7 +189,7 @@ class PostgresBackend:
     #: through one loop); a turn's keys are held on one connection, and
     #: ``keyed(..., transaction=True)`` is served (see :class:`PostgresBackend`).
     capabilities: Final[Capabilities] = Capabilities(
-        blocking=True, one_loop=True, sessions=True, transactions=True
+        blocking=True, one_loop=True, sessions=True, transactions=True, latest=True
     )
 
     def __init__(
@@ -307,6 +307,47 @@ class PostgresBackend:
         session = self.session(1, False, False)
         try:
             return session.acquire_sync(key, timeout, into)
+        except BaseException:
+            session.close_sync(None)
+            raise
+
+    async def acquire_latest(
+        self, key: Hashable, timeout: float | None, newest: Newest
+    ) -> PostgresGrant:
+        """As :meth:`acquire`, for latest work shared across processes (``across="processes"``).
+
+        The session posts when its process's newest work was called
+        (``newest()``) in the table ``inturn_latest``, then waits; once it
+        holds the key, it runs only if no newer work waits in the line or ran
+        since; else it joins the line again behind the newer work, or raises
+        Replaced once newer work ran (see :class:`~inturn.backends.LatestBackend`
+        and ``_latest``). A call's time is exact among the processes of one
+        host, and PostgreSQL's clock (to within a call's latency) among hosts.
+
+        :raises ~inturn.backends.Replaced: newer work of another process ran
+            in this work's place.
+        :raises TimeoutError: as :meth:`acquire`.
+        :raises ~inturn.BackendUnavailable: as :meth:`acquire`; also when the
+            table ``inturn_latest`` is missing, or this user may not write it.
+        """
+        session = self.session(1, False, False)
+        try:
+            return await session.acquire_latest(key, timeout, newest)
+        except BaseException:
+            await session.close(None)
+            raise
+
+    def acquire_latest_sync(
+        self,
+        key: Hashable,
+        timeout: float | None,
+        newest: Newest,
+        into: list[Grant] | None = None,
+    ) -> PostgresGrant:
+        """As :meth:`acquire_latest`, blocking this thread (see :meth:`acquire_sync`)."""
+        session = self.session(1, False, False)
+        try:
+            return session.acquire_latest_sync(key, timeout, newest, into)
         except BaseException:
             session.close_sync(None)
             raise

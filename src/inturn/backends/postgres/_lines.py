@@ -61,7 +61,8 @@ _RETRY: Final = 60.0
 
 #: What an owner runs for a user who may not make or write the tables.
 _OWNER_RUNS: Final = (
-    f"{_sql.TABLES} GRANT SELECT, INSERT, UPDATE, DELETE ON {_sql.KEYS}, {_sql.SESSIONS} TO ..."
+    f"{_sql.TABLES} GRANT SELECT, INSERT, UPDATE, DELETE ON {_sql.KEYS}, {_sql.SESSIONS},"
+    f" {_sql.LATEST} TO ..."
 )
 
 

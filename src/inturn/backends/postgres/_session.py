@@ -16,6 +16,7 @@ returns is settled by the server's answer (it goes on by itself, as
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Generator, Hashable
 from typing import TYPE_CHECKING, Any, Final, final
 
@@ -25,13 +26,18 @@ from psycopg import errors
 from ..._checks import Waited, missed
 from ..._describe import describe as show
 from ..._errors import BackendUnavailable
-from . import _sql
+from .._base import Replaced
+from .._judge import judge
+from . import _latest, _sql
 from ._drive import Run, drive_sync
 from ._keys import lock_id
+from ._lines import Record
 from ._places import Lease
 from ._ready import logger
 from ._steps import (
+    ASK,
     AUTOCOMMIT,
+    CLOSE,
     UNSURE,
     Ended,
     Op,
@@ -43,10 +49,10 @@ from ._steps import (
     said,
     waiting,
 )
-from ._wire import PIPELINES, discard
+from ._wire import PIPELINES, Ahead, discard
 
 if TYPE_CHECKING:
-    from .._base import Grant
+    from .._base import Grant, Newest
     from ._connections import Connections
     from ._wire import Outcome, Rows
 
@@ -64,9 +70,11 @@ _MOVED: Final = (
 class PostgresGrant:
     """The turn on one key: its advisory lock, held by the session of the turn."""
 
-    __slots__ = ("key", "lock", "lost", "session", "token")
+    __slots__ = ("key", "latest", "lock", "lost", "ran_", "session", "token")
 
-    def __init__(self, key: Hashable, token: int, lock: int, session: PgSession) -> None:
+    def __init__(
+        self, key: Hashable, token: int, lock: int, session: PgSession, latest: bool = False
+    ) -> None:
         #: The key held.
         self.key = key
         #: From the sequence ``inturn_token``, drawn after the grant: larger than
@@ -77,6 +85,13 @@ class PostgresGrant:
         self.lost = False
         self.lock = lock  # the advisory lock's id
         self.session = session
+        self.latest = latest  # a turn of latest work shared across processes (see _latest)
+        self.ran_: tuple[int, bool] | None = None  # what its work ran (see ran)
+
+    def ran(self, called: int, ok: bool) -> None:
+        """Note what latest work ran on this grant (see ``inturn.backends.LatestGrant``): its
+        release records it in the key's line, for the turns behind it."""
+        self.ran_ = (called, ok)
 
     def __repr__(self) -> str:
         return f"PostgresGrant(key={self.key!r}, token={self.token}, lost={self.lost})"
@@ -143,7 +158,23 @@ class PgSession:
         Cancelled, it calls the wait off before it raises: the lock is not
         kept (a grant that came just then is given back).
         """
-        run = self._busy = Run(self._acquiring(key, timeout), self._connections)
+        return await self._acquire(key, timeout, None)
+
+    async def acquire_latest(
+        self, key: Hashable, timeout: float | None, newest: Newest
+    ) -> PostgresGrant:
+        """As :meth:`acquire`, for latest work shared across processes: see
+        :meth:`.PostgresBackend.acquire_latest`.
+
+        :raises ~inturn.backends.Replaced: newer work of another process ran
+            in this work's place (the key is not held).
+        """
+        return await self._acquire(key, timeout, newest)
+
+    async def _acquire(
+        self, key: Hashable, timeout: float | None, newest: Newest | None
+    ) -> PostgresGrant:
+        run = self._busy = Run(self._acquiring(key, timeout, newest), self._connections)
         try:
             grant: PostgresGrant = await run.result
         except asyncio.CancelledError:
@@ -225,8 +256,28 @@ class PgSession:
         leaves the lock to this session's close, which its caller's clean-up
         makes (the lock is the session's connection's).
         """
+        return self._acquire_sync(key, timeout, None, into)
+
+    def acquire_latest_sync(
+        self,
+        key: Hashable,
+        timeout: float | None,
+        newest: Newest,
+        into: list[Grant] | None = None,
+    ) -> PostgresGrant:
+        """As :meth:`acquire_latest`, for a thread (see :meth:`acquire_sync`)."""
+        return self._acquire_sync(key, timeout, newest, into)
+
+    def _acquire_sync(
+        self,
+        key: Hashable,
+        timeout: float | None,
+        newest: Newest | None,
+        into: list[Grant] | None,
+    ) -> PostgresGrant:
         try:
-            grant: PostgresGrant = drive_sync(self._acquiring(key, timeout), self._connections)
+            steps = self._acquiring(key, timeout, newest)
+            grant: PostgresGrant = drive_sync(steps, self._connections)
         except BaseException:
             if self._lease is not None and self._lease.unsure is not None:
                 try:
@@ -253,8 +304,15 @@ class PgSession:
 
     # -- the steps, for both ------------------------------------------------------------------
 
-    def _acquiring(self, key: Hashable, timeout: float | None) -> Generator[Op, Any, Any]:
-        """Take key (the first key: a connection for the session first); its grant."""
+    def _acquiring(
+        self, key: Hashable, timeout: float | None, newest: Newest | None = None
+    ) -> Generator[Op, Any, Any]:
+        """Take key (the first key: a connection for the session first); its grant.
+
+        ``newest``: a turn of latest work shared across processes, which posts
+        its process's newest work before it waits, and judges once granted
+        (see _latest and :meth:`_judging`).
+        """
         if self._generation != self._connections.generation:
             self._adopt()  # (a turn nested, in a forked child, in its copy of the parent's)
         if self._closed:
@@ -272,19 +330,48 @@ class PgSession:
         # the key's name, sent ahead of its wait (once per key per process: see _lines)
         record = names.record(key, lock, self._namespace) if names.due(lock) else None
         remake = False
-        if record is not None and not PIPELINES:  # (libpq before 14: a round trip first)
+        if record is not None and (not PIPELINES or newest is not None):
+            # (libpq before 14, or a post goes ahead of the wait: a round trip first)
             ask = connections.ready.asking(
                 lease.connection, key, timeout, until, True, "recording the key's name"
             )
             record.outcome = yield from ask(b";".join(record.statements))
             remake, record = names.recorded(key, lock, record), None
+        if newest is None:
+            answer = yield from self._waited(key, lock, timeout, until, record, remake)
+        else:
+            answer = yield from self._posted(key, lock, timeout, until, newest, remake)
+        grant = PostgresGrant(
+            key, self._token(key, answer, timeout), lock, self, newest is not None
+        )
+        self._grants.append(grant)
+        lease.unsure = None
+        if self._transaction and len(self._grants) >= self._count:
+            yield (AUTOCOMMIT, lease.connection, False)  # (the work's first statement begins it)
+        return grant
+
+    def _waited(
+        self,
+        key: Hashable,
+        lock: int,
+        timeout: float | None,
+        until: float | None,
+        ahead: Record | Ahead | None,
+        remake: bool,
+    ) -> Generator[Op, Any, Rows]:
+        """Wait for lock on the session's connection: the rows of its grant (``ahead``: the
+        key's record, or a post, sent ahead of the wait; ``remake``: its record found the
+        tables gone)."""
+        connections = self._connections
+        lease = self._lease
+        assert lease is not None
         grants = self._grants
         held = bool(grants) and lock in [grant.lock for grant in grants]
         last = self._transaction and len(grants) + 1 >= self._count
         limits = connections.limits
-        answer = yield from waiting(lease, lock, timeout, until, held, last, limits, record)
-        if record is not None:
-            remake = names.recorded(key, lock, record)
+        answer = yield from waiting(lease, lock, timeout, until, held, last, limits, ahead)
+        if isinstance(ahead, Record):
+            remake = connections.ready.names.recorded(key, lock, ahead)
         if not isinstance(answer, list):
             answer = yield from self._again(key, lock, timeout, until, held, last, answer)
         if not answer:  # timeout=0, and the key was busy
@@ -296,13 +383,119 @@ class PgSession:
             ask = connections.ready.asking(
                 lease.connection, key, timeout, until, True, "recording the key's name"
             )
-            yield from names.remaking(key, lock, self._namespace, ask)
-        grant = PostgresGrant(key, self._token(key, answer, timeout), lock, self)
-        grants.append(grant)
-        lease.unsure = None
-        if last:
-            yield (AUTOCOMMIT, lease.connection, False)  # (the work's first statement begins it)
-        return grant
+            yield from connections.ready.names.remaking(key, lock, self._namespace, ask)
+        return answer
+
+    def _posted(
+        self,
+        key: Hashable,
+        lock: int,
+        timeout: float | None,
+        until: float | None,
+        newest: Newest,
+        remake: bool,
+    ) -> Generator[Op, Any, Rows]:
+        """A turn of latest work: post, wait for lock, judge (see _latest): the rows of the
+        grant it runs on. A turn that will not run takes its post away."""
+        lease = self._lease
+        assert lease is not None
+        post = _latest.post(self._namespace, lock, newest(), False, True)
+        try:
+            ahead: Ahead | None = post
+            if not PIPELINES:  # (libpq before 14: a round trip first)
+                ahead = None
+                ask = self._connections.ready.asking(
+                    lease.connection, key, timeout, until, True, "posting latest work"
+                )
+                post.outcome = yield from ask(post.statements[0])
+            answer = yield from self._waited(key, lock, timeout, until, ahead, remake)
+            _latest.posted(post.outcome, key)
+            return (yield from self._judging(key, lock, timeout, until, newest, answer))
+        except GeneratorExit:  # (abandoned: its event loop ended; no more ops)
+            raise
+        except Replaced:
+            raise  # (its post was taken away with the key: see _judging)
+        except BaseException:
+            yield from self._unposting(lock)
+            raise
+
+    def _judging(
+        self,
+        key: Hashable,
+        lock: int,
+        timeout: float | None,
+        until: float | None,
+        newest: Newest,
+        rows: Rows,
+    ) -> Generator[Op, Any, Rows]:
+        """A turn of latest work, granted (rows): judge; the rows of the grant it runs on
+        (it may join the line again first).
+
+        :raises ~inturn.backends.Replaced: newer work ran; the key and the post
+            were given back.
+        """
+        lease = self._lease
+        assert lease is not None
+        connection = lease.connection
+        limits = self._connections.limits
+        ask = self._connections.ready.asking(
+            connection, key, timeout, until, True, "judging latest work"
+        )
+        params = _sql.judging(self._namespace, lock)
+        again = transit = 0
+        while True:
+            sent = time.monotonic_ns()
+            found, waiting_posts = _latest.judged((yield from ask(_sql.JUDGE, params)))
+            called = newest()
+            me = found.me(called, sent)
+            verdict = judge(found.ran, me, again, found.behind, _latest.alive)
+            if verdict is True:
+                return rows
+            if verdict is not False:  # newer work ran
+                unlock = Ahead((_latest.leave(self._namespace, lock, None),))
+                yield from ending(connection, [lock], now() + limits.margin, unlock)
+                lease.unsure = None
+                raise Replaced(key, verdict.called.local(found.now_us, sent), verdict.ok)
+            if transit < _latest.TRANSIT and (
+                judge(found.ran, me, again, waiting_posts, _latest.alive) is True
+            ):
+                transit += 1  # (only posts that do not wait yet: see _latest)
+            else:
+                again += 1
+            post = _latest.post(self._namespace, lock, called, True, False)
+            ahead: Ahead | None = post
+            if not PIPELINES:
+                ahead = None
+                post.outcome = yield from ask(post.statements[0])
+            answer = yield from waiting(
+                lease, lock, timeout, until, False, False, limits, ahead, again=True
+            )
+            if not isinstance(answer, list):
+                raise self._refusal(key, timeout, until, answer)
+            if not answer:  # timeout=0, and the key was busy
+                lease.unsure = None
+                raise missed((key,), Waited.LINE, timeout)
+            _latest.posted(post.outcome, key)
+            rows = answer
+
+    def _unposting(self, lock: int) -> Generator[Op, Any, None]:
+        """Take this session's post on lock away (a turn of latest work that will not run);
+        a connection that cannot is closed (its session ends, and its locks with it)."""
+        lease = self._lease
+        if lease is None or lease.connection.pgconn.status != _OK:
+            return
+        connection = lease.connection
+        until = now() + self._connections.limits.margin
+        sql = _latest.leave(self._namespace, lock, None)
+        try:
+            answer = yield (ASK, connection, sql, None, False, until)
+        except GeneratorExit:  # (abandoned: its event loop ended; no more ops)
+            raise
+        except BaseException:  # interrupted again: end the session, and its locks with it
+            yield (CLOSE, connection)
+            raise
+        if not isinstance(answer, list):
+            yield (CLOSE, connection)
 
     def _again(
         self,
@@ -358,9 +551,32 @@ class PgSession:
         if connection is None or connection.pgconn.status != _OK:
             grant.lost = True  # the session ended under it
             return
-        held, _ = yield from ending(connection, [grant.lock], now() + self._limits_wait())
+        until = now() + self._limits_wait()
+        held, _ = yield from self._unlocking(connection, [grant], until)
         if held is None or not held[0]:
             grant.lost = True
+
+    def _unlocking(
+        self, connection: Any, grants: list[PostgresGrant], until: float
+    ) -> Generator[Op, Any, Ended]:
+        """Unlock grants' keys (see ending); a grant of latest work first takes its post away
+        and records what ran, in a statement of its own sent ahead of the unlock."""
+        locks = [grant.lock for grant in grants]
+        leaves = tuple(
+            _latest.leave(self._namespace, grant.lock, grant.ran_)
+            for grant in grants
+            if grant.latest
+        )
+        if not leaves:  # (the usual)
+            return (yield from ending(connection, locks, until))
+        ahead = Ahead(leaves)
+        if PIPELINES:
+            ended = yield from ending(connection, locks, until, ahead)
+        else:  # (libpq before 14: a round trip first)
+            ahead.outcome = yield (ASK, connection, b";".join(leaves), None, False, until)
+            ended = yield from ending(connection, locks, until)
+        _latest.left(ahead.outcome, [grant.key for grant in grants if grant.latest])
+        return ended
 
     def _ending(self, error: BaseException | None) -> Generator[Op, Any, None]:
         """End the turn: commit or roll back, unlock every key, give the connection back."""
@@ -382,9 +598,8 @@ class PgSession:
                     connection, locks, error is None, pid, limits
                 )
             elif locks:
-                ended = yield from ending(
-                    connection, locks, now() + self._connections.limits.unreachable_after
-                )
+                until = now() + self._connections.limits.unreachable_after
+                ended = yield from self._unlocking(connection, self._grants, until)
         except BaseException:  # a thread interrupted meanwhile: held until now, so not lost
             ended = ([True] * len(locks), None)
             raise

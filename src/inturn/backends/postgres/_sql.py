@@ -35,11 +35,15 @@ SEQUENCE: Final = "inturn_token"
 #: session the backend readied (see _lines).
 KEYS: Final = "inturn_keys"
 SESSIONS: Final = "inturn_sessions"
+#: The table of latest work shared across processes (see _latest): each waiting turn's
+#: post, by its server session (pid), and what ran last in each line (pid 0).
+LATEST: Final = "inturn_latest"
 
 #: Whether the sequence is there; whether the tables are.
 FIND: Final = (
     f"SELECT to_regclass('{SEQUENCE}') IS NOT NULL,"
     f" to_regclass('{KEYS}') IS NOT NULL AND to_regclass('{SESSIONS}') IS NOT NULL"
+    f" AND to_regclass('{LATEST}') IS NOT NULL"
 ).encode()
 MAKE_SEQUENCE: Final = f"CREATE SEQUENCE IF NOT EXISTS {SEQUENCE} AS bigint".encode()
 #: The tables, as an owner makes them (also what a user who may not is told to run).
@@ -49,6 +53,10 @@ TABLES: Final = (
     " PRIMARY KEY (namespace, lock_id));"
     f" CREATE TABLE IF NOT EXISTS {SESSIONS} (pid int4 PRIMARY KEY, started timestamptz,"
     " host text NOT NULL, client_pid int4 NOT NULL);"
+    f" CREATE TABLE IF NOT EXISTS {LATEST} (namespace text NOT NULL, lock_id int8 NOT NULL,"
+    " pid int4 NOT NULL, clock text NOT NULL, mono int8 NOT NULL, at int8 NOT NULL,"
+    " fresh bool NOT NULL, ok bool NOT NULL, intent bool NOT NULL,"
+    " seen timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (namespace, lock_id, pid));"
 )
 MAKE_TABLES: Final = TABLES.encode()
 
@@ -185,19 +193,29 @@ def resetting(locks: list[int], server_version: int) -> bytes:
 
 
 def waiting(
-    lock: int, timeout: float | None, left: float | None, after: tuple[bytes, bytes] | None
-) -> tuple[bytes, list[bytes | None]]:
+    lock: int,
+    timeout: float | None,
+    left: float | None,
+    after: tuple[bytes, bytes] | None,
+    again: bool = False,
+) -> tuple[bytes, list[bytes | None], bool]:
     """The statement that takes lock within left seconds (None: no bound; ``timeout=0``:
-    at once); its params. ``after``: the session's statement_timeout and lock_timeout
-    once it is done (None: as they are)."""
-    if after is None:
-        if left is None:  # (the usual)
-            return WAIT_UNTIMED, [b"%d" % lock]
-        if timeout == 0:
-            return TRY, [b"%d" % lock, b"0"]
-        return WAIT, [b"%d" % lock, b"%d" % max(1, math.ceil(left * 1000))]
+    at once); its params; whether it is prepared. ``after``: the session's
+    statement_timeout and lock_timeout once it is done (None: as they are); ``again``
+    (never with after: a turn of latest work has no transaction): the session holds lock,
+    and gives it up in the same statement first (it joins the line again: see _latest)."""
+    if left is None and after is None:  # (the usual)
+        return (
+            (_AGAIN_UNTIMED, [b"%d" % lock], False)
+            if again
+            else (WAIT_UNTIMED, [b"%d" % lock], True)
+        )
     limit = b"0" if left is None or timeout == 0 else b"%d" % max(1, math.ceil(left * 1000))
-    return TRY_AFTER if timeout == 0 else WAIT_AFTER, [b"%d" % lock, limit, *after]
+    if again:
+        return _again(timeout), [b"%d" % lock] if timeout == 0 else [b"%d" % lock, limit], False
+    if after is None:
+        return TRY if timeout == 0 else WAIT, [b"%d" % lock, limit], True
+    return TRY_AFTER if timeout == 0 else WAIT_AFTER, [b"%d" % lock, limit, *after], True
 
 
 def unlocking(locks: list[int]) -> tuple[bytes, list[bytes | None]]:
@@ -216,6 +234,109 @@ def undoing(lock: int) -> list[bytes | None]:
     """The parameters of UNDO for lock: its id, and how pg_locks shows it."""
     classid, objid = lock_parts(lock)
     return [str(lock).encode(), str(classid).encode(), str(objid).encode()]
+
+
+# -- latest work shared across processes (see _latest) ----------------------------------
+
+#: The server's clock, in µs (what a post's ``at`` is on).
+_NOW_US: Final = "(extract(epoch FROM clock_timestamp()) * 1000000)::int8"
+
+
+def intent(lock: int) -> tuple[int, int]:
+    """The two int4 of lock's *intent* lock: a shared advisory lock that a turn of latest work
+    holds from its post on, which ``pg_locks`` shows as lock's ``classid`` and ``objid`` with
+    ``objsubid = 2`` (see _latest)."""
+    high, low = lock_parts(lock)
+    return high - (high >> 31 << 32), low - (low >> 31 << 32)
+
+
+def posting(
+    namespace: str, lock: int, clock: str, mono: int, age: int, fresh: bool, first: bool
+) -> bytes:
+    """The statement that posts this session's turn of latest work on lock: its call made at
+    mono on the host whose clock id is clock (alphanumeric), ``age`` µs ago; ``first``: its
+    first post, which takes the intent lock too. For an :class:`~._wire.Ahead` (no
+    parameters; namespace: letters, digits and ``_.:-`` only, as PostgresBackend checks)."""
+    high, low = intent(lock)
+    taken = f"pg_try_advisory_lock_shared({high:d}, {low:d})" if first else "false"
+    return (
+        f"INSERT INTO {LATEST} (namespace, lock_id, pid, clock, mono, at, fresh, ok, intent)"
+        f" SELECT '{namespace}', {lock:d}, pg_backend_pid(), '{clock}', {mono:d},"
+        f" {_NOW_US} - {age:d}, {str(fresh).lower()}, false, {taken}"
+        " ON CONFLICT (namespace, lock_id, pid) DO UPDATE SET clock = excluded.clock,"
+        " mono = excluded.mono, at = excluded.at, fresh = excluded.fresh"
+        + (", intent = excluded.intent" if first else "")
+    ).encode()
+
+
+def leaving(namespace: str, lock: int, ran: tuple[str, int, int, bool] | None) -> bytes:
+    """The statement that takes this session's post on lock away (and lets its intent lock
+    go), and records what ran (``ran``: its call's clock id, time and age in µs, and whether
+    it returned), if it ran. For an :class:`~._wire.Ahead`, as :func:`posting`."""
+    mine = f"namespace = '{namespace}' AND lock_id = {lock:d}"
+    high, low = intent(lock)
+    record = ""
+    if ran is not None:
+        clock, mono, age, ok = ran
+        record = (
+            f", ran AS (INSERT INTO {LATEST} (namespace, lock_id, pid, clock, mono, at, fresh,"
+            f" ok, intent) VALUES ('{namespace}', {lock:d}, 0, '{clock}', {mono:d},"
+            f" {_NOW_US} - {age:d}, false, {str(ok).lower()}, false)"
+            " ON CONFLICT (namespace, lock_id, pid) DO UPDATE SET clock = excluded.clock,"
+            " mono = excluded.mono, at = excluded.at, ok = excluded.ok, seen = now())"
+        )
+    return (
+        f"WITH gone AS (DELETE FROM {LATEST} WHERE {mine} AND pid = pg_backend_pid()"
+        f" RETURNING intent){record}"
+        f" SELECT pg_advisory_unlock_shared({high:d}, {low:d}) FROM gone WHERE intent"
+    ).encode()
+
+
+#: What a turn of latest work judges by, its turn come ($1: the namespace, $2: the lock,
+#: $3 and $4: its classid and objid): the server's clock (first row: 0, µs), what ran last
+#: (a row 1, if any: at, clock, mono, ok), and the post of each other session that waits
+#: for the lock or holds its intent lock (rows 2: at, clock, mono, fresh, whether it waits).
+JUDGE: Final = (
+    f"SELECT 0, {_NOW_US}, NULL::text, NULL::int8, NULL::bool, NULL::bool"
+    f" UNION ALL SELECT 1, at, clock, mono, ok, NULL FROM {LATEST}"
+    " WHERE namespace = $1 AND lock_id = $2 AND pid = 0"
+    f" UNION ALL SELECT 2, p.at, p.clock, p.mono, p.fresh, w.waits FROM {LATEST} p JOIN ("
+    "  SELECT l.pid, bool_or(l.objsubid = 1) AS waits FROM pg_locks l"
+    "  WHERE l.locktype = 'advisory' AND l.classid = $3::oid AND l.objid = $4::oid"
+    "  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+    "  AND ((l.objsubid = 1 AND NOT l.granted) OR (l.objsubid = 2 AND l.granted))"
+    "  GROUP BY l.pid) w ON w.pid = p.pid"
+    " WHERE p.namespace = $1 AND p.lock_id = $2 AND p.pid <> 0 AND p.pid <> pg_backend_pid()"
+).encode()
+
+
+def judging(namespace: str, lock: int) -> list[bytes | None]:
+    """The parameters of JUDGE."""
+    classid, objid = lock_parts(lock)
+    return [namespace.encode(), b"%d" % lock, b"%d" % classid, b"%d" % objid]
+
+
+# A turn joining its line again: its lock given up and asked for again in one statement,
+# so that it waits again the moment it let go (see _latest). Unprepared: rare.
+_GIVEN: Final = " FROM (SELECT pg_advisory_unlock($1) OFFSET 0) AS given OFFSET 0"
+_AGAIN_UNTIMED: Final = (
+    _TOKEN + " FROM (SELECT pg_advisory_lock($1)" + _GIVEN + ") AS granted"
+).encode()
+
+
+def _again(timeout: float | None) -> bytes:
+    """The statement that gives lock up and waits for it again, as WAIT (or TRY)."""
+    if timeout == 0:
+        return (
+            _TOKEN + " FROM (SELECT pg_try_advisory_lock($1) AS got" + _GIVEN + ") AS tried"
+            " WHERE got"
+        ).encode()
+    return (
+        _TOKEN + " FROM (SELECT set_config('lock_timeout', '0', true) FROM ("
+        "SELECT pg_advisory_lock($1) FROM (SELECT set_config('lock_timeout', $2, true)"
+        + _GIVEN
+        + ") AS settings OFFSET 0) AS granted OFFSET 0) AS unbounded"
+    ).encode()
 
 
 # -- what lines() reads, and what the backend records for it (see _lines) ---------------
@@ -247,6 +368,12 @@ _TIDY: Final = (
     (
         f"DELETE FROM {SESSIONS} WHERE pid NOT IN"
         " (SELECT pid FROM pg_stat_activity WHERE pid IS NOT NULL)"
+    ).encode(),
+    (
+        f"DELETE FROM {LATEST} WHERE CASE WHEN pid = 0"
+        f" THEN seen < now() - interval '{2 * RECORD_EVERY} seconds'"
+        f" AND lock_id NOT IN (SELECT {_LOCK_ID} FROM pg_locks l WHERE {_ADVISORY})"
+        " ELSE pid NOT IN (SELECT pid FROM pg_stat_activity WHERE pid IS NOT NULL) END"
     ).encode(),
 )
 

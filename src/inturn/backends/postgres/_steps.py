@@ -138,6 +138,7 @@ def waiting(
     last: bool,
     limits: Limits,
     ahead: Ahead | None = None,
+    again: bool = False,
 ) -> Generator[Op, Any, Outcome | None]:
     """Wait for lock on the lease's connection, by ``until``: the outcome of the waiting
     statement (rows: granted; an error: not granted, and given back if it may have
@@ -146,8 +147,10 @@ def waiting(
 
     ``held``: the session holds lock already (two keys of one digest); ``last``: the
     last key of a transaction turn, whose work gets the role's timeouts back;
-    ``ahead``: statements sent ahead of the wait in its round trip (the key's record),
-    whose outcome, if it came, is in it when this returns (or raises).
+    ``ahead``: statements sent ahead of the wait in its round trip (the key's record, or
+    a post of latest work), whose outcome, if it came, is in it when this returns (or
+    raises); ``again``: the session holds lock, and gives it up as the wait begins (a turn
+    of latest work joins its line again, see _latest).
     The lock is never kept when this does not return rows: a wait that failed after
     its grant, or that was given up on (no answer, an interrupt), is called off by
     :func:`giving_back`, within the margin. ``lease.unsure`` names the lock while
@@ -165,11 +168,13 @@ def waiting(
         check += limits.unreachable_after
         if bound < check:
             check = bound
-    sql, params = _sql.waiting(lock, timeout, left, ready.role_timeouts if last else None)
+    sql, params, prepared = _sql.waiting(
+        lock, timeout, left, ready.role_timeouts if last else None, again
+    )
     answer: Outcome | None
     lease.unsure = (lock, held)  # (until the outcome is taken: by the caller, if rows)
     try:
-        answer = yield (ASK, connection, sql, params, True, check, ahead)
+        answer = yield (ASK, connection, sql, params, prepared, check, ahead)
         if answer is None:
             answer = yield from checking(ready.pid, bound, limits)
     except GeneratorExit:  # (abandoned: its event loop ended; no more ops)
@@ -242,16 +247,20 @@ def giving_back(
 Ended = tuple[list[bool] | None, int | None]
 
 
-def ending(connection: Any, locks: list[int], until: float) -> Generator[Op, Any, Ended]:
+def ending(
+    connection: Any, locks: list[int], until: float, ahead: Ahead | None = None
+) -> Generator[Op, Any, Ended]:
     """Unlock locks: the end of a turn, or a grant given back early.
 
     A session that is gone, or could not answer by until, is ended here (a
     connection is never kept holding a lock); whether its keys were held
-    until now is then unknown.
+    until now is then unknown. ``ahead``: statements sent ahead of the unlock
+    in its round trip (what latest work ran, see _latest), whose outcome is
+    in it when this returns.
     """
     sql, params = _sql.unlocking(locks)
     try:
-        answer = yield (ASK, connection, sql, params, True, until)
+        answer = yield (ASK, connection, sql, params, True, until, ahead)
         if isinstance(answer, errors.InvalidSqlStatementName):  # deallocated (a pool's reset)
             params = _sql.unlocking_array(locks)
             answer = yield (ASK, connection, _sql.UNLOCK_SQL, params, False, until)
