@@ -23,6 +23,7 @@ from inturn.backends import LocalBackend
 from inturn.backends.file import FileBackend
 from inturn.backends.file._latest import judge
 from inturn.backends.file._linefile import Post, Ran, joined, parse, ran_record, render
+from inturn.backends.postgres import PostgresBackend
 from inturn.backends.redis import RedisBackend
 
 from support.file_checks import line_file
@@ -201,10 +202,13 @@ def test_threads_of_several_processes_run_the_newest_once(shared: Shared) -> Non
         wait_until(lambda n=n: posts(shared) == n // 2 + 1, f"call {n} is in line")
         wait_until(lambda q=queue, n=n: q.pending("k") == n % 2, f"call {n} waits")
     loop.run_until_complete(holder.release())
+    loop.run_until_complete(holder.queue.aclose())
     loop.run_until_complete(loop.shutdown_asyncgens())  # (a Redis backend's share ends here)
     loop.close()
     for thread in threads:
         thread.join(PATIENCE)
+    for queue in queues:  # (the threads' connections: PostgreSQL keeps them between turns)
+        asyncio.run(queue.aclose())
     assert ran == ["3"]
     assert outcomes["0"] is None
     assert outcomes["1"] is None
@@ -250,7 +254,9 @@ async def test_per_process_conflation_stays_the_default(shared: Shared) -> None:
 
 @pytest.mark.parametrize("backend", [None, LocalBackend()])
 def test_across_processes_needs_a_backend_that_keeps_it(backend: Any) -> None:
-    with pytest.raises(ValueError, match=r'across="processes" .* FileBackend'):
+    with pytest.raises(
+        ValueError, match=r'across="processes" .*\(FileBackend, RedisBackend, PostgresBackend\)'
+    ):
         KeyedQueue(backend=backend, pending="latest", across="processes")
 
 
@@ -401,10 +407,11 @@ def test_a_grant_it_had_before_it_joined_again_never_wakes_it() -> None:
         loop.close()
 
 
+@pytest.mark.parametrize("server", ["redis", "postgres"])
 async def test_lines_shows_when_the_latest_work_of_each_member_was_called(
-    redis_url: str, namespace: str
+    request: pytest.FixtureRequest, server: str, namespace: str
 ) -> None:
-    shared = Shared(Path(), redis_url, namespace)
+    shared = Shared(Path(), request.getfixturevalue(f"{server}_url"), namespace)
     holder = Holder(shared)
     await holder.hold()
     queue = latest(shared)
@@ -415,13 +422,13 @@ async def test_lines_shows_when_the_latest_work_of_each_member_was_called(
     calls.append(asyncio.create_task(plain.run("k", Runs().work("plain"))))
     await settle(lambda: shared.members() == 3)
     backend = queue.backend
-    assert isinstance(backend, RedisBackend)
+    assert isinstance(backend, RedisBackend | PostgresBackend)
     (line,) = await backend.lines()
     assert line.holder is not None
     assert line.holder.latest_called is None
     post, other = line.waiters
     assert post.latest_called is not None
-    assert 0 <= post.latest_called <= time.monotonic() - called + 0.5  # (Redis's clock, ms)
+    assert 0 <= post.latest_called <= time.monotonic() - called + 0.5  # (the server's clock)
     assert other.latest_called is None
     await holder.release()
     assert await asyncio.gather(*calls) == ["latest", "plain"]

@@ -29,7 +29,7 @@ class HolderInfo:
     #: ``pg_stat_activity`` and ``pg_terminate_backend()`` know it.
     server_pid: int | None = None
     #: Seconds since the latest work it holds for was called, if it is a process's latest
-    #: work shared across processes (``across="processes"``: file, Redis); else None.
+    #: work shared across processes (``across="processes"``); else None.
     latest_called: float | None = None
 
 
@@ -49,7 +49,7 @@ class WaiterInfo:
     #: The server process of the session that waits (PostgreSQL).
     server_pid: int | None = None
     #: Seconds since the latest work it waits for was called, if it is a process's latest
-    #: work shared across processes (``across="processes"``: file, Redis); else None.
+    #: work shared across processes (``across="processes"``); else None.
     latest_called: float | None = None
 
 

@@ -213,7 +213,14 @@ async def snapshot(connections: Asking, namespace: str) -> list[LineInfo]:
     """Every line of namespace that someone holds or waits for, sorted by key (see
     PostgresBackend.lines)."""
     found: dict[int, tuple[bytes, list[tuple[Any, ...]]]] = {}
-    for row in await _asked(connections, _sql.LINES, [namespace]):
+    try:
+        rows = await _asked(connections, _sql.LINES_LATEST, [namespace])
+    except BackendUnavailable as error:
+        if not isinstance(error.__cause__, errors.UndefinedTable | errors.InsufficientPrivilege):
+            raise
+        # (no inturn_latest, or no right to read it: an owner of an older version's tables)
+        rows = [(*row, None) for row in await _asked(connections, _sql.LINES, [namespace])]
+    for row in rows:
         found.setdefault(row[0], (bytes(row[1]), []))[1].append(row[2:])
     lines = []
     for name, sessions in found.values():
@@ -223,12 +230,13 @@ async def snapshot(connections: Asking, namespace: str) -> list[LineInfo]:
             continue  # (not a name this backend wrote)
         holder = None
         waiters = []
-        for granted, server_pid, host, pid, seconds, ahead in sessions:
+        for granted, server_pid, host, pid, seconds, ahead, called in sessions:
             since = max(0.0, seconds or 0.0)
+            ago = None if called is None else max(0.0, called)
             if granted:
-                holder = HolderInfo(host, pid or 0, since, server_pid=server_pid)
+                holder = HolderInfo(host, pid or 0, since, server_pid=server_pid, latest_called=ago)
             else:
-                waiter = WaiterInfo(host, pid or 0, since, server_pid=server_pid)
+                waiter = WaiterInfo(host, pid or 0, since, server_pid=server_pid, latest_called=ago)
                 waiters.append((ahead or 0, -since, waiter))
         waiters.sort(key=lambda waiter: waiter[:2])
         lines.append(LineInfo(key, holder, tuple(waiter[2] for waiter in waiters)))

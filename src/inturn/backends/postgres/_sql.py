@@ -435,6 +435,16 @@ LINES: Final = (
     f" WHERE {_ADVISORY}"
 )
 
+#: LINES, and for each session, seconds since the latest work it waits for (or holds) was
+#: called, if it posted (NULL otherwise): a table of its own, which an owner of an older
+#: version may not have made yet (then LINES is asked).
+LINES_LATEST: Final = LINES.replace(
+    " FROM pg_locks l",
+    f", (SELECT ({_NOW_US} - p.at) / 1e6 FROM {LATEST} p WHERE p.namespace = k.namespace"
+    " AND p.lock_id = k.lock_id AND p.pid = l.pid)::float8 FROM pg_locks l",
+    1,
+)
+
 #: The namespaces whose keys someone holds or waits for now (psycopg's execute).
 NAMESPACES: Final = (
     f"SELECT DISTINCT k.namespace FROM pg_locks l JOIN {KEYS} k ON k.lock_id = {_LOCK_ID}"
