@@ -8,11 +8,11 @@ locks (see ``_sql``):
   session (``pid``) with when its process's newest work was called, and
   whether the post is fresh. Its first post also takes the key's *intent
   lock*, a shared advisory lock that the session holds until the turn ends.
-- A post counts while its session waits for the key's lock, or holds its
-  intent lock (``pg_locks`` says so): a session ends with its client's
-  process (the server sees the socket close; a waiter, within
-  ``client_connection_check_interval``), and its locks with it, so a post of
-  a process that died no longer counts.
+- A post counts while its session holds the key's intent lock (or, if its
+  post could not take it, waits for the key's lock: ``pg_locks`` says so).
+  A session ends with its client's process (the server sees the socket
+  close; a waiter, within ``client_connection_check_interval``), and its
+  locks with it, so a post of a process that died no longer counts.
 - What ran last is the row of pid 0, written by the holder's release in a
   statement of its own before the unlock, so every turn granted after it
   reads it. It stays when the line empties (tidied with the key's name).
@@ -102,8 +102,19 @@ def left(outcome: Outcome | None, keys: list[Hashable]) -> None:
     )
 
 
-def judged(rows: Rows) -> tuple[Judged, list[Post]]:
-    """JUDGE's rows, read: what the turn judges by, and the posts among them that wait."""
+def judged(outcome: Outcome, key: Hashable) -> tuple[Judged, list[Post]]:
+    """JUDGE's rows, read: what the turn judges by, and the posts among them that wait.
+
+    :raises ~inturn.BackendUnavailable: JUDGE failed (the table is missing, or
+        this user may not read it); the work did not run.
+    """
+    if not isinstance(outcome, list):
+        raise BackendUnavailable(
+            f"inturn: PostgreSQL could not read the latest work for key {show(key)} in the "
+            f"table {_sql.LATEST} ({said(outcome)}); if the table is missing or this user "
+            f"may not read it, {_FIX}; the work did not run"
+        )
+    rows: Rows = outcome
     now_us = 0
     ran = None
     behind: list[Post] = []

@@ -445,7 +445,7 @@ class PgSession:
         again = transit = 0
         while True:
             sent = time.monotonic_ns()
-            found, waiting_posts = _latest.judged((yield from ask(_sql.JUDGE, params)))
+            found, waiting_posts = _latest.judged((yield from ask(_sql.JUDGE, params)), key)
             called = newest()
             me = found.me(called, sent)
             verdict = judge(found.ran, me, again, found.behind, _latest.alive)

@@ -294,18 +294,22 @@ def leaving(namespace: str, lock: int, ran: tuple[str, int, int, bool] | None) -
 
 #: What a turn of latest work judges by, its turn come ($1: the namespace, $2: the lock,
 #: $3 and $4: its classid and objid): the server's clock (first row: 0, µs), what ran last
-#: (a row 1, if any: at, clock, mono, ok), and the post of each other session that waits
-#: for the lock or holds its intent lock (rows 2: at, clock, mono, fresh, whether it waits).
+#: (a row 1, if any: at, clock, mono, ok), and the post of each other session in line
+#: (rows 2: at, clock, mono, fresh, whether it waits for the lock). A session is in line
+#: while it holds the key's intent lock (every turn of latest work does, from its post to
+#: its end), or, if its post could not take it, while it waits for the lock: a post left
+#: by a session that ended never counts, even if another session gets its pid.
 JUDGE: Final = (
     f"SELECT 0, {_NOW_US}, NULL::text, NULL::int8, NULL::bool, NULL::bool"
     f" UNION ALL SELECT 1, at, clock, mono, ok, NULL FROM {LATEST}"
     " WHERE namespace = $1 AND lock_id = $2 AND pid = 0"
     f" UNION ALL SELECT 2, p.at, p.clock, p.mono, p.fresh, w.waits FROM {LATEST} p JOIN ("
-    "  SELECT l.pid, bool_or(l.objsubid = 1) AS waits FROM pg_locks l"
+    "  SELECT l.pid, bool_or(l.objsubid = 1) AS waits, bool_or(l.objsubid = 2) AS intends"
+    "  FROM pg_locks l"
     "  WHERE l.locktype = 'advisory' AND l.classid = $3::oid AND l.objid = $4::oid"
     "  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
     "  AND ((l.objsubid = 1 AND NOT l.granted) OR (l.objsubid = 2 AND l.granted))"
-    "  GROUP BY l.pid) w ON w.pid = p.pid"
+    "  GROUP BY l.pid) w ON w.pid = p.pid AND (w.intends OR (w.waits AND NOT p.intent))"
     " WHERE p.namespace = $1 AND p.lock_id = $2 AND p.pid <> 0 AND p.pid <> pg_backend_pid()"
 ).encode()
 
