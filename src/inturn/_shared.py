@@ -117,7 +117,10 @@ class Shared:
         ``own``: the session should have a connection of its own; ``ticket``:
         a conflating call's (its key is taken as latest work: see latest_line).
         """
-        session = None if self.transaction else self._lender()
+        # (a transaction's, and latest work shared across processes, which may end its
+        # connection when it gives up, have a session of their own)
+        shared = ticket is not None and ticket.policy.shared
+        session = None if self.transaction or shared else self._lender()
         self.owns = session is None
         if session is None:
             opener = cast("SessionBackend", backend)

@@ -51,3 +51,17 @@ def lock_parts(lock: int) -> tuple[int, int]:
     """``(classid, objid)``: how ``pg_locks`` shows the advisory lock ``lock`` (objsubid 1)."""
     unsigned = lock & 0xFFFF_FFFF_FFFF_FFFF
     return unsigned >> 32, unsigned & 0xFFFF_FFFF
+
+
+#: The fate locks' personalisation (see fate_id).
+_FATE = b"inturn-pg-fate-1"
+
+
+def fate_id(lock: int, pid: int) -> int:
+    """The advisory lock id of the *fate lock* of server session pid's turn of latest work
+    on lock (see _latest): a signed 64-bit integer, apart from every key's (a digest of its
+    own, as likely to meet a key's id as two keys are)."""
+    digest = hashlib.blake2b(digest_size=8, person=_FATE)
+    digest.update(lock.to_bytes(8, "big", signed=True))
+    digest.update(pid.to_bytes(4, "big"))
+    return int.from_bytes(digest.digest(), "big", signed=True)

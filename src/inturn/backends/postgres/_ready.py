@@ -54,7 +54,7 @@ class Ready:
 class Readiness:
     """Which connections of a backend are readied, and the steps that ready one."""
 
-    __slots__ = ("_made", "_pooled", "limits", "names", "owner")
+    __slots__ = ("_made", "_pooled", "limits", "names", "owner", "posted")
 
     def __init__(self, limits: Limits, owner: str) -> None:
         self.limits = limits
@@ -63,6 +63,9 @@ class Readiness:
         self._pooled = False  # a pooler was seen between the backend and the server
         #: What this process recorded for lines() (see _lines).
         self.names = Names(owner)
+        #: Whether a post of latest work went through (see _latest): until then, and after
+        #: one failed, a first post takes a round trip of its own before its wait.
+        self.posted = False
 
     def sequence_gone(self) -> None:
         """The sequence of tokens vanished (a restore): make it again at the next ready."""

@@ -30,7 +30,7 @@ from .._base import Replaced
 from .._judge import judge
 from . import _latest, _sql
 from ._drive import Run, drive_sync
-from ._keys import lock_id
+from ._keys import fate_id, lock_id
 from ._lines import Record
 from ._places import Lease
 from ._ready import logger
@@ -373,6 +373,8 @@ class PgSession:
         if isinstance(ahead, Record):
             remake = connections.ready.names.recorded(key, lock, ahead)
         if not isinstance(answer, list):
+            if ahead is not None:
+                ahead.after = None  # (what was sent behind ran after the wait that failed)
             answer = yield from self._again(key, lock, timeout, until, held, last, answer)
         if not answer:  # timeout=0, and the key was busy
             lease.unsure = None
@@ -399,25 +401,64 @@ class PgSession:
         grant it runs on. A turn that will not run takes its post away."""
         lease = self._lease
         assert lease is not None
-        post = _latest.post(self._namespace, lock, newest(), False, True)
+        assert lease.ready is not None
+        pid = lease.ready.pid
         try:
-            ahead: Ahead | None = post
-            if not PIPELINES:  # (libpq before 14: a round trip first)
-                ahead = None
-                ask = self._connections.ready.asking(
-                    lease.connection, key, timeout, until, True, "posting latest work"
-                )
-                post.outcome = yield from ask(post.statements[0])
-            answer = yield from self._waited(key, lock, timeout, until, ahead, remake)
-            _latest.posted(post.outcome, key)
-            return (yield from self._judging(key, lock, timeout, until, newest, answer))
+            ahead = yield from self._posting(key, lock, timeout, until, newest(), pid)
+            rows = yield from self._waited(key, lock, timeout, until, ahead, remake)
+            judged = self._posts(ahead, key)
+            return (yield from self._judging(key, lock, timeout, until, newest, rows, judged))
         except GeneratorExit:  # (abandoned: its event loop ended; no more ops)
             raise
         except Replaced:
-            raise  # (its post was taken away with the key: see _judging)
+            raise  # (its post was taken away: see _judging)
         except BaseException:
-            yield from self._unposting(lock)
+            yield from self._unposting(lock, pid)
             raise
+
+    def _posting(
+        self,
+        key: Hashable,
+        lock: int,
+        timeout: float | None,
+        until: float | None,
+        called: int,
+        first: int | None,
+    ) -> Generator[Op, Any, Ahead | None]:
+        """This session's post (``first``: its turn's first, by server session first, which
+        takes the locks), and its JUDGE behind: to send with its wait.
+
+        A first post goes in a round trip of its own until one went through
+        (the table missing, or a right, is said before the wait; a table
+        dropped meanwhile is made again), as every post does without
+        pipelines (libpq before 14, when the JUDGE goes after the wait: None).
+        """
+        fate = None if first is None else fate_id(lock, first)
+        statement = _latest.post(self._namespace, lock, called, first is None, fate)
+        ready = self._connections.ready
+        behind = (_sql.judging(self._namespace, lock),)
+        if PIPELINES and (first is None or ready.posted):
+            return Ahead((statement,), behind)
+        assert self._lease is not None
+        ask = ready.asking(self._lease.connection, key, timeout, until, True, "posting latest work")
+        outcome = yield from ask(statement)
+        if isinstance(outcome, errors.UndefinedTable):  # (dropped: made again, if it may)
+            ready.names.made((yield from ask(_sql.MAKE_TABLES)))
+            outcome = yield from ask(statement)
+        _latest.posted(outcome, key)
+        ready.posted = True
+        return Ahead((), behind) if PIPELINES else None
+
+    def _posts(self, ahead: Ahead | None, key: Hashable) -> Outcome | None:
+        """What was sent behind a wait (its JUDGE), once its post went through (see
+        _latest.posted; one that failed sends the next first post alone, see _posting)."""
+        if ahead is None:
+            return None
+        if ahead.statements:
+            if not isinstance(ahead.outcome, list):
+                self._connections.ready.posted = False
+            _latest.posted(ahead.outcome, key)
+        return ahead.after
 
     def _judging(
         self,
@@ -427,68 +468,110 @@ class PgSession:
         until: float | None,
         newest: Newest,
         rows: Rows,
+        judged: Outcome | None,
     ) -> Generator[Op, Any, Rows]:
-        """A turn of latest work, granted (rows): judge; the rows of the grant it runs on
-        (it may join the line again first).
+        """A turn of latest work, granted (rows; judged: its JUDGE's outcome, if it was sent
+        behind the wait): judge, by the backends' rule; the rows of the grant it runs on.
 
-        :raises ~inturn.backends.Replaced: newer work ran; the key and the post
-            were given back.
+        Where the rule says to join the line again behind newer work, the turn
+        stands by on the newest's fate lock, and once that turn ended, is
+        answered (newer work ran) or joins the key's line again (see _latest).
+
+        :raises ~inturn.backends.Replaced: newer work ran; the post (and the key,
+            if it held it) was given back.
         """
         lease = self._lease
         assert lease is not None
-        connection = lease.connection
+        assert lease.ready is not None
+        connection, pid = lease.connection, lease.ready.pid
         limits = self._connections.limits
         ask = self._connections.ready.asking(
             connection, key, timeout, until, True, "judging latest work"
         )
-        params = _sql.judging(self._namespace, lock)
-        again = transit = 0
+        again = dying = 0
+        holding = True  # (False: it stood by, and holds no key)
+        target: int | None = None  # the server session of the turn it stood by behind
         while True:
-            sent = time.monotonic_ns()
-            found, waiting_posts = _latest.judged((yield from ask(_sql.JUDGE, params)), key)
-            called = newest()
-            me = found.me(called, sent)
-            verdict = judge(found.ran, me, again, found.behind, _latest.alive)
-            if verdict is True:
-                return rows
-            if verdict is not False:  # newer work ran
-                unlock = Ahead((_latest.leave(self._namespace, lock, None),))
-                yield from ending(connection, [lock], now() + limits.margin, unlock)
-                lease.unsure = None
-                raise Replaced(key, verdict.called.local(found.now_us, sent), verdict.ok)
-            if transit < _latest.TRANSIT and (
-                judge(found.ran, me, again, waiting_posts, _latest.alive) is True
+            if judged is None or isinstance(judged, Exception):  # (not sent behind)
+                judged = yield from ask(_sql.judging(self._namespace, lock))
+            found, behind = _latest.judged(judged, key)
+            called, seen = newest(), time.monotonic_ns()
+            me = found.me(called, seen)
+            if (
+                target is not None
+                and dying < _latest.DYING
+                and any(waiting.pid == target for waiting in behind)
             ):
-                transit += 1  # (only posts that do not wait yet: see _latest)
-            else:
+                dying += 1  # (its session is ending: see _latest)
+                again -= 1  # (standing by behind it again is not counted)
+            verdict = judge(found.ran, me, again, found.behind, _latest.alive)
+            if not isinstance(verdict, bool):  # newer work ran
+                yield from self._leaving(lock, pid, holding)
+                raise Replaced(key, verdict.called.local(found.now_us, seen), verdict.ok)
+            if verdict and holding:
+                return rows
+            newer = [waiting for waiting in behind if waiting.post.called > me]
+            ahead = yield from self._posting(key, lock, timeout, until, called, None)
+            if not verdict:
                 again += 1
-            post = _latest.post(self._namespace, lock, called, True, False)
-            ahead: Ahead | None = post
-            if not PIPELINES:
-                ahead = None
-                post.outcome = yield from ask(post.statements[0])
-            answer = yield from waiting(
-                lease, lock, timeout, until, False, False, limits, ahead, again=True
-            )
-            if not isinstance(answer, list):
-                raise self._refusal(key, timeout, until, answer)
-            if not answer:  # timeout=0, and the key was busy
+            if not verdict and newer and timeout != 0:
+                # stand by until the newest turn behind ends
+                target = _latest.newest_of(newer).pid
+                left = None if until is None else max(0.0, until - now())
+                sql = _sql.standing_by(lock if holding else None, fate_id(lock, target), left)
                 lease.unsure = None
-                raise missed((key,), Waited.LINE, timeout)
-            _latest.posted(post.outcome, key)
-            rows = answer
+                answer = yield from _latest.standing_by(connection, pid, sql, ahead, until, limits)
+                if not isinstance(answer, list | errors.DeadlockDetected):
+                    raise self._refusal(key, timeout, until, answer)
+                holding = False
+            else:  # join the key's line again (giving it up first, in the same statement)
+                answer = yield from waiting(
+                    lease, lock, timeout, until, False, False, limits, ahead, again=holding
+                )
+                if not isinstance(answer, list):
+                    raise self._refusal(key, timeout, until, answer)
+                if not answer:  # timeout=0, and the key was busy
+                    lease.unsure = None
+                    raise missed((key,), Waited.LINE, timeout)
+                holding, rows, target = True, answer, None
+            judged = self._posts(ahead, key)
 
-    def _unposting(self, lock: int) -> Generator[Op, Any, None]:
-        """Take this session's post on lock away (a turn of latest work that will not run);
-        a connection that cannot is closed (its session ends, and its locks with it)."""
+    def _leaving(self, lock: int, pid: int, holding: bool) -> Generator[Op, Any, None]:
+        """A turn of latest work that will not run: its post away, and the key if it holds
+        it, in one round trip; its locks go after."""
+        lease = self._lease
+        assert lease is not None
+        if not holding:
+            yield from self._unposting(lock, pid)
+            return
+        until = now() + self._connections.limits.margin
+        leave = _latest.leave(self._namespace, lock, None)
+        let_go = _latest.let_go(lock, pid)
+        if PIPELINES:
+            yield from ending(lease.connection, [lock], until, Ahead((leave,), (let_go,)))
+        else:
+            yield from self._unposting(lock, pid)
+            yield from ending(lease.connection, [lock], until)
+        lease.unsure = None
+
+    def _unposting(self, lock: int, pid: int) -> Generator[Op, Any, None]:
+        """Take this session's post on lock away, then let its locks go (a turn of latest
+        work that will not run); a connection that cannot is closed (its session ends, and
+        its locks with it)."""
         lease = self._lease
         if lease is None or lease.connection.pgconn.status != _OK:
             return
         connection = lease.connection
         until = now() + self._connections.limits.margin
-        sql = _latest.leave(self._namespace, lock, None)
+        leave = _latest.leave(self._namespace, lock, None)
+        let_go = _latest.let_go(lock, pid)
         try:
-            answer = yield (ASK, connection, sql, None, False, until)
+            if PIPELINES:
+                answer = yield (ASK, connection, let_go, None, False, until, Ahead((leave,)))
+            else:
+                answer = yield (ASK, connection, leave, None, False, until)
+                if isinstance(answer, list):
+                    answer = yield (ASK, connection, let_go, None, False, until)
         except GeneratorExit:  # (abandoned: its event loop ended; no more ops)
             raise
         except BaseException:  # interrupted again: end the session, and its locks with it
@@ -560,22 +643,25 @@ class PgSession:
         self, connection: Any, grants: list[PostgresGrant], until: float
     ) -> Generator[Op, Any, Ended]:
         """Unlock grants' keys (see ending); a grant of latest work first takes its post away
-        and records what ran, in a statement of its own sent ahead of the unlock."""
+        and records what ran, in a statement of its own sent ahead of the unlock, and lets
+        its intent lock and fate lock go behind it (see _latest)."""
         locks = [grant.lock for grant in grants]
-        leaves = tuple(
-            _latest.leave(self._namespace, grant.lock, grant.ran_)
-            for grant in grants
-            if grant.latest
-        )
-        if not leaves:  # (the usual)
+        latest = [grant for grant in grants if grant.latest]
+        if not latest:  # (the usual)
             return (yield from ending(connection, locks, until))
-        ahead = Ahead(leaves)
+        ahead = Ahead(
+            tuple(_latest.leave(self._namespace, grant.lock, grant.ran_) for grant in latest),
+            tuple(_latest.let_go(grant.lock, self._pid) for grant in latest),
+        )
         if PIPELINES:
             ended = yield from ending(connection, locks, until, ahead)
-        else:  # (libpq before 14: a round trip first)
-            ahead.outcome = yield (ASK, connection, b";".join(leaves), None, False, until)
+        else:  # (libpq before 14: a round trip before, one after)
+            ahead.outcome = yield (ASK, connection, b";".join(ahead.statements), None, False, until)
             ended = yield from ending(connection, locks, until)
-        _latest.left(ahead.outcome, [grant.key for grant in grants if grant.latest])
+            ahead.after = yield (ASK, connection, b";".join(ahead.behind), None, False, until)
+        _latest.left(ahead.outcome, [grant.key for grant in latest])
+        if not isinstance(ahead.after, list) and connection.pgconn.status == _OK:
+            yield (CLOSE, connection)  # (its locks did not go: they go with its session)
         return ended
 
     def _ending(self, error: BaseException | None) -> Generator[Op, Any, None]:

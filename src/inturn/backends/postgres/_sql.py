@@ -251,73 +251,114 @@ def intent(lock: int) -> tuple[int, int]:
 
 
 def posting(
-    namespace: str, lock: int, clock: str, mono: int, age: int, fresh: bool, first: bool
+    namespace: str,
+    lock: int,
+    clock: str,
+    mono: int,
+    age: int,
+    fresh: bool,
+    fate: int | None,
 ) -> bytes:
     """The statement that posts this session's turn of latest work on lock: its call made at
-    mono on the host whose clock id is clock (alphanumeric), ``age`` µs ago; ``first``: its
-    first post, which takes the intent lock too. For an :class:`~._wire.Ahead` (no
-    parameters; namespace: letters, digits and ``_.:-`` only, as PostgresBackend checks)."""
-    high, low = intent(lock)
-    taken = f"pg_try_advisory_lock_shared({high:d}, {low:d})" if first else "false"
+    mono on the host whose clock id is clock (alphanumeric), ``age`` µs ago. ``fate``: the
+    turn's first post, which takes the key's intent lock and the turn's *fate lock* (that
+    id, exclusive: turns that stand by behind it wait for it, see _latest) too, before its
+    row is there for others to see, and fails if the turn may not take its post away
+    again (DELETE). For an :class:`~._wire.Ahead` (no parameters;
+    namespace: letters, digits and ``_.:-`` only, as PostgresBackend checks)."""
+    taken = rights = ""
+    if fate is not None:
+        high, low = intent(lock)
+        taken = (
+            f" FROM (SELECT pg_advisory_lock({fate:d}),"
+            f" pg_advisory_lock_shared({high:d}, {low:d}) OFFSET 0) AS taken"
+        )
+        rights = f"WITH rights AS (DELETE FROM {LATEST} WHERE false) "  # (leaving's, checked)
     return (
-        f"INSERT INTO {LATEST} (namespace, lock_id, pid, clock, mono, at, fresh, ok, intent)"
+        f"{rights}INSERT INTO {LATEST}"
+        " (namespace, lock_id, pid, clock, mono, at, fresh, ok, intent)"
         f" SELECT '{namespace}', {lock:d}, pg_backend_pid(), '{clock}', {mono:d},"
-        f" {_NOW_US} - {age:d}, {str(fresh).lower()}, false, {taken}"
+        f" {_NOW_US} - {age:d}, {str(fresh).lower()}, false, true{taken}"
         " ON CONFLICT (namespace, lock_id, pid) DO UPDATE SET clock = excluded.clock,"
         " mono = excluded.mono, at = excluded.at, fresh = excluded.fresh"
-        + (", intent = excluded.intent" if first else "")
     ).encode()
 
 
 def leaving(namespace: str, lock: int, ran: tuple[str, int, int, bool] | None) -> bytes:
-    """The statement that takes this session's post on lock away (and lets its intent lock
-    go), and records what ran (``ran``: its call's clock id, time and age in µs, and whether
-    it returned), if it ran. For an :class:`~._wire.Ahead`, as :func:`posting`."""
-    mine = f"namespace = '{namespace}' AND lock_id = {lock:d}"
-    high, low = intent(lock)
-    record = ""
-    if ran is not None:
-        clock, mono, age, ok = ran
-        record = (
-            f", ran AS (INSERT INTO {LATEST} (namespace, lock_id, pid, clock, mono, at, fresh,"
-            f" ok, intent) VALUES ('{namespace}', {lock:d}, 0, '{clock}', {mono:d},"
-            f" {_NOW_US} - {age:d}, false, {str(ok).lower()}, false)"
-            " ON CONFLICT (namespace, lock_id, pid) DO UPDATE SET clock = excluded.clock,"
-            " mono = excluded.mono, at = excluded.at, ok = excluded.ok, seen = now())"
-        )
+    """The statement that takes this session's post on lock away, and records what ran
+    (``ran``: its call's clock id, time and age in µs, and whether it returned), if it
+    ran: committed before :func:`letting_go` lets its locks go, so that a turn that
+    learns of it (granted the key, or woken from standing by) sees both. For an
+    :class:`~._wire.Ahead`, as :func:`posting`."""
+    gone = (
+        f"DELETE FROM {LATEST} WHERE namespace = '{namespace}' AND lock_id = {lock:d}"
+        " AND pid = pg_backend_pid()"
+    )
+    if ran is None:
+        return gone.encode()
+    clock, mono, age, ok = ran
     return (
-        f"WITH gone AS (DELETE FROM {LATEST} WHERE {mine} AND pid = pg_backend_pid()"
-        f" RETURNING intent){record}"
-        f" SELECT pg_advisory_unlock_shared({high:d}, {low:d}) FROM gone WHERE intent"
+        f"WITH gone AS ({gone}) INSERT INTO {LATEST} (namespace, lock_id, pid, clock, mono,"
+        f" at, fresh, ok, intent) VALUES ('{namespace}', {lock:d}, 0, '{clock}', {mono:d},"
+        f" {_NOW_US} - {age:d}, false, {str(ok).lower()}, false)"
+        " ON CONFLICT (namespace, lock_id, pid) DO UPDATE SET clock = excluded.clock,"
+        " mono = excluded.mono, at = excluded.at, ok = excluded.ok, seen = now()"
     ).encode()
 
 
-#: What a turn of latest work judges by, its turn come ($1: the namespace, $2: the lock,
-#: $3 and $4: its classid and objid): the server's clock (first row: 0, µs), what ran last
-#: (a row 1, if any: at, clock, mono, ok), and the post of each other session in line
-#: (rows 2: at, clock, mono, fresh, whether it waits for the lock). A session is in line
-#: while it holds the key's intent lock (every turn of latest work does, from its post to
-#: its end), or, if its post could not take it, while it waits for the lock: a post left
-#: by a session that ended never counts, even if another session gets its pid.
-JUDGE: Final = (
-    f"SELECT 0, {_NOW_US}, NULL::text, NULL::int8, NULL::bool, NULL::bool"
-    f" UNION ALL SELECT 1, at, clock, mono, ok, NULL FROM {LATEST}"
-    " WHERE namespace = $1 AND lock_id = $2 AND pid = 0"
-    f" UNION ALL SELECT 2, p.at, p.clock, p.mono, p.fresh, w.waits FROM {LATEST} p JOIN ("
-    "  SELECT l.pid, bool_or(l.objsubid = 1) AS waits, bool_or(l.objsubid = 2) AS intends"
-    "  FROM pg_locks l"
-    "  WHERE l.locktype = 'advisory' AND l.classid = $3::oid AND l.objid = $4::oid"
-    "  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-    "  AND ((l.objsubid = 1 AND NOT l.granted) OR (l.objsubid = 2 AND l.granted))"
-    "  GROUP BY l.pid) w ON w.pid = p.pid AND (w.intends OR (w.waits AND NOT p.intent))"
-    " WHERE p.namespace = $1 AND p.lock_id = $2 AND p.pid <> 0 AND p.pid <> pg_backend_pid()"
-).encode()
+def letting_go(lock: int, fate: int) -> bytes:
+    """The statement that lets a turn of latest work's fate lock and intent lock go (after
+    :func:`leaving`). For an :class:`~._wire.Ahead`, as :func:`posting`."""
+    high, low = intent(lock)
+    return (
+        f"SELECT pg_advisory_unlock({fate:d}), pg_advisory_unlock_shared({high:d}, {low:d})"
+    ).encode()
 
 
-def judging(namespace: str, lock: int) -> list[bytes | None]:
-    """The parameters of JUDGE."""
+def standing_by(lock: int | None, fate: int, left: float | None) -> bytes:
+    """The statement that stands a turn of latest work by: it gives lock up first (if it
+    holds it: not None), then waits until the turn whose fate lock is fate ends (its
+    shared lock, let go at once), within left seconds (None: no bound). No parameters."""
+    given = (
+        f" FROM (SELECT pg_advisory_unlock({lock:d}) OFFSET 0) AS given" if lock is not None else ""
+    )
+    if left is None:
+        return (
+            f"SELECT pg_advisory_unlock_shared({fate:d}) FROM (SELECT"
+            f" pg_advisory_lock_shared({fate:d}){given} OFFSET 0) AS waited"
+        ).encode()
+    limit = max(1, math.ceil(left * 1000))
+    return (
+        f"SELECT pg_advisory_unlock_shared({fate:d}) FROM (SELECT"
+        f" pg_advisory_lock_shared({fate:d}) FROM (SELECT set_config('lock_timeout',"
+        f" '{limit:d}', true){given} OFFSET 0) AS settings OFFSET 0) AS waited"
+    ).encode()
+
+
+def judging(namespace: str, lock: int) -> bytes:
+    """What a turn of latest work on lock judges by, its turn come: the server's clock
+    (first row: 0, µs), what ran last (a row 1, if any: at, clock, mono, ok), and the post
+    of each other session in line (rows 2: at, clock, mono, fresh, whether it waits for
+    the lock, its pid). A session is in line while it holds the key's intent lock (every
+    turn of latest work does, from its post to its end): a post left by a session that
+    ended never counts, even if another session gets its pid. Without parameters: sent
+    behind a wait (see ``_wire.Ahead``; namespace: as :func:`posting`)."""
     classid, objid = lock_parts(lock)
-    return [namespace.encode(), b"%d" % lock, b"%d" % classid, b"%d" % objid]
+    mine = f"namespace = '{namespace}' AND lock_id = {lock:d}"
+    return (
+        f"SELECT 0, {_NOW_US}, NULL::text, NULL::int8, NULL::bool, NULL::bool, NULL::int4"
+        f" UNION ALL SELECT 1, at, clock, mono, ok, NULL, NULL FROM {LATEST}"
+        f" WHERE {mine} AND pid = 0"
+        f" UNION ALL SELECT 2, p.at, p.clock, p.mono, p.fresh, w.waits, p.pid FROM {LATEST} p"
+        " JOIN (SELECT l.pid, bool_or(l.objsubid = 1) AS waits,"
+        " bool_or(l.objsubid = 2) AS intends FROM pg_locks l"
+        f" WHERE l.locktype = 'advisory' AND l.classid = {classid:d} AND l.objid = {objid:d}"
+        " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        " AND ((l.objsubid = 1 AND NOT l.granted) OR (l.objsubid = 2 AND l.granted))"
+        " GROUP BY l.pid) w ON w.pid = p.pid AND w.intends"
+        f" WHERE p.namespace = '{namespace}' AND p.lock_id = {lock:d}"
+        " AND p.pid <> 0 AND p.pid <> pg_backend_pid()"
+    ).encode()
 
 
 # A turn joining its line again: its lock given up and asked for again in one statement,

@@ -59,14 +59,26 @@ PIPELINES: Final = psycopg.Pipeline.is_supported()
 
 class Ahead:
     """Statements sent ahead of another in its round trip, as one transaction of their own
-    (see the module); their outcome once in (None until then, or if it never came)."""
+    (see the module); their outcome once in (None until then, or if it never came).
 
-    __slots__ = ("outcome", "statements")
+    ``behind``: statements sent after it in the same round trip, as a transaction of
+    their own too, run by the server as soon as it is done (a wait's: at the grant);
+    their outcome is :attr:`after`.
+    """
 
-    def __init__(self, statements: tuple[bytes, ...]) -> None:
+    __slots__ = ("after", "behind", "outcome", "statements")
+
+    def __init__(self, statements: tuple[bytes, ...], behind: tuple[bytes, ...] = ()) -> None:
         #: One statement each, without parameters (the extended protocol's).
         self.statements = statements
+        self.behind = behind
         self.outcome: Outcome | None = None
+        self.after: Outcome | None = None
+
+    @property
+    def groups(self) -> int:
+        """How many groups (transactions, each ended by a sync) the round trip sends."""
+        return 1 + bool(self.statements) + bool(self.behind)
 
 
 class Reply:
@@ -156,7 +168,7 @@ def collect(
                 continue
             nothing = False
             results.append(result)
-            if result.status == _SYNCED and _synced(results) == 2:
+            if result.status == _SYNCED and _synced(results) == ahead.groups:
                 break
         else:
             return None
@@ -177,14 +189,19 @@ def _synced(results: list[pq.abc.PGresult]) -> int:
 
 
 def _split(results: list[pq.abc.PGresult], ahead: Ahead) -> Outcome:
-    """The outcome of a statement sent with ahead (results: both groups', each with its
-    sync result), and ahead's into it."""
+    """The outcome of a statement sent with ahead (results: every group's, each with its
+    sync result), and ahead's (before it, behind it) into it."""
     syncs = [n for n, result in enumerate(results) if result.status == _SYNCED]
-    if len(syncs) != 2:
-        ahead.outcome = LOST
+    if len(syncs) != ahead.groups:
+        ahead.outcome = ahead.after = LOST
         return LOST
-    ahead.outcome = _outcome(results[: syncs[0]])
-    return _outcome(results[syncs[0] + 1 : syncs[1]])
+    starts = [0, *(sync + 1 for sync in syncs)]
+    groups = [_outcome(results[start:end]) for start, end in zip(starts, syncs, strict=False)]
+    if ahead.statements:
+        ahead.outcome = groups.pop(0)
+    if ahead.behind:
+        ahead.after = groups.pop()
+    return groups[0]
 
 
 def send(
@@ -212,14 +229,19 @@ def send(
     if ahead is not None:
         try:
             pgconn.enter_pipeline_mode()
-            for statement in ahead.statements:
-                pgconn.send_query_params(statement, None)
-            pgconn.pipeline_sync()
+            if ahead.statements:
+                for statement in ahead.statements:
+                    pgconn.send_query_params(statement, None)
+                pgconn.pipeline_sync()
             if prepared:
                 pgconn.send_query_prepared(sql, params)
             else:
                 pgconn.send_query_params(sql, params)
             pgconn.pipeline_sync()
+            if ahead.behind:
+                for statement in ahead.behind:
+                    pgconn.send_query_params(statement, None)
+                pgconn.pipeline_sync()
         except BaseException:  # (half sent, in pipeline mode: of no more use)
             discard(connection)
             raise
