@@ -16,7 +16,6 @@ returns is settled by the server's answer (it goes on by itself, as
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable, Generator, Hashable
 from typing import TYPE_CHECKING, Any, Final, final
 
@@ -26,11 +25,10 @@ from psycopg import errors
 from ..._checks import Waited, missed
 from ..._describe import describe as show
 from ..._errors import BackendUnavailable
-from .._base import Replaced
-from .._judge import judge
 from . import _latest, _sql
 from ._drive import Run, drive_sync
-from ._keys import fate_id, lock_id
+from ._keys import lock_id
+from ._latest_turn import LatestTurn
 from ._lines import Record
 from ._places import Lease
 from ._ready import logger
@@ -311,7 +309,7 @@ class PgSession:
 
         ``newest``: a turn of latest work shared across processes, which posts
         its process's newest work before it waits, and judges once granted
-        (see _latest and :meth:`_judging`).
+        (see _latest_turn).
         """
         if self._generation != self._connections.generation:
             self._adopt()  # (a turn nested, in a forked child, in its copy of the parent's)
@@ -340,7 +338,18 @@ class PgSession:
         if newest is None:
             answer = yield from self._waited(key, lock, timeout, until, record, remake)
         else:
-            answer = yield from self._posted(key, lock, timeout, until, newest, remake)
+            turn = LatestTurn(
+                connections,
+                self._namespace,
+                lease,
+                key,
+                lock,
+                (timeout, until),
+                newest,
+                lambda ahead, remake: self._waited(key, lock, timeout, until, ahead, remake),
+                lambda answer: self._refusal(key, timeout, until, answer),
+            )
+            answer = yield from turn.taking(remake)
         grant = PostgresGrant(
             key, self._token(key, answer, timeout), lock, self, newest is not None
         )
@@ -387,198 +396,6 @@ class PgSession:
             )
             yield from connections.ready.names.remaking(key, lock, self._namespace, ask)
         return answer
-
-    def _posted(
-        self,
-        key: Hashable,
-        lock: int,
-        timeout: float | None,
-        until: float | None,
-        newest: Newest,
-        remake: bool,
-    ) -> Generator[Op, Any, Rows]:
-        """A turn of latest work: post, wait for lock, judge (see _latest): the rows of the
-        grant it runs on. A turn that will not run takes its post away."""
-        lease = self._lease
-        assert lease is not None
-        assert lease.ready is not None
-        pid = lease.ready.pid
-        try:
-            ahead = yield from self._posting(key, lock, timeout, until, newest(), pid)
-            rows = yield from self._waited(key, lock, timeout, until, ahead, remake)
-            judged = self._posts(ahead, key)
-            return (yield from self._judging(key, lock, timeout, until, newest, rows, judged))
-        except GeneratorExit:  # (abandoned: its event loop ended; no more ops)
-            raise
-        except Replaced:
-            raise  # (its post was taken away: see _judging)
-        except BaseException:
-            yield from self._unposting(lock, pid)
-            raise
-
-    def _posting(
-        self,
-        key: Hashable,
-        lock: int,
-        timeout: float | None,
-        until: float | None,
-        called: int,
-        first: int | None,
-    ) -> Generator[Op, Any, Ahead | None]:
-        """This session's post (``first``: its turn's first, by server session first, which
-        takes the locks), and its JUDGE behind: to send with its wait.
-
-        A first post goes in a round trip of its own until one went through
-        (the table missing, or a right, is said before the wait; a table
-        dropped meanwhile is made again), as every post does without
-        pipelines (libpq before 14, when the JUDGE goes after the wait: None).
-        """
-        fate = None if first is None else fate_id(lock, first)
-        statement = _latest.post(self._namespace, lock, called, first is None, fate)
-        ready = self._connections.ready
-        behind = (_sql.judging(self._namespace, lock),)
-        if PIPELINES and (first is None or ready.posted):
-            return Ahead((statement,), behind)
-        assert self._lease is not None
-        ask = ready.asking(self._lease.connection, key, timeout, until, True, "posting latest work")
-        outcome = yield from ask(statement)
-        if isinstance(outcome, errors.UndefinedTable):  # (dropped: made again, if it may)
-            ready.names.made((yield from ask(_sql.MAKE_TABLES)))
-            outcome = yield from ask(statement)
-        _latest.posted(outcome, key)
-        ready.posted = True
-        return Ahead((), behind) if PIPELINES else None
-
-    def _posts(self, ahead: Ahead | None, key: Hashable) -> Outcome | None:
-        """What was sent behind a wait (its JUDGE), once its post went through (see
-        _latest.posted; one that failed sends the next first post alone, see _posting)."""
-        if ahead is None:
-            return None
-        if ahead.statements:
-            if not isinstance(ahead.outcome, list):
-                self._connections.ready.posted = False
-            _latest.posted(ahead.outcome, key)
-        return ahead.after
-
-    def _judging(
-        self,
-        key: Hashable,
-        lock: int,
-        timeout: float | None,
-        until: float | None,
-        newest: Newest,
-        rows: Rows,
-        judged: Outcome | None,
-    ) -> Generator[Op, Any, Rows]:
-        """A turn of latest work, granted (rows; judged: its JUDGE's outcome, if it was sent
-        behind the wait): judge, by the backends' rule; the rows of the grant it runs on.
-
-        Where the rule says to join the line again behind newer work, the turn
-        stands by on the newest's fate lock, and once that turn ended, is
-        answered (newer work ran) or joins the key's line again (see _latest).
-
-        :raises ~inturn.backends.Replaced: newer work ran; the post (and the key,
-            if it held it) was given back.
-        """
-        lease = self._lease
-        assert lease is not None
-        assert lease.ready is not None
-        connection, pid = lease.connection, lease.ready.pid
-        limits = self._connections.limits
-        ask = self._connections.ready.asking(
-            connection, key, timeout, until, True, "judging latest work"
-        )
-        again = dying = 0
-        holding = True  # (False: it stood by, and holds no key)
-        target: int | None = None  # the server session of the turn it stood by behind
-        while True:
-            if judged is None or isinstance(judged, Exception):  # (not sent behind)
-                judged = yield from ask(_sql.judging(self._namespace, lock))
-            found, behind = _latest.judged(judged, key)
-            called, seen = newest(), time.monotonic_ns()
-            me = found.me(called, seen)
-            if (
-                target is not None
-                and dying < _latest.DYING
-                and any(waiting.pid == target for waiting in behind)
-            ):
-                dying += 1  # (its session is ending: see _latest)
-                again -= 1  # (standing by behind it again is not counted)
-            verdict = judge(found.ran, me, again, found.behind, _latest.alive)
-            if not isinstance(verdict, bool):  # newer work ran
-                yield from self._leaving(lock, pid, holding)
-                raise Replaced(key, verdict.called.local(found.now_us, seen), verdict.ok)
-            if verdict and holding:
-                return rows
-            newer = [waiting for waiting in behind if waiting.post.called > me]
-            ahead = yield from self._posting(key, lock, timeout, until, called, None)
-            if not verdict:
-                again += 1
-            if not verdict and newer and timeout != 0:
-                # stand by until the newest turn behind ends
-                target = _latest.newest_of(newer).pid
-                left = None if until is None else max(0.0, until - now())
-                sql = _sql.standing_by(lock if holding else None, fate_id(lock, target), left)
-                lease.unsure = None
-                answer = yield from _latest.standing_by(connection, pid, sql, ahead, until, limits)
-                if not isinstance(answer, list | errors.DeadlockDetected):
-                    raise self._refusal(key, timeout, until, answer)
-                holding = False
-            else:  # join the key's line again (giving it up first, in the same statement)
-                answer = yield from waiting(
-                    lease, lock, timeout, until, False, False, limits, ahead, again=holding
-                )
-                if not isinstance(answer, list):
-                    raise self._refusal(key, timeout, until, answer)
-                if not answer:  # timeout=0, and the key was busy
-                    lease.unsure = None
-                    raise missed((key,), Waited.LINE, timeout)
-                holding, rows, target = True, answer, None
-            judged = self._posts(ahead, key)
-
-    def _leaving(self, lock: int, pid: int, holding: bool) -> Generator[Op, Any, None]:
-        """A turn of latest work that will not run: its post away, and the key if it holds
-        it, in one round trip; its locks go after."""
-        lease = self._lease
-        assert lease is not None
-        if not holding:
-            yield from self._unposting(lock, pid)
-            return
-        until = now() + self._connections.limits.margin
-        leave = _latest.leave(self._namespace, lock, None)
-        let_go = _latest.let_go(lock, pid)
-        if PIPELINES:
-            yield from ending(lease.connection, [lock], until, Ahead((leave,), (let_go,)))
-        else:
-            yield from self._unposting(lock, pid)
-            yield from ending(lease.connection, [lock], until)
-        lease.unsure = None
-
-    def _unposting(self, lock: int, pid: int) -> Generator[Op, Any, None]:
-        """Take this session's post on lock away, then let its locks go (a turn of latest
-        work that will not run); a connection that cannot is closed (its session ends, and
-        its locks with it)."""
-        lease = self._lease
-        if lease is None or lease.connection.pgconn.status != _OK:
-            return
-        connection = lease.connection
-        until = now() + self._connections.limits.margin
-        leave = _latest.leave(self._namespace, lock, None)
-        let_go = _latest.let_go(lock, pid)
-        try:
-            if PIPELINES:
-                answer = yield (ASK, connection, let_go, None, False, until, Ahead((leave,)))
-            else:
-                answer = yield (ASK, connection, leave, None, False, until)
-                if isinstance(answer, list):
-                    answer = yield (ASK, connection, let_go, None, False, until)
-        except GeneratorExit:  # (abandoned: its event loop ended; no more ops)
-            raise
-        except BaseException:  # interrupted again: end the session, and its locks with it
-            yield (CLOSE, connection)
-            raise
-        if not isinstance(answer, list):
-            yield (CLOSE, connection)
 
     def _again(
         self,
