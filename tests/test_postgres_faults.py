@@ -36,10 +36,10 @@ from inturn import BackendUnavailable, KeyedQueue, LeaseLost  # noqa: E402
 from inturn.backends.postgres import PostgresBackend  # noqa: E402
 
 from support.helpers import PATIENCE  # noqa: E402
-from support.latest_across import Shared, latest_killed_at, no_update_lost  # noqa: E402
+from support.latest_across import crashes_at_every_step  # noqa: E402
 from support.pg_server import PostgresServer, new_server  # noqa: E402
 from support.pg_worker import increment_sync  # noqa: E402
-from support.processes import Worker, stopped, until  # noqa: E402
+from support.processes import Worker, stopped  # noqa: E402
 
 pytestmark = pytest.mark.server
 
@@ -549,18 +549,4 @@ async def test_a_crash_at_any_step_of_latest_work_across_processes_loses_no_upda
     then learns that it ran.
     """
     spec = f"postgres:{postgres_url}#{namespace}"
-    server = await Worker.start(spec, "crash-each", "k", "latest")
-    workers.append(server)
-    shared = Shared(Path(), postgres_url, namespace)
-    step = 0
-    try:
-        while True:
-            step += 1
-            reports, outcome, mine = await latest_killed_at(server, step, shared, victim)
-            no_update_lost(victim, step, reports, outcome, mine)
-            await until(shared.empty, f"nothing left after a crash at step {step}")
-            if outcome == ["exit", "0"]:
-                break
-    finally:
-        shared.close()
-    assert step > 8
+    assert await crashes_at_every_step(spec, postgres_url, namespace, workers, victim) > 8

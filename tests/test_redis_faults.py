@@ -31,7 +31,6 @@ import time
 import uuid
 import warnings
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -45,8 +44,8 @@ from inturn.backends.redis import RedisBackend, _takeover, _wire
 
 from support.faults import Proxy
 from support.helpers import PATIENCE, settle
-from support.latest_across import Shared, latest_killed_at, no_update_lost
-from support.processes import Worker, until
+from support.latest_across import crashes_at_every_step
+from support.processes import Worker
 from support.redis_checks import BackendFactory, hand_over, waiting
 from support.servers import SentinelSetup, Server
 
@@ -1258,18 +1257,4 @@ async def test_a_crash_at_any_step_of_latest_work_across_processes_loses_no_upda
     older victim queues again behind this process's newer work, then learns that it ran.
     """
     spec = f"redis:{redis_url}#{namespace}#{KILL_LEASE}"
-    server = await Worker.start(spec, "crash-each", "k", "latest")
-    workers.append(server)
-    shared = Shared(Path(), redis_url, namespace)
-    step = 0
-    try:
-        while True:
-            step += 1
-            reports, outcome, mine = await latest_killed_at(server, step, shared, victim)
-            no_update_lost(victim, step, reports, outcome, mine)
-            await until(shared.empty, f"nothing left after a crash at step {step}")
-            if outcome == ["exit", "0"]:
-                break
-    finally:
-        shared.close()
-    assert step > 8
+    assert await crashes_at_every_step(spec, redis_url, namespace, workers, victim) > 8

@@ -297,3 +297,26 @@ def no_update_lost(
         assert mine is None, f"step {step}"
     # (killed after it started: the older runs, or is answered if the run was recorded)
     assert mine in ("mine ran", None)
+
+
+async def crashes_at_every_step(
+    spec: str, url: str, namespace: str, workers: list[Worker], victim: str
+) -> int:
+    """A victim's latest work (a fork server on backend spec, killed at its step-th step,
+    see latest_killed_at) at each step in turn until one runs to its end: each time the
+    newest work a live process waits for runs (no_update_lost), and nothing is left in
+    the line (on url's namespace) once the victim is gone. How many steps there were."""
+    server = await Worker.start(spec, "crash-each", "k", "latest")
+    workers.append(server)
+    shared = Shared(Path(), url, namespace)
+    step = 0
+    try:
+        while True:
+            step += 1
+            reports, outcome, mine = await latest_killed_at(server, step, shared, victim)
+            no_update_lost(victim, step, reports, outcome, mine)
+            await until(shared.empty, f"nothing left after a crash at step {step}")
+            if outcome == ["exit", "0"]:
+                return step
+    finally:
+        shared.close()
