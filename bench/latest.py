@@ -67,8 +67,9 @@ order) and every number is the median of the repeats. With ``--before``,
 issue 32 did not exist before it).
 
 Then (w3), unless ``--no-processes``: bench/latest_across.py, the burst spread
-over 8 processes with ``across="processes"`` (issue 46), on the file backend
-and on Redis (a server of the run's own; without one, no Redis rows).
+over 8 processes with ``across="processes"`` (issue 46), on the file backend,
+on Redis and on PostgreSQL (servers of the run's own, or those that
+INTURN_REDIS_URL and INTURN_POSTGRES_URL name; without one, no rows of it).
 
 Then (w2): one uncontended turn on ``KeyedQueue(pending="latest")`` over the
 same turn on ``KeyedQueue()``, for ``run``, ``keyed`` and the decorator,
@@ -717,8 +718,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--no-processes",
         action="store_true",
-        help="leave out (w3), the burst spread over 8 processes, on the file backend and Redis "
-        "(bench/latest_across.py)",
+        help="leave out (w3), the burst spread over 8 processes, on the file backend, Redis and "
+        "PostgreSQL (bench/latest_across.py)",
     )
     options = parser.parse_args(argv)
     sizes = Sizes(options.quick)

