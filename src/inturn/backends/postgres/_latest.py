@@ -135,8 +135,9 @@ class Behind(NamedTuple):
     waits: bool
 
 
-def judged(outcome: Outcome | None, key: Hashable) -> tuple[Judged, list[Behind]]:
-    """JUDGE's rows, read: what the turn judges by, and the posts behind it.
+def judged(outcome: Outcome | None, key: Hashable) -> tuple[Judged, list[Behind], bool]:
+    """JUDGE's rows, read: what the turn judges by, the posts behind it, and whether its post
+    was taken away, and its locks let go, as it judged (see _sql.judging: unless).
 
     :raises ~inturn.BackendUnavailable: JUDGE failed (the table is missing, or
         this user may not read it); the work did not run.
@@ -152,16 +153,20 @@ def judged(outcome: Outcome | None, key: Hashable) -> tuple[Judged, list[Behind]
     now_us = 0
     ran = None
     behind: list[Behind] = []
+    left = False
     for kind, at, clock, mono, flag, waits, pid in rows:
         if kind == b"0":
             now_us = int(at or 0)
+            continue
+        if kind == b"3":
+            left = True
             continue
         stamp = Stamp((clock or b"").decode("ascii"), int(mono or 0), int(at or 0))
         if kind == b"1":
             ran = Ran(stamp, flag == b"t")
         else:
             behind.append(Behind(Post(stamp, flag == b"t"), int(pid or 0), waits == b"t"))
-    return Judged(now_us, ran, [waiting.post for waiting in behind]), behind
+    return Judged(now_us, ran, [waiting.post for waiting in behind]), behind, left
 
 
 def newest_of(behind: list[Behind]) -> Behind:

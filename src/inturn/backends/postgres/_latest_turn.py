@@ -20,6 +20,7 @@ from psycopg import errors
 from ..._checks import Waited, missed
 from .._base import Replaced
 from .._judge import judge
+from .._stamps import Stamp
 from . import _latest, _sql
 from ._keys import fate_id
 from ._steps import ASK, CLOSE, Op, ending, now, waiting
@@ -99,19 +100,25 @@ class LatestTurn:
             yield from self._unposting()
             raise
 
-    def _posting(self, called: int, first: bool) -> Generator[Op, Any, Ahead | None]:
+    def _posting(
+        self, called: int, first: bool, unless: Stamp | None = None
+    ) -> Generator[Op, Any, Ahead | None]:
         """This session's post (``first``: its turn's first, which takes the locks), and its
-        JUDGE behind: to send with its wait.
+        JUDGE behind: to send with its wait (``unless``: a standby's, with when its call was
+        made: see _sql.judging).
 
         A first post goes in a round trip of its own until one went through
         (the table missing, or a right, is said before the wait; a table
         dropped meanwhile is made again), as every post does without
         pipelines (libpq before 14, when the JUDGE goes after the wait: None).
         """
-        fate = fate_id(self.lock, self.pid) if first else None
-        statement = _latest.post(self.namespace, self.lock, called, not first, fate)
+        fate = fate_id(self.lock, self.pid)
+        statement = _latest.post(
+            self.namespace, self.lock, called, not first, fate if first else None
+        )
         ready = self.connections.ready
-        behind = (_sql.judging(self.namespace, self.lock),)
+        answered = None if unless is None else (unless.clock, unless.mono, unless.server, fate)
+        behind = (_sql.judging(self.namespace, self.lock, answered),)
         if PIPELINES and (not first or ready.posted):
             return Ahead((statement,), behind)
         ask = self._asking("posting latest work")
@@ -161,7 +168,7 @@ class LatestTurn:
         while True:
             if judged is None or isinstance(judged, Exception):  # (not sent behind)
                 judged = yield from ask(_sql.judging(self.namespace, lock))
-            found, behind = _latest.judged(judged, key)
+            found, behind, left = _latest.judged(judged, key)
             called, seen = self.newest(), time.monotonic_ns()
             me = found.me(called, seen)
             if (
@@ -173,19 +180,21 @@ class LatestTurn:
                 again -= 1  # (standing by behind it again is not counted)
             verdict = judge(found.ran, me, again, found.behind, _latest.alive)
             if not isinstance(verdict, bool):  # newer work ran
-                yield from self._leaving(holding)
+                if not left:  # (else it was taken away as it woke)
+                    yield from self._leaving(holding)
                 raise Replaced(key, verdict.called.local(found.now_us, seen), verdict.ok)
             if verdict and holding:
                 return rows
             newer = [waiting for waiting in behind if waiting.post.called > me]
-            ahead = yield from self._posting(called, False)
             if not verdict:
                 again += 1
             if not verdict and newer and timeout != 0:
-                # stand by until the newest turn behind ends
+                # stand by until the newest turn behind ends (its post and its locks go as
+                # it wakes, if newer work than its call ran: see _sql.judging)
+                ahead = yield from self._posting(called, left, me)
                 target = _latest.newest_of(newer).pid
-                left = None if until is None else max(0.0, until - now())
-                sql = _sql.standing_by(lock if holding else None, fate_id(lock, target), left)
+                wait = None if until is None else max(0.0, until - now())
+                sql = _sql.standing_by(lock if holding else None, fate_id(lock, target), wait)
                 lease.unsure = None
                 answer = yield from _latest.standing_by(
                     lease.connection, self.pid, sql, ahead, until, limits
@@ -194,6 +203,7 @@ class LatestTurn:
                     raise self.refusal(answer)
                 holding = False
             else:  # join the key's line again (giving it up first, in the same statement)
+                ahead = yield from self._posting(called, left)
                 answer = yield from waiting(
                     lease, lock, timeout, until, False, False, limits, ahead, again=holding
                 )
