@@ -90,7 +90,12 @@ class LatestTurn:
         """
         try:
             ahead = yield from self._posting(self.newest(), True)
-            rows = yield from self.wait(ahead, remake)
+            try:
+                rows = yield from self.wait(ahead, remake)
+            except Exception:
+                if ahead is not None and isinstance(ahead.outcome, psycopg.Error):
+                    self._posts(ahead)  # (its post failed: that is what the caller is told)
+                raise
             return (yield from self._judging(rows, self._posts(ahead)))
         except GeneratorExit:  # (abandoned: its event loop ended; no more ops)
             raise
