@@ -7,10 +7,10 @@ locks (see ``_sql``):
 - A turn of latest work *posts* before it waits: a row of its server
   session (``pid``) with when its process's newest work was called, and
   whether the post is fresh. Its first post also takes the key's *intent
-  lock*, a shared advisory lock that the session holds until the turn ends.
-- A post counts while its session holds the key's intent lock (or, if its
-  post could not take it, waits for the key's lock: ``pg_locks`` says so).
-  A session ends with its client's process (the server sees the socket
+  lock*, a shared advisory lock that the session holds until the turn ends,
+  and the turn's fate lock (below).
+- A post counts while its session holds the key's intent lock (``pg_locks``
+  says so). A session ends with its client's process (the server sees the socket
   close; a waiter, within ``client_connection_check_interval``), and its
   locks with it, so a post of a process that died no longer counts.
 - What ran last is the row of pid 0, written by the holder's release in a
@@ -23,8 +23,10 @@ locks (see ``_sql``):
   post to its end; the standby takes it shared, and lets it go at once).
   Every turn that stands by behind one newer turn wakes when it ends, at
   once, without taking the key again: the newer work ran (they are
-  answered: Replaced), or it did not (its process died, or its caller gave
-  up), and they join the key's line again with a fresh post. Its post
+  answered: Replaced, by the JUDGE that rides behind the standby, which
+  also takes the post away and lets the locks go in the same statement),
+  or it did not (its process died, or its caller gave up), and they join
+  the key's line again with a fresh post. Its post
   counts meanwhile (it holds the intent lock). So a burst spread over N
   processes hands the key on N times, not 2N. (A turn whose post goes
   away takes it away before it lets its locks go, so a turn woken from
