@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +34,21 @@ from support.latest_across import Holder, Runs, Shared, latest, posts
 @pytest.fixture(params=["file", "redis", "postgres"])
 def shared(request: pytest.FixtureRequest, tmp_path: Path, namespace: str) -> Iterator[Shared]:
     """Where the test's queues share their lines: a directory, a Redis namespace, or a
-    PostgreSQL one."""
+    PostgreSQL one. (An async test closes the PostgreSQL backends it made: closed_after.)"""
     url = None if request.param == "file" else request.getfixturevalue(f"{request.param}_url")
     place = Shared(tmp_path, url, namespace)
     yield place
     place.close()
+
+
+@pytest.fixture(autouse=True)
+async def closed_after(request: pytest.FixtureRequest) -> AsyncIterator[None]:
+    """Close the PostgreSQL backends a test's Shared made, on the test's loop (their
+    connections would be left to the collector, which warns)."""
+    yield
+    place = request.node.funcargs.get("shared")
+    if isinstance(place, Shared) and asyncio.iscoroutinefunction(request.function):
+        await place.aclose()
 
 
 async def test_a_burst_spread_over_processes_runs_once_the_newest(shared: Shared) -> None:

@@ -48,14 +48,24 @@ class Shared:
         self.kind = "file" if url is None else url.partition(":")[0].removesuffix("ql")
         self._redis = redis.Redis.from_url(url) if self.kind == "redis" else None
         self._pg = Postgres(url, namespace) if url is not None and self.kind == "postgres" else None
+        self.made: list[PostgresBackend] = []
 
     def backend(self) -> Backend:
-        """A backend of its own on this place (a process's)."""
+        """A backend of its own on this place (a process's); PostgreSQL's are closed by
+        :meth:`aclose` (their connections are its event loop's)."""
         if self.url is None:
             return FileBackend(self.directory)
         if self._pg is not None:
-            return PostgresBackend(self.url, namespace=self.namespace)
+            made = PostgresBackend(self.url, namespace=self.namespace)
+            self.made.append(made)
+            return made
         return RedisBackend.from_url(self.url, namespace=self.namespace, lease=LEASE)
+
+    async def aclose(self) -> None:
+        """Close the PostgreSQL backends made here (on the loop they served), then close."""
+        for made in self.made:
+            await made.aclose()
+        self.close()
 
     def posts(self) -> int:
         """How many posts of latest work key k's line holds now."""
