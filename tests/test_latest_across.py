@@ -442,7 +442,7 @@ async def test_lines_shows_when_the_latest_work_of_each_member_was_called(
     assert other.latest_called is None
     await holder.release()
     assert await asyncio.gather(*calls) == ["latest", "plain"]
-    shared.close()
+    await shared.aclose()
 
 
 async def test_latest_work_on_a_free_key_takes_it_in_one_round_trip_on_redis(
