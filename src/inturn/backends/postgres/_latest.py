@@ -61,8 +61,10 @@ from .._stamps import CLOCK, Judged, Post, Ran, Stamp
 from . import _sql
 from ._keys import fate_id
 from ._ready import logger
-from ._steps import ASK, CLOSE, Limits, Op, checking, now, said
-from ._wire import Ahead, Outcome, Rows
+from ._steps import ASK, CLOSE, Ended, Limits, Op, checking, ending, now, said
+from ._wire import PIPELINES, Ahead, Outcome, Rows
+
+_OK: Final = psycopg.pq.ConnStatus.OK
 
 #: How many times a turn that stood by behind one whose fate lock came free, whose post still
 #: counts (its session is ending: its locks go one by one), stands by again uncounted.
@@ -111,6 +113,29 @@ def posted(outcome: Outcome | None, key: Hashable) -> None:
             f"the table {_sql.LATEST} ({why}); if the table is missing or this user may not "
             f"write it, {_FIX}; the work did not run"
         )
+
+
+def unlocking(
+    connection: Any,
+    locks: list[int],
+    until: float,
+    leaves: tuple[bytes, ...],
+    let_go: tuple[bytes, ...],
+) -> Generator[Op, Any, tuple[Ended, Outcome | None]]:
+    """Unlock locks (see _steps.ending), turns of latest work among them taking their posts
+    away (and recording what ran) in ``leaves``, committed ahead of the unlock, and letting
+    their intent and fate locks go in ``let_go``, behind it; a connection whose locks did not
+    go is closed (they go with its session). What ending learnt, and the leaves' outcome."""
+    ahead = Ahead(leaves, let_go)
+    if PIPELINES:
+        ended = yield from ending(connection, locks, until, ahead)
+    else:  # (libpq before 14: a round trip before, one after)
+        ahead.outcome = yield (ASK, connection, b";".join(leaves), None, False, until)
+        ended = yield from ending(connection, locks, until)
+        ahead.after = yield (ASK, connection, b";".join(let_go), None, False, until)
+    if not isinstance(ahead.after, list) and connection.pgconn.status == _OK:
+        yield (CLOSE, connection)
+    return ended, ahead.outcome
 
 
 def left(outcome: Outcome | None, keys: list[Hashable]) -> None:

@@ -23,7 +23,7 @@ from .._judge import judge
 from .._stamps import Stamp
 from . import _latest, _sql
 from ._keys import fate_id
-from ._steps import ASK, CLOSE, Op, ending, now, waiting
+from ._steps import ASK, CLOSE, Op, now, waiting
 from ._wire import PIPELINES, Ahead
 
 if TYPE_CHECKING:
@@ -230,11 +230,7 @@ class LatestTurn:
         until = now() + self.connections.limits.margin
         leave = _latest.leave(self.namespace, self.lock, None)
         let_go = _latest.let_go(self.lock, self.pid)
-        if PIPELINES:
-            yield from ending(lease.connection, [self.lock], until, Ahead((leave,), (let_go,)))
-        else:
-            yield from self._unposting()
-            yield from ending(lease.connection, [self.lock], until)
+        yield from _latest.unlocking(lease.connection, [self.lock], until, (leave,), (let_go,))
         lease.unsure = None
 
     def _unposting(self) -> Generator[Op, Any, None]:

@@ -33,9 +33,7 @@ from ._lines import Record
 from ._places import Lease
 from ._ready import logger
 from ._steps import (
-    ASK,
     AUTOCOMMIT,
-    CLOSE,
     UNSURE,
     Ended,
     Op,
@@ -466,19 +464,10 @@ class PgSession:
         latest = [grant for grant in grants if grant.latest]
         if not latest:  # (the usual)
             return (yield from ending(connection, locks, until))
-        ahead = Ahead(
-            tuple(_latest.leave(self._namespace, grant.lock, grant.ran_) for grant in latest),
-            tuple(_latest.let_go(grant.lock, self._pid) for grant in latest),
-        )
-        if PIPELINES:
-            ended = yield from ending(connection, locks, until, ahead)
-        else:  # (libpq before 14: a round trip before, one after)
-            ahead.outcome = yield (ASK, connection, b";".join(ahead.statements), None, False, until)
-            ended = yield from ending(connection, locks, until)
-            ahead.after = yield (ASK, connection, b";".join(ahead.behind), None, False, until)
-        _latest.left(ahead.outcome, [grant.key for grant in latest])
-        if not isinstance(ahead.after, list) and connection.pgconn.status == _OK:
-            yield (CLOSE, connection)  # (its locks did not go: they go with its session)
+        leaves = tuple(_latest.leave(self._namespace, grant.lock, grant.ran_) for grant in latest)
+        let_go = tuple(_latest.let_go(grant.lock, self._pid) for grant in latest)
+        ended, outcome = yield from _latest.unlocking(connection, locks, until, leaves, let_go)
+        _latest.left(outcome, [grant.key for grant in latest])
         return ended
 
     def _ending(self, error: BaseException | None) -> Generator[Op, Any, None]:
