@@ -38,7 +38,7 @@ from inturn.backends.postgres import PostgresBackend, _latest, _sql  # noqa: E40
 from inturn.backends.postgres._keys import fate_id, lock_id  # noqa: E402
 
 from support.helpers import PATIENCE, settle, wait_until  # noqa: E402
-from support.latest_across import Holder, Runs  # noqa: E402
+from support.latest_across import Holder, Runs, answered, in_thread  # noqa: E402
 from support.pg_latest import PgProcesses, Seen  # noqa: E402
 from support.processes import until  # noqa: E402
 
@@ -94,30 +94,11 @@ async def alone(postgres_url: str, namespace: str) -> AsyncIterator[PgProcesses]
             await root.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
-async def answered(*calls: Any) -> list[Any]:
-    """Each call's outcome (its result or error), within PATIENCE."""
-    return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), PATIENCE)
-
-
 async def warm(*queues: KeyedQueue) -> None:
     """A turn of each queue on another key: its connection is made and readied, and kept
     (a test's bounds then measure the turn, not a connect)."""
     for queue in queues:
         await asyncio.wait_for(queue.run("warm", lambda: None), PATIENCE)
-
-
-def in_thread(name: str, call: Callable[[], Any], outcomes: dict[str, Any]) -> threading.Thread:
-    """Run call in a thread of its own; its outcome (result or error) goes to outcomes[name]."""
-
-    def body() -> None:
-        try:
-            outcomes[name] = call()
-        except BaseException as error:
-            outcomes[name] = error
-
-    started = threading.Thread(target=body, name=name)
-    started.start()
-    return started
 
 
 def one(pids: list[int]) -> int:

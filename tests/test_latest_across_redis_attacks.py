@@ -37,7 +37,7 @@ from inturn.backends.redis._loop import LoopShare
 
 from support.faults import Proxy
 from support.helpers import PATIENCE, settle, unavailable, wait_until
-from support.latest_across import Runs
+from support.latest_across import Runs, answered, in_thread
 from support.processes import Worker, stopped, until
 from support.redis_latest import Processes
 from support.servers import Server
@@ -98,25 +98,6 @@ def proxy(own_redis: Server) -> Iterator[Proxy]:
         yield proxy
     finally:
         proxy.close()
-
-
-async def answered(*calls: Any) -> list[Any]:
-    """Each call's outcome (its result or error), within PATIENCE."""
-    return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), PATIENCE)
-
-
-def in_thread(name: str, call: Callable[[], Any], outcomes: dict[str, Any]) -> threading.Thread:
-    """Run call in a thread of its own; its outcome (result or error) goes to outcomes[name]."""
-
-    def body() -> None:
-        try:
-            outcomes[name] = call()
-        except BaseException as error:
-            outcomes[name] = error
-
-    started = threading.Thread(target=body, name=name)
-    started.start()
-    return started
 
 
 # -- 1. one run per burst, the newest ----------------------------------------------------

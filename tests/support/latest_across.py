@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -330,3 +331,22 @@ async def crashes_at_every_step(
                 return step
     finally:
         shared.close()
+
+
+async def answered(*calls: Any) -> list[Any]:
+    """Each call's outcome (its result or error), within PATIENCE."""
+    return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), PATIENCE)
+
+
+def in_thread(name: str, call: Callable[[], Any], outcomes: dict[str, Any]) -> threading.Thread:
+    """Run call in a thread of its own; its outcome (result or error) goes to outcomes[name]."""
+
+    def body() -> None:
+        try:
+            outcomes[name] = call()
+        except BaseException as error:
+            outcomes[name] = error
+
+    started = threading.Thread(target=body, name=name)
+    started.start()
+    return started
